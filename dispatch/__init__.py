@@ -1,0 +1,1 @@
+"""Token movement for expert parallelism: topology, layout, permutation, all-to-all backends."""

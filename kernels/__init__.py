@@ -1,0 +1,1 @@
+"""Triton kernels (FP8 quantisation, grouped GEMM) with plain-torch references."""

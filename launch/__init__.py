@@ -1,0 +1,1 @@
+"""Command lines, configs, data, the training loop and metrics."""

@@ -1,0 +1,1 @@
+"""Model side: config, router, experts, MoE layer and the transformer."""

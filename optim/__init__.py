@@ -1,0 +1,1 @@
+"""Optimizers: ZeRO-1 distributed optimizer, global gradient clipping, LR schedules."""
