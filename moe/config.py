@@ -1,0 +1,116 @@
+"""Model configuration with field-level validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+DROP_POLICIES = ("probs", "position")
+EXPERT_PRECISIONS = ("native", "fp8")
+DISPATCH_BACKENDS = ("flat", "hierarchical")
+DISPATCH_PAYLOADS = ("bf16", "fp8")
+
+
+def check_choice(name: str, value: object, allowed: tuple) -> None:
+    """Raise ValueError naming the field unless value is one of allowed."""
+    if value not in allowed:
+        raise ValueError(f"{name} = {value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}")
+
+
+def check_positive(name: str, value: object, minimum: int = 1) -> None:
+    """Raise ValueError naming the field unless value is an int >= minimum."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} = {value!r} must be an integer >= {minimum}")
+
+
+def check_router_settings(num_experts: int, top_k: int, score_func: str, num_groups: int,
+                          topk_groups: int, capacity_factor: float | None, drop_policy: str) -> None:
+    """Validate the router's settings, naming the offending field and the allowed values."""
+    check_positive("num_experts", num_experts)
+    check_positive("top_k", top_k)
+    if top_k > num_experts:
+        raise ValueError(f"top_k = {top_k} must be <= num_experts = {num_experts}")
+    check_choice("score_func", score_func, SCORE_FUNCS)
+    check_positive("num_groups", num_groups)
+    check_positive("topk_groups", topk_groups)
+    if num_experts % num_groups:
+        raise ValueError(f"num_experts = {num_experts} must be divisible by num_groups = {num_groups}")
+    if topk_groups > num_groups:
+        raise ValueError(f"topk_groups = {topk_groups} must be <= num_groups = {num_groups}")
+    if topk_groups * (num_experts // num_groups) < top_k:
+        raise ValueError(f"topk_groups = {topk_groups} groups of {num_experts // num_groups} experts "
+                         f"cannot hold top_k = {top_k} experts")
+    if capacity_factor is not None and not (isinstance(capacity_factor, (int, float)) and capacity_factor > 0):
+        raise ValueError(f"capacity_factor = {capacity_factor!r} must be > 0, or None for dropless")
+    check_choice("drop_policy", drop_policy, DROP_POLICIES)
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a DeepSeek-style MoE decoder and its router, expert and dispatch settings."""
+
+    vocab_size: int = 256
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    first_k_dense: int = 1
+    dense_ffn_size: int = 384
+    num_experts: int = 8
+    num_shared_experts: int = 1
+    expert_ffn_size: int = 96
+    top_k: int = 2
+    score_func: str = "softmax"
+    num_groups: int = 1
+    topk_groups: int = 1
+    capacity_factor: float | None = None
+    drop_policy: str = "probs"
+    norm_topk: bool = True
+    route_scale: float = 1.0
+    aux_loss_coeff: float = 0.0
+    seq_aux_loss_coeff: float = 0.0
+    z_loss_coeff: float = 0.0
+    bias_update_rate: float = 0.0
+    expert_precision: str = "native"
+    ep_size: int = 1
+    gpus_per_node: int | None = None
+    dispatch_backend: str = "flat"
+    dispatch_payload: str = "bf16"
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "max_seq_len", "dense_ffn_size", "expert_ffn_size", "ep_size"):
+            check_positive(name, getattr(self, name))
+        check_positive("first_k_dense", self.first_k_dense, minimum=0)
+        check_positive("num_shared_experts", self.num_shared_experts, minimum=0)
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size = {self.hidden_size} must be divisible by num_heads = {self.num_heads}")
+        if (self.hidden_size // self.num_heads) % 2:
+            raise ValueError(f"head size hidden_size/num_heads = {self.hidden_size // self.num_heads} must be even for RoPE")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads = {self.num_heads} must be divisible by num_kv_heads = {self.num_kv_heads}")
+        if self.first_k_dense > self.num_layers:
+            raise ValueError(f"first_k_dense = {self.first_k_dense} must be <= num_layers = {self.num_layers}")
+        check_router_settings(self.num_experts, self.top_k, self.score_func, self.num_groups,
+                              self.topk_groups, self.capacity_factor, self.drop_policy)
+        check_choice("expert_precision", self.expert_precision, EXPERT_PRECISIONS)
+        check_choice("dispatch_backend", self.dispatch_backend, DISPATCH_BACKENDS)
+        check_choice("dispatch_payload", self.dispatch_payload, DISPATCH_PAYLOADS)
+        if self.num_experts % self.ep_size:
+            raise ValueError(f"num_experts = {self.num_experts} must be divisible by ep_size = {self.ep_size}")
+        if self.gpus_per_node is not None:
+            check_positive("gpus_per_node", self.gpus_per_node)
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Number of MoE layers (the layers after the first_k_dense dense ones)."""
+        return self.num_layers - self.first_k_dense
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """Names of all fields, for config-file validation."""
+        return tuple(f.name for f in fields(cls))

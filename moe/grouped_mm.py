@@ -1,0 +1,70 @@
+"""Grouped linear over rows sorted by group: out[rows of g] = x[rows of g] @ w[g].T, with autograd."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def group_offsets(counts: Tensor) -> Tensor:
+    """Cumulative group ends (int32) from per-group row counts, the `offs` grouped GEMMs take."""
+    return torch.cumsum(counts, 0).to(torch.int32)
+
+
+def _native_ok(*tensors: Tensor) -> bool:
+    first = tensors[0]
+    if first.dtype not in _GROUPED_MM_DTYPES or not hasattr(torch, "_grouped_mm"):
+        return False
+    if first.is_cuda and first.dtype != torch.bfloat16:
+        return False
+    return all(t.shape[-1] % 16 == 0 and t.shape[-2] % 16 == 0 for t in tensors[1:])
+
+
+def _bounds(offs: Tensor) -> list[tuple[int, int]]:
+    ends = offs.tolist()
+    starts = [0] + ends[:-1]
+    return list(zip(starts, ends))
+
+
+def grouped_matmul(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    """out[rows of g] = x[rows of g] @ w[g].T for x [M, K], w [G, N, K]; no autograd of its own."""
+    if _native_ok(x, w):
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    out = x.new_empty(x.shape[0], w.shape[1])
+    for g, (start, end) in enumerate(_bounds(offs)):
+        out[start:end] = x[start:end] @ w[g].T
+    return out
+
+
+def grouped_weight_grad(dy: Tensor, x: Tensor, offs: Tensor) -> Tensor:
+    """dw[g] = dy[rows of g].T @ x[rows of g]: the k-grouped product a weight gradient needs."""
+    if _native_ok(x, dy.t(), x.t()):
+        return torch._grouped_mm(dy.t(), x, offs=offs)
+    dw = x.new_zeros(offs.numel(), dy.shape[1], x.shape[1])
+    for g, (start, end) in enumerate(_bounds(offs)):
+        dw[g] = dy[start:end].T @ x[start:end]
+    return dw
+
+
+class GroupedLinearFunction(torch.autograd.Function):
+    """Autograd for grouped_matmul: dgrad is a grouped matmul with w transposed, wgrad k-grouped."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, offs: Tensor) -> Tensor:  # noqa: D102
+        ctx.save_for_backward(x, w, offs)
+        return grouped_matmul(x, w, offs)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):  # noqa: D102
+        x, w, offs = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = grouped_matmul(dy, w.transpose(-2, -1).contiguous(), offs) if ctx.needs_input_grad[0] else None
+        dw = grouped_weight_grad(dy, x, offs) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
+
+
+def grouped_linear(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    """Differentiable grouped linear: x [M, K] sorted by group, w [G, N, K], offs int32 [G] -> [M, N]."""
+    return GroupedLinearFunction.apply(x, w, offs)

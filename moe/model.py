@@ -1,0 +1,130 @@
+"""Decoder-only DeepSeek-style transformer: RMSNorm, RoPE, causal GQA attention, dense then MoE layers."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moe.config import ModelConfig
+from moe.experts import SwiGLU
+from moe.layer import MoELayer, MoEStats
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device | None = None) -> tuple[Tensor, Tensor]:
+    """cos and sin tables [seq_len, head_dim/2] for rotary position embeddings."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate pairs (even, odd) of x [B, heads, S, D] by the position angles."""
+    even, odd = x[..., 0::2], x[..., 1::2]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention with rotary embeddings."""
+
+    def __init__(self, cfg: ModelConfig, out_std: float) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.qkv = nn.Linear(cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * self.head_dim, bias=False)
+        self.out = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
+        nn.init.normal_(self.qkv.weight, std=cfg.init_std)
+        nn.init.normal_(self.out.weight, std=out_std)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x [B, S, H] -> [B, S, H]."""
+        batch, seq, _ = x.shape
+        q, k, v = self.qkv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2).split(
+            [self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        repeat = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(attn.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block whose FFN is a dense SwiGLU or an MoE layer."""
+
+    def __init__(self, cfg: ModelConfig, moe: bool, ep_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        self.attn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.attn = Attention(cfg, out_std)
+        self.ffn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.ffn = (MoELayer(cfg, ep_group) if moe
+                    else SwiGLU(cfg.hidden_size, cfg.dense_ffn_size, init_std=cfg.init_std, out_std=out_std))
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, MoEStats | None]:
+        """x [B, S, H] -> (x [B, S, H], MoE stats or None for a dense block)."""
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        h = self.ffn_norm(x)
+        if isinstance(self.ffn, MoELayer):
+            out, stats = self.ffn(h, seq_len=x.shape[1])
+            return x + out, stats
+        return x + self.ffn(h), None
+
+
+@dataclass
+class ModelOutput:
+    """Logits, losses and per-MoE-layer routing statistics of one forward pass."""
+
+    logits: Tensor
+    loss: Tensor | None = None
+    lm_loss: Tensor | None = None
+    aux_loss: Tensor | None = None
+    moe_stats: list[MoEStats] = field(default_factory=list)
+
+
+class MoETransformer(nn.Module):
+    """Embeddings, first_k_dense dense blocks, MoE blocks, final norm and LM head."""
+
+    def __init__(self, cfg: ModelConfig, ep_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        nn.init.normal_(self.embed.weight, std=cfg.init_std)
+        self.blocks = nn.ModuleList(Block(cfg, moe=i >= cfg.first_k_dense, ep_group=ep_group)
+                                    for i in range(cfg.num_layers))
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        nn.init.normal_(self.lm_head.weight, std=cfg.init_std)
+
+    def moe_layers(self) -> list[MoELayer]:
+        """The MoE layers in depth order."""
+        return [b.ffn for b in self.blocks if isinstance(b.ffn, MoELayer)]
+
+    def forward(self, tokens: Tensor, labels: Tensor | None = None) -> ModelOutput:
+        """tokens [B, S] -> ModelOutput; with labels [B, S], loss = LM cross-entropy + router losses."""
+        seq = tokens.shape[1]
+        if seq > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {seq} exceeds max_seq_len = {self.cfg.max_seq_len}")
+        cos, sin = rope_tables(seq, self.cfg.hidden_size // self.cfg.num_heads, self.cfg.rope_theta, tokens.device)
+        x = self.embed(tokens)
+        stats = []
+        for block in self.blocks:
+            x, layer_stats = block(x, cos, sin)
+            if layer_stats is not None:
+                stats.append(layer_stats)
+        logits = self.lm_head(self.norm(x))
+        if labels is None:
+            return ModelOutput(logits, moe_stats=stats)
+        lm_loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        aux_loss = sum((s.aux_loss for s in stats), lm_loss.new_zeros(()))
+        return ModelOutput(logits, lm_loss + aux_loss, lm_loss, aux_loss, stats)
+
+    @torch.no_grad()
+    def update_expert_bias(self, tokens_per_expert: list[Tensor]) -> None:
+        """Aux-loss-free balancing step for every MoE layer from its (globally summed) expert loads."""
+        for layer, load in zip(self.moe_layers(), tokens_per_expert):
+            layer.router.update_bias(load)
