@@ -80,8 +80,7 @@ SECTIONS = {"model": ModelConfig, "train": TrainSettings, "data": DataSettings}
 def _accepted_types(annotation: object) -> tuple[type, ...]:
     hint = eval(annotation, vars(typing)) if isinstance(annotation, str) else annotation  # noqa: S307
     args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-    accepted = tuple(a for a in args if a is not type(None))
-    return accepted + ((int,) if float in accepted else ())
+    return args + ((int,) if float in args else ())
 
 
 def _check_section(name: str, values: dict, cls: type) -> None:
@@ -91,7 +90,7 @@ def _check_section(name: str, values: dict, cls: type) -> None:
             raise ValueError(f"unknown key {name}.{key}; allowed keys in [{name}]: {', '.join(known)}")
         accepted = _accepted_types(known[key].type)
         if not isinstance(value, accepted) or (isinstance(value, bool) and bool not in accepted):
-            names = " or ".join(t.__name__ for t in accepted)
+            names = " or ".join(t.__name__ for t in accepted if t is not type(None))
             raise ValueError(f"{name}.{key} = {value!r} must be of type {names}")
 
 

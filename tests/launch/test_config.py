@@ -1,0 +1,48 @@
+"""Config validation: every bad value stops the program early with the field named."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch.config import build_config, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"model": {"top_k": 9, "num_experts": 8}}, "top_k = 9 must be <= num_experts"),
+    ({"model": {"num_groups": 2, "topk_groups": 3}}, "topk_groups = 3 must be <= num_groups"),
+    ({"model": {"num_experts": 6, "num_groups": 4}}, "num_experts = 6 must be divisible by num_groups"),
+    ({"model": {"capacity_factor": 0.0}}, "capacity_factor = 0.0 must be > 0"),
+    ({"model": {"capacity_factor": -1}}, "capacity_factor = -1 must be > 0"),
+    ({"model": {"score_func": "tanh"}}, "score_func = 'tanh' is not allowed; choose one of 'softmax', 'sigmoid'"),
+    ({"model": {"expert_precision": "fp4"}}, "expert_precision = 'fp4' is not allowed"),
+    ({"model": {"hidden_size": 100, "num_heads": 3}}, "hidden_size = 100 must be divisible by num_heads"),
+    ({"model": {"nonsense": 1}}, "unknown key model.nonsense"),
+    ({"train": {"lr": "fast"}}, "train.lr = 'fast' must be of type float or int"),
+    ({"train": {"dtype": "float16"}}, "train.dtype = 'float16' is not allowed"),
+    ({"train": {"seq_len": 512}}, "train.seq_len = 512 must be <= model.max_seq_len"),
+    ({"data": {"corpus": "/no/such/corpus"}}, "data.corpus = '/no/such/corpus': no such file or folder"),
+    ({"optimizer": {}}, "unknown section .optimizer."),
+])
+def test_bad_values_name_the_field(raw, message):
+    with pytest.raises(ValueError, match=message):
+        build_config(raw)
+
+
+def test_shipped_config_and_overrides(tmp_path):
+    cfg = load_config(ROOT / "configs" / "tiny.toml", ["model.expert_precision=fp8", "train.steps=7"])
+    assert cfg.model.expert_precision == "fp8" and cfg.train.steps == 7
+    assert cfg.model.num_moe_layers == cfg.model.num_layers - cfg.model.first_k_dense
+
+
+def test_cli_rejects_bad_config_before_any_work(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[model]\ntop_k = 99\n[train]\nrun_dir = "%s"\n' % (tmp_path / "run"))
+    result = subprocess.run([sys.executable, "-m", "launch.train_cli", "--config", str(bad)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "top_k = 99" in result.stderr
+    assert not (tmp_path / "run").exists()
