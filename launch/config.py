@@ -5,7 +5,7 @@ from __future__ import annotations
 import tomllib
 import types
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe.config import ModelConfig, check_choice, check_positive
@@ -32,11 +32,13 @@ class TrainSettings:
     dtype: str = "float32"
     run_dir: str = "runs/default"
     checkpoint_every: int = 0
+    eval_every: int = 50
+    eval_batches: int = 4
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batch_size", "grad_accum_steps", "seq_len"):
             check_positive(name, getattr(self, name))
-        for name in ("warmup_steps", "checkpoint_every", "seed"):
+        for name in ("warmup_steps", "checkpoint_every", "seed", "eval_every", "eval_batches"):
             check_positive(name, getattr(self, name), minimum=0)
         for name in ("lr", "grad_clip"):
             if getattr(self, name) <= 0:
@@ -52,9 +54,12 @@ class DataSettings:
 
     corpus: str = "stdlib"
     max_bytes: int = 4_000_000
+    eval_fraction: float = 0.02
 
     def __post_init__(self) -> None:
         check_positive("data.max_bytes", self.max_bytes)
+        if not 0 <= self.eval_fraction < 0.5:
+            raise ValueError(f"data.eval_fraction = {self.eval_fraction!r} must be in [0, 0.5)")
         if self.corpus != "stdlib" and not Path(self.corpus).exists():
             raise ValueError(f"data.corpus = {self.corpus!r}: no such file or folder "
                              f"(give a path to text files, or \"stdlib\" for the shipped default)")
@@ -77,18 +82,17 @@ class RunConfig:
 SECTIONS = {"model": ModelConfig, "train": TrainSettings, "data": DataSettings}
 
 
-def _accepted_types(annotation: object) -> tuple[type, ...]:
-    hint = eval(annotation, vars(typing)) if isinstance(annotation, str) else annotation  # noqa: S307
+def _accepted_types(hint: object) -> tuple[type, ...]:
     args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     return args + ((int,) if float in args else ())
 
 
 def _check_section(name: str, values: dict, cls: type) -> None:
-    known = {f.name: f for f in fields(cls)}
+    known = typing.get_type_hints(cls)
     for key, value in values.items():
         if key not in known:
             raise ValueError(f"unknown key {name}.{key}; allowed keys in [{name}]: {', '.join(known)}")
-        accepted = _accepted_types(known[key].type)
+        accepted = _accepted_types(known[key])
         if not isinstance(value, accepted) or (isinstance(value, bool) and bool not in accepted):
             names = " or ".join(t.__name__ for t in accepted if t is not type(None))
             raise ValueError(f"{name}.{key} = {value!r} must be of type {names}")

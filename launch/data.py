@@ -83,6 +83,12 @@ class PackedBatches:
         self._cursor += self.batch_size
         return picked[:, :-1], picked[:, 1:]
 
+    def in_order(self, num_batches: int) -> list[tuple[Tensor, Tensor]]:
+        """The first num_batches batches of rows in stored order (for evaluation)."""
+        count = min(num_batches, self.rows.shape[0] // self.batch_size)
+        rows = [self.rows[i * self.batch_size: (i + 1) * self.batch_size] for i in range(count)]
+        return [(r[:, :-1], r[:, 1:]) for r in rows]
+
     def state_dict(self) -> dict:
         """Sampler position, so a resumed run sees the same batches."""
         return {"generator": self.generator.get_state(), "order": self._order, "cursor": self._cursor}

@@ -27,6 +27,15 @@ def build_optimizer(model: nn.Module, cfg: RunConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2))
 
 
+@torch.no_grad()
+def evaluate(model: MoETransformer, batches: PackedBatches, num_batches: int) -> float:
+    """Mean LM loss over the first num_batches held-out batches (always the same ones)."""
+    model.eval()
+    losses = [model(inputs, labels).lm_loss.item() for inputs, labels in batches.in_order(num_batches)]
+    model.train()
+    return sum(losses) / len(losses)
+
+
 def _accumulate_step(model: MoETransformer, batches: PackedBatches, accum: int) -> dict:
     """Forward/backward over accum micro-batches; returns summed losses and expert loads."""
     totals = {"loss": 0.0, "lm_loss": 0.0, "aux_loss": 0.0, "dropped_tokens": 0, "tokens": 0}
@@ -60,7 +69,12 @@ def train(cfg: RunConfig, metrics_out: str | Path | None = None, resume: bool = 
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: warmup_cosine(s, settings.warmup_steps, settings.steps, settings.min_lr_ratio))
     stream = load_token_stream(cfg.data.corpus, cfg.data.max_bytes, ByteTokenizer())
-    batches = PackedBatches(stream, settings.seq_len, settings.micro_batch_size, settings.seed)
+    eval_tokens = int(stream.numel() * cfg.data.eval_fraction)
+    batches = PackedBatches(stream[: stream.numel() - eval_tokens], settings.seq_len,
+                            settings.micro_batch_size, settings.seed)
+    eval_batches = (PackedBatches(stream[stream.numel() - eval_tokens:], settings.seq_len,
+                                  settings.micro_batch_size, settings.seed)
+                    if eval_tokens and settings.eval_batches else None)
     start = 0
     if resume and checkpoint_path.exists():
         state = load_checkpoint(checkpoint_path)
@@ -94,6 +108,9 @@ def train(cfg: RunConfig, metrics_out: str | Path | None = None, resume: bool = 
                   "aux_loss": totals["aux_loss"], "grad_norm": grad_norm.item(), "lr": lr,
                   "tokens_per_s": totals["tokens"] / elapsed, "dropped_tokens": totals["dropped_tokens"],
                   **expert_load_summary(totals["loads"])}
+        last = step + 1 == settings.steps
+        if eval_batches is not None and (last or (settings.eval_every and step % settings.eval_every == 0)):
+            record["eval_lm_loss"] = evaluate(model, eval_batches, settings.eval_batches)
         writer.write(record)
         records.append(record)
         bar.set_postfix(loss=f"{record['lm_loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")

@@ -29,6 +29,7 @@ def test_loss_falls_and_metrics_have_the_promised_keys(tmp_path):
     assert len(records[0]["expert_load_max_over_mean"]) == 1
     assert records[-1]["lm_loss"] < 0.8 * records[0]["lm_loss"]
     assert any(r["dropped_tokens"] > 0 for r in records)  # capacity_factor 1.0 drops some slots
+    assert "eval_lm_loss" in records[-1] and records[-1]["eval_lm_loss"] < records[0]["eval_lm_loss"]
 
 
 def test_resume_continues_exactly(tmp_path):
