@@ -1,0 +1,36 @@
+"""EP overlap inside an F&B pair: a forward written as a generator pauses at in-flight communication.
+
+A stage module may define `forward_steps(*inputs)`, a generator that starts asynchronous
+communication (e.g. an expert all-to-all with async_op=True), yields its handle, waits on it
+when resumed and finally returns what `forward` would. Inside an overlapped F&B pair the runtime
+runs the forward up to its first yield, runs the other chunk's backward while that communication
+is in flight, then resumes the forward. Modules without it just run forward then backward.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+
+def complete(forward: Any) -> Any:
+    """Run a forward_steps generator to its end and return its value (other values pass through)."""
+    if not inspect.isgenerator(forward):
+        return forward
+    while True:
+        try:
+            next(forward)
+        except StopIteration as stop:
+            return stop.value
+
+
+def run_overlapped(forward: Any, backward: Callable[[], None]) -> Any:
+    """Advance forward to its first in-flight communication, run backward, then finish forward."""
+    if inspect.isgenerator(forward):
+        try:
+            next(forward)
+        except StopIteration as stop:
+            backward()
+            return stop.value
+    backward()
+    return complete(forward)

@@ -1,0 +1,232 @@
+"""DualPipe and DualPipeV runtimes: execute a schedule's actions with real stage modules and p2p."""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from pipeline import schedules
+from pipeline.overlap import complete, run_overlapped
+from pipeline.p2p import Channel
+from pipeline.schedules import Action, Op, Schedule
+from pipeline.wgrad import WeightGradStore, install_split_linear
+
+_STREAM = {Op.SEND_F: 0, Op.RECV_F: 0, Op.SEND_B: 2, Op.RECV_B: 2}  # + phase
+
+
+def _as_tuple(x: Any) -> tuple:
+    return x if isinstance(x, tuple) else (x,)
+
+
+class PipelineRuntime(nn.Module):
+    """Shared machinery: holds the rank's two stage modules and runs schedule actions on them."""
+
+    schedule_name = ""
+
+    def __init__(self, modules: Sequence[nn.Module], process_group: dist.ProcessGroup | None = None, *,
+                 batch_dim: int = 0, split_bw: bool = True, overlap: bool = True) -> None:
+        super().__init__()
+        if len(modules) != 2 or not all(isinstance(m, nn.Module) for m in modules):
+            raise ValueError(f"modules must be a pair (m0, m1) of nn.Module, got {len(modules)} item(s)")
+        self.module = nn.ModuleList(modules)
+        self.group = process_group if process_group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.num_ranks = dist.get_world_size(self.group)
+        self._check_ranks()
+        self.batch_dim = batch_dim
+        self.split_bw = split_bw
+        self.overlap = overlap
+        self.store = WeightGradStore()
+        if split_bw:
+            install_split_linear(list(modules))
+        self.timeline: list[tuple[Action, float, float]] | None = None  # set to [] to record
+        self.current_action: Action | None = None
+        self._schedules: dict[tuple[int, bool, bool], Schedule] = {}
+
+    def _check_ranks(self) -> None:
+        """Raise ValueError if the rank count does not suit the schedule."""
+
+    def schedule(self, num_chunks: int, forward_only: bool = False) -> Schedule:
+        """This runtime's schedule (with communication) for num_chunks chunks."""
+        key = (num_chunks, forward_only, self.split_bw)
+        if key not in self._schedules:
+            sched = schedules.build(self.schedule_name, self.num_ranks, num_chunks, split_bw=self.split_bw)
+            if forward_only:
+                sched = schedules.forward_only(sched)
+            self._schedules[key] = schedules.with_communication(sched)
+        return self._schedules[key]
+
+    def step(self, *inputs: Tensor, num_chunks: int, criterion: Callable[..., Tensor] | None = None,
+             labels: Sequence[Tensor] = (), return_outputs: bool = False) -> tuple[Tensor | None, Any]:
+        """Run one pipelined step over num_chunks micro-batches; accumulate grads into the modules.
+
+        Ranks holding first stages pass the inputs, ranks holding last stages the labels (criterion
+        gets (*outputs, *labels) per chunk; without criterion the last stage's output is the loss).
+        Returns (per-chunk losses stacked, outputs concatenated along batch_dim) on the ranks holding
+        last stages, (None, None) elsewhere. Under torch.no_grad() only forwards run.
+        """
+        forward_only = not torch.is_grad_enabled()
+        sched = self.schedule(num_chunks, forward_only)  # validates num_chunks
+        layout = sched.layout
+        entry, exit_ = layout.entry_chunks(self.rank), layout.exit_chunks(self.rank)
+        self._inputs = self._split("inputs", inputs, entry, num_chunks) if entry else {}
+        self._labels = self._split("labels", tuple(labels), exit_, num_chunks) if exit_ and labels else {}
+        self._criterion = criterion
+        self._layout = layout
+        self._channel = Channel(self.group, self._device())
+        self._local: dict[tuple[Op, int, int], list[tuple[Tensor, bool]]] = {}  # hand-overs on this rank
+        self._posted: dict[tuple[Op, int, int], Any] = {}  # receives in flight
+        self._outbox: dict[tuple[Op, int, int], list[Tensor]] = {}  # waiting for their SEND action
+        self._saved: dict[tuple[int, int], tuple[list[Tensor], tuple]] = {}  # (inputs, outputs) for B
+        self._results: dict[int, tuple[Tensor, ...]] = {}
+        self._losses: dict[int, Tensor] = {}
+        for act in sched.actions[self.rank]:
+            self._run(act)
+        self._channel.wait_sends()
+        if self.store.pending():
+            raise RuntimeError(f"{self.store.pending()} weight-grad closures were never run")
+        if not exit_:
+            return None, None
+        loss = torch.stack([self._losses[c] for c in exit_])
+        outputs = None
+        if return_outputs:
+            parts = list(zip(*(self._results[c] for c in exit_)))
+            outputs = tuple(torch.cat(p, self.batch_dim) for p in parts)
+            outputs = outputs[0] if len(outputs) == 1 else outputs
+        return loss, outputs
+
+    def _device(self) -> torch.device:
+        param = next(self.parameters(), None)
+        return param.device if param is not None else torch.device("cpu")
+
+    def _split(self, what: str, tensors: tuple, chunks: list[int], num_chunks: int) -> dict[int, tuple]:
+        if not tensors:
+            raise ValueError(f"rank {self.rank} holds a first/last stage and needs {what}")
+        for i, t in enumerate(tensors):
+            if t.shape[self.batch_dim] % len(chunks):
+                raise ValueError(f"{what}[{i}] has batch size {t.shape[self.batch_dim]}, not divisible into the "
+                                 f"{len(chunks)} chunks this rank holds (num_chunks={num_chunks})")
+        parts = [t.chunk(len(chunks), self.batch_dim) for t in tensors]
+        return {c: tuple(p[i] for p in parts) for i, c in enumerate(chunks)}
+
+    # -- actions -------------------------------------------------------------------------------
+
+    def _run(self, act: Action) -> None:
+        self.current_action = act
+        t0 = time.perf_counter()
+        if act.op is Op.F:
+            inputs, out = self._start_forward(act.phase, act.chunk)
+            self._finish_forward(act.phase, act.chunk, inputs, complete(out))
+        elif act.op is Op.B:
+            self._backward(act.phase, act.chunk, act.split)
+        elif act.op is Op.W:
+            self.store.run((act.phase, act.chunk))
+        elif act.op is Op.FB:
+            self._forward_backward(act)
+        elif act.op in (Op.RECV_F, Op.RECV_B):
+            self._posted[(act.op, act.phase, act.chunk)] = self._channel.post_recv(act.peer, self._stream(act))
+        else:
+            tensors = self._outbox.pop((act.op, act.phase, act.chunk))
+            self._channel.send(tensors, act.peer, self._stream(act))
+        if self.timeline is not None and act.op in schedules.COMPUTE_OPS:
+            self.timeline.append((act, t0, time.perf_counter()))
+        self.current_action = None
+
+    @staticmethod
+    def _stream(act: Action) -> int:
+        return _STREAM[act.op] + act.phase
+
+    def _stage(self, phase: int) -> int:
+        return self._layout.stage_of(self.rank, phase)
+
+    def _hand_over(self, op: Op, phase: int, chunk: int, neighbour: int, tensors: list[tuple[Tensor, bool]]) -> None:
+        """Pass tensors to the stage at position neighbour: directly if it is here, else via SEND."""
+        rank, nb_phase = self._layout.locate(chunk, neighbour)
+        if rank == self.rank:
+            self._local[(Op.RECV_F if op is Op.SEND_F else Op.RECV_B, nb_phase, chunk)] = tensors
+        else:
+            self._outbox[(op, phase, chunk)] = [t for t, _ in tensors]
+
+    def _fetch(self, op: Op, phase: int, chunk: int) -> list[tuple[Tensor, bool]]:
+        """Tensors that arrived for (phase, chunk): from a posted receive or a local hand-over."""
+        key = (op, phase, chunk)
+        if key not in self._posted:
+            return self._local.pop(key)
+        peer = self._layout.locate(chunk, self._stage(phase) + (-1 if op is Op.RECV_F else 1))[0]
+        return self._channel.finish_recv(self._posted.pop(key), peer, _STREAM[op] + phase)
+
+    def _start_forward(self, phase: int, chunk: int) -> tuple[list[Tensor], Any]:
+        if self._stage(phase) == 0:
+            inputs = list(self._inputs[chunk])
+        else:
+            grad = torch.is_grad_enabled()
+            inputs = [t.detach().requires_grad_(flag and grad) for t, flag in self._fetch(Op.RECV_F, phase, chunk)]
+        module = self.module[phase]
+        if self.overlap and hasattr(module, "forward_steps"):
+            return inputs, module.forward_steps(*inputs)
+        return inputs, module(*inputs)
+
+    def _finish_forward(self, phase: int, chunk: int, inputs: list[Tensor], out: Any) -> None:
+        outputs = tuple(t for t in _as_tuple(out) if isinstance(t, Tensor))
+        stage = self._stage(phase)
+        if stage == self._layout.num_stages - 1:
+            self._results[chunk] = tuple(t.detach() for t in outputs)
+            if self._criterion is None:
+                loss = outputs[0]
+            else:
+                loss = self._criterion(*outputs, *self._labels.get(chunk, ()))
+            self._losses[chunk] = loss.detach()
+            outputs = (loss,)
+        else:
+            self._hand_over(Op.SEND_F, phase, chunk, stage + 1, [(t, t.requires_grad) for t in outputs])
+        if torch.is_grad_enabled():
+            self._saved[(phase, chunk)] = (inputs, outputs)
+
+    def _backward(self, phase: int, chunk: int, split: bool) -> None:
+        inputs, outputs = self._saved.pop((phase, chunk))
+        stage = self._stage(phase)
+        if stage == self._layout.num_stages - 1:
+            tensors, grads = list(outputs), None
+        else:
+            tensors = [t for t in outputs if t.requires_grad]
+            grads = [g for g, _ in self._fetch(Op.RECV_B, phase, chunk)]
+        with self.store.capture((phase, chunk)) if split else nullcontext():
+            torch.autograd.backward(tensors, grads)
+        if stage > 0:
+            in_grads = [(t.grad if t.grad is not None else torch.zeros_like(t), True)
+                        for t in inputs if t.requires_grad]
+            self._hand_over(Op.SEND_B, phase, chunk, stage - 1, in_grads)
+
+    def _forward_backward(self, act: Action) -> None:
+        bwd = act.backward
+        inputs, started = self._start_forward(act.phase, act.chunk)
+        out = run_overlapped(started, lambda: self._backward(bwd.phase, bwd.chunk, bwd.split))
+        self._finish_forward(act.phase, act.chunk, inputs, out)
+
+
+class DualPipe(PipelineRuntime):
+    """DualPipe: an even number PP of ranks; rank r holds stages r and PP-1-r as (m0, m1).
+
+    Rank 0 feeds the first half of the batch and rank PP-1 the second; rank 0 computes the loss of
+    the second half (its labels) and rank PP-1 that of the first.
+    """
+
+    schedule_name = "dualpipe"
+
+    def _check_ranks(self) -> None:
+        if self.num_ranks % 2:
+            raise ValueError(f"DualPipe needs an even number of ranks in process_group, got {self.num_ranks}")
+
+
+class DualPipeV(PipelineRuntime):
+    """DualPipeV: N ranks hold 2N stages in a V; rank r holds stages r and 2N-1-r as (m0, m1).
+
+    Rank 0 feeds the inputs and computes the loss (it holds both the first and the last stage).
+    """
+
+    schedule_name = "dualpipev"

@@ -1,0 +1,215 @@
+"""Simulate a schedule from per-chunk costs: timelines, bubbles, peak activations; text/SVG drawing.
+
+Run `python -m pipeline.simulate --schedule dualpipev --pp 8 --chunks 16 --f 1 --b 2 --w 1 --svg out.svg`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+from pipeline.schedules import SCHEDULES, Action, Op, Schedule, build
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Time of one chunk through one stage: forward, full backward, its weight part, overlapped pair, p2p hop."""
+
+    f: float
+    b: float
+    w: float = 0.0
+    fb: float | None = None  # an overlapped F&B pair; default f + b (no gain from overlap)
+    p2p: float = 0.0
+
+    def of(self, action: Action) -> float:
+        """Duration of a compute action (a split B costs b - w; its W costs w)."""
+        if action.op is Op.F:
+            return self.f
+        if action.op is Op.B:
+            return self.b - self.w if action.split else self.b
+        if action.op is Op.W:
+            return self.w
+        return self.f + self.b if self.fb is None else self.fb
+
+
+@dataclass
+class Span:
+    """One executed action on a rank."""
+
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass
+class SimResult:
+    """Simulated step: each rank's spans, the makespan and per-rank bubble and peak activations."""
+
+    schedule: Schedule
+    timelines: list[list[Span]]
+    makespan: float
+    busy: list[float] = field(default_factory=list)
+    peak_activations: list[int] = field(default_factory=list)
+
+    @property
+    def bubbles(self) -> list[float]:
+        """Idle time of each rank within the step."""
+        return [self.makespan - b for b in self.busy]
+
+    @property
+    def bubble(self) -> float:
+        """Largest idle time of any rank."""
+        return max(self.bubbles)
+
+    @property
+    def idle_fractions(self) -> list[float]:
+        """Idle time / step time per rank."""
+        return [x / self.makespan for x in self.bubbles]
+
+    @property
+    def param_copies(self) -> int:
+        """Stage modules held per rank."""
+        return self.schedule.layout.num_phases
+
+
+def _deps(schedule: Schedule, rank: int, half: Action) -> list[tuple[str, int, int, int]]:
+    """Keys (op, rank, phase, chunk) of the actions on other stages that `half` waits for."""
+    layout = schedule.layout
+    stage = layout.stage_of(rank, half.phase)
+    if half.op is Op.F and stage > 0:
+        return [("F", *layout.locate(half.chunk, stage - 1), half.chunk)]
+    if half.op is Op.B:
+        if stage < layout.num_stages - 1:
+            return [("B", *layout.locate(half.chunk, stage + 1), half.chunk)]
+        return [("F", rank, half.phase, half.chunk)]
+    return []
+
+
+def simulate(schedule: Schedule, costs: Costs) -> SimResult:
+    """Run every rank's compute actions in order as soon as their inputs are ready."""
+    n = schedule.layout.num_ranks
+    queues = [schedule.compute_actions(r) for r in range(n)]
+    pos = [0] * n
+    clock = [0.0] * n
+    done: dict[tuple[str, int, int, int], tuple[float, int]] = {}  # key -> (finish time, rank)
+    timelines: list[list[Span]] = [[] for _ in range(n)]
+    remaining = sum(map(len, queues))
+    while remaining:
+        progressed = False
+        for r in range(n):
+            while pos[r] < len(queues[r]):
+                act = queues[r][pos[r]]
+                ready = clock[r]
+                deps = [k for h in act.halves() for k in _deps(schedule, r, h)]
+                if any(k not in done for k in deps):
+                    break
+                for k in deps:
+                    finish, src = done[k]
+                    ready = max(ready, finish + (costs.p2p if src != r else 0.0))
+                end = ready + costs.of(act)
+                for h in act.halves():
+                    done[(h.op.value, r, h.phase, h.chunk)] = (end, r)
+                timelines[r].append(Span(act, ready, end))
+                clock[r] = end
+                pos[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = {r: str(queues[r][pos[r]]) for r in range(n) if pos[r] < len(queues[r])}
+            raise RuntimeError(f"schedule {schedule.name} deadlocks; ranks wait at {stuck}")
+    makespan = max(clock)
+    busy = [sum(s.end - s.start for s in tl) for tl in timelines]
+    return SimResult(schedule, timelines, makespan, busy, [_peak_live(q) for q in queues])
+
+
+def _peak_live(actions: list[Action]) -> int:
+    """Most chunks whose forward is done and whose backward is not, over the rank's actions."""
+    live = peak = 0
+    for act in actions:
+        for half in act.halves():
+            live += {Op.F: 1, Op.B: -1}.get(half.op, 0)
+            peak = max(peak, live)
+    return peak
+
+
+_GLYPH = {Op.F: "F", Op.B: "B", Op.W: "W", Op.FB: "X"}
+_COLOR = {Op.F: "#f4c542", Op.B: "#5fa8e8", Op.W: "#8fd18f", Op.FB: "#d08ae0"}
+
+
+def render_text(result: SimResult, width: int = 100) -> str:
+    """The timeline as text: one row per rank, letters F/B/W/X(overlapped pair; lower case = phase 1), '.' idle."""
+    scale = width / result.makespan if result.makespan else 1.0
+    rows = []
+    for r, spans in enumerate(result.timelines):
+        line = ["."] * width
+        for s in spans:
+            glyph = _GLYPH[s.action.op]
+            glyph = glyph.lower() if s.action.phase == 1 else glyph
+            for i in range(round(s.start * scale), max(round(s.end * scale), round(s.start * scale) + 1)):
+                line[min(i, width - 1)] = glyph
+        rows.append(f"rank {r:2d} |{''.join(line)}| idle {result.idle_fractions[r]:.1%}")
+    return "\n".join(rows)
+
+
+def render_svg(result: SimResult, unit: float = 24.0, row: float = 28.0) -> str:
+    """The timeline as an SVG picture: a box per action labelled with its chunk, idle left blank."""
+    width = result.makespan * unit + 80
+    height = row * len(result.timelines) + 30
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
+             f'font-family="monospace" font-size="10">']
+    for r, spans in enumerate(result.timelines):
+        y = 10 + r * row
+        parts.append(f'<text x="2" y="{y + row / 2:.1f}">rank {r}</text>')
+        for s in spans:
+            x, w = 60 + s.start * unit, (s.end - s.start) * unit
+            label = f"{s.action.chunk}" if s.action.op is not Op.FB else f"{s.action.chunk}|{s.action.backward.chunk}"
+            stroke = "#000" if s.action.phase == 0 else "#c00"
+            parts.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{row - 6:.1f}" '
+                         f'fill="{_COLOR[s.action.op]}" stroke="{stroke}"><title>{s.action}</title></rect>')
+            parts.append(f'<text x="{x + 2:.1f}" y="{y + row / 2:.1f}">{s.action.op.value}{label}</text>')
+    parts.append("</svg>")
+    return "\n".join(parts)
+
+
+def summary(result: SimResult) -> str:
+    """Makespan, bubble, peak activations and parameter copies as text."""
+    return (f"{result.schedule.name}: ranks={result.schedule.layout.num_ranks} "
+            f"stages={result.schedule.layout.num_stages} chunks={result.schedule.layout.num_chunks} "
+            f"makespan={result.makespan:g} bubble(max rank idle)={result.bubble:g} "
+            f"peak activations={max(result.peak_activations)} param copies/rank={result.param_copies}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: simulate one schedule and print (and optionally draw) its timeline."""
+    p = argparse.ArgumentParser(prog="python -m pipeline.simulate", description=__doc__.splitlines()[0])
+    p.add_argument("--schedule", choices=SCHEDULES, default="dualpipev")
+    p.add_argument("--pp", type=int, default=8, help="stages (dualpipev puts 2 per rank: pp/2 ranks)")
+    p.add_argument("--chunks", type=int, default=16)
+    p.add_argument("--f", type=float, default=1.0)
+    p.add_argument("--b", type=float, default=2.0)
+    p.add_argument("--w", type=float, default=1.0)
+    p.add_argument("--fb", type=float, default=None, help="overlapped F&B pair cost (default f+b)")
+    p.add_argument("--p2p", type=float, default=0.0)
+    p.add_argument("--no-split", action="store_true", help="no B/W split (weight grads inside B)")
+    p.add_argument("--svg", help="write the timeline picture here")
+    p.add_argument("--width", type=int, default=100)
+    args = p.parse_args(argv)
+    if args.schedule == "dualpipev" and args.pp % 2:
+        p.error(f"--pp {args.pp}: dualpipev needs an even number of stages")
+    ranks = args.pp // 2 if args.schedule == "dualpipev" else args.pp
+    try:
+        schedule = build(args.schedule, ranks, args.chunks, split_bw=not args.no_split)
+    except ValueError as err:
+        p.error(str(err))
+    result = simulate(schedule, Costs(args.f, args.b, args.w, args.fb, args.p2p))
+    print(summary(result))
+    print(render_text(result, args.width))
+    if args.svg:
+        with open(args.svg, "w") as fh:
+            fh.write(render_svg(result))
+        print(f"wrote {args.svg}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

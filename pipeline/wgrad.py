@@ -1,0 +1,105 @@
+"""B/W split without user autograd code: weight grads deferred from a split B into a later W action.
+
+A runtime owns a `WeightGradStore`. While it runs a split backward (`store.capture(key)`), any
+op that supports deferral (`nn.Linear` modules the runtime installed `split_linear` on, and any
+module whose backward calls `defer_weight_grad`) computes only its input grad and queues the
+weight-grad computation under `key`; `store.run(key)` (the W action) executes the queue.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Callable, Hashable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+_ACTIVE: ContextVar[WeightGradStore | None] = ContextVar("pipeline_wgrad_store", default=None)
+
+
+class WeightGradStore:
+    """Queued weight-grad closures per key (one key per split backward), run by W actions."""
+
+    def __init__(self) -> None:
+        self._queues: dict[Hashable, list[Callable[[], None]]] = {}
+        self._key: Hashable | None = None
+
+    @contextmanager
+    def capture(self, key: Hashable) -> Iterator[None]:
+        """Within this block, deferrable weight grads are queued under key instead of computed."""
+        token = _ACTIVE.set(self)
+        self._key = key
+        self._queues.setdefault(key, [])
+        try:
+            yield
+        finally:
+            _ACTIVE.reset(token)
+            self._key = None
+
+    def push(self, fn: Callable[[], None]) -> None:
+        """Queue fn under the key being captured."""
+        self._queues[self._key].append(fn)
+
+    def run(self, key: Hashable) -> int:
+        """Execute and drop the closures queued under key; return how many ran."""
+        fns = self._queues.pop(key, [])
+        for fn in fns:
+            fn()
+        return len(fns)
+
+    def pending(self) -> int:
+        """Closures queued and not yet run."""
+        return sum(map(len, self._queues.values()))
+
+
+def defer_weight_grad(weight: Tensor, compute: Callable[[], Tensor]) -> bool:
+    """Call from a backward: inside a split B, queue `compute()` (weight's grad) for the W action
+    and return True (the backward then returns None for weight); elsewhere return False."""
+    store = _ACTIVE.get()
+    if store is None or not weight.requires_grad:
+        return False
+    store.push(lambda: torch.autograd.backward(weight, compute()))
+    return True
+
+
+class _SplitLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # noqa: D102
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        ctx.bias = bias
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):  # noqa: D102
+        x, weight = ctx.saved_tensors
+        dx = dy @ weight if ctx.needs_input_grad[0] else None
+        need_w, need_b = ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
+        x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+        bias = ctx.bias
+        if need_w and defer_weight_grad(weight, lambda: dy2.t() @ x2):
+            need_w = False
+            if need_b:
+                defer_weight_grad(bias, lambda: dy2.sum(0))
+                need_b = False
+        dw = dy2.t() @ x2 if need_w else None
+        db = dy2.sum(0) if need_b else None
+        return dx, dw, db
+
+
+def split_linear(module: nn.Linear, x: Tensor) -> Tensor:
+    """nn.Linear forward whose weight (and bias) grads can be deferred to a W action."""
+    return _SplitLinear.apply(x, module.weight, module.bias)
+
+
+def install_split_linear(modules: list[nn.Module]) -> int:
+    """Route the forward of every nn.Linear inside modules through split_linear; return how many."""
+    count = 0
+    for root in modules:
+        for m in root.modules():
+            if type(m) is nn.Linear and "forward" not in m.__dict__:
+                m.forward = split_linear.__get__(m)
+                count += 1
+    return count
