@@ -1,1 +1,7 @@
 """Optimizers: ZeRO-1 distributed optimizer, global gradient clipping, LR schedules."""
+
+from optim.lr_schedule import warmup_cosine
+from optim.memory import optimizer_state_bytes
+from optim.zero1 import ZeRO1
+
+__all__ = ["ZeRO1", "optimizer_state_bytes", "warmup_cosine"]

@@ -1,0 +1,243 @@
+"""ZeRO-1: fp32 master params and optimizer state sharded over each param group's process group."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from optim.grad_norm import global_sq_norm
+from optim.shard import ShardedParams
+
+LAYOUT_KEYS = ("process_group", "norm_groups", "grad_divisor")
+MASTER_KEY = "master"
+
+
+def _param_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
+    """Validate the params argument (tensors or dicts) into a list of group dicts."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError("params must be an iterable of Tensors or dicts, got a single Tensor")
+    groups = list(params)
+    if not groups:
+        raise ValueError("params is empty: ZeRO1 needs at least one parameter")
+    if not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    seen: dict[int, int] = {}
+    out = []
+    for i, group in enumerate(groups):
+        if not isinstance(group, dict) or "params" not in group:
+            raise TypeError(f"param group {i} must be a dict with a 'params' entry")
+        group = dict(group)
+        group["params"] = ([group["params"]] if isinstance(group["params"], torch.Tensor)
+                           else list(group["params"]))
+        if not group["params"]:
+            raise ValueError(f"param group {i} is empty: every group needs at least one parameter")
+        for p in group["params"]:
+            if not isinstance(p, torch.Tensor) or not p.is_floating_point() or not p.requires_grad:
+                raise ValueError(f"param group {i}: every param must be a floating-point tensor "
+                                 f"with requires_grad=True (pass only trainable params)")
+            if id(p) in seen:
+                raise ValueError(f"a parameter of shape {tuple(p.shape)} is in param group "
+                                 f"{seen[id(p)]} and again in group {i}: each param must be in "
+                                 f"exactly one group")
+            seen[id(p)] = i
+        dtypes = {p.dtype for p in group["params"]}
+        if len(dtypes) > 1:
+            raise ValueError(f"param group {i} mixes dtypes {sorted(map(str, dtypes))}: "
+                             f"put params of each dtype in their own group")
+        out.append(group)
+    return out
+
+
+def _check_group(i: int, group: dict[str, Any]) -> None:
+    """Check that a group's process group can shard it: this rank is in it, its size divides the world."""
+    pg = group["process_group"]
+    world = dist.get_world_size()
+    size = dist.get_world_size(pg) if dist.get_rank(pg) >= 0 else -1
+    if size < 1:
+        raise ValueError(f"param group {i}: this rank ({dist.get_rank()}) is not a member of "
+                         f"its process_group")
+    if world % size:
+        raise ValueError(f"param group {i}: process_group size {size} does not divide the world "
+                         f"size {world}; allowed sizes are the divisors of {world}")
+    divisor = group.setdefault("grad_divisor", size)
+    if not divisor > 0:
+        raise ValueError(f"param group {i}: grad_divisor must be > 0, got {divisor}")
+
+
+class ZeRO1(torch.optim.Optimizer):
+    """Any torch optimizer with fp32 master params and state sharded evenly over process groups.
+
+    Call shape of torch.distributed.optim.ZeroRedundancyOptimizer. Gradients on the model are
+    the local, un-averaged sums over micro-batches (no DDP wrapper, no communication during
+    backward); step() (or reduce_gradients()) reduce-scatters them in fp32, divided by each
+    group's grad_divisor (default: its process-group size), updates the local shard and
+    all-gathers the new params into the model. Param-group keys besides the optimizer's
+    hyper-parameters: process_group (shard group, e.g. expert-data-parallel for experts),
+    norm_groups (extra groups the grad norm is summed over, e.g. expert-parallel, pipeline),
+    grad_divisor.
+    """
+
+    def __init__(self, params: Iterable[Any],
+                 optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+                 process_group: ProcessGroup | None = None, *, bucket_cap_mb: float = 25.0,
+                 norm_groups: Sequence[ProcessGroup] = (), **defaults: Any) -> None:
+        groups = _param_groups(params)
+        if not (isinstance(optimizer_class, type)
+                and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, "
+                            f"got {optimizer_class!r}")
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        if not dist.is_initialized():
+            raise RuntimeError("ZeRO1 needs torch.distributed initialised (init_process_group)")
+        for i, group in enumerate(groups):
+            group.setdefault("process_group", process_group)
+            group["norm_groups"] = tuple(group.get("norm_groups", norm_groups))
+            _check_group(i, group)
+        bucket_cap = max(1, int(bucket_cap_mb * 2**20) // 4)
+        self._shards = [ShardedParams(g["params"], g["process_group"], bucket_cap,
+                                      g["grad_divisor"]) for g in groups]
+        self.optim = optimizer_class(
+            [{**_hyper(g), "params": [s.master]} for g, s in zip(groups, self._shards)],
+            **defaults)
+        for group, inner in zip(groups, self.optim.param_groups):
+            group.update(_hyper(inner))
+        self._reduced = False
+        super().__init__(groups, dict(self.optim.defaults))
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Only allowed during construction: the flat layout is fixed once built."""
+        if len(self.param_groups) >= len(self._shards):
+            raise NotImplementedError("ZeRO1 cannot add param groups after construction; "
+                                      "build a new ZeRO1 with all groups")
+        super().add_param_group(param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the flat gradient buffers (fp32 params keep .grad bound to them)."""
+        for shard in self._shards:
+            shard.zero_grad(set_to_none)
+        self._reduced = False
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """Reduce-scatter the accumulated local grads into the fp32 shards (once per step)."""
+        if not self._reduced:
+            for shard in self._shards:
+                shard.reduce_grads()
+            self._reduced = True
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the reduced grad shards so their global L2 norm is <= max_norm; return the norm.
+
+        The norm covers every shard of every group, summed over each group's process_group and
+        norm_groups, so each parameter counts once. Clip factor as torch.nn.utils.clip_grad_norm_.
+        """
+        if not max_norm > 0:
+            raise ValueError(f"max_norm must be > 0, got {max_norm}")
+        self.reduce_gradients()
+        parts = [(s.sq_norm(), (g["process_group"], *g["norm_groups"]))
+                 for s, g in zip(self._shards, self.param_groups)]
+        norm = global_sq_norm(parts).sqrt()
+        coef = max_norm / (float(norm) + 1e-6)
+        if coef < 1.0:
+            for shard in self._shards:
+                shard.master.grad.mul_(coef)
+        return norm
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Reduce grads (if not yet), update the local shards, all-gather params into the model."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.reduce_gradients()
+        for group, inner in zip(self.param_groups, self.optim.param_groups):
+            inner.update(_hyper(group))
+        self.optim.step()
+        for shard in self._shards:
+            shard.gather_params()
+        self._reduced = False
+        return loss
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for the optimizer: fp32 master shards and each state entry."""
+        out = {MASTER_KEY: sum(s.master.numel() * s.master.element_size() for s in self._shards)}
+        for shard in self._shards:
+            for key, value in self.optim.state.get(shard.master, {}).items():
+                if torch.is_tensor(value):
+                    out[key] = out.get(key, 0) + value.numel() * value.element_size()
+        out["total"] = sum(out.values())
+        return out
+
+    def _elementwise_keys(self, shard: ShardedParams) -> list[str]:
+        """Names of the state entries shaped like the shard (sharded), as opposed to scalars."""
+        state = self.optim.state.get(shard.master, {})
+        return sorted(k for k, v in state.items()
+                      if torch.is_tensor(v) and v.shape == shard.master.shape)
+
+    @torch.no_grad()
+    def state_dict(self) -> dict[str, Any]:
+        """Full (unsharded) state keyed by param index; a collective over every group's process group.
+
+        Each entry holds the fp32 master param and the optimizer's state, shaped like the param,
+        so the dict loads at any world size. Every rank gets the same dict; save it on one.
+        """
+        state: dict[int, dict[str, Any]] = {}
+        elementwise = []
+        for shard in self._shards:
+            keys = self._elementwise_keys(shard)
+            inner = self.optim.state.get(shard.master, {})
+            full = {k: shard.layout.views(shard.gather_full(inner[k])) for k in keys}
+            full[MASTER_KEY] = shard.layout.views(shard.gather_full(shard.master))
+            scalars = {k: v for k, v in inner.items() if k not in keys}
+            for j in range(len(shard.params)):
+                entry = {k: views[j].clone() for k, views in full.items()}
+                entry.update(copy.deepcopy(scalars))
+                state[len(state)] = entry
+            elementwise.append(keys)
+        groups, first = [], 0
+        for group in self.param_groups:
+            groups.append({**_hyper(group), "params": list(range(first, first + len(group["params"])))})
+            first += len(group["params"])
+        return {"state": state, "param_groups": groups, "elementwise_keys": elementwise}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state_dict() saved at any world size: re-slice this rank's shards, set the model params."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"state_dict has {len(saved_groups)} param groups, this optimizer "
+                             f"has {len(self.param_groups)}")
+        for i, (saved, shard) in enumerate(zip(saved_groups, self._shards)):
+            entries = [state_dict["state"][k] for k in saved["params"]]
+            shapes = [e[MASTER_KEY].shape for e in entries]
+            if shapes != [p.shape for p in shard.params]:
+                raise ValueError(f"param group {i}: saved param shapes {shapes} do not match "
+                                 f"the model's {[p.shape for p in shard.params]}")
+            self._load_group(shard, entries, state_dict["elementwise_keys"][i])
+            self.param_groups[i].update({k: v for k, v in saved.items() if k != "params"})
+        self._reduced = False
+
+    def _load_group(self, shard: ShardedParams, entries: list[dict[str, Any]],
+                    keys: list[str]) -> None:
+        """Set one group's master shard, model params and optimizer state from full per-param entries."""
+        layout = shard.layout
+        master = layout.flatten([e[MASTER_KEY] for e in entries], torch.float32)
+        shard.master.copy_(layout.shard_of(master))
+        shard.param_flat.copy_(master)
+        state = {k: layout.shard_of(layout.flatten([e[k] for e in entries], entries[0][k].dtype))
+                 for k in keys}
+        state.update({k: copy.deepcopy(v) for k, v in entries[0].items()
+                      if k != MASTER_KEY and k not in keys})
+        self.optim.state[shard.master] = state
+
+
+def _hyper(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's optimizer hyper-parameters (no params, no layout keys)."""
+    return {k: v for k, v in group.items() if k != "params" and k not in LAYOUT_KEYS}

@@ -1,0 +1,219 @@
+"""Models, data, single-process references and spawned workers shared by the ZeRO1 tests."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from optim import ZeRO1
+
+STEPS = 10
+SAVE_AT = 5
+MICRO = 4
+BATCH = 64
+MAX_NORM = 0.05
+COLLECTIVES = ("all_reduce", "reduce_scatter_single", "all_gather_single", "broadcast",
+               "all_gather", "reduce_scatter_tensor", "all_gather_into_tensor",
+               "all_to_all_single", "send", "recv", "isend", "irecv", "barrier")
+
+
+def mlp(dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The small MLP every DP test trains (same init for a given dtype)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+                         nn.Linear(32, 8)).to(dtype)
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of a step."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(BATCH, 16, generator=g), torch.randn(BATCH, 8, generator=g)
+
+
+def groups(model: nn.Module) -> list[dict[str, Any]]:
+    """Two param groups with their own lr and weight decay: weights, biases."""
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if n.endswith("weight")], "lr": 1e-2,
+             "weight_decay": 0.1},
+            {"params": [p for n, p in named if n.endswith("bias")], "lr": 2e-2,
+             "weight_decay": 0.0}]
+
+
+def reference(steps: int = STEPS) -> dict[str, Any]:
+    """Single-process AdamW on the whole batch with clipping: params, norms and state by step."""
+    model = mlp()
+    opt = torch.optim.AdamW(groups(model))
+    norms, at_save = [], None
+    for step in range(steps):
+        if step == SAVE_AT:
+            at_save = {"params": [p.detach().clone() for p in model.parameters()],
+                       "state": [{k: v.clone() for k, v in opt.state[p].items()}
+                                 for g in opt.param_groups for p in g["params"]]}
+        x, y = batch(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        opt.step()
+    return {"params": [p.detach().clone() for p in model.parameters()], "norms": norms,
+            "at_save": at_save, "numel": sum(p.numel() for p in model.parameters())}
+
+
+@contextmanager
+def count_collectives() -> Iterator[list[str]]:
+    """Record the name of every torch.distributed collective called inside the block."""
+    calls: list[str] = []
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def wrap(name: str, fn: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            return fn(*args, **kwargs)
+        return counted
+
+    for name, fn in originals.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        yield calls
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def train(model: nn.Module, opt: ZeRO1, steps: range, rank: int, world: int,
+          dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """ZeRO1 data parallel with MICRO accumulation micro-batches and clipping; norms and comm log."""
+    norms, backward_calls, step_calls = [], [], []
+    per_rank = BATCH // world
+    for step in steps:
+        x, y = batch(step)
+        x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+        opt.zero_grad()
+        with count_collectives() as calls:
+            for xm, ym in zip(x.chunk(MICRO), y.chunk(MICRO)):
+                loss = nn.functional.mse_loss(model(xm.to(dtype)).float(), ym) / MICRO
+                loss.backward()
+        backward_calls.append(len(calls))
+        with count_collectives() as calls:
+            norms.append(float(opt.clip_grad_norm_(MAX_NORM)))
+            opt.step()
+        step_calls.append(len(calls))
+    return {"norms": norms, "backward_calls": backward_calls, "step_calls": step_calls}
+
+
+def params_of(model: nn.Module) -> list[torch.Tensor]:
+    """Detached copies of a model's params."""
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def dp_worker(rank: int, world: int, saved: dict[str, Any] | None) -> dict[str, Any]:
+    """10 ZeRO1 steps; with saved, also resume from it; at world 4, also the EP and error cases."""
+    model = mlp()
+    opt = ZeRO1(groups(model), bucket_cap_mb=0.002)
+    out = train(model, opt, range(SAVE_AT), rank, world)
+    state = opt.state_dict()
+    more = train(model, opt, range(SAVE_AT, STEPS), rank, world)
+    out = {k: out[k] + more[k] for k in out}
+    out.update(params=params_of(model), state_bytes=opt.state_bytes(),
+               buckets=len(opt._shards[0].layout.buckets), saved=state if rank == 0 else None)
+    if saved is not None:
+        out.update(resume_case(rank, world, saved))
+    if world == 2:
+        out.update(bf16_case(rank, world))
+    if world == 4:
+        out.update(ep_case(rank, world))
+        out.update(group_size_case())
+    return out
+
+
+def resume_case(rank: int, world: int, saved: dict[str, Any]) -> dict[str, Any]:
+    """Load a state saved at another world size into a fresh model and continue to STEPS."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+                          nn.Linear(32, 8))
+    opt = ZeRO1(groups(model), bucket_cap_mb=0.002)
+    opt.load_state_dict(saved)
+    resaved = opt.state_dict()
+    train(model, opt, range(SAVE_AT, STEPS), rank, world)
+    return {"resumed_params": params_of(model), "resaved": resaved if rank == 0 else None}
+
+
+def bf16_case(rank: int, world: int) -> dict[str, Any]:
+    """bf16 model params with fp32 masters: the model ends equal to the masters cast to bf16."""
+    model = mlp(torch.bfloat16)
+    opt = ZeRO1(groups(model))
+    train(model, opt, range(STEPS), rank, world, torch.bfloat16)
+    masters = [e["master"] for e in opt.state_dict()["state"].values()]
+    return {"bf16_params": params_of(model), "bf16_masters": masters}
+
+
+EP = 2
+
+
+def ep_model() -> nn.ModuleDict:
+    """A dense layer shared by all ranks and EP experts, one per expert-parallel rank."""
+    torch.manual_seed(1)
+    return nn.ModuleDict({"dense": nn.Linear(8, 8),
+                          "experts": nn.ModuleList(nn.Linear(8, 8) for _ in range(EP))})
+
+
+def ep_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank-local tokens of a step (all routed to the rank's own expert)."""
+    g = torch.Generator().manual_seed(5000 + 10 * step + rank)
+    return torch.randn(6 + rank, 8, generator=g), torch.randn(6 + rank, 8, generator=g)
+
+
+def ep_loss(model: nn.ModuleDict, step: int, rank: int) -> torch.Tensor:
+    """Rank-local mean loss through the dense layer and the rank's expert."""
+    x, y = ep_batch(step, rank)
+    h = torch.tanh(model["dense"](x))
+    return nn.functional.mse_loss(model["experts"][rank % EP](h), y)
+
+
+def ep_reference(world: int, steps: int) -> dict[str, Any]:
+    """Single process: loss = mean over ranks of the rank-local losses, clipped AdamW."""
+    model = ep_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    norms = []
+    for step in range(steps):
+        opt.zero_grad()
+        (sum(ep_loss(model, step, r) for r in range(world)) / world).backward()
+        norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        opt.step()
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "norms": norms}
+
+
+def ep_case(rank: int, world: int, steps: int = 5) -> dict[str, Any]:
+    """Dense params sharded over all ranks, expert params over their expert-DP group."""
+    ep_group, _ = dist.new_subgroups_by_enumeration(
+        [list(range(s, s + EP)) for s in range(0, world, EP)])
+    edp_group, _ = dist.new_subgroups_by_enumeration(
+        [list(range(e, world, EP)) for e in range(EP)])
+    model = ep_model()
+    expert = model["experts"][rank % EP]
+    opt = ZeRO1([{"params": model["dense"].parameters()},
+                 {"params": expert.parameters(), "process_group": edp_group,
+                  "grad_divisor": world, "norm_groups": (ep_group,)}],
+                lr=1e-2, weight_decay=0.1)
+    norms = []
+    for step in range(steps):
+        opt.zero_grad()
+        ep_loss(model, step, rank).backward()
+        norms.append(float(opt.clip_grad_norm_(MAX_NORM)))
+        opt.step()
+    return {"ep_norms": norms, "ep_params": {
+        n: p.detach().clone() for n, p in model.named_parameters()
+        if n.startswith("dense") or n.startswith(f"experts.{rank % EP}.")}}
+
+
+def group_size_case() -> dict[str, Any]:
+    """A process group of 3 ranks in a world of 4 is refused with a clear error."""
+    group = dist.new_group([0, 1, 2])
+    try:
+        ZeRO1(mlp().parameters(), process_group=group)
+    except ValueError as e:
+        return {"group_error": str(e)}
+    return {"group_error": None}
