@@ -1,1 +1,14 @@
 """Token movement for expert parallelism: topology, layout, permutation, all-to-all backends."""
+
+from dispatch.dispatcher import PAYLOADS, EPDispatcher, EPHandle, RecvInfo
+from dispatch.layout import DispatchLayout, check_routing, expert_owner, get_dispatch_layout
+from dispatch.permute import Permutation, make_permutation, permute, unpermute
+from dispatch.routes import BACKENDS
+from dispatch.topology import Topology, make_topology
+from dispatch.traffic import Traffic
+
+__all__ = [
+    "BACKENDS", "PAYLOADS", "DispatchLayout", "EPDispatcher", "EPHandle", "Permutation", "RecvInfo",
+    "Topology", "Traffic", "check_routing", "expert_owner", "get_dispatch_layout", "make_permutation",
+    "make_topology", "permute", "unpermute",
+]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import traceback
 from datetime import timedelta
@@ -38,7 +39,8 @@ def _worker(
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         out = fn(rank, world_size, *args)
-        results.put((rank, True, out))
+        # plain pickle copies tensors by value: shared-memory handles would die with this process
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - the parent re-raises with this traceback
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -86,7 +88,7 @@ def run_processes(
                           f"{sorted(set(range(world_size)) - set(outputs))}"
                 break
             if ok:
-                outputs[rank] = payload
+                outputs[rank] = pickle.loads(payload)
             else:
                 failure = f"rank {rank} failed:\n{payload}"
     finally:

@@ -1,0 +1,110 @@
+"""EPDispatcher: expert-parallel dispatch/combine over one process group (flat or node-aware hierarchical)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from dispatch.channel import Channel
+from dispatch.fp8 import decode_fp8, encode_fp8
+from dispatch.layout import check_num_experts, check_routing, expert_owner, lookup
+from dispatch.permute import Permutation, make_permutation, permute, unpermute
+from dispatch.routes import BACKENDS, stages_for
+from dispatch.topology import make_topology
+from dispatch.traffic import Traffic, TrafficMeter
+from dispatch.transport import Codec, CombineRows, DispatchRows, Route
+
+PAYLOADS = ("bf16", "fp8")
+
+FP8_CODEC = Codec(encode_fp8, lambda wire, like: decode_fp8(wire, like.shape[1], like.dtype))
+
+
+@dataclass
+class RecvInfo:
+    """What arrived for this rank's experts."""
+
+    tokens_per_local_expert: Tensor  # [E_local] int64 rows per local expert, in row order
+    num_recv_tokens: int             # distinct (source rank, token) rows received, before expansion
+
+
+@dataclass
+class EPHandle:
+    """What combine needs to undo one dispatch."""
+
+    route: Route
+    perm: Permutation
+    recv_weights: Tensor  # [rows received, k] fp32 routing weights (differentiable)
+    num_tokens: int
+
+
+def _check_choice(name: str, value: object, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} = {value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}")
+
+
+class EPDispatcher:
+    """Sends each token once per destination rank (hierarchical: once per destination node) and back.
+
+    payload "bf16" sends x unquantised in its own dtype (bf16 in training; fp32/fp64 pass through
+    exactly); "fp8" sends e4m3 with one fp32 scale per 128 channels, dequantised on arrival.
+    Combine always travels in y's dtype and accumulates in fp32 or wider. Waits are bounded by the
+    group's timeout.
+    """
+
+    def __init__(self, num_experts: int, group: dist.ProcessGroup | None = None, gpus_per_node: int | None = None,
+                 backend: str = "flat", payload: str = "bf16") -> None:
+        _check_choice("backend", backend, BACKENDS)
+        _check_choice("payload", payload, PAYLOADS)
+        if not dist.is_initialized():
+            raise RuntimeError("EPDispatcher needs torch.distributed to be initialised (gloo or nccl)")
+        self.group = group if group is not None else dist.group.WORLD
+        self.world_size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        self.num_experts, self.backend, self.payload = num_experts, backend, payload
+        self.experts_per_rank = check_num_experts(num_experts, self.world_size)
+        self.topology = make_topology(self.world_size, gpus_per_node)
+        self.meter = TrafficMeter()
+        self.channel = Channel(self.group, self.topology, self.meter)
+        self.codec = FP8_CODEC if payload == "fp8" else None
+        self._device: torch.device | None = None
+
+    @property
+    def last_bytes(self) -> dict[str, Traffic]:
+        """Traffic of the latest call of each kind ("dispatch", "combine", and their "_backward")."""
+        return self.meter.last
+
+    @property
+    def total_bytes(self) -> dict[str, Traffic]:
+        """Traffic summed over all calls, by kind."""
+        return self.meter.total
+
+    def _tables(self, device: torch.device):
+        if self._device != device:
+            owner = expert_owner(self.num_experts, self.world_size, device)
+            local = torch.arange(self.num_experts, device=device) - self.rank * self.experts_per_rank
+            self._local_expert = torch.where(owner == self.rank, local, -1)
+            self._stages = stages_for(self.backend, self.topology, self.num_experts, self.rank, device)
+            self._device = device
+        return self._stages, self._local_expert
+
+    def dispatch(self, x: Tensor, indices: Tensor, weights: Tensor) -> tuple[Tensor, RecvInfo, EPHandle]:
+        """Rows of x for this rank's experts, one per (received token, local expert), grouped by expert."""
+        check_routing(indices, self.num_experts, weights, x)
+        stages, local_expert = self._tables(x.device)
+        self.meter.start("dispatch")
+        route = Route()
+        rows, recv_weights = DispatchRows.apply(x, weights, indices, stages, self.channel, self.codec, route)
+        perm = make_permutation(lookup(route.ids, local_expert), self.experts_per_rank)
+        info = RecvInfo(perm.counts, rows.shape[0])
+        return permute(rows, perm), info, EPHandle(route, perm, recv_weights, x.shape[0])
+
+    def combine(self, y: Tensor, handle: EPHandle) -> Tensor:
+        """out[t] = sum_k weights[t, k] * y(row of t for expert k); dropped slots add nothing."""
+        if y.dim() != 2 or y.shape[0] != handle.perm.row.numel():
+            raise ValueError(f"y must be [{handle.perm.row.numel()}, hidden] (one row per dispatched row), "
+                             f"got shape {list(y.shape)}")
+        self.meter.start("combine")
+        partial = unpermute(y, handle.perm, handle.recv_weights)
+        return CombineRows.apply(partial, handle.route.hops, self.channel, y.dtype)

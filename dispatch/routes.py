@@ -1,0 +1,64 @@
+"""Hops of the flat and hierarchical dispatch: where each routing slot goes next, and to which peers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dispatch.layout import expert_owner, lookup, membership
+from dispatch.permute import SegmentPlan, segment_plan
+from dispatch.topology import Topology
+
+BACKENDS = ("flat", "hierarchical")
+
+
+@dataclass
+class Stage:
+    """One all-to-all step as seen by one rank: next rank of each expert's slots, and its peers."""
+
+    next_rank: Tensor  # [E] int64 rank a slot for expert e goes to in this step, -1 if none
+    peers: list[int]   # ranks exchanged with in this step (ascending, self included)
+
+
+@dataclass
+class Hop:
+    """What one rank sent in a stage: row send_row[i] went out in rank order; reverse info for combine."""
+
+    send_row: Tensor        # [S] row index (before the hop) of each sent row, grouped by destination
+    send_splits: list[int]  # [R] rows sent to each rank
+    recv_splits: list[int]  # [R] rows received from each rank
+    back: SegmentPlan       # sums rows returned over send_row into the rows before the hop
+
+
+def stages_for(backend: str, topology: Topology, num_experts: int, rank: int,
+               device: torch.device | None = None) -> list[Stage]:
+    """The stages of backend for rank: flat is one hop to the owner; hierarchical crosses nodes first."""
+    owner = expert_owner(num_experts, topology.world_size, device)
+    if backend == "flat":
+        return [Stage(owner, list(range(topology.world_size)))]
+    if backend != "hierarchical":
+        raise ValueError(f"backend = {backend!r} is not allowed; choose one of {', '.join(map(repr, BACKENDS))}")
+    gpn, node, local = topology.gpus_per_node, topology.node_of(rank), topology.local_rank(rank)
+    owner_node = owner // gpn
+    across = Stage(owner_node * gpn + local, [topology.rank_at(n, local) for n in range(topology.num_nodes)])
+    inside = Stage(torch.where(owner_node == node, owner, -1), list(range(node * gpn, (node + 1) * gpn)))
+    return [across, inside]
+
+
+def destinations(ids: Tensor, stage: Stage, world_size: int) -> Tensor:
+    """[n, R] bool: which ranks each row (expert ids [n, k], -1 = dropped) goes to in stage."""
+    return membership(lookup(ids, stage.next_rank), world_size)
+
+
+def plan_sends(ids: Tensor, stage: Stage, world_size: int) -> tuple[Tensor, list[int]]:
+    """(row of each sent row, grouped by destination rank then row; rows sent per rank)."""
+    member = destinations(ids, stage, world_size)
+    send_row = member.t().nonzero()[:, 1]
+    return send_row, member.sum(0).tolist()
+
+
+def make_hop(send_row: Tensor, send_splits: list[int], recv_splits: list[int], num_rows: int) -> Hop:
+    """A hop record with the reverse summation plan combine needs."""
+    return Hop(send_row, send_splits, recv_splits, segment_plan(send_row, num_rows))

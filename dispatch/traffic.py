@@ -1,0 +1,55 @@
+"""Byte counters of token movement, split intra-node / inter-node and payload / routing metadata."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class Traffic:
+    """Bytes one rank handed to the transport for peers (self-sends count zero)."""
+
+    intra_payload: int = 0
+    inter_payload: int = 0
+    intra_meta: int = 0
+    inter_meta: int = 0
+
+    @property
+    def intra_node(self) -> int:
+        """All bytes sent to peers on the same node."""
+        return self.intra_payload + self.intra_meta
+
+    @property
+    def inter_node(self) -> int:
+        """All bytes sent to peers on other nodes."""
+        return self.inter_payload + self.inter_meta
+
+    def add(self, inter: bool, part: str, nbytes: int) -> None:
+        """Count nbytes of part ("payload" or "meta") to an inter- or intra-node peer."""
+        name = f"{'inter' if inter else 'intra'}_{part}"
+        setattr(self, name, getattr(self, name) + nbytes)
+
+    def __add__(self, other: Traffic) -> Traffic:
+        return Traffic(*(a + b for a, b in zip(asdict(self).values(), asdict(other).values())))
+
+    def as_dict(self) -> dict[str, int]:
+        """Counters plus the intra_node / inter_node totals."""
+        return {**asdict(self), "intra_node": self.intra_node, "inter_node": self.inter_node}
+
+
+class TrafficMeter:
+    """Per-call (`last`) and cumulative (`total`) traffic by call kind ("dispatch", "combine_backward", ...)."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, Traffic] = {}
+        self.total: dict[str, Traffic] = {}
+
+    def start(self, kind: str) -> None:
+        """Begin a new call of kind: its `last` counter restarts at zero."""
+        self.last[kind] = Traffic()
+        self.total.setdefault(kind, Traffic())
+
+    def add(self, kind: str, inter: bool, part: str, nbytes: int) -> None:
+        """Count bytes of the current call of kind."""
+        self.last[kind].add(inter, part, nbytes)
+        self.total[kind].add(inter, part, nbytes)

@@ -1,0 +1,102 @@
+"""Differentiable multi-hop token movement: dispatch's backward is a combine of gradients and vice versa."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from dispatch.channel import Channel
+from dispatch.permute import ordered_sum
+from dispatch.routes import Hop, Stage, make_hop, plan_sends
+
+
+@dataclass
+class Codec:
+    """Wire format of dispatched rows: encode before sending, decode on arrival."""
+
+    encode: Callable[[Tensor], Tensor]
+    decode: Callable[[Tensor, Tensor], Tensor]  # (wire rows, like-tensor giving width/dtype) -> rows
+
+
+@dataclass
+class Route:
+    """Filled by a dispatch: the hops taken and the expert ids of the rows that arrived here."""
+
+    hops: list[Hop] = field(default_factory=list)
+    ids: Tensor | None = None
+
+
+def pack_meta(weights: Tensor, indices: Tensor) -> Tensor:
+    """Routing metadata rows [T, 2k] int32: fp32 weight bits, then expert ids."""
+    return torch.cat([weights.detach().float().contiguous().view(torch.int32), indices.to(torch.int32)], dim=1)
+
+
+def unpack_meta(meta: Tensor) -> tuple[Tensor, Tensor]:
+    """(fp32 weights [n, k], int64 expert ids [n, k]) from pack_meta rows."""
+    k = meta.shape[1] // 2
+    return meta[:, :k].contiguous().view(torch.float32), meta[:, k:].long()
+
+
+def scatter_rows(rows: Tensor, hops: list[Hop], channel: Channel, kind: str, part: str = "payload") -> Tensor:
+    """Move rows along the hops a dispatch took."""
+    for hop in hops:
+        rows = channel.exchange(rows[hop.send_row], hop.send_splits, hop.recv_splits, kind, part)
+    return rows
+
+
+def gather_rows(rows: Tensor, hops: list[Hop], channel: Channel, kind: str, wire_dtype: torch.dtype) -> Tensor:
+    """Adjoint of scatter_rows: send rows back hop by hop (as wire_dtype), summing copies in fp32 or wider."""
+    acc = torch.promote_types(rows.dtype, torch.float32)
+    for hop in reversed(hops):
+        back = channel.exchange(rows.to(wire_dtype), hop.recv_splits, hop.send_splits, kind)
+        rows = ordered_sum(back.to(acc), hop.back)
+    return rows
+
+
+class DispatchRows(torch.autograd.Function):
+    """x [T, H], weights [T, k] -> rows that arrived here (one per source token) and their weights."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weights: Tensor, indices: Tensor, stages: list[Stage], channel: Channel,
+                codec: Codec | None, route: Route) -> tuple[Tensor, Tensor]:  # noqa: D102
+        wire = codec.encode(x) if codec else x
+        meta = pack_meta(weights, indices)
+        world = channel.topology.world_size
+        for stage in stages:
+            ids = unpack_meta(meta)[1]
+            send_row, send_splits = plan_sends(ids, stage, world)
+            recv_splits = channel.exchange_counts(send_splits, stage.peers, "dispatch", x.device)
+            hop = make_hop(send_row, send_splits, recv_splits, ids.shape[0])
+            wire = channel.exchange(wire[send_row], send_splits, recv_splits, "dispatch")
+            meta = channel.exchange(meta[send_row], send_splits, recv_splits, "dispatch", "meta")
+            route.hops.append(hop)
+        recv_weights, route.ids = unpack_meta(meta)
+        ctx.hops, ctx.channel = route.hops, channel
+        ctx.dtypes = (x.dtype, weights.dtype)
+        return (codec.decode(wire, x) if codec else wire), recv_weights
+
+    @staticmethod
+    def backward(ctx, grad_rows: Tensor, grad_weights: Tensor):  # noqa: D102
+        ctx.channel.meter.start("dispatch_backward")
+        grads = [None, None]
+        for i, grad in enumerate((grad_rows, grad_weights)):
+            if ctx.needs_input_grad[i]:
+                grads[i] = gather_rows(grad, ctx.hops, ctx.channel, "dispatch_backward", grad.dtype).to(ctx.dtypes[i])
+        return grads[0], grads[1], None, None, None, None, None
+
+
+class CombineRows(torch.autograd.Function):
+    """Partial results of the rows that arrived here -> [T, H] sums at their source tokens."""
+
+    @staticmethod
+    def forward(ctx, partial: Tensor, hops: list[Hop], channel: Channel, wire_dtype: torch.dtype) -> Tensor:  # noqa: D102
+        ctx.hops, ctx.channel, ctx.dtype = hops, channel, partial.dtype
+        return gather_rows(partial, hops, channel, "combine", wire_dtype).to(wire_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):  # noqa: D102
+        ctx.channel.meter.start("combine_backward")
+        return scatter_rows(grad_out, ctx.hops, ctx.channel, "combine_backward").to(ctx.dtype), None, None, None
