@@ -59,8 +59,19 @@ def make_data(batch: int, hidden: int, dtype: torch.dtype, seed: int = 1) -> tup
 
 
 def reference(stages: list[nn.Module], data: tuple[Tensor, Tensor, Tensor], num_chunks: int):
-    """Single-process run over the same chunks: per-chunk losses, grads per stage, outputs."""
-    stages = copy.deepcopy(stages)
+    """Single-process run over the same chunks: per-chunk losses, grads per stage, outputs.
+
+    Runs on one thread like the pipeline's ranks, so reductions split the work the same way.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference(copy.deepcopy(stages), data, num_chunks)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference(stages: list[nn.Module], data: tuple[Tensor, Tensor, Tensor], num_chunks: int):
     losses, outs = [], []
     for x, skip, label in zip(*(t.chunk(num_chunks) for t in data)):
         h = (x, skip)

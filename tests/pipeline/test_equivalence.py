@@ -45,7 +45,8 @@ def _check(kind: str, world: int, stage_kind: str, results: list[dict], num_chun
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("kind,world", CASES)
-def test_mlp_stages_match_reference(kind: str, world: int) -> None:
+def test_linear_and_moe_stages_match_reference(kind: str, world: int) -> None:
     num_chunks = 2 * max(world, 2) if kind == "dualpipev" else 8
-    results = run_processes(equivalence, world, kind, "mlp", num_chunks, True, timeout_s=150)
-    _check(kind, world, "mlp", results, num_chunks)
+    results = run_processes(equivalence, world, kind, ("mlp", "moe"), num_chunks, timeout_s=180)
+    for stage_kind in ("mlp", "moe"):
+        _check(kind, world, stage_kind, [r[stage_kind] for r in results], num_chunks)

@@ -32,7 +32,12 @@ def rank_inputs(kind: str, rank: int, world: int, data: tuple) -> tuple[tuple, t
     return (), ()
 
 
-def equivalence(rank: int, world: int, kind: str, stage_kind: str, num_chunks: int, split_bw: bool) -> dict:
+def equivalence(rank: int, world: int, kind: str, stage_kinds: tuple[str, ...], num_chunks: int) -> dict:
+    """equivalence_one for each stage kind (one process spawn for all of them)."""
+    return {sk: equivalence_one(rank, world, kind, sk, num_chunks) for sk in stage_kinds}
+
+
+def equivalence_one(rank: int, world: int, kind: str, stage_kind: str, num_chunks: int) -> dict:
     """fp32 losses, float64 grads per held stage and forward-only outputs of one pipeline step."""
     cls = DualPipe if kind == "dualpipe" else DualPipeV
     held = placement(kind, rank, world)
@@ -40,7 +45,7 @@ def equivalence(rank: int, world: int, kind: str, stage_kind: str, num_chunks: i
     result = {"held": held}
     for dtype in (torch.float32, torch.float64):
         stages = make_stages(stage_kind, num_stages, HIDDEN, dtype)
-        pipe = cls((copy.deepcopy(stages[held[0]]), copy.deepcopy(stages[held[1]])), split_bw=split_bw)
+        pipe = cls((copy.deepcopy(stages[held[0]]), copy.deepcopy(stages[held[1]])))
         inputs, labels = rank_inputs(kind, rank, world, make_data(BATCH, HIDDEN, dtype))
         loss, outputs = pipe.step(*inputs, num_chunks=num_chunks, criterion=criterion, labels=labels,
                                   return_outputs=True)
@@ -51,3 +56,52 @@ def equivalence(rank: int, world: int, kind: str, stage_kind: str, num_chunks: i
                 *inputs, num_chunks=num_chunks, criterion=criterion, labels=labels, return_outputs=True)
         dist.barrier()
     return result
+
+
+def bw_split(rank: int, world: int, num_chunks: int) -> dict:
+    """Which action kinds accumulate Linear weight grads, with the B/W split on and off; and the grads."""
+    out = {}
+    for split_bw in (True, False):
+        stages = make_stages("mlp", 2 * world, HIDDEN, torch.float64)
+        held = placement("dualpipev", rank, world)
+        pipe = DualPipeV((copy.deepcopy(stages[held[0]]), copy.deepcopy(stages[held[1]])), split_bw=split_bw)
+        seen: list[tuple[str, bool]] = []
+        last: dict[int, torch.Tensor] = {}
+
+        def record(p: torch.Tensor) -> None:  # the hook also fires with no grad to add: skip those
+            if p.grad is not None and not torch.equal(p.grad, last.get(id(p), torch.zeros_like(p))):
+                seen.append((pipe.current_action.op.value, pipe.current_action.split))
+                last[id(p)] = p.grad.clone()
+
+        for m in pipe.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.weight.register_post_accumulate_grad_hook(record)
+        inputs, labels = rank_inputs("dualpipev", rank, world, make_data(BATCH, HIDDEN, torch.float64))
+        loss, _ = pipe.step(*inputs, num_chunks=num_chunks, criterion=criterion, labels=labels)
+        w_actions = sum(a.op.value == "W" for a in pipe.schedule(num_chunks).actions[rank])
+        out[split_bw] = {"seen": seen, "loss": loss, "w_actions": w_actions,
+                         "grads": [p.grad for p in pipe.parameters()]}
+    return out
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def bad_inputs(rank: int, world: int) -> dict[str, str]:
+    """Messages of the errors raised for bad constructor/step arguments on one rank."""
+    stages = make_stages("mlp", 2, HIDDEN, torch.float32)
+    x, skip, label = make_data(BATCH, HIDDEN, torch.float32)
+    pipe = DualPipeV(tuple(stages))
+    step = lambda chunks, t=x: pipe.step(t, skip, num_chunks=chunks, criterion=criterion, labels=(label,))
+    return {
+        "odd_ranks": _error(lambda: DualPipe(tuple(stages))),
+        "modules": _error(lambda: DualPipeV((stages[0],))),
+        "few_chunks": _error(lambda: step(1)),
+        "indivisible": _error(lambda: step(3, x)),
+        "missing_inputs": _error(lambda: pipe.step(num_chunks=4, criterion=criterion, labels=(label,))),
+    }

@@ -1,0 +1,37 @@
+"""Runtime behaviour: the B/W split defers weight grads into W actions; bad input fails early."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dispatch.multiproc import run_processes
+from tests.pipeline.models import calc_diff
+from tests.pipeline.workers import bad_inputs, bw_split
+
+
+@pytest.mark.timeout(200)
+def test_weight_grads_are_computed_in_w_actions() -> None:
+    results = run_processes(bw_split, 2, 8, timeout_s=150)
+    for rank, res in enumerate(results):
+        split, fused = res[True], res[False]
+        assert split["w_actions"] > 0
+        in_w = [s for s in split["seen"] if s[0] == "W"]
+        # every W action accumulates the weight grads of the two Linear layers of its stage
+        assert len(in_w) == 2 * split["w_actions"]
+        assert ("B", True) not in split["seen"]  # a split B never touches weight grads
+        assert all(op != "W" for op, _ in fused["seen"])
+        assert len(split["seen"]) == len(fused["seen"])
+        for g_split, g_fused in zip(split["grads"], fused["grads"]):
+            assert calc_diff(g_split, g_fused) < 1e-12
+    assert torch.equal(results[0][True]["loss"], results[0][False]["loss"])
+
+
+@pytest.mark.timeout(120)
+def test_bad_input_raises_clear_errors() -> None:
+    errors = run_processes(bad_inputs, 1, timeout_s=60)[0]
+    assert "even number of ranks" in errors["odd_ranks"]
+    assert "pair (m0, m1)" in errors["modules"]
+    assert "num_chunks = 1 is too few" in errors["few_chunks"]
+    assert "batch size 32, not divisible" in errors["indivisible"]
+    assert "needs inputs" in errors["missing_inputs"]
