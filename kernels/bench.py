@@ -1,0 +1,219 @@
+"""`moe-bench kernels`: FP8 grouped GEMM forward/dgrad/wgrad vs torch._grouped_mm (bf16) and
+torch._scaled_grouped_mm (fp8 rowwise) at DeepSeek-V3 expert shapes; correctness only on CPU."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from kernels.metrics import calc_diff
+from kernels.ops import run
+from kernels.quant_ref import FP8_DTYPE, FP8_MAX
+
+OPS = ("forward", "dgrad", "wgrad")
+PEERS = ("torch._grouped_mm bf16", "torch._scaled_grouped_mm fp8 rowwise")
+CPU_GROUP_SIZES = (0, 130, 1, 200, 0, 67)
+CPU_SHAPE = (256, 128)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def _shapes(text: str) -> list[tuple[int, int]]:
+    pairs = [v.split("x") for v in text.split(",") if v]
+    return [(int(k), int(n)) for k, n in pairs]
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Options of the kernels suite."""
+    p = argparse.ArgumentParser(prog="moe-bench kernels", description=__doc__)
+    p.add_argument("--shapes", type=_shapes, default=_shapes("7168x4096,2048x7168"),
+                   help="comma-separated KxN expert GEMM shapes (default: 7168x4096,2048x7168)")
+    p.add_argument("--groups", type=_ints, default=_ints("4,8,16,32"), help="group counts (default 4,8,16,32)")
+    p.add_argument("--rows", type=_ints, default=_ints("128,512,2048,4096,8192"),
+                   help="rows per group (default 128,512,2048,4096,8192)")
+    p.add_argument("--max-total-rows", type=int, default=65536, help="skip cases with more rows in all")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=20, help="timed repeats; the median is reported")
+    p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
+    return p.parse_args(argv)
+
+
+def _exact(op: str, x: Tensor, w: Tensor, dy: Tensor, bounds: list[tuple[int, int]]) -> Tensor:
+    """The fp32 product of the unquantised inputs."""
+    x, w, dy = x.float(), w.float(), dy.float()
+    if op == "forward":
+        return torch.cat([x[s:e] @ w[g].t() for g, (s, e) in enumerate(bounds)])
+    if op == "dgrad":
+        return torch.cat([dy[s:e] @ w[g] for g, (s, e) in enumerate(bounds)])
+    return torch.stack([dy[s:e].t() @ x[s:e] for s, e in bounds])
+
+
+def _ours(op: str, backend: str | None, x: Tensor, w: Tensor, dy: Tensor, offs: Tensor) -> Callable[[], Tensor]:
+    """A closure running our op on pre-quantised operands (quantisation is not timed)."""
+    out_dtype = torch.bfloat16 if x.is_cuda else torch.float32
+    if op == "forward":
+        operands = (*run("quantize_activation", backend, x), *run("quantize_weight", backend, w), offs, out_dtype)
+        return lambda: run("gemm", backend, *operands)
+    if op == "dgrad":
+        operands = (*run("quantize_activation", backend, dy), *run("quantize_weight", backend, w), offs, out_dtype)
+        return lambda: run("dgrad", backend, *operands)
+    operands = (*run("quantize_activation_kgrouped", backend, dy, offs),
+                *run("quantize_activation_kgrouped", backend, x, offs), offs)
+    return lambda: run("wgrad", backend, *operands)
+
+
+def _group_bounds(sizes: list[int]) -> list[tuple[int, int]]:
+    ends = torch.tensor(sizes).cumsum(0).tolist()
+    return list(zip([0] + ends[:-1], ends))
+
+
+def _inputs(sizes: list[int], k: int, n: int, device: str, dtype: torch.dtype):
+    g, m = len(sizes), sum(sizes)
+    gen = torch.Generator().manual_seed(0)
+    x, w, dy = (torch.randn(*shape, generator=gen).to(device, dtype) for shape in ((m, k), (g, n, k), (m, n)))
+    offs = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
+    return x, w, dy, offs
+
+
+def cpu_rows() -> list[dict]:
+    """Correctness of each op at a small shape: calc_diff against the fp32 product, per backend."""
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    backends = ["torch"] + (["triton"] if os.environ["TRITON_INTERPRET"] == "1" else [])
+    k, n = CPU_SHAPE
+    x, w, dy, offs = _inputs(list(CPU_GROUP_SIZES), k, n, "cpu", torch.float32)
+    shape = {"group_sizes": list(CPU_GROUP_SIZES), "N": n, "K": k}
+    rows = []
+    for op in OPS:
+        exact = _exact(op, x, w, dy, _group_bounds(list(CPU_GROUP_SIZES)))
+        for backend in backends:
+            diff = calc_diff(_ours(op, backend, x, w, dy, offs)(), exact)
+            rows.append({"op": op, "shape": shape, "backend": backend, "calc_diff": diff, "tflops": None,
+                         "peer": None, "peer_tflops": None})
+    return rows
+
+
+def _median_ms(fn: Callable[[], object], warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+def _rowwise_fp8(t: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+    """Rowwise e4m3 along `dim` (the reduction dim): the scaling torch._scaled_grouped_mm takes."""
+    scale = t.float().abs().amax(dim=dim, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    return (t.float() / scale).to(FP8_DTYPE), scale.squeeze(dim)
+
+
+def _groupwise_rowwise_fp8(t: Tensor, bounds: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:
+    """t [R, M] with columns split into groups -> e4m3 and one scale per (group, row), flattened [G*R]."""
+    amax = torch.stack([t[:, s:e].float().abs().amax(dim=1) if e > s else t.new_zeros(t.shape[0], dtype=torch.float32)
+                        for s, e in bounds])
+    scale = amax.clamp(min=1e-12) / FP8_MAX
+    group_of_column = torch.repeat_interleave(torch.arange(len(bounds), device=t.device),
+                                              torch.tensor([e - s for s, e in bounds], device=t.device))
+    return (t.float() / scale[group_of_column].t()).to(FP8_DTYPE), scale.reshape(-1)
+
+
+def _peers(op: str, x: Tensor, w: Tensor, dy: Tensor, offs: Tensor,
+           bounds: list[tuple[int, int]]) -> dict[str, Callable[[], Tensor]]:
+    """Closures running the peers on the same problem (operands prepared outside the closure)."""
+    if op == "wgrad":
+        bf16_args = (dy.t(), x)
+        a_q, a_s = _groupwise_rowwise_fp8(dy.t().contiguous(), bounds)
+        b_q, b_s = _groupwise_rowwise_fp8(x.t().contiguous(), bounds)
+        fp8_args = (a_q, b_q.t(), a_s, b_s)
+    else:
+        a, b_nk = (x, w) if op == "forward" else (dy, w.transpose(-2, -1).contiguous())
+        bf16_args = (a, b_nk.transpose(-2, -1))
+        a_q, a_s = _rowwise_fp8(a, 1)
+        b_q, b_s = _rowwise_fp8(b_nk, -1)
+        fp8_args = (a_q, b_q.transpose(-2, -1), a_s, b_s)
+    return {PEERS[0]: lambda: torch._grouped_mm(*bf16_args, offs=offs),
+            PEERS[1]: lambda: torch._scaled_grouped_mm(*fp8_args, offs=offs, out_dtype=torch.bfloat16)}
+
+
+def _tflops(flops: float, fn: Callable[[], object], args: argparse.Namespace) -> float | None:
+    try:
+        return flops / _median_ms(fn, args.warmup, args.repeats) / 1e9
+    except (RuntimeError, NotImplementedError, TypeError) as err:
+        print(f"  (skipped: {type(err).__name__}: {str(err).splitlines()[0][:100]})", file=sys.stderr)
+        return None
+
+
+def gpu_rows(args: argparse.Namespace) -> list[dict]:
+    """Times ours and the peers side by side at every requested shape."""
+    rows = []
+    for k, n in args.shapes:
+        for groups in args.groups:
+            for per_group in args.rows:
+                if groups * per_group > args.max_total_rows:
+                    continue
+                sizes = [per_group] * groups
+                x, w, dy, offs = _inputs(sizes, k, n, "cuda", torch.bfloat16)
+                shape = {"groups": groups, "rows_per_group": per_group, "N": n, "K": k}
+                flops = 2.0 * sum(sizes) * n * k
+                for op in OPS:
+                    ours = _ours(op, None, x, w, dy, offs)
+                    diff = calc_diff(ours(), _exact(op, x, w, dy, _group_bounds(sizes)))
+                    tflops = _tflops(flops, ours, args)
+                    for peer, fn in _peers(op, x, w, dy, offs, _group_bounds(sizes)).items():
+                        peer_tflops = _tflops(flops, fn, args)
+                        ratio = tflops / peer_tflops if tflops and peer_tflops else None
+                        rows.append({"op": op, "shape": shape, "backend": "triton", "calc_diff": diff,
+                                     "tflops": tflops, "peer": peer, "peer_tflops": peer_tflops, "ratio": ratio})
+                del x, w, dy
+                torch.cuda.empty_cache()
+    return rows
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _shape_text(shape: dict) -> str:
+    return " ".join(f"{key}={','.join(map(str, val)) if isinstance(val, list) else val}" for key, val in shape.items())
+
+
+def print_table(rows: list[dict]) -> None:
+    """One line per (op, shape, backend, peer)."""
+    width = max(len(_shape_text(r["shape"])) for r in rows) + 2
+    print(f"{'op':<8}{'shape':<{width}}{'backend':<8}{'calc_diff':>10}{'TFLOPS':>9}  {'peer':<38}{'peer TF':>8}"
+          f"{'ratio':>7}")
+    for r in rows:
+        print(f"{r['op']:<8}{_shape_text(r['shape']):<{width}}{r['backend']:<8}{_fmt(r['calc_diff'], '.2e'):>10}"
+              f"{_fmt(r['tflops'], '.1f'):>9}  {r['peer'] or '-':<38}{_fmt(r['peer_tflops'], '.1f'):>8}"
+              f"{_fmt(r.get('ratio'), '.2f'):>7}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the suite; exit status 1 if any op misses calc_diff < 1e-3."""
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    if torch.cuda.is_available():
+        rows = gpu_rows(args)
+    else:
+        rows = cpu_rows()
+        print("no CUDA device: correctness check only; timings need a GPU (tflops are null)")
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0 if all(r["calc_diff"] < 1e-3 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,105 @@
+"""Plain-torch FP8 (e4m3) quantisation: 1x128 activation tiles, 128x128 weight blocks, and their inverses.
+
+Every tile gets scale = max(amax, SCALE_EPS) / 448 and q = clamp(x / scale, -448, 448) cast to
+torch.float8_e4m3fn, so x ~= q * scale. The Triton kernels produce the same bits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+TILE = 128
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+SCALE_EPS = 1e-12
+
+
+def num_tiles(n: int) -> int:
+    """How many 128-wide tiles cover n elements."""
+    return -(-n // TILE)
+
+
+def kgrouped_columns(m: int, groups: int) -> int:
+    """Tile columns of the k-grouped layout: enough for m rows split into `groups` unaligned groups."""
+    return num_tiles(m) + groups
+
+
+def _pad_to_tiles(x: Tensor, dim: int) -> Tensor:
+    pad = num_tiles(x.shape[dim]) * TILE - x.shape[dim]
+    if pad == 0:
+        return x
+    widths = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, pad]
+    return F.pad(x, widths)
+
+
+def _scale_of(amax: Tensor) -> Tensor:
+    return amax.clamp(min=SCALE_EPS) / FP8_MAX
+
+
+def _cast(scaled: Tensor) -> Tensor:
+    return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def quantize_activation_ref(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [M, K] -> (q e4m3 [M, K], scale fp32 [M, ceil(K/128)]), one scale per 1x128 tile."""
+    m, k = x.shape
+    tiles = _pad_to_tiles(x.float(), 1).view(m, num_tiles(k), TILE)
+    scale = _scale_of(tiles.abs().amax(dim=2))
+    q = _cast(tiles / scale[:, :, None]).view(m, num_tiles(k) * TILE)[:, :k]
+    return q.contiguous(), scale
+
+
+def quantize_weight_ref(w: Tensor) -> tuple[Tensor, Tensor]:
+    """w [..., N, K] -> (q e4m3 [..., N, K], scale fp32 [..., ceil(N/128), ceil(K/128)]), 128x128 blocks."""
+    *lead, n, k = w.shape
+    padded = _pad_to_tiles(_pad_to_tiles(w.float(), -1), -2)
+    nt, kt = num_tiles(n), num_tiles(k)
+    blocks = padded.reshape(*lead, nt, TILE, kt, TILE)
+    scale = _scale_of(blocks.abs().amax(dim=(-3, -1)))
+    q = _cast(blocks / scale[..., :, None, :, None]).reshape(*lead, nt * TILE, kt * TILE)
+    return q[..., :n, :k].contiguous(), scale
+
+
+def kgrouped_rows(offs: Tensor, m: int) -> Tensor:
+    """Position of each of the m rows in the k-grouped layout: the tile starting at row r of group g
+    is tile column g + r // 128, so groups never share a tile and no offsets need a host sync."""
+    ends = offs.long()
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    group = torch.repeat_interleave(torch.arange(offs.numel(), device=offs.device), ends - starts, output_size=m)
+    within = torch.arange(m, device=offs.device) - starts[group]
+    column = group + starts[group] // TILE + within // TILE
+    return column * TILE + within % TILE
+
+
+def quantize_activation_kgrouped_ref(x: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
+    """x [M, K] rows sorted by group -> (q_t e4m3 [K, 128*T], scale fp32 [K, T]): x^T in 1x128 tiles
+    along tokens that restart at every group (zero-padded), T = ceil(M/128) + G; the wgrad operand."""
+    m, k = x.shape
+    columns = kgrouped_columns(m, offs.numel())
+    padded = x.new_zeros(columns * TILE, k, dtype=torch.float32)
+    padded[kgrouped_rows(offs, m)] = x.float()
+    tiles = padded.t().reshape(k, columns, TILE)
+    scale = _scale_of(tiles.abs().amax(dim=2))
+    q = _cast(tiles / scale[:, :, None]).reshape(k, columns * TILE)
+    return q.contiguous(), scale
+
+
+def dequantize_activation(q: Tensor, scale: Tensor) -> Tensor:
+    """Inverse of quantize_activation: q [M, K] * per-1x128-tile scale -> fp32 [M, K]."""
+    k = q.shape[-1]
+    return q.float() * scale.repeat_interleave(TILE, dim=-1)[..., :k]
+
+
+def dequantize_weight(q: Tensor, scale: Tensor) -> Tensor:
+    """Inverse of quantize_weight: q [..., N, K] * per-128x128-block scale -> fp32 [..., N, K]."""
+    n, k = q.shape[-2:]
+    full = scale.repeat_interleave(TILE, dim=-2).repeat_interleave(TILE, dim=-1)
+    return q.float() * full[..., :n, :k]
+
+
+def dequantize_kgrouped(q_t: Tensor, scale: Tensor, offs: Tensor) -> Tensor:
+    """Inverse of quantize_activation_kgrouped: back to fp32 rows [M, K]."""
+    m = int(offs[-1]) if offs.numel() else 0
+    return dequantize_activation(q_t, scale)[:, kgrouped_rows(offs, m)].t()

@@ -1,0 +1,76 @@
+"""Triton helpers shared by the quantisation and GEMM kernels: e4m3 encoding and group-tile lookup."""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+from kernels import quant_ref
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+FP8_MAX = tl.constexpr(quant_ref.FP8_MAX)
+SCALE_EPS = tl.constexpr(quant_ref.SCALE_EPS)
+TILE = tl.constexpr(quant_ref.TILE)
+
+
+@triton.jit
+def e4m3_code(v):
+    """Bits (uint8) of the e4m3fn value nearest to fp32 v in [-448, 448], ties to even.
+
+    Integer-only, so it is exact on GPUs and under TRITON_INTERPRET=1 (whose fp32->fp8 cast is not).
+    """
+    bits = v.to(tl.int32, bitcast=True)
+    sign = ((bits >> 31) & 1) << 7
+    mag = bits & 0x7FFFFFFF
+    # normal e4m3 (|v| >= 2**-6): keep 3 of fp32's 23 mantissa bits, round half to even
+    rounded = (mag + 0x7FFFF + ((mag >> 20) & 1)) & 0x7FF00000
+    normal = (((rounded >> 23) - 120) << 3) | ((rounded >> 20) & 7)
+    # subnormal e4m3 (|v| < 2**-6): the code is |v| / 2**-9 rounded half to even
+    exponent = mag >> 23
+    mantissa = (mag & 0x7FFFFF) | tl.where(exponent > 0, 0x800000, 0)
+    shift = tl.minimum(141 - tl.maximum(exponent, 1), 30)
+    units = mantissa >> shift
+    rest = mantissa & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    round_up = (rest > half) | ((rest == half) & ((units & 1) == 1))
+    subnormal = units + round_up.to(tl.int32)
+    return (tl.where(mag < 0x3C800000, subnormal, normal) | sign).to(tl.uint8)
+
+
+@triton.jit
+def tile_scale(amax):
+    """Scale of a tile from its absolute maximum, as the torch reference computes it."""
+    return tl.div_rn(tl.maximum(amax, SCALE_EPS), FP8_MAX)
+
+
+@triton.jit
+def quantize_codes(x, scale):
+    """e4m3 bits of clamp(x / scale, -448, 448); scale broadcasts against x."""
+    scaled = tl.div_rn(x, scale)
+    return e4m3_code(tl.minimum(tl.maximum(scaled, -FP8_MAX), FP8_MAX))
+
+
+@triton.jit
+def promote(acc, a, b, sa, sb):
+    """acc + (a @ b.T) * sa[:, None] * sb[None, :]: one 128-wide K slice on the tensor cores, promoted to fp32."""
+    return acc + tl.dot(a, tl.trans(b)) * sa[:, None] * sb[None, :]
+
+
+@triton.jit
+def locate_tile(tile, offs_ptr, G, BLOCK: tl.constexpr, G_POW2: tl.constexpr):
+    """Group g, first row, group end and validity of virtual row tile `tile` of a grouped launch.
+
+    Group g owns tiles g + start_g // BLOCK onwards (one per BLOCK rows), so ceil(M / BLOCK) + G tiles
+    cover any group sizes without a host sync; tiles in the gaps are invalid.
+    """
+    h = tl.arange(0, G_POW2)
+    ends = tl.load(offs_ptr + h, mask=h < G, other=0)
+    starts = tl.load(offs_ptr + h - 1, mask=(h > 0) & (h < G), other=0)
+    owned = (h < G) & (h + starts // BLOCK <= tile)
+    g = tl.sum(owned.to(tl.int32), axis=0) - 1
+    start = tl.sum(tl.where(h == g, starts, 0), axis=0)
+    end = tl.sum(tl.where(h == g, ends, 0), axis=0)
+    row0 = start + (tile - g - start // BLOCK) * BLOCK
+    return g, row0, end, row0 < end

@@ -1,0 +1,141 @@
+"""Triton FP8 grouped GEMMs with fp32 promotion every 128 of K: forward/dgrad (m-grouped) and wgrad (k-grouped).
+
+Both operands are K-major e4m3; each 128-wide K slice is multiplied on the tensor cores and then
+scaled into an fp32 accumulator (triton_common.promote).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kernels import quant_ref
+from kernels.triton_common import INTERPRET, TILE, locate_tile, promote
+
+
+def _configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
+    """(block rows, block cols, warps, stages) -> autotune configs; one config under the interpreter."""
+    chosen = shapes[:1] if INTERPRET else shapes
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in chosen]
+
+
+_MGROUPED_CONFIGS = _configs([(128, 128, 8, 4), (128, 128, 8, 3), (64, 128, 4, 4), (128, 256, 8, 3)])
+_KGROUPED_CONFIGS = _configs([(128, 128, 8, 4), (128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 4)])
+GROUP_M = tl.constexpr(8)
+
+
+@triton.autotune(configs=_MGROUPED_CONFIGS, key=["N", "K", "M_BUCKET"])
+@triton.jit
+def _mgrouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, offs_ptr, c_ptr, M, N, K, G, M_BUCKET,
+                     stride_am, stride_asm, stride_ask, stride_bg, stride_bn, stride_bsg, stride_bsn, stride_bsk,
+                     stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G_POW2: tl.constexpr,
+                     EVEN_K: tl.constexpr):
+    # M_BUCKET (next power of two of M) only keys the autotuner.
+    # virtual row tiles (ceil(M / BLOCK_M) + G of them) x column tiles, swizzled in bands of GROUP_M row tiles
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M) + G
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    band = GROUP_M * tiles_n
+    first_m = (pid // band) * GROUP_M
+    band_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    tile_m = first_m + (pid % band) % band_m
+    tile_n = (pid % band) // band_m
+    g, row0, end, valid = locate_tile(tile_m, offs_ptr, G, BLOCK_M, G_POW2)
+    if valid:
+        rows = row0 + tl.arange(0, BLOCK_M)
+        cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows_in = tl.minimum(rows, M - 1).to(tl.int64)
+        cols_in = tl.minimum(cols, N - 1).to(tl.int64)
+        ks = tl.arange(0, TILE)
+        a_ptrs = a_ptr + rows_in[:, None] * stride_am + ks[None, :]
+        b_ptrs = b_ptr + g.to(tl.int64) * stride_bg + cols_in[:, None] * stride_bn + ks[None, :]
+        sa_ptrs = as_ptr + rows_in * stride_asm
+        sb_ptrs = bs_ptr + g.to(tl.int64) * stride_bsg + (cols_in // TILE) * stride_bsn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kt in range(0, tl.cdiv(K, TILE)):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_ok = ks[None, :] < K - kt * TILE
+                a = tl.load(a_ptrs, mask=k_ok, other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok, other=0.0)
+            acc = promote(acc, a, b, tl.load(sa_ptrs + kt * stride_ask), tl.load(sb_ptrs + kt * stride_bsk))
+            a_ptrs += TILE
+            b_ptrs += TILE
+        mask = (rows < end)[:, None] & (cols < N)[None, :]
+        c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.autotune(configs=_KGROUPED_CONFIGS, key=["N", "K"])
+@triton.jit
+def _kgrouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, offs_ptr, c_ptr, N, K,
+                     stride_an, stride_asn, stride_ast, stride_bk, stride_bsk, stride_bst,
+                     stride_cg, stride_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # one program per (group, N tile, K tile); it walks the group's zero-padded 128-token tiles
+    g = tl.program_id(0)
+    start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
+    end = tl.load(offs_ptr + g)
+    first_tile = g + start // TILE
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_in = tl.minimum(rows, N - 1).to(tl.int64)
+    cols_in = tl.minimum(cols, K - 1).to(tl.int64)
+    tokens = first_tile.to(tl.int64) * TILE + tl.arange(0, TILE)
+    a_ptrs = a_ptr + rows_in[:, None] * stride_an + tokens[None, :]
+    b_ptrs = b_ptr + cols_in[:, None] * stride_bk + tokens[None, :]
+    sa_ptrs = as_ptr + rows_in * stride_asn + first_tile * stride_ast
+    sb_ptrs = bs_ptr + cols_in * stride_bsk + first_tile * stride_bst
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for t in range(0, tl.cdiv(end - start, TILE)):
+        acc = promote(acc, tl.load(a_ptrs), tl.load(b_ptrs), tl.load(sa_ptrs + t * stride_ast),
+                      tl.load(sb_ptrs + t * stride_bst))
+        a_ptrs += TILE
+        b_ptrs += TILE
+    mask = (rows < N)[:, None] & (cols < K)[None, :]
+    c_ptrs = c_ptr + g.to(tl.int64) * stride_cg + rows.to(tl.int64)[:, None] * stride_cn + cols[None, :]
+    tl.store(c_ptrs, acc, mask=mask)
+
+
+def mgrouped_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, offs: Tensor,
+                  out_dtype: torch.dtype) -> Tensor:
+    """out[rows of g] = a[rows of g] @ b[g].T for K-major e4m3 a [M, K] (1x128 scales), b [G, N, K] (blocks)."""
+    a, b = a.contiguous(), b.contiguous()
+    m, k = a.shape
+    groups, n, _ = b.shape
+    out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    if m == 0:
+        return out
+
+    def grid(meta):
+        return ((triton.cdiv(m, meta["BLOCK_M"]) + groups) * triton.cdiv(n, meta["BLOCK_N"]),)
+
+    _mgrouped_kernel[grid](a, a_scale, b, b_scale, offs, out, m, n, k, groups, triton.next_power_of_2(m),
+                           a.stride(0), a_scale.stride(0), a_scale.stride(1),
+                           b.stride(0), b.stride(1), b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
+                           out.stride(0), G_POW2=triton.next_power_of_2(groups), EVEN_K=k % quant_ref.TILE == 0)
+    return out
+
+
+def mgrouped_dgrad(dy: Tensor, dy_scale: Tensor, w: Tensor, w_scale: Tensor, offs: Tensor,
+                   out_dtype: torch.dtype) -> Tensor:
+    """dx[rows of g] = dy[rows of g] @ w[g]: the forward kernel on w's blocks transposed to K-major [G, K, N]."""
+    return mgrouped_gemm(dy, dy_scale, w.transpose(1, 2).contiguous(), w_scale.transpose(1, 2), offs, out_dtype)
+
+
+def kgrouped_gemm(a_t: Tensor, a_scale: Tensor, b_t: Tensor, b_scale: Tensor, offs: Tensor) -> Tensor:
+    """dw[g] = a[rows of g].T @ b[rows of g] (fp32) from k-grouped e4m3 a_t [N, 128T] and b_t [K, 128T]."""
+    a_t, b_t = a_t.contiguous(), b_t.contiguous()
+    n, k, groups = a_t.shape[0], b_t.shape[0], offs.numel()
+    out = torch.empty(groups, n, k, dtype=torch.float32, device=a_t.device)
+
+    def grid(meta):
+        return (groups, triton.cdiv(n, meta["BLOCK_M"]), triton.cdiv(k, meta["BLOCK_N"]))
+
+    _kgrouped_kernel[grid](a_t, a_scale, b_t, b_scale, offs, out, n, k,
+                           a_t.stride(0), a_scale.stride(0), a_scale.stride(1),
+                           b_t.stride(0), b_scale.stride(0), b_scale.stride(1), out.stride(0), out.stride(1))
+    return out

@@ -1,0 +1,105 @@
+"""Triton FP8 quantisation kernels: 1x128 activation tiles, 128x128 weight blocks, k-grouped wgrad tiles."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kernels import quant_ref
+from kernels.quant_ref import FP8_DTYPE, kgrouped_columns, num_tiles
+from kernels.triton_common import TILE, locate_tile, quantize_codes, tile_scale
+
+ROWS_PER_PROGRAM = 32
+COLUMNS_PER_PROGRAM = 64
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
+                          BLOCK_M: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    kt = tl.program_id(1)
+    cols = kt * TILE + tl.arange(0, TILE)
+    row_ok = rows < M
+    mask = row_ok[:, None] & (cols < K)[None, :]
+    r64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + r64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    scale = tile_scale(tl.max(tl.abs(x), axis=1))
+    tl.store(q_ptr + r64[:, None] * stride_qm + cols[None, :], quantize_codes(x, scale[:, None]), mask=mask)
+    tl.store(s_ptr + r64 * stride_sm + kt, scale, mask=row_ok)
+
+
+@triton.jit
+def _quantize_blocks_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_wg, stride_wn, stride_qg, stride_qn,
+                            stride_sg, stride_sn):
+    g = tl.program_id(0).to(tl.int64)
+    nt = tl.program_id(1)
+    kt = tl.program_id(2)
+    rows = (nt * TILE + tl.arange(0, TILE)).to(tl.int64)
+    cols = kt * TILE + tl.arange(0, TILE)
+    mask = (rows < N)[:, None] & (cols < K)[None, :]
+    w = tl.load(w_ptr + g * stride_wg + rows[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0)
+    w = w.to(tl.float32)
+    scale = tile_scale(tl.max(tl.max(tl.abs(w), axis=1), axis=0))
+    tl.store(q_ptr + g * stride_qg + rows[:, None] * stride_qn + cols[None, :], quantize_codes(w, scale), mask=mask)
+    tl.store(s_ptr + g * stride_sg + nt * stride_sn + kt, scale)
+
+
+@triton.jit
+def _quantize_kgrouped_kernel(x_ptr, offs_ptr, q_ptr, s_ptr, K, G, stride_xm, stride_qk, stride_sk, stride_st,
+                              BLOCK_K: tl.constexpr, G_POW2: tl.constexpr):
+    tile = tl.program_id(0)
+    g, row0, end, valid = locate_tile(tile, offs_ptr, G, TILE, G_POW2)
+    rows = (row0 + tl.arange(0, TILE)).to(tl.int64)
+    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = ks < K
+    mask = (rows < end)[:, None] & k_ok[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+    scale = tile_scale(tl.max(tl.abs(x), axis=0))
+    codes = tl.trans(quantize_codes(x, scale[None, :]))
+    k64 = ks.to(tl.int64)
+    columns = tile.to(tl.int64) * TILE + tl.arange(0, TILE)
+    tl.store(q_ptr + k64[:, None] * stride_qk + columns[None, :], codes, mask=k_ok[:, None])
+    tl.store(s_ptr + k64 * stride_sk + tile * stride_st, scale, mask=k_ok)
+
+
+def quantize_activation(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Triton version of quant_ref.quantize_activation_ref."""
+    x = x.contiguous()
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(m, num_tiles(k), dtype=torch.float32, device=x.device)
+    if m:
+        grid = (triton.cdiv(m, ROWS_PER_PROGRAM), num_tiles(k))
+        _quantize_rows_kernel[grid](x, q.view(torch.uint8), scale, m, k, x.stride(0), q.stride(0), scale.stride(0),
+                                    BLOCK_M=ROWS_PER_PROGRAM)
+    return q, scale
+
+
+def quantize_weight(w: Tensor) -> tuple[Tensor, Tensor]:
+    """Triton version of quant_ref.quantize_weight_ref, for w [N, K] or [G, N, K]."""
+    stacked = w.contiguous().reshape(-1, *w.shape[-2:])
+    groups, n, k = stacked.shape
+    q = torch.empty(stacked.shape, dtype=FP8_DTYPE, device=w.device)
+    scale = torch.empty(groups, num_tiles(n), num_tiles(k), dtype=torch.float32, device=w.device)
+    if q.numel():
+        _quantize_blocks_kernel[(groups, num_tiles(n), num_tiles(k))](
+            stacked, q.view(torch.uint8), scale, n, k, stacked.stride(0), stacked.stride(1),
+            q.stride(0), q.stride(1), scale.stride(0), scale.stride(1), num_warps=8)
+    return q.view(w.shape), scale.view(*w.shape[:-2], num_tiles(n), num_tiles(k))
+
+
+def quantize_activation_kgrouped(x: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
+    """Triton version of quant_ref.quantize_activation_kgrouped_ref (scales stored tile-major)."""
+    x = x.contiguous()
+    m, k = x.shape
+    groups = offs.numel()
+    columns = kgrouped_columns(m, groups)
+    q_t = torch.empty(k, columns * quant_ref.TILE, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(columns, k, dtype=torch.float32, device=x.device).t()
+    grid = (columns, triton.cdiv(k, COLUMNS_PER_PROGRAM))
+    _quantize_kgrouped_kernel[grid](x, offs, q_t.view(torch.uint8), scale, k, groups, x.stride(0), q_t.stride(0),
+                                    scale.stride(0), scale.stride(1), BLOCK_K=COLUMNS_PER_PROGRAM,
+                                    G_POW2=triton.next_power_of_2(groups))
+    return q_t, scale

@@ -1,0 +1,86 @@
+"""FP8 grouped GEMMs (forward, dgrad, k-grouped wgrad) against the fp32 product of unquantised inputs."""
+
+import pytest
+import torch
+
+import kernels
+from tests.kernels.helpers import GROUP_SIZES, bounds, inputs, offsets
+
+SHAPES = [(256, 128), (200, 96)]  # (K, N); the second is not a multiple of 128 on either side
+
+
+def exact_forward(x, w, sizes):
+    return torch.cat([x[s:e] @ w[g].t() for g, (s, e) in enumerate(bounds(sizes))])
+
+
+def exact_dgrad(dy, w, sizes):
+    return torch.cat([dy[s:e] @ w[g] for g, (s, e) in enumerate(bounds(sizes))])
+
+
+def exact_wgrad(dy, x, sizes):
+    return torch.stack([dy[s:e].t() @ x[s:e] for s, e in bounds(sizes)])
+
+
+def forward(x, w, offs, backend, **kw):
+    return kernels.fp8_grouped_gemm(*kernels.quantize_activation(x), *kernels.quantize_weight(w), offs,
+                                    backend=backend, **kw)
+
+
+def dgrad(dy, w, offs, backend):
+    return kernels.fp8_grouped_gemm_dgrad(*kernels.quantize_activation(dy), *kernels.quantize_weight(w), offs,
+                                          backend=backend)
+
+
+def wgrad(dy, x, offs, backend):
+    return kernels.fp8_grouped_gemm_wgrad(*kernels.quantize_activation_kgrouped(dy, offs),
+                                          *kernels.quantize_activation_kgrouped(x, offs), offs, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_forward_dgrad_wgrad_within_1e_3_of_fp32_with_empty_and_ragged_groups(backend, k, n):
+    x, w, dy, offs = inputs(GROUP_SIZES, k, n)
+    out = forward(x, w, offs, backend)
+    dx = dgrad(dy, w, offs, backend)
+    dw = wgrad(dy, x, offs, backend)
+    assert out.shape == (x.shape[0], n) and dx.shape == x.shape and dw.shape == w.shape
+    assert out.dtype == dx.dtype == dw.dtype == torch.float32
+    assert kernels.calc_diff(out, exact_forward(x, w, GROUP_SIZES)) < 1e-3
+    assert kernels.calc_diff(dx, exact_dgrad(dy, w, GROUP_SIZES)) < 1e-3
+    assert kernels.calc_diff(dw, exact_wgrad(dy, x, GROUP_SIZES)) < 1e-3
+    assert torch.all(dw[[0, 4]] == 0)  # empty groups get a zero weight gradient
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_triton_matches_the_reference_on_the_same_fp8_operands(k, n):
+    """Same quantised inputs: only the fp32 summation order differs."""
+    x, w, dy, offs = inputs(GROUP_SIZES, k, n, seed=3)
+    for op, args in ((forward, (x, w, offs)), (dgrad, (dy, w, offs)), (wgrad, (dy, x, offs))):
+        ours, ref = op(*args, backend="triton"), op(*args, backend="torch")
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_bf16_output_and_one_big_group_spanning_several_tiles():
+    sizes = [0, 0, 300]
+    x, w, dy, offs = inputs(sizes, 256, 128, seed=4)
+    out = forward(x, w, offs, "triton", out_dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    assert kernels.calc_diff(out, exact_forward(x, w, sizes)) < 1e-3
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_no_rows_at_all(backend):
+    x, w, dy, offs = inputs([0, 0], 256, 128)
+    assert forward(x, w, offs, backend).shape == (0, 128)
+    assert dgrad(dy, w, offs, backend).shape == (0, 256)
+    assert torch.equal(wgrad(dy, x, offs, backend), torch.zeros(2, 128, 256))
+
+
+def test_offs_of_other_groups_do_not_leak_into_a_group():
+    """Rows of group 1 shifted by one: each row's output uses its own group's weight only."""
+    x, w, _, _ = inputs([64, 64], 256, 128, seed=5)
+    a = forward(x, w, offsets([64, 64]), "triton")
+    b = forward(x, w, offsets([65, 63]), "triton")
+    torch.testing.assert_close(b[:64], a[:64], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(b[65:], a[65:], rtol=1e-5, atol=1e-4)
+    assert kernels.calc_diff(a[64], w[1] @ x[64]) < 1e-3 and kernels.calc_diff(b[64], w[0] @ x[64]) < 1e-3
