@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -48,6 +49,28 @@ def _worker(
             dist.destroy_process_group()
 
 
+def _collect(procs: list, results: Any, outputs: dict[int, Any], wait_s: float) -> str | None:
+    """Fill outputs with each rank's result; return the first failure (raised, died, or too slow)."""
+    end = time.monotonic() + wait_s
+    suspects: set[int] = set()
+    while len(outputs) < len(procs):
+        try:
+            rank, ok, payload = results.get(timeout=1.0)
+        except queue.Empty:
+            dead = {r for r, p in enumerate(procs) if r not in outputs and p.exitcode is not None}
+            if dead & suspects:  # gone with no result over two polls: it will never report
+                rank = min(dead & suspects)
+                return f"rank {rank} died with exit code {procs[rank].exitcode} before reporting a result"
+            suspects = dead
+            if time.monotonic() > end:
+                return f"no result within {wait_s:.0f}s from ranks {sorted(set(range(len(procs))) - set(outputs))}"
+            continue
+        if not ok:
+            return f"rank {rank} failed:\n{payload}"
+        outputs[rank] = pickle.loads(payload)
+    return None
+
+
 def run_processes(
     fn: Callable[..., Any],
     world_size: int,
@@ -60,8 +83,9 @@ def run_processes(
 
     The parent hosts the rendezvous store on a port the OS picks, so concurrent runs never
     collide. If any rank raises, dies or exceeds timeout_s, every rank is killed and a
-    WorkerError carrying the first failure's traceback is raised. fn and its results must
-    be picklable (define fn at module level).
+    WorkerError carrying the first failure's traceback is raised; a rank that dies without
+    reporting is noticed within seconds. fn and its results must be picklable (define fn at
+    module level); tensors in results come back by value.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -78,19 +102,8 @@ def run_processes(
         p.start()
     outputs: dict[int, Any] = {}
     failure: str | None = None
-    deadline = timeout_s + 60.0  # start-up of fresh interpreters counts too
     try:
-        while len(outputs) < world_size and failure is None:
-            try:
-                rank, ok, payload = results.get(timeout=deadline)
-            except queue.Empty:
-                failure = f"no result within {deadline:.0f}s from ranks " \
-                          f"{sorted(set(range(world_size)) - set(outputs))}"
-                break
-            if ok:
-                outputs[rank] = pickle.loads(payload)
-            else:
-                failure = f"rank {rank} failed:\n{payload}"
+        failure = _collect(procs, results, outputs, timeout_s + 60.0)  # interpreter start-up counts too
     finally:
         for p in procs:
             if failure is not None and p.is_alive():
