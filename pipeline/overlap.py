@@ -10,7 +10,9 @@ is in flight, then resumes the forward. Modules without it just run forward then
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Generator
+
+from torch import nn
 
 
 def complete(forward: Any) -> Any:
@@ -34,3 +36,22 @@ def run_overlapped(forward: Any, backward: Callable[[], None]) -> Any:
             return stop.value
     backward()
     return complete(forward)
+
+
+class OverlapSequential(nn.Sequential):
+    """nn.Sequential whose forward_steps chains its children's forward_steps (plain calls for others)."""
+
+    def forward_steps(self, *inputs: Any) -> Generator[Any, None, Any]:
+        """Run the children in order, yielding whatever their forward_steps yield."""
+        out: Any = inputs
+        for i, child in enumerate(self):
+            args = out if i == 0 else (out,)
+            if hasattr(child, "forward_steps"):
+                out = yield from child.forward_steps(*args)
+            else:
+                out = child(*args)
+        return out
+
+    def forward(self, *inputs: Any) -> Any:
+        """Same result as forward_steps, run without pausing."""
+        return complete(self.forward_steps(*inputs))

@@ -118,6 +118,8 @@ class PipelineRuntime(nn.Module):
 
     def _run(self, act: Action) -> None:
         self.current_action = act
+        if act.op in schedules.COMPUTE_OPS:
+            self._await_inputs(act)
         t0 = time.perf_counter()
         if act.op is Op.F:
             inputs, out = self._start_forward(act.phase, act.chunk)
@@ -152,13 +154,19 @@ class PipelineRuntime(nn.Module):
         else:
             self._outbox[(op, phase, chunk)] = [t for t, _ in tensors]
 
+    def _await_inputs(self, act: Action) -> None:
+        """Complete the receives act needs (outside its timed compute), keeping them for _fetch."""
+        for half in act.halves():
+            op = Op.RECV_F if half.op is Op.F else Op.RECV_B
+            key = (op, half.phase, half.chunk)
+            if key in self._posted:
+                step = -1 if op is Op.RECV_F else 1
+                peer = self._layout.locate(half.chunk, self._stage(half.phase) + step)[0]
+                self._local[key] = self._channel.finish_recv(self._posted.pop(key), peer, _STREAM[op] + half.phase)
+
     def _fetch(self, op: Op, phase: int, chunk: int) -> list[tuple[Tensor, bool]]:
-        """Tensors that arrived for (phase, chunk): from a posted receive or a local hand-over."""
-        key = (op, phase, chunk)
-        if key not in self._posted:
-            return self._local.pop(key)
-        peer = self._layout.locate(chunk, self._stage(phase) + (-1 if op is Op.RECV_F else 1))[0]
-        return self._channel.finish_recv(self._posted.pop(key), peer, _STREAM[op] + phase)
+        """Tensors that arrived for (phase, chunk), by a receive or a hand-over on this rank."""
+        return self._local.pop((op, phase, chunk))
 
     def _start_forward(self, phase: int, chunk: int) -> tuple[list[Tensor], Any]:
         if self._stage(phase) == 0:

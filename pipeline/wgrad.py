@@ -23,8 +23,9 @@ class WeightGradStore:
     """Queued weight-grad closures per key (one key per split backward), run by W actions."""
 
     def __init__(self) -> None:
-        self._queues: dict[Hashable, list[Callable[[], None]]] = {}
+        self._queues: dict[Hashable, list[tuple[Callable[[], None], int]]] = {}
         self._key: Hashable | None = None
+        self.held_bytes = 0  # bytes of tensors the queued closures keep alive
 
     @contextmanager
     def capture(self, key: Hashable) -> Iterator[None]:
@@ -38,15 +39,17 @@ class WeightGradStore:
             _ACTIVE.reset(token)
             self._key = None
 
-    def push(self, fn: Callable[[], None]) -> None:
-        """Queue fn under the key being captured."""
-        self._queues[self._key].append(fn)
+    def push(self, fn: Callable[[], None], nbytes: int = 0) -> None:
+        """Queue fn (keeping nbytes of tensors alive until it runs) under the key being captured."""
+        self._queues[self._key].append((fn, nbytes))
+        self.held_bytes += nbytes
 
     def run(self, key: Hashable) -> int:
         """Execute and drop the closures queued under key; return how many ran."""
         fns = self._queues.pop(key, [])
-        for fn in fns:
+        for fn, nbytes in fns:
             fn()
+            self.held_bytes -= nbytes
         return len(fns)
 
     def pending(self) -> int:
@@ -54,13 +57,14 @@ class WeightGradStore:
         return sum(map(len, self._queues.values()))
 
 
-def defer_weight_grad(weight: Tensor, compute: Callable[[], Tensor]) -> bool:
+def defer_weight_grad(weight: Tensor, compute: Callable[[], Tensor], holds: tuple[Tensor, ...] = ()) -> bool:
     """Call from a backward: inside a split B, queue `compute()` (weight's grad) for the W action
-    and return True (the backward then returns None for weight); elsewhere return False."""
+    and return True (the backward then returns None for weight); elsewhere return False.
+    holds: the tensors compute keeps alive (for memory accounting only)."""
     store = _ACTIVE.get()
     if store is None or not weight.requires_grad:
         return False
-    store.push(lambda: torch.autograd.backward(weight, compute()))
+    store.push(lambda: torch.autograd.backward(weight, compute()), sum(t.nbytes for t in holds))
     return True
 
 
@@ -79,7 +83,7 @@ class _SplitLinear(torch.autograd.Function):
         need_w, need_b = ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
         x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
         bias = ctx.bias
-        if need_w and defer_weight_grad(weight, lambda: dy2.t() @ x2):
+        if need_w and defer_weight_grad(weight, lambda: dy2.t() @ x2, (x2, dy2)):
             need_w = False
             if need_b:
                 defer_weight_grad(bias, lambda: dy2.sum(0))

@@ -7,7 +7,7 @@ import torch
 
 from dispatch.multiproc import run_processes
 from tests.pipeline.models import calc_diff
-from tests.pipeline.workers import bad_inputs, bw_split
+from tests.pipeline.workers import bad_inputs, bw_split, ep_overlap
 
 
 @pytest.mark.timeout(200)
@@ -35,3 +35,17 @@ def test_bad_input_raises_clear_errors() -> None:
     assert "num_chunks = 1 is too few" in errors["few_chunks"]
     assert "batch size 32, not divisible" in errors["indivisible"]
     assert "needs inputs" in errors["missing_inputs"]
+
+
+@pytest.mark.timeout(200)
+def test_ep_overlap_runs_backward_while_communication_is_in_flight() -> None:
+    results = run_processes(ep_overlap, 2, 4, timeout_s=150)
+    for res in results:
+        on, off = res[True], res[False]
+        assert torch.equal(on["loss"], off["loss"])
+        for a, b in zip(on["grads"], off["grads"]):
+            assert torch.equal(a, b)
+        # with overlap, some backward runs between a forward's comm start and its completion
+        assert "comm started,backward" in ",".join(on["log"])
+        assert "comm started,backward" not in ",".join(off["log"])
+    assert not torch.equal(results[0][True]["loss"], results[1][True]["loss"])
