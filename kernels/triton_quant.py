@@ -16,7 +16,7 @@ COLUMNS_PER_PROGRAM = 64
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sk,
                           BLOCK_M: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     kt = tl.program_id(1)
@@ -27,7 +27,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, strid
     x = tl.load(x_ptr + r64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     scale = tile_scale(tl.max(tl.abs(x), axis=1))
     tl.store(q_ptr + r64[:, None] * stride_qm + cols[None, :], quantize_codes(x, scale[:, None]), mask=mask)
-    tl.store(s_ptr + r64 * stride_sm + kt, scale, mask=row_ok)
+    tl.store(s_ptr + r64 * stride_sm + kt * stride_sk, scale, mask=row_ok)
 
 
 @triton.jit
@@ -65,15 +65,16 @@ def _quantize_kgrouped_kernel(x_ptr, offs_ptr, q_ptr, s_ptr, K, G, stride_xm, st
 
 
 def quantize_activation(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Triton version of quant_ref.quantize_activation_ref."""
+    """Triton version of quant_ref.quantize_activation_ref; scales are stored tile-major ([M, K/128] view
+    of [K/128, M] memory) so the GEMM reads a row tile's scales with one coalesced load."""
     x = x.contiguous()
     m, k = x.shape
     q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty(m, num_tiles(k), dtype=torch.float32, device=x.device)
+    scale = torch.empty(num_tiles(k), m, dtype=torch.float32, device=x.device).t()
     if m:
         grid = (triton.cdiv(m, ROWS_PER_PROGRAM), num_tiles(k))
         _quantize_rows_kernel[grid](x, q.view(torch.uint8), scale, m, k, x.stride(0), q.stride(0), scale.stride(0),
-                                    BLOCK_M=ROWS_PER_PROGRAM)
+                                    scale.stride(1), BLOCK_M=ROWS_PER_PROGRAM)
     return q, scale
 
 
