@@ -202,15 +202,15 @@ def _single_process(rank: int, layers: list[nn.Module], chunks: int):
 def _compute_seconds(timer: Any) -> float:
     if isinstance(timer, _Timer):
         return timer.total
-    return sum(end - start for _, start, end in timer.timeline)
+    return sum(busy for *_, busy in timer.timeline)
 
 
 def _mean_costs(pipe: Any) -> list[float]:
     """Measured mean seconds of F, full B, split B, W and F&B actions on this rank ([sum, count] pairs)."""
     sums = {k: [0.0, 0] for k in ("F", "B", "Bs", "W", "FB")}
-    for act, start, end in pipe.timeline:
+    for act, _, _, busy in pipe.timeline:
         key = "Bs" if act.op.value == "B" and act.split else act.op.value
-        sums[key][0] += end - start
+        sums[key][0] += busy
         sums[key][1] += 1
     return [v for pair in sums.values() for v in pair]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import time
 from contextlib import nullcontext
 from typing import Any, Callable, Sequence
@@ -42,9 +43,8 @@ class PipelineRuntime(nn.Module):
         self.split_bw = split_bw
         self.overlap = overlap
         self.store = WeightGradStore()
-        if split_bw:
-            install_split_linear(list(modules))
-        self.timeline: list[tuple[Action, float, float]] | None = None  # set to [] to record
+        self._split_linears = install_split_linear(list(modules)) if split_bw else []
+        self.timeline: list[tuple[Action, float, float, float]] | None = None  # [] to record (act, start, end, busy)
         self.current_action: Action | None = None
         self._schedules: dict[tuple[int, bool, bool], Schedule] = {}
 
@@ -85,6 +85,9 @@ class PipelineRuntime(nn.Module):
         self._saved: dict[tuple[int, int], tuple[list[Tensor], tuple]] = {}  # (inputs, outputs) for B
         self._results: dict[int, tuple[Tensor, ...]] = {}
         self._losses: dict[int, Tensor] = {}
+        self._sent_early: set[tuple[Op, int, int]] = set()
+        if not forward_only:
+            self._allocate_grads()
         for act in sched.actions[self.rank]:
             self._run(act)
         self._channel.wait_sends()
@@ -116,10 +119,17 @@ class PipelineRuntime(nn.Module):
 
     # -- actions -------------------------------------------------------------------------------
 
+    def _allocate_grads(self) -> None:
+        """Zero grads for the split Linears up front (ranks that wait at the start hide it), so
+        every weight-grad accumulation is one in-place matmul."""
+        for lin in self._split_linears:
+            for p in (lin.weight, lin.bias):
+                if p is not None and p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+
     def _run(self, act: Action) -> None:
         self.current_action = act
-        if act.op in schedules.COMPUTE_OPS:
-            self._await_inputs(act)
+        self._waited = 0.0
         t0 = time.perf_counter()
         if act.op is Op.F:
             inputs, out = self._start_forward(act.phase, act.chunk)
@@ -132,11 +142,13 @@ class PipelineRuntime(nn.Module):
             self._forward_backward(act)
         elif act.op in (Op.RECV_F, Op.RECV_B):
             self._posted[(act.op, act.phase, act.chunk)] = self._channel.post_recv(act.peer, self._stream(act))
+        elif (act.op, act.phase, act.chunk) in self._sent_early:
+            self._sent_early.remove((act.op, act.phase, act.chunk))
         else:
-            tensors = self._outbox.pop((act.op, act.phase, act.chunk))
-            self._channel.send(tensors, act.peer, self._stream(act))
+            self._channel.send(self._outbox.pop((act.op, act.phase, act.chunk)), act.peer, self._stream(act))
         if self.timeline is not None and act.op in schedules.COMPUTE_OPS:
-            self.timeline.append((act, t0, time.perf_counter()))
+            end = time.perf_counter()
+            self.timeline.append((act, t0, end, end - t0 - self._waited))
         self.current_action = None
 
     @staticmethod
@@ -154,19 +166,26 @@ class PipelineRuntime(nn.Module):
         else:
             self._outbox[(op, phase, chunk)] = [t for t, _ in tensors]
 
-    def _await_inputs(self, act: Action) -> None:
-        """Complete the receives act needs (outside its timed compute), keeping them for _fetch."""
-        for half in act.halves():
-            op = Op.RECV_F if half.op is Op.F else Op.RECV_B
-            key = (op, half.phase, half.chunk)
-            if key in self._posted:
-                step = -1 if op is Op.RECV_F else 1
-                peer = self._layout.locate(half.chunk, self._stage(half.phase) + step)[0]
-                self._local[key] = self._channel.finish_recv(self._posted.pop(key), peer, _STREAM[op] + half.phase)
-
     def _fetch(self, op: Op, phase: int, chunk: int) -> list[tuple[Tensor, bool]]:
-        """Tensors that arrived for (phase, chunk), by a receive or a hand-over on this rank."""
-        return self._local.pop((op, phase, chunk))
+        """Tensors for (phase, chunk) from a hand-over on this rank or a posted receive (its wait
+        is counted apart from compute)."""
+        key = (op, phase, chunk)
+        if key not in self._posted:
+            return self._local.pop(key)
+        t0 = time.perf_counter()
+        peer = self._layout.locate(chunk, self._stage(phase) + (-1 if op is Op.RECV_F else 1))[0]
+        tensors = self._channel.finish_recv(self._posted.pop(key), peer, _STREAM[op] + phase)
+        self._waited += time.perf_counter() - t0
+        return tensors
+
+    def _send_early(self, phase: int, chunk: int) -> None:
+        """Send a forward's outputs now rather than at its SEND action after the whole F&B pair
+        (per stream the order of messages is unchanged)."""
+        key = (Op.SEND_F, phase, chunk)
+        if key in self._outbox:
+            peer = self._layout.locate(chunk, self._stage(phase) + 1)[0]
+            self._channel.send(self._outbox.pop(key), peer, _STREAM[Op.SEND_F] + phase)
+            self._sent_early.add(key)
 
     def _start_forward(self, phase: int, chunk: int) -> tuple[list[Tensor], Any]:
         if self._stage(phase) == 0:
@@ -213,8 +232,13 @@ class PipelineRuntime(nn.Module):
     def _forward_backward(self, act: Action) -> None:
         bwd = act.backward
         inputs, started = self._start_forward(act.phase, act.chunk)
-        out = run_overlapped(started, lambda: self._backward(bwd.phase, bwd.chunk, bwd.split))
-        self._finish_forward(act.phase, act.chunk, inputs, out)
+        if inspect.isgenerator(started):  # EP overlap: B runs while the forward's comm is in flight
+            out = run_overlapped(started, lambda: self._backward(bwd.phase, bwd.chunk, bwd.split))
+            self._finish_forward(act.phase, act.chunk, inputs, out)
+            return
+        self._finish_forward(act.phase, act.chunk, inputs, started)
+        self._send_early(act.phase, act.chunk)
+        self._backward(bwd.phase, bwd.chunk, bwd.split)
 
 
 class DualPipe(PipelineRuntime):

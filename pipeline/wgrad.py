@@ -57,15 +57,34 @@ class WeightGradStore:
         return sum(map(len, self._queues.values()))
 
 
-def defer_weight_grad(weight: Tensor, compute: Callable[[], Tensor], holds: tuple[Tensor, ...] = ()) -> bool:
-    """Call from a backward: inside a split B, queue `compute()` (weight's grad) for the W action
-    and return True (the backward then returns None for weight); elsewhere return False.
-    holds: the tensors compute keeps alive (for memory accounting only)."""
+def accumulate_grad(param: Tensor, grad: Callable[[], Tensor], fused: Callable[[Tensor], None] | None = None) -> None:
+    """Add grad() to param.grad. With fused (an in-place `acc += grad` kernel, e.g. addmm_) and a
+    leaf param that already has a grad and no post-accumulate hooks, skip the temporary; otherwise
+    go through autograd so hooks run and non-leaf params reach their leaves."""
+    if (fused is not None and param.is_leaf and param.grad is not None
+            and not getattr(param, "_post_accumulate_grad_hooks", None)):
+        with torch.no_grad():
+            fused(param.grad)
+        return
+    torch.autograd.backward(param, grad())
+
+
+def defer_weight_grad(weight: Tensor, compute: Callable[[], None], holds: tuple[Tensor, ...] = ()) -> bool:
+    """Call from a backward: inside a split B, queue `compute()` (which accumulates weight's grad,
+    e.g. with accumulate_grad) for the W action and return True (the backward then returns None
+    for weight); elsewhere return False. holds: tensors compute keeps alive (memory accounting)."""
     store = _ACTIVE.get()
     if store is None or not weight.requires_grad:
         return False
-    store.push(lambda: torch.autograd.backward(weight, compute()), sum(t.nbytes for t in holds))
+    store.push(compute, sum(t.nbytes for t in holds))
     return True
+
+
+def _linear_weight_grads(weight: Tensor, bias: Tensor | None, x2: Tensor, dy2: Tensor) -> None:
+    if weight.requires_grad:
+        accumulate_grad(weight, lambda: dy2.t() @ x2, lambda acc: acc.addmm_(dy2.t(), x2))
+    if bias is not None and bias.requires_grad:
+        accumulate_grad(bias, lambda: dy2.sum(0), lambda acc: acc.add_(dy2.sum(0)))
 
 
 class _SplitLinear(torch.autograd.Function):
@@ -80,17 +99,13 @@ class _SplitLinear(torch.autograd.Function):
     def backward(ctx, dy: Tensor):  # noqa: D102
         x, weight = ctx.saved_tensors
         dx = dy @ weight if ctx.needs_input_grad[0] else None
-        need_w, need_b = ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
+        if not (ctx.needs_input_grad[1] or (ctx.has_bias and ctx.needs_input_grad[2])):
+            return dx, None, None
         x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
         bias = ctx.bias
-        if need_w and defer_weight_grad(weight, lambda: dy2.t() @ x2, (x2, dy2)):
-            need_w = False
-            if need_b:
-                defer_weight_grad(bias, lambda: dy2.sum(0))
-                need_b = False
-        dw = dy2.t() @ x2 if need_w else None
-        db = dy2.sum(0) if need_b else None
-        return dx, dw, db
+        if not defer_weight_grad(weight, lambda: _linear_weight_grads(weight, bias, x2, dy2), (x2, dy2)):
+            _linear_weight_grads(weight, bias, x2, dy2)
+        return dx, None, None
 
 
 def split_linear(module: nn.Linear, x: Tensor) -> Tensor:
@@ -98,12 +113,12 @@ def split_linear(module: nn.Linear, x: Tensor) -> Tensor:
     return _SplitLinear.apply(x, module.weight, module.bias)
 
 
-def install_split_linear(modules: list[nn.Module]) -> int:
-    """Route the forward of every nn.Linear inside modules through split_linear; return how many."""
-    count = 0
+def install_split_linear(modules: list[nn.Module]) -> list[nn.Linear]:
+    """Route the forward of every nn.Linear inside modules through split_linear; return them."""
+    installed = []
     for root in modules:
         for m in root.modules():
             if type(m) is nn.Linear and "forward" not in m.__dict__:
                 m.forward = split_linear.__get__(m)
-                count += 1
-    return count
+                installed.append(m)
+    return installed
