@@ -52,6 +52,7 @@ class FlatLayout:
 
     shapes: tuple[torch.Size, ...]
     offsets: tuple[int, ...]
+    bucket_of: tuple[int, ...]
     buckets: tuple[Bucket, ...]
     total: int
     shard_numel: int
@@ -64,6 +65,7 @@ class FlatLayout:
             raise ValueError(f"bucket_cap must be >= 1 element, got {bucket_cap}")
         sizes = [torch.Size(s).numel() for s in shapes]
         offsets: list[int] = []
+        bucket_of: list[int] = []
         buckets: list[Bucket] = []
         start = shard_start = 0
         i = 0
@@ -71,14 +73,15 @@ class FlatLayout:
             used = 0
             while i < len(sizes) and (used == 0 or used + sizes[i] <= bucket_cap):
                 offsets.append(start + used)
+                bucket_of.append(len(buckets))
                 used += sizes[i]
                 i += 1
             padded = -(-max(used, 1) // world_size) * world_size
             buckets.append(Bucket(start, padded, shard_start, world_size, rank))
             start += padded
             shard_start += padded // world_size
-        return cls(tuple(torch.Size(s) for s in shapes), tuple(offsets), tuple(buckets),
-                   start, shard_start)
+        return cls(tuple(torch.Size(s) for s in shapes), tuple(offsets), tuple(bucket_of),
+                   tuple(buckets), start, shard_start)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of flat shaped like each tensor (no copy)."""

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+import copy
+import functools
+from typing import Any, Mapping, MutableMapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from optim.flat_layout import FlatLayout
+
+CHUNK = 2**20
 
 
 class ShardedParams:
@@ -17,30 +21,52 @@ class ShardedParams:
     The model params become views of one flat buffer (their dtype), so the all-gather of the
     updated shards writes straight into them. Gradients are reduced from a flat fp32 buffer;
     fp32 params get their .grad bound to views of it, so backward accumulates in place and the
-    reduce-scatter needs no copy. gloo in torch 2.13 implements reduce_scatter_single and
-    all_gather_single, so the same single bucketed calls run on gloo and NCCL (no fallback).
+    reduce needs no copy. The inner optimizer sees the master shard as chunks of CHUNK
+    elements (leaf params aliasing it): torch's CPU AdamW is ~3x slower on one 16 MiB tensor
+    than on 4 MiB pieces, which stay in cache.
+
+    Collectives per bucket: "scatter_gather" is one reduce_scatter_single in and one
+    all_gather_single out (NCCL, and what "auto" picks off gloo). gloo in torch 2.13 has both,
+    but measured on CPU its reduce-scatter is ~2x slower than its all-reduce and its
+    all-gather ~2x slower than one broadcast per owner, so "auto" on gloo picks
+    "allreduce_broadcast": all-reduce the bucket and keep the owned slice, then each owner
+    broadcasts its slice straight into the flat params (same bytes as a ring all-gather).
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], group: ProcessGroup | None,
-                 bucket_cap: int, grad_divisor: float) -> None:
+                 bucket_cap: int, grad_divisor: float, collectives: str) -> None:
         self.params = list(params)
         self.group = group
         self.grad_divisor = grad_divisor
         world, rank = dist.get_world_size(group), dist.get_rank(group)
+        if collectives == "auto":
+            collectives = ("allreduce_broadcast" if dist.get_backend(group) == "gloo"
+                           else "scatter_gather")
+        self.collectives = collectives
+        self.owners = [dist.get_global_rank(group, r) if group is not None else r
+                       for r in range(world)]
         self.layout = FlatLayout.build([p.shape for p in self.params], world, rank, bucket_cap)
         dtype = self.params[0].dtype
         with torch.no_grad():
             self.param_flat = self.layout.flatten([p.detach() for p in self.params], dtype)
             for p, view in zip(self.params, self.layout.views(self.param_flat)):
                 p.data = view
-            master = self.layout.shard_of(self.param_flat).to(torch.float32)
-        self.master = torch.nn.Parameter(master)
-        self.master.grad = torch.zeros_like(master)
+            self.master = self.layout.shard_of(self.param_flat).to(torch.float32)
+        self.grad = torch.zeros_like(self.master)
+        self.chunks = []
+        for start in range(0, self.master.numel(), CHUNK):
+            chunk = torch.nn.Parameter(self.master[start:start + CHUNK])
+            chunk.grad = self.grad[start:start + CHUNK]
+            self.chunks.append(chunk)
         self.grad_flat = torch.zeros(self.layout.total, dtype=torch.float32,
                                      device=self.param_flat.device)
         self.grad_views = self.layout.views(self.grad_flat)
         self.binds_grads = dtype == torch.float32
         self.zero_grad(set_to_none=False)
+        self._armed, self._next, self._waiting = False, -1, []
+        self._works: list[dist.Work] = []
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
 
     def zero_grad(self, set_to_none: bool) -> None:
         """Zero the flat grads; fp32 params keep .grad bound to them, others follow set_to_none."""
@@ -53,35 +79,75 @@ class ShardedParams:
             elif p.grad is not None:
                 p.grad.zero_()
 
-    def _collect_grads(self) -> None:
-        """Bring any .grad not already living in the flat buffer into it (or zero for None)."""
-        for p, view in zip(self.params, self.grad_views):
-            if p.grad is None:
-                view.zero_()
-            elif p.grad.data_ptr() != view.data_ptr():
-                view.copy_(p.grad)
-                if self.binds_grads:
-                    p.grad = view
+    def _collect(self, i: int) -> None:
+        """Bring param i's .grad into the flat buffer if it does not live there (zero for None)."""
+        p, view = self.params[i], self.grad_views[i]
+        if p.grad is None:
+            view.zero_()
+        elif p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+            if self.binds_grads:
+                p.grad = view
+
+    def arm(self) -> None:
+        """Reduce each bucket from the grad hooks as soon as the next backward has filled it."""
+        self._armed = True
+        self._next = len(self.layout.buckets) - 1
+        self._waiting = [self.layout.bucket_of.count(b) for b in range(len(self.layout.buckets))]
+
+    def _on_grad(self, i: int, _param: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: count param i as ready; launch the buckets now complete."""
+        if not self._armed:
+            return
+        bucket = self.layout.bucket_of[i]
+        if bucket > self._next:
+            raise RuntimeError("a grad arrived for a bucket already being reduced: wrap only the "
+                               "last backward before step() in reduce_during_backward()")
+        self._collect(i)
+        self._waiting[bucket] -= 1
+        self._launch(flush=False)
+
+    def _launch(self, flush: bool) -> None:
+        """Start bucket reductions in a fixed order (last bucket first) while they are ready."""
+        grad, flat, buckets = self.grad, self.grad_flat, self.layout.buckets
+        while self._next >= 0 and (flush or self._waiting[self._next] == 0):
+            b = buckets[self._next]
+            if self.collectives == "scatter_gather":
+                work = dist.reduce_scatter_single(grad[b.shard], flat[b.full], group=self.group,
+                                                  async_op=True)
+            else:
+                work = dist.all_reduce(flat[b.full], group=self.group, async_op=True)
+            self._works.append(work)
+            self._next -= 1
 
     def reduce_grads(self) -> None:
-        """Reduce-scatter the local grads (summed over micro-batches) into master.grad / grad_divisor."""
-        self._collect_grads()
-        grad = self.master.grad
-        works = [dist.reduce_scatter_single(grad[b.shard], self.grad_flat[b.full],
-                                            group=self.group, async_op=True)
-                 for b in self.layout.buckets]
-        for work in works:
-            work.wait()
+        """Reduce-scatter the local grads (summed over micro-batches) into self.grad / grad_divisor."""
+        if not self._armed:
+            self._next = len(self.layout.buckets) - 1
+        for i, bucket in enumerate(self.layout.bucket_of):
+            if bucket <= self._next:
+                self._collect(i)
+        self._launch(flush=True)
+        _wait(self._works)
+        self._works, self._armed = [], False
+        grad = self.grad
+        if self.collectives != "scatter_gather":
+            for b in self.layout.buckets:
+                grad[b.shard].copy_(self.grad_flat[b.owned])
         grad.div_(self.grad_divisor)
 
     def all_gather(self, out_flat: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
         """All-gather every rank's shard (cast to out_flat's dtype) into out_flat, bucket by bucket."""
-        shard = shard.detach().to(out_flat.dtype)
-        works = [dist.all_gather_single(out_flat[b.full], shard[b.shard], group=self.group,
-                                        async_op=True)
-                 for b in self.layout.buckets]
-        for work in works:
-            work.wait()
+        shard, buckets = shard.detach().to(out_flat.dtype), self.layout.buckets
+        if self.collectives == "scatter_gather":
+            _wait([dist.all_gather_single(out_flat[b.full], shard[b.shard], group=self.group,
+                                          async_op=True) for b in buckets])
+            return out_flat
+        for b in buckets:
+            out_flat[b.owned].copy_(shard[b.shard])
+        _wait([dist.broadcast(out_flat[b.start + r * b.shard_numel:][:b.shard_numel], src=owner,
+                              group=self.group, async_op=True)
+               for b in buckets for r, owner in enumerate(self.owners)])
         return out_flat
 
     def gather_params(self) -> None:
@@ -95,4 +161,27 @@ class ShardedParams:
 
     def sq_norm(self) -> torch.Tensor:
         """Sum of squares (float64, shape [1]) of this rank's reduced grad shard."""
-        return torch.linalg.vector_norm(self.master.grad, dtype=torch.float64).square().reshape(1)
+        return torch.linalg.vector_norm(self.grad, dtype=torch.float64).square().reshape(1)
+
+    def get_state(self, state: Mapping[torch.Tensor, dict[str, Any]]
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The inner optimizer's state of this shard: shard-shaped entries (chunks joined), scalars."""
+        first = state.get(self.chunks[0], {})
+        keys = [k for k, v in first.items()
+                if torch.is_tensor(v) and v.shape == self.chunks[0].shape]
+        elementwise = {k: torch.cat([state[c][k] for c in self.chunks]) for k in keys}
+        return elementwise, {k: v for k, v in first.items() if k not in keys}
+
+    def set_state(self, state: MutableMapping[torch.Tensor, dict[str, Any]],
+                  elementwise: Mapping[str, torch.Tensor], scalars: Mapping[str, Any]) -> None:
+        """Give the inner optimizer this shard's state (inverse of get_state)."""
+        for start, chunk in zip(range(0, self.master.numel(), CHUNK), self.chunks):
+            entry = {k: v[start:start + CHUNK].clone() for k, v in elementwise.items()}
+            entry.update(copy.deepcopy(dict(scalars)))
+            state[chunk] = entry
+
+
+def _wait(works: list[dist.Work]) -> None:
+    """Wait for every async collective in works."""
+    for work in works:
+        work.wait()

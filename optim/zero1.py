@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -14,6 +15,7 @@ from optim.shard import ShardedParams
 
 LAYOUT_KEYS = ("process_group", "norm_groups", "grad_divisor")
 MASTER_KEY = "master"
+COLLECTIVES = ("auto", "scatter_gather", "allreduce_broadcast")
 
 
 def _param_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
@@ -73,19 +75,24 @@ class ZeRO1(torch.optim.Optimizer):
 
     Call shape of torch.distributed.optim.ZeroRedundancyOptimizer. Gradients on the model are
     the local, un-averaged sums over micro-batches (no DDP wrapper, no communication during
-    backward); step() (or reduce_gradients()) reduce-scatters them in fp32, divided by each
+    backward unless the last one runs inside reduce_during_backward(), which overlaps it);
+    step() (or reduce_gradients()) reduce-scatters them in fp32, divided by each
     group's grad_divisor (default: its process-group size), updates the local shard and
     all-gathers the new params into the model. Param-group keys besides the optimizer's
     hyper-parameters: process_group (shard group, e.g. expert-data-parallel for experts),
     norm_groups (extra groups the grad norm is summed over, e.g. expert-parallel, pipeline),
-    grad_divisor.
+    grad_divisor. bucket_cap_mb caps one collective's fp32 bucket; collectives picks the
+    primitives (see ShardedParams; "auto" chooses by backend).
     """
 
     def __init__(self, params: Iterable[Any],
                  optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
                  process_group: ProcessGroup | None = None, *, bucket_cap_mb: float = 25.0,
-                 norm_groups: Sequence[ProcessGroup] = (), **defaults: Any) -> None:
+                 norm_groups: Sequence[ProcessGroup] = (), collectives: str = "auto",
+                 **defaults: Any) -> None:
         groups = _param_groups(params)
+        if collectives not in COLLECTIVES:
+            raise ValueError(f"collectives must be one of {COLLECTIVES}, got {collectives!r}")
         if not (isinstance(optimizer_class, type)
                 and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, "
@@ -100,9 +107,9 @@ class ZeRO1(torch.optim.Optimizer):
             _check_group(i, group)
         bucket_cap = max(1, int(bucket_cap_mb * 2**20) // 4)
         self._shards = [ShardedParams(g["params"], g["process_group"], bucket_cap,
-                                      g["grad_divisor"]) for g in groups]
+                                      g["grad_divisor"], collectives) for g in groups]
         self.optim = optimizer_class(
-            [{**_hyper(g), "params": [s.master]} for g, s in zip(groups, self._shards)],
+            [{**_hyper(g), "params": s.chunks} for g, s in zip(groups, self._shards)],
             **defaults)
         for group, inner in zip(groups, self.optim.param_groups):
             group.update(_hyper(inner))
@@ -121,6 +128,13 @@ class ZeRO1(torch.optim.Optimizer):
         for shard in self._shards:
             shard.zero_grad(set_to_none)
         self._reduced = False
+
+    @contextlib.contextmanager
+    def reduce_during_backward(self) -> Iterator[None]:
+        """Wrap the last micro-batch's backward: each bucket's reduction starts as soon as it is full."""
+        for shard in self._shards:
+            shard.arm()
+        yield
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
@@ -146,7 +160,7 @@ class ZeRO1(torch.optim.Optimizer):
         coef = max_norm / (float(norm) + 1e-6)
         if coef < 1.0:
             for shard in self._shards:
-                shard.master.grad.mul_(coef)
+                shard.grad.mul_(coef)
         return norm
 
     @torch.no_grad()
@@ -168,18 +182,12 @@ class ZeRO1(torch.optim.Optimizer):
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for the optimizer: fp32 master shards and each state entry."""
         out = {MASTER_KEY: sum(s.master.numel() * s.master.element_size() for s in self._shards)}
-        for shard in self._shards:
-            for key, value in self.optim.state.get(shard.master, {}).items():
+        for chunk in (c for s in self._shards for c in s.chunks):
+            for key, value in self.optim.state.get(chunk, {}).items():
                 if torch.is_tensor(value):
                     out[key] = out.get(key, 0) + value.numel() * value.element_size()
         out["total"] = sum(out.values())
         return out
-
-    def _elementwise_keys(self, shard: ShardedParams) -> list[str]:
-        """Names of the state entries shaped like the shard (sharded), as opposed to scalars."""
-        state = self.optim.state.get(shard.master, {})
-        return sorted(k for k, v in state.items()
-                      if torch.is_tensor(v) and v.shape == shard.master.shape)
 
     @torch.no_grad()
     def state_dict(self) -> dict[str, Any]:
@@ -191,16 +199,14 @@ class ZeRO1(torch.optim.Optimizer):
         state: dict[int, dict[str, Any]] = {}
         elementwise = []
         for shard in self._shards:
-            keys = self._elementwise_keys(shard)
-            inner = self.optim.state.get(shard.master, {})
-            full = {k: shard.layout.views(shard.gather_full(inner[k])) for k in keys}
+            inner, scalars = shard.get_state(self.optim.state)
+            full = {k: shard.layout.views(shard.gather_full(v)) for k, v in inner.items()}
             full[MASTER_KEY] = shard.layout.views(shard.gather_full(shard.master))
-            scalars = {k: v for k, v in inner.items() if k not in keys}
             for j in range(len(shard.params)):
                 entry = {k: views[j].clone() for k, views in full.items()}
                 entry.update(copy.deepcopy(scalars))
                 state[len(state)] = entry
-            elementwise.append(keys)
+            elementwise.append(sorted(inner))
         groups, first = [], 0
         for group in self.param_groups:
             groups.append({**_hyper(group), "params": list(range(first, first + len(group["params"])))})
@@ -231,11 +237,10 @@ class ZeRO1(torch.optim.Optimizer):
         master = layout.flatten([e[MASTER_KEY] for e in entries], torch.float32)
         shard.master.copy_(layout.shard_of(master))
         shard.param_flat.copy_(master)
-        state = {k: layout.shard_of(layout.flatten([e[k] for e in entries], entries[0][k].dtype))
-                 for k in keys}
-        state.update({k: copy.deepcopy(v) for k, v in entries[0].items()
-                      if k != MASTER_KEY and k not in keys})
-        self.optim.state[shard.master] = state
+        elementwise = {k: layout.shard_of(layout.flatten([e[k] for e in entries],
+                                                         entries[0][k].dtype)) for k in keys}
+        scalars = {k: v for k, v in entries[0].items() if k != MASTER_KEY and k not in keys}
+        shard.set_state(self.optim.state, elementwise, scalars)
 
 
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:

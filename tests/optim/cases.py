@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -16,6 +17,7 @@ SAVE_AT = 5
 MICRO = 4
 BATCH = 64
 MAX_NORM = 0.05
+COLLECTIVES_BY_WORLD = {2: "allreduce_broadcast", 4: "scatter_gather"}
 COLLECTIVES = ("all_reduce", "reduce_scatter_single", "all_gather_single", "broadcast",
                "all_gather", "reduce_scatter_tensor", "all_gather_into_tensor",
                "all_to_all_single", "send", "recv", "isend", "irecv", "barrier")
@@ -84,19 +86,27 @@ def count_collectives() -> Iterator[list[str]]:
 
 
 def train(model: nn.Module, opt: ZeRO1, steps: range, rank: int, world: int,
-          dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """ZeRO1 data parallel with MICRO accumulation micro-batches and clipping; norms and comm log."""
+          dtype: torch.dtype = torch.float32, overlap: bool = False) -> dict[str, Any]:
+    """ZeRO1 data parallel with MICRO accumulation micro-batches and clipping; norms and comm log.
+
+    With overlap, the last micro-batch's backward runs inside reduce_during_backward().
+    backward_calls holds, per step, the collectives counted during each micro-batch.
+    """
     norms, backward_calls, step_calls = [], [], []
     per_rank = BATCH // world
     for step in steps:
         x, y = batch(step)
         x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
         opt.zero_grad()
-        with count_collectives() as calls:
-            for xm, ym in zip(x.chunk(MICRO), y.chunk(MICRO)):
+        counts = []
+        for m, (xm, ym) in enumerate(zip(x.chunk(MICRO), y.chunk(MICRO))):
+            last = overlap and m == MICRO - 1
+            with count_collectives() as calls, \
+                    opt.reduce_during_backward() if last else contextlib.nullcontext():
                 loss = nn.functional.mse_loss(model(xm.to(dtype)).float(), ym) / MICRO
                 loss.backward()
-        backward_calls.append(len(calls))
+            counts.append(len(calls))
+        backward_calls.append(counts)
         with count_collectives() as calls:
             norms.append(float(opt.clip_grad_norm_(MAX_NORM)))
             opt.step()
@@ -110,12 +120,18 @@ def params_of(model: nn.Module) -> list[torch.Tensor]:
 
 
 def dp_worker(rank: int, world: int, saved: dict[str, Any] | None) -> dict[str, Any]:
-    """10 ZeRO1 steps; with saved, also resume from it; at world 4, also the EP and error cases."""
+    """10 ZeRO1 steps; with saved, also resume from it; at world 4, also the EP and error cases.
+
+    World 2 and 4 use different collectives, so both paths are checked against the reference;
+    world 4 also overlaps the last micro-batch's reduction with its backward;
+    the resume, bf16 and EP cases use "auto" (all-reduce + broadcast on gloo, with subgroups).
+    """
     model = mlp()
-    opt = ZeRO1(groups(model), bucket_cap_mb=0.002)
-    out = train(model, opt, range(SAVE_AT), rank, world)
+    opt = ZeRO1(groups(model), bucket_cap_mb=0.002, collectives=COLLECTIVES_BY_WORLD[world])
+    overlap = world == 4
+    out = train(model, opt, range(SAVE_AT), rank, world, overlap=overlap)
     state = opt.state_dict()
-    more = train(model, opt, range(SAVE_AT, STEPS), rank, world)
+    more = train(model, opt, range(SAVE_AT, STEPS), rank, world, overlap=overlap)
     out = {k: out[k] + more[k] for k in out}
     out.update(params=params_of(model), state_bytes=opt.state_bytes(),
                buckets=len(opt._shards[0].layout.buckets), saved=state if rank == 0 else None)

@@ -48,3 +48,8 @@ def test_optimizer_class_and_bucket_cap() -> None:
 def test_needs_initialised_process_group() -> None:
     with pytest.raises(RuntimeError, match="init_process_group"):
         ZeRO1(nn.Linear(2, 2).parameters())
+
+
+def test_unknown_collectives() -> None:
+    with pytest.raises(ValueError, match="collectives must be one of"):
+        ZeRO1(nn.Linear(2, 2).parameters(), collectives="ring")

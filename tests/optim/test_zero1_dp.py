@@ -55,10 +55,16 @@ def test_params_equal_single_process_adamw(run: list[dict[str, Any]], ref: dict[
         assert out["norms"] == pytest.approx(ref["norms"], rel=1e-6)
 
 
-def test_accumulation_communicates_only_in_step(run: list[dict[str, Any]]) -> None:
-    for out in run:
-        assert out["backward_calls"] == [0] * cases.STEPS
+def test_accumulation_communicates_only_in_step(dp2: list[dict[str, Any]]) -> None:
+    for out in dp2:
+        assert out["backward_calls"] == [[0] * cases.MICRO] * cases.STEPS
         assert min(out["step_calls"]) > 0
+
+
+def test_overlap_communicates_only_in_last_backward(dp4: list[dict[str, Any]]) -> None:
+    for out in dp4:
+        for counts in out["backward_calls"]:
+            assert counts[:-1] == [0] * (cases.MICRO - 1) and counts[-1] > 0
 
 
 def test_state_bytes_are_12_params_over_n(run: list[dict[str, Any]], ref: dict[str, Any]) -> None:

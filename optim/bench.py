@@ -1,0 +1,139 @@
+"""`moe-bench optim`: ZeRO1 against ZeroRedundancyOptimizer(AdamW) and DDP + AdamW, side by side.
+
+Every optimizer trains its own copy of the same MLP in the same gloo processes; iterations
+of the three are interleaved so machine noise hits them alike. step_ms is the median of a
+whole training iteration (forward, backward, gradient sync, optimizer step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from contextlib import nullcontext
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+
+from dispatch.multiproc import run_processes
+from optim.memory import optimizer_state_bytes
+from optim.zero1 import COLLECTIVES, ZeRO1
+
+PEER = "zero_redundancy"
+
+
+def _mlp(layers: int, hidden: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(hidden, hidden) for _ in range(layers)])
+
+
+def _setups(layers: int, hidden: int, bucket_cap_mb: float,
+            collectives: str) -> dict[str, tuple[nn.Module, Any]]:
+    """Each contender: (module to call, optimizer), built on the same initial weights."""
+    ours = _mlp(layers, hidden)
+    zro = DistributedDataParallel(_mlp(layers, hidden))
+    ddp = DistributedDataParallel(_mlp(layers, hidden))
+    return {
+        "zero1": (ours, ZeRO1(ours.parameters(), torch.optim.AdamW, lr=1e-4,
+                              bucket_cap_mb=bucket_cap_mb, collectives=collectives)),
+        PEER: (zro, ZeroRedundancyOptimizer(zro.parameters(), torch.optim.AdamW, lr=1e-4)),
+        "ddp_adamw": (ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-4)),
+    }
+
+
+def _iteration(model: nn.Module, opt: Any, x: torch.Tensor) -> tuple[float, float]:
+    """One training iteration; (total seconds, seconds in optimizer.step).
+
+    ZeRO1 overlaps its gradient reduction with backward, as DDP does for the two peers.
+    """
+    start = time.perf_counter()
+    opt.zero_grad()
+    overlap = opt.reduce_during_backward() if isinstance(opt, ZeRO1) else nullcontext()
+    with overlap:
+        model(x).square().mean().backward()
+    mid = time.perf_counter()
+    opt.step()
+    end = time.perf_counter()
+    return end - start, end - mid
+
+
+def _worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, dict[str, float]]:
+    setups = _setups(args["layers"], args["hidden"], args["bucket_cap_mb"], args["collectives"])
+    x = torch.randn(args["batch"], args["hidden"], generator=torch.Generator().manual_seed(rank))
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in setups}
+    for it in range(args["warmup"] + args["steps"]):
+        for name, (model, opt) in setups.items():
+            t = _iteration(model, opt, x)
+            if it >= args["warmup"]:
+                times[name].append(t)
+    return {name: {"step_ms": 1e3 * statistics.median(t for t, _ in ts),
+                   "opt_ms": 1e3 * statistics.median(o for _, o in ts),
+                   "optimizer_state_bytes": optimizer_state_bytes(setups[name][1])}
+            for name, ts in times.items()}
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Spawn the gloo processes, return one row per optimizer (max over ranks of the medians)."""
+    per_rank = run_processes(_worker, args.world_size, vars(args), threads=args.threads,
+                             timeout_s=args.timeout)
+    params = args.layers * (args.hidden * args.hidden + args.hidden)
+    rows = []
+    for name in per_rank[0]:
+        step_ms = max(r[name]["step_ms"] for r in per_rank)
+        rows.append({"optimizer": name, "world_size": args.world_size, "step_ms": step_ms,
+                     "opt_ms": max(r[name]["opt_ms"] for r in per_rank),
+                     "optimizer_state_bytes": max(r[name]["optimizer_state_bytes"]
+                                                  for r in per_rank),
+                     "params": params})
+    peer_ms = next(r["step_ms"] for r in rows if r["optimizer"] == PEER)
+    for row in rows:
+        row["vs_zero_redundancy"] = row["step_ms"] / peer_ms
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """A plain-text table of the benchmark rows."""
+    head = f"{'optimizer':<16} {'world':>5} {'step_ms':>9} {'opt_ms':>8} {'vs ZeRO-R':>9} " \
+           f"{'opt bytes/rank':>15} {'bytes/param':>11}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['optimizer']:<16} {r['world_size']:>5} {r['step_ms']:>9.1f} "
+                     f"{r['opt_ms']:>8.1f} {r['vs_zero_redundancy']:>9.2f} "
+                     f"{r['optimizer_state_bytes']:>15,} "
+                     f"{r['optimizer_state_bytes'] / r['params']:>11.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse options, run the benchmark, print the table, optionally write JSON."""
+    p = argparse.ArgumentParser(prog="moe-bench optim", description=__doc__.splitlines()[0])
+    p.add_argument("--world-size", type=int, default=2, help="gloo processes (2 or 4)")
+    p.add_argument("--layers", type=int, default=8, help="Linear layers in the MLP")
+    p.add_argument("--hidden", type=int, default=1024, help="Linear width")
+    p.add_argument("--batch", type=int, default=16, help="rows per rank per step")
+    p.add_argument("--steps", type=int, default=20, help="timed iterations per optimizer")
+    p.add_argument("--warmup", type=int, default=3, help="untimed iterations per optimizer")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="ZeRO1 bucket cap")
+    p.add_argument("--collectives", choices=COLLECTIVES, default="auto",
+                   help="ZeRO1 collectives (auto: all-reduce + broadcast on gloo)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up")
+    p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
+    args = p.parse_args(argv)
+    for name in ("world_size", "layers", "hidden", "batch", "steps", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    rows = run(args)
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
