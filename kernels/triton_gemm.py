@@ -10,30 +10,40 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels import quant_ref
 from kernels.triton_common import INTERPRET, TILE, locate_tile, promote
 
 
+def _set_blocks(nargs: dict) -> None:
+    """Autotune pre-hook: the TMA descriptors load [BLOCK_M, 128] and [BLOCK_N, 128] tiles."""
+    nargs["a_desc"].block_shape = [nargs["BLOCK_M"], quant_ref.TILE]
+    nargs["b_desc"].block_shape = [nargs["BLOCK_N"], quant_ref.TILE]
+
+
 def _configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
     """(block rows, block cols, warps, stages) -> autotune configs; one config under the interpreter."""
     chosen = shapes[:1] if INTERPRET else shapes
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in chosen]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s, pre_hook=_set_blocks)
+            for bm, bn, w, s in chosen]
 
 
 _MGROUPED_CONFIGS = _configs([(128, 128, 8, 4), (128, 128, 8, 3), (64, 128, 4, 4), (128, 256, 8, 3)])
 _KGROUPED_CONFIGS = _configs([(128, 128, 8, 4), (128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 4)])
 GROUP_M = tl.constexpr(8)
+TMA_ALIGN = 16  # bytes = e4m3 elements: TMA needs every row stride to be a multiple of 16 bytes
 
 
 @triton.autotune(configs=_MGROUPED_CONFIGS, key=["N", "K", "M_BUCKET"])
 @triton.jit
-def _mgrouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, offs_ptr, c_ptr, M, N, K, G, M_BUCKET,
-                     stride_am, stride_asm, stride_ask, stride_bg, stride_bn, stride_bsg, stride_bsn, stride_bsk,
-                     stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G_POW2: tl.constexpr,
-                     EVEN_K: tl.constexpr):
+def _mgrouped_kernel(a_desc, as_ptr, b_desc, bs_ptr, offs_ptr, c_ptr, M, N, K, G, M_BUCKET,
+                     stride_asm, stride_ask, stride_bsg, stride_bsn, stride_bsk, stride_cm,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G_POW2: tl.constexpr):
+    # a_desc: TMA over a [M, K]; b_desc: TMA over b viewed as [G*N, K]. Rows a tile reads past its group
+    # (or past b[g]) only feed outputs that the masked store drops; reads past the tensor are zeros.
     # M_BUCKET (next power of two of M) only keys the autotuner.
-    # virtual row tiles (ceil(M / BLOCK_M) + G of them) x column tiles, swizzled in bands of GROUP_M row tiles
+    # Virtual row tiles (ceil(M / BLOCK_M) + G of them) x column tiles, swizzled in bands of GROUP_M row tiles.
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M) + G
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -46,25 +56,13 @@ def _mgrouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, offs_ptr, c_ptr, M, N, K, G, 
     if valid:
         rows = row0 + tl.arange(0, BLOCK_M)
         cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows_in = tl.minimum(rows, M - 1).to(tl.int64)
-        cols_in = tl.minimum(cols, N - 1).to(tl.int64)
-        ks = tl.arange(0, TILE)
-        a_ptrs = a_ptr + rows_in[:, None] * stride_am + ks[None, :]
-        b_ptrs = b_ptr + g.to(tl.int64) * stride_bg + cols_in[:, None] * stride_bn + ks[None, :]
-        sa_ptrs = as_ptr + rows_in * stride_asm
-        sb_ptrs = bs_ptr + g.to(tl.int64) * stride_bsg + (cols_in // TILE) * stride_bsn
+        b_row0 = g * N + tile_n * BLOCK_N
+        sa_ptrs = as_ptr + tl.minimum(rows, M - 1).to(tl.int64) * stride_asm
+        sb_ptrs = bs_ptr + g.to(tl.int64) * stride_bsg + (tl.minimum(cols, N - 1) // TILE) * stride_bsn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kt in range(0, tl.cdiv(K, TILE)):
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs)
-            else:
-                k_ok = ks[None, :] < K - kt * TILE
-                a = tl.load(a_ptrs, mask=k_ok, other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok, other=0.0)
-            acc = promote(acc, a, b, tl.load(sa_ptrs + kt * stride_ask), tl.load(sb_ptrs + kt * stride_bsk))
-            a_ptrs += TILE
-            b_ptrs += TILE
+            acc = promote(acc, a_desc.load([row0, kt * TILE]), b_desc.load([b_row0, kt * TILE]),
+                          tl.load(sa_ptrs + kt * stride_ask), tl.load(sb_ptrs + kt * stride_bsk))
         mask = (rows < end)[:, None] & (cols < N)[None, :]
         c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
@@ -72,32 +70,33 @@ def _mgrouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, offs_ptr, c_ptr, M, N, K, G, 
 
 @triton.autotune(configs=_KGROUPED_CONFIGS, key=["N", "K"])
 @triton.jit
-def _kgrouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, offs_ptr, c_ptr, N, K,
-                     stride_an, stride_asn, stride_ast, stride_bk, stride_bsk, stride_bst,
-                     stride_cg, stride_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _kgrouped_kernel(a_desc, as_ptr, b_desc, bs_ptr, offs_ptr, c_ptr, N, K,
+                     stride_asn, stride_ast, stride_bsk, stride_bst, stride_cg, stride_cn,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # one program per (group, N tile, K tile); it walks the group's zero-padded 128-token tiles
     g = tl.program_id(0)
     start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
     end = tl.load(offs_ptr + g)
     first_tile = g + start // TILE
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_in = tl.minimum(rows, N - 1).to(tl.int64)
-    cols_in = tl.minimum(cols, K - 1).to(tl.int64)
-    tokens = first_tile.to(tl.int64) * TILE + tl.arange(0, TILE)
-    a_ptrs = a_ptr + rows_in[:, None] * stride_an + tokens[None, :]
-    b_ptrs = b_ptr + cols_in[:, None] * stride_bk + tokens[None, :]
-    sa_ptrs = as_ptr + rows_in * stride_asn + first_tile * stride_ast
-    sb_ptrs = bs_ptr + cols_in * stride_bsk + first_tile * stride_bst
+    row0 = tl.program_id(1) * BLOCK_M
+    col0 = tl.program_id(2) * BLOCK_N
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = col0 + tl.arange(0, BLOCK_N)
+    sa_ptrs = as_ptr + tl.minimum(rows, N - 1).to(tl.int64) * stride_asn + first_tile * stride_ast
+    sb_ptrs = bs_ptr + tl.minimum(cols, K - 1).to(tl.int64) * stride_bsk + first_tile * stride_bst
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for t in range(0, tl.cdiv(end - start, TILE)):
-        acc = promote(acc, tl.load(a_ptrs), tl.load(b_ptrs), tl.load(sa_ptrs + t * stride_ast),
-                      tl.load(sb_ptrs + t * stride_bst))
-        a_ptrs += TILE
-        b_ptrs += TILE
+        token0 = (first_tile + t) * TILE
+        acc = promote(acc, a_desc.load([row0, token0]), b_desc.load([col0, token0]),
+                      tl.load(sa_ptrs + t * stride_ast), tl.load(sb_ptrs + t * stride_bst))
     mask = (rows < N)[:, None] & (cols < K)[None, :]
     c_ptrs = c_ptr + g.to(tl.int64) * stride_cg + rows.to(tl.int64)[:, None] * stride_cn + cols[None, :]
     tl.store(c_ptrs, acc, mask=mask)
+
+
+def _descriptor(t: Tensor) -> TensorDescriptor:
+    """A TMA descriptor over the 2-D tensor t; the autotune pre-hook sets its block shape."""
+    return TensorDescriptor.from_tensor(t, [1, quant_ref.TILE])
 
 
 def mgrouped_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, offs: Tensor,
@@ -106,6 +105,9 @@ def mgrouped_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, offs: 
     a, b = a.contiguous(), b.contiguous()
     m, k = a.shape
     groups, n, _ = b.shape
+    if k % TMA_ALIGN or n % TMA_ALIGN:
+        raise ValueError(f"the Triton FP8 GEMM needs both matrix sizes (K = {k}, N = {n}) to be multiples of "
+                         f"{TMA_ALIGN} (TMA row alignment); use backend='torch' for other sizes")
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0:
         return out
@@ -113,10 +115,10 @@ def mgrouped_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, offs: 
     def grid(meta):
         return ((triton.cdiv(m, meta["BLOCK_M"]) + groups) * triton.cdiv(n, meta["BLOCK_N"]),)
 
-    _mgrouped_kernel[grid](a, a_scale, b, b_scale, offs, out, m, n, k, groups, triton.next_power_of_2(m),
-                           a.stride(0), a_scale.stride(0), a_scale.stride(1),
-                           b.stride(0), b.stride(1), b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
-                           out.stride(0), G_POW2=triton.next_power_of_2(groups), EVEN_K=k % quant_ref.TILE == 0)
+    _mgrouped_kernel[grid](_descriptor(a), a_scale, _descriptor(b.view(groups * n, k)), b_scale, offs, out,
+                           m, n, k, groups, triton.next_power_of_2(m), a_scale.stride(0), a_scale.stride(1),
+                           b_scale.stride(0), b_scale.stride(1), b_scale.stride(2), out.stride(0),
+                           G_POW2=triton.next_power_of_2(groups))
     return out
 
 
@@ -135,7 +137,7 @@ def kgrouped_gemm(a_t: Tensor, a_scale: Tensor, b_t: Tensor, b_scale: Tensor, of
     def grid(meta):
         return (groups, triton.cdiv(n, meta["BLOCK_M"]), triton.cdiv(k, meta["BLOCK_N"]))
 
-    _kgrouped_kernel[grid](a_t, a_scale, b_t, b_scale, offs, out, n, k,
-                           a_t.stride(0), a_scale.stride(0), a_scale.stride(1),
-                           b_t.stride(0), b_scale.stride(0), b_scale.stride(1), out.stride(0), out.stride(1))
+    _kgrouped_kernel[grid](_descriptor(a_t), a_scale, _descriptor(b_t), b_scale, offs, out, n, k,
+                           a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
+                           out.stride(0), out.stride(1))
     return out

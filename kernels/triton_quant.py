@@ -102,5 +102,5 @@ def quantize_activation_kgrouped(x: Tensor, offs: Tensor) -> tuple[Tensor, Tenso
     grid = (columns, triton.cdiv(k, COLUMNS_PER_PROGRAM))
     _quantize_kgrouped_kernel[grid](x, offs, q_t.view(torch.uint8), scale, k, groups, x.stride(0), q_t.stride(0),
                                     scale.stride(0), scale.stride(1), BLOCK_K=COLUMNS_PER_PROGRAM,
-                                    G_POW2=triton.next_power_of_2(groups))
+                                    G_POW2=triton.next_power_of_2(groups), num_warps=8)
     return q_t, scale

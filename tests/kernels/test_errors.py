@@ -46,6 +46,12 @@ def test_dgrad_checks_n_against_the_weight(operands):
         kernels.fp8_grouped_gemm_dgrad(dy_q, dy_scale, *operands["b"], operands["offs"])
 
 
+def test_triton_gemm_needs_sizes_that_are_multiples_of_16():
+    x, w, _, offs = inputs([3, 0, 5], 200, 128)
+    with pytest.raises(ValueError, match=r"needs both matrix sizes \(K = 200, N = 128\) to be multiples of 16"):
+        kernels.fp8_grouped_linear(x, w, offs, backend="triton")
+
+
 def test_wgrad_needs_the_kgrouped_layout(operands):
     offs = operands["offs"]
     dy_t = kernels.quantize_activation_kgrouped(operands["dy"], offs)
