@@ -20,10 +20,10 @@ class ShardedParams:
 
     The model params become views of one flat buffer (their dtype), so the all-gather of the
     updated shards writes straight into them. Gradients are reduced from a flat fp32 buffer;
-    fp32 params get their .grad bound to views of it, so backward accumulates in place and the
-    reduce needs no copy. The inner optimizer sees the master shard as chunks of CHUNK
-    elements (leaf params aliasing it): torch's CPU AdamW is ~3x slower on one 16 MiB tensor
-    than on 4 MiB pieces, which stay in cache.
+    fp32 params get their .grad bound to views of it (a grad hook moves the first grad after
+    zero_grad in), so backward accumulates in place and the reduce needs no copy. The inner
+    optimizer sees the master shard as chunks of CHUNK elements (leaf params aliasing it):
+    torch's CPU AdamW is ~3x slower on one 16 MiB tensor than on 4 MiB pieces.
 
     Collectives per bucket: "scatter_gather" is one reduce_scatter_single in and one
     all_gather_single out (NCCL, and what "auto" picks off gloo). gloo in torch 2.13 has both,
@@ -69,13 +69,14 @@ class ShardedParams:
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
 
     def zero_grad(self, set_to_none: bool) -> None:
-        """Zero the flat grads; fp32 params keep .grad bound to them, others follow set_to_none."""
-        self.grad_flat.zero_()
+        """Drop the grads (set_to_none) or zero the flat buffer, fp32 .grad bound to it."""
+        if not set_to_none:
+            self.grad_flat.zero_()
         for p, view in zip(self.params, self.grad_views):
-            if self.binds_grads:
-                p.grad = view
-            elif set_to_none:
+            if set_to_none:
                 p.grad = None
+            elif self.binds_grads:
+                p.grad = view
             elif p.grad is not None:
                 p.grad.zero_()
 
@@ -96,16 +97,17 @@ class ShardedParams:
         self._waiting = [self.layout.bucket_of.count(b) for b in range(len(self.layout.buckets))]
 
     def _on_grad(self, i: int, _param: torch.Tensor) -> None:
-        """Post-accumulate-grad hook: count param i as ready; launch the buckets now complete."""
-        if not self._armed:
-            return
+        """Post-accumulate-grad hook: move a fresh fp32 grad into the flat buffer (no memset
+        needed after zero_grad); when armed, count param i ready and launch complete buckets."""
         bucket = self.layout.bucket_of[i]
-        if bucket > self._next:
+        if self._armed and bucket > self._next:
             raise RuntimeError("a grad arrived for a bucket already being reduced: wrap only the "
                                "last backward before step() in reduce_during_backward()")
-        self._collect(i)
-        self._waiting[bucket] -= 1
-        self._launch(flush=False)
+        if self._armed or self.binds_grads:
+            self._collect(i)
+        if self._armed:
+            self._waiting[bucket] -= 1
+            self._launch(flush=False)
 
     def _launch(self, flush: bool) -> None:
         """Start bucket reductions in a fixed order (last bucket first) while they are ready."""

@@ -90,6 +90,7 @@ def train(model: nn.Module, opt: ZeRO1, steps: range, rank: int, world: int,
     """ZeRO1 data parallel with MICRO accumulation micro-batches and clipping; norms and comm log.
 
     With overlap, the last micro-batch's backward runs inside reduce_during_backward().
+    At world 2, zero_grad keeps the grads bound to the zeroed flat buffer.
     backward_calls holds, per step, the collectives counted during each micro-batch.
     """
     norms, backward_calls, step_calls = [], [], []
@@ -97,7 +98,7 @@ def train(model: nn.Module, opt: ZeRO1, steps: range, rank: int, world: int,
     for step in steps:
         x, y = batch(step)
         x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=world != 2)
         counts = []
         for m, (xm, ym) in enumerate(zip(x.chunk(MICRO), y.chunk(MICRO))):
             last = overlap and m == MICRO - 1
