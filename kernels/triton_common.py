@@ -53,12 +53,6 @@ def quantize_codes(x, scale):
 
 
 @triton.jit
-def promote(acc, a, b, sa, sb):
-    """acc + (a @ b.T) * sa[:, None] * sb[None, :]: one 128-wide K slice on the tensor cores, promoted to fp32."""
-    return acc + tl.dot(a, tl.trans(b)) * sa[:, None] * sb[None, :]
-
-
-@triton.jit
 def locate_tile(tile, offs_ptr, G, BLOCK: tl.constexpr, G_POW2: tl.constexpr):
     """Group g, first row, group end and validity of virtual row tile `tile` of a grouped launch.
 

@@ -1,7 +1,7 @@
 """Triton FP8 grouped GEMMs with fp32 promotion every 128 of K: forward/dgrad (m-grouped) and wgrad (k-grouped).
 
 Both operands are K-major e4m3; each 128-wide K slice is multiplied on the tensor cores and then
-scaled into an fp32 accumulator (triton_common.promote).
+scaled into an fp32 accumulator: acc += dot(a_slice, b_slice.T) * row_scale[:, None] * col_scale[None, :].
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels import quant_ref
-from kernels.triton_common import INTERPRET, TILE, locate_tile, promote
+from kernels.triton_common import INTERPRET, TILE, locate_tile
 
 
 def _set_blocks(nargs: dict) -> None:
@@ -29,7 +29,7 @@ def _configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
             for bm, bn, w, s in chosen]
 
 
-_MGROUPED_CONFIGS = _configs([(128, 128, 8, 4), (128, 128, 8, 3), (64, 128, 4, 4), (128, 256, 8, 3)])
+_MGROUPED_CONFIGS = _configs([(128, 128, 8, 4), (128, 128, 8, 3), (64, 128, 4, 4), (128, 64, 4, 4)])
 _KGROUPED_CONFIGS = _configs([(128, 128, 8, 4), (128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 4)])
 GROUP_M = tl.constexpr(8)
 TMA_ALIGN = 16  # bytes = e4m3 elements: TMA needs every row stride to be a multiple of 16 bytes
@@ -53,16 +53,20 @@ def _mgrouped_kernel(a_desc, as_ptr, b_desc, bs_ptr, offs_ptr, c_ptr, M, N, K, G
     tile_m = first_m + (pid % band) % band_m
     tile_n = (pid % band) // band_m
     g, row0, end, valid = locate_tile(tile_m, offs_ptr, G, BLOCK_M, G_POW2)
+    # BLOCK_N divides 128, so a column tile lies in one weight block: its scale is a scalar per K slice
+    tl.static_assert(TILE % BLOCK_N == 0)
     if valid:
         rows = row0 + tl.arange(0, BLOCK_M)
         cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
         b_row0 = g * N + tile_n * BLOCK_N
         sa_ptrs = as_ptr + tl.minimum(rows, M - 1).to(tl.int64) * stride_asm
-        sb_ptrs = bs_ptr + g.to(tl.int64) * stride_bsg + (tl.minimum(cols, N - 1) // TILE) * stride_bsn
+        sb_ptr = bs_ptr + g.to(tl.int64) * stride_bsg + (tile_n * BLOCK_N // TILE) * stride_bsn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kt in range(0, tl.cdiv(K, TILE)):
-            acc = promote(acc, a_desc.load([row0, kt * TILE]), b_desc.load([b_row0, kt * TILE]),
-                          tl.load(sa_ptrs + kt * stride_ask), tl.load(sb_ptrs + kt * stride_bsk))
+            scale = tl.load(sa_ptrs + kt * stride_ask) * tl.load(sb_ptr + kt * stride_bsk)
+            a = a_desc.load([row0, kt * TILE])
+            b = b_desc.load([b_row0, kt * TILE])
+            acc += tl.dot(a, tl.trans(b)) * scale[:, None]
         mask = (rows < end)[:, None] & (cols < N)[None, :]
         c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
@@ -87,8 +91,11 @@ def _kgrouped_kernel(a_desc, as_ptr, b_desc, bs_ptr, offs_ptr, c_ptr, N, K,
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for t in range(0, tl.cdiv(end - start, TILE)):
         token0 = (first_tile + t) * TILE
-        acc = promote(acc, a_desc.load([row0, token0]), b_desc.load([col0, token0]),
-                      tl.load(sa_ptrs + t * stride_ast), tl.load(sb_ptrs + t * stride_bst))
+        a = a_desc.load([row0, token0])
+        b = b_desc.load([col0, token0])
+        sa = tl.load(sa_ptrs + t * stride_ast)
+        sb = tl.load(sb_ptrs + t * stride_bst)
+        acc += tl.dot(a, tl.trans(b)) * sa[:, None] * sb[None, :]
     mask = (rows < N)[:, None] & (cols < K)[None, :]
     c_ptrs = c_ptr + g.to(tl.int64) * stride_cg + rows.to(tl.int64)[:, None] * stride_cn + cols[None, :]
     tl.store(c_ptrs, acc, mask=mask)

@@ -25,13 +25,15 @@ def gemm(ops, **change):
 @pytest.mark.parametrize("change,message", [
     ({"a": torch.zeros(8, 256)}, "a has dtype torch.float32; allowed: float8_e4m3fn"),
     ({"b": torch.zeros(3, 128, 256, dtype=torch.bfloat16)}, "b has dtype torch.bfloat16; allowed: float8_e4m3fn"),
-    ({"b": torch.zeros(3, 128, 192, dtype=FP8)}, r"reduction size mismatch: a.shape\[1\] is 256 but b.shape\[2\] is 192"),
+    ({"b": torch.zeros(3, 128, 192, dtype=FP8)},
+     r"reduction size mismatch: a.shape\[1\] is 256 but b.shape\[2\] is 192"),
     ({"a_scale": torch.ones(8, 3)}, r"a_scale must have shape \(8, 2\), got \(8, 3\)"),
     ({"b_scale": torch.ones(3, 1, 2, dtype=torch.float64)}, "b_scale has dtype torch.float64; allowed: float32"),
     ({"offs": torch.tensor([3, 3, 8])}, "offs has dtype torch.int64; allowed: int32"),
     ({"offs": offsets([3, 5])}, "offs has 2 entries but the weights have 3 groups"),
     ({"offs": torch.tensor([5, 3, 8], dtype=torch.int32)}, r"non-decreasing .* offs\[0\] = 5 > offs\[1\] = 3"),
-    ({"offs": torch.tensor([3, 3, 7], dtype=torch.int32)}, r"offs must end at the number of rows M = 8, got offs\[-1\] = 7"),
+    ({"offs": torch.tensor([3, 3, 7], dtype=torch.int32)},
+     r"offs must end at the number of rows M = 8, got offs\[-1\] = 7"),
     ({"offs": torch.tensor([-1, 3, 8], dtype=torch.int32)}, "offs must be non-negative"),
     ({"a": torch.zeros(8, 256, 1, dtype=FP8)}, r"a must have 2 dimensions, got shape \(8, 256, 1\)"),
 ])

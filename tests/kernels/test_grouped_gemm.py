@@ -60,12 +60,13 @@ def test_triton_matches_the_reference_on_the_same_fp8_operands(k, n):
         torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-4)
 
 
-def test_bf16_output_and_one_big_group_spanning_several_tiles():
-    sizes = [0, 0, 300]
+@pytest.mark.parametrize("sizes", [[0, 0, 300], [300]])
+def test_bf16_output_and_one_big_group_spanning_several_tiles(sizes):
     x, w, dy, offs = inputs(sizes, 256, 128, seed=4)
     out = forward(x, w, offs, "triton", out_dtype=torch.bfloat16)
     assert out.dtype == torch.bfloat16
     assert kernels.calc_diff(out, exact_forward(x, w, sizes)) < 1e-3
+    assert kernels.calc_diff(wgrad(dy, x, offs, "triton"), exact_wgrad(dy, x, sizes)) < 1e-3
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
