@@ -1,11 +1,11 @@
 """`moe-bench pipeline`: our DualPipeV/DualPipe against torch.distributed.pipelining, side by side.
 
 Every schedule runs the same model weights and micro-batches in the same spawned processes (gloo,
-one thread each). Per schedule it reports the median step time, each rank's measured idle
+one thread each), round-robin step by step. Per schedule it reports the median step time, each rank's measured idle
 fraction ((step time - time inside compute actions) / step time), the simulator's idle fraction
-for our schedules (fed with the measured F, B, W, F&B costs), and peak memory, measured as the
-peak bytes of distinct storages saved for backward (saved-tensor hooks) plus, for our runtime,
-the bytes that queued weight-grad closures keep alive until their W action.
+for our schedules (fed with the measured F, B, W, F&B costs), and peak memory, measured in one
+extra untimed step as the peak bytes of distinct storages saved for backward (saved-tensor hooks)
+plus, for our runtime, the bytes that queued weight-grad closures keep alive until their W action.
 """
 
 from __future__ import annotations
@@ -232,16 +232,20 @@ def _bench_worker(rank: int, world: int, opts: dict) -> list[dict]:
             runners[name] = _torch_runner(name, rank, world, layers, opts["chunks"])
     stats = {name: {"step_s": [], "idle": [], "peak": 0, "costs": torch.zeros(10, dtype=torch.float64)}
              for name in runners}
-    for i in range(opts["warmup"] + opts["steps"]):
+    for i in range(opts["warmup"] + opts["steps"] + 1):
         for name, (step, mods, timer, extra, pipe) in runners.items():
             for m in mods:
                 m.zero_grad(set_to_none=True)
-            meter = SavedTensorMeter(extra)
+            if i == opts["warmup"] + opts["steps"]:  # one last, untimed step measures memory
+                meter = SavedTensorMeter(extra)
+                with meter.hooks():
+                    step(x, target)
+                stats[name]["peak"] = meter.peak
+                continue
             compute0 = _compute_seconds(timer) if isinstance(timer, _Timer) else 0.0
             dist.barrier()
             t0 = time.perf_counter()
-            with meter.hooks():
-                step(x, target)
+            step(x, target)
             elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if i < opts["warmup"]:
@@ -249,7 +253,6 @@ def _bench_worker(rank: int, world: int, opts: dict) -> list[dict]:
             st = stats[name]
             st["step_s"].append(float(elapsed))
             st["idle"].append(1 - (_compute_seconds(timer) - compute0) / float(elapsed))
-            st["peak"] = max(st["peak"], meter.peak)
             if pipe is not None:
                 st["costs"] += torch.tensor(_mean_costs(pipe), dtype=torch.float64)
     rows = []

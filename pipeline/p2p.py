@@ -1,12 +1,13 @@
 """Point-to-point transfer of a list of tensors whose shapes and dtypes are negotiated per message.
 
 A message is a fixed-size int64 header (count, then per tensor: dtype code, requires_grad, ndim,
-dims) followed by one uint8 payload holding every tensor's bytes, so any number of tensors of
-any shape and dtype crosses in two sends.
+dims) and one uint8 payload holding every tensor's bytes, so any number of tensors of any shape
+and dtype can cross; see Channel for how they travel.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict, deque
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 HEADER_LEN = 64
+HEADER_BYTES = HEADER_LEN * 8
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool)
 
@@ -58,31 +60,79 @@ def _payload(tensors: list[Tensor]) -> Tensor:
     return torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
 
 
+class _Ticket:
+    """A receive asked for; posted once the previous message on its stream has been read."""
+
+    __slots__ = ("work", "buf")
+
+    def __init__(self) -> None:
+        self.work: dist.Work | None = None
+        self.buf: Tensor | None = None
+
+
 class Channel:
-    """Sends and receives tensor lists to/from group ranks; one tag pair per stream keeps them apart."""
+    """Sends and receives tensor lists to/from group ranks, one tag per stream.
+
+    Both ends remember the payload size of the last message on each (peer, stream). A message is
+    one buffer [header | payload] when the payload keeps that size, so the receiver can post it
+    ahead of time and it crosses in one transfer; when the size changes, the first buffer carries
+    the new header (and filler of the old size) and the payload follows as a second message.
+    """
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
         self.group = group
         self.device = device
         self._sends: list[tuple[dist.Work, Tensor]] = []
+        self._expect: dict[tuple[int, int], int] = {}  # (peer, stream) -> payload bytes of the last message
+        self._queued: dict[tuple[int, int], deque[_Ticket]] = defaultdict(deque)
+
+    def _isend(self, buf: Tensor, peer: int, stream: int) -> None:
+        self._sends.append((dist.isend(buf, group=self.group, group_dst=peer, tag=stream), buf))
 
     def send(self, tensors: list[Tensor], peer: int, stream: int) -> None:
         """Start sending tensors to group rank peer (non-blocking; finished by wait_sends)."""
-        for buf, tag in ((_header(tensors).to(self.device), 2 * stream), (_payload(tensors), 2 * stream + 1)):
-            self._sends.append((dist.isend(buf, group=self.group, group_dst=peer, tag=tag), buf))
+        header = _header(tensors).to(self.device).view(torch.uint8)
+        data = _payload(tensors).to(self.device)
+        key = (peer, stream)
+        same = key in self._expect and self._expect[key] == data.numel()
+        filler = data if same else data.new_zeros(self._expect.get(key, 0))
+        self._isend(torch.cat([header, filler]), peer, stream)
+        if not same:
+            self._isend(data, peer, stream)
+        self._expect[key] = data.numel()
 
-    def post_recv(self, peer: int, stream: int) -> tuple[dist.Work, Tensor]:
-        """Post the receive of the next message's header from peer on stream."""
-        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-        return dist.irecv(header, group=self.group, group_src=peer, tag=2 * stream), header
+    def post_recv(self, peer: int, stream: int) -> _Ticket:
+        """Ask for the next message from peer on stream (posted now if the stream is free)."""
+        ticket = _Ticket()
+        queue = self._queued[(peer, stream)]
+        queue.append(ticket)
+        if len(queue) == 1:
+            self._post(ticket, peer, stream)
+        return ticket
 
-    def finish_recv(self, posted: tuple[dist.Work, Tensor], peer: int, stream: int) -> list[tuple[Tensor, bool]]:
-        """Wait for a posted message; return its tensors with their requires_grad flags."""
-        work, header = posted
-        work.wait()
-        metas = _parse(header.cpu())
-        payload = torch.empty(sum(m.nbytes for m in metas), dtype=torch.uint8, device=self.device)
-        dist.recv(payload, group=self.group, group_src=peer, tag=2 * stream + 1)
+    def _post(self, ticket: _Ticket, peer: int, stream: int) -> None:
+        ticket.buf = torch.empty(HEADER_BYTES + self._expect.get((peer, stream), 0), dtype=torch.uint8,
+                                 device=self.device)
+        ticket.work = dist.irecv(ticket.buf, group=self.group, group_src=peer, tag=stream)
+
+    def finish_recv(self, ticket: _Ticket, peer: int, stream: int) -> list[tuple[Tensor, bool]]:
+        """Wait for a message asked for with post_recv; return its tensors and requires_grad flags."""
+        key = (peer, stream)
+        queue = self._queued[key]
+        if not queue or queue[0] is not ticket:
+            raise RuntimeError(f"messages on stream {stream} from rank {peer} must be read in order")
+        ticket.work.wait()
+        metas = _parse(ticket.buf[:HEADER_BYTES].view(torch.int64).cpu())
+        nbytes = sum(m.nbytes for m in metas)
+        if key in self._expect and self._expect[key] == nbytes:
+            payload = ticket.buf[HEADER_BYTES:]
+        else:
+            payload = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            dist.recv(payload, group=self.group, group_src=peer, tag=stream)
+        self._expect[key] = nbytes
+        queue.popleft()
+        if queue:
+            self._post(queue[0], peer, stream)
         out, offset = [], 0
         for m in metas:
             raw = payload[offset:offset + m.nbytes]

@@ -47,6 +47,7 @@ class PipelineRuntime(nn.Module):
         self.timeline: list[tuple[Action, float, float, float]] | None = None  # [] to record (act, start, end, busy)
         self.current_action: Action | None = None
         self._schedules: dict[tuple[int, bool, bool], Schedule] = {}
+        self._channel: Channel | None = None
 
     def _check_ranks(self) -> None:
         """Raise ValueError if the rank count does not suit the schedule."""
@@ -78,7 +79,8 @@ class PipelineRuntime(nn.Module):
         self._labels = self._split("labels", tuple(labels), exit_, num_chunks) if exit_ and labels else {}
         self._criterion = criterion
         self._layout = layout
-        self._channel = Channel(self.group, self._device())
+        if self._channel is None:  # kept across steps: both ends remember message sizes per stream
+            self._channel = Channel(self.group, self._device())
         self._local: dict[tuple[Op, int, int], list[tuple[Tensor, bool]]] = {}  # hand-overs on this rank
         self._posted: dict[tuple[Op, int, int], Any] = {}  # receives in flight
         self._outbox: dict[tuple[Op, int, int], list[Tensor]] = {}  # waiting for their SEND action

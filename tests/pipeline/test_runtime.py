@@ -7,7 +7,7 @@ import torch
 
 from dispatch.multiproc import run_processes
 from tests.pipeline.models import calc_diff
-from tests.pipeline.workers import bad_inputs, bw_split, ep_overlap
+from tests.pipeline.workers import bad_inputs, bw_split, ep_overlap, p2p_messages, sent_messages
 
 
 @pytest.mark.timeout(200)
@@ -49,3 +49,15 @@ def test_ep_overlap_runs_backward_while_communication_is_in_flight() -> None:
         assert "comm started,backward" in ",".join(on["log"])
         assert "comm started,backward" not in ",".join(off["log"])
     assert not torch.equal(results[0][True]["loss"], results[1][True]["loss"])
+
+
+@pytest.mark.timeout(120)
+def test_p2p_negotiates_shapes_dtypes_and_counts_per_message() -> None:
+    received = run_processes(p2p_messages, 2, timeout_s=60)[1]
+    sent = sent_messages()
+    assert len(received) == len(sent)
+    for got, want in zip(received, sent):
+        assert len(got) == len(want)
+        for (t, flag), w in zip(got, want):
+            assert t.dtype == w.dtype and t.shape == w.shape and torch.equal(t, w.detach())
+            assert flag == w.requires_grad

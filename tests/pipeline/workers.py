@@ -155,3 +155,26 @@ def ep_overlap(rank: int, world: int, num_chunks: int) -> dict:
         loss, _ = pipe.step(x, num_chunks=num_chunks, criterion=lambda o, l: ((o - l) ** 2).mean(), labels=(label,))
         out[overlap] = {"loss": loss, "grads": [p.grad for p in pipe.parameters()], "log": log}
     return out
+
+
+def p2p_messages(rank: int, world: int) -> list:
+    """Rank 0 sends tensor lists whose shapes, dtypes and counts change; rank 1 returns what it got
+    (receives are posted several messages ahead, as the runtime does)."""
+    from pipeline.p2p import Channel
+    ch = Channel(dist.group.WORLD, torch.device("cpu"))
+    messages = sent_messages()
+    if rank == 0:
+        for msg in messages:
+            ch.send(msg, 1, stream=3)
+        ch.wait_sends()
+        return []
+    tickets = [ch.post_recv(0, stream=3) for _ in messages]
+    return [[(t.clone(), flag) for t, flag in ch.finish_recv(tk, 0, stream=3)] for tk in tickets]
+
+
+def sent_messages() -> list[list[torch.Tensor]]:
+    """The messages p2p_messages sends: same size twice, then new shapes, dtypes, counts, views."""
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(4, 6, generator=g)
+    return [[a], [a * 2], [a.t(), torch.arange(5)], [a[:, :3].to(torch.float64), torch.ones(2, dtype=torch.bool)],
+            [], [a.to(torch.bfloat16).requires_grad_()], [a[1:3]]]
