@@ -22,15 +22,17 @@ def _set_blocks(nargs: dict) -> None:
     nargs["b_desc"].block_shape = [nargs["BLOCK_N"], quant_ref.TILE]
 
 
-def _configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
-    """(block rows, block cols, warps, stages) -> autotune configs; one config under the interpreter."""
-    chosen = shapes[:1] if INTERPRET else shapes
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s, pre_hook=_set_blocks)
-            for bm, bn, w, s in chosen]
+def config(block_m: int, block_n: int, num_warps: int, num_stages: int) -> triton.Config:
+    """An autotune config of either GEMM; BLOCK_N must divide 128."""
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=num_warps, num_stages=num_stages,
+                         pre_hook=_set_blocks)
 
 
-_MGROUPED_CONFIGS = _configs([(128, 128, 8, 4), (128, 128, 8, 3), (64, 128, 4, 4), (128, 64, 4, 4)])
-_KGROUPED_CONFIGS = _configs([(128, 128, 8, 4), (128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 4)])
+# (BLOCK_M, BLOCK_N, warps, stages) for H100; the interpreter takes the first (it cannot autotune)
+MGROUPED_TILES = [(128, 128, 8, 4), (128, 128, 8, 3), (64, 128, 4, 4), (128, 64, 4, 4)]
+KGROUPED_TILES = [(128, 128, 8, 4), (128, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 4)]
+_MGROUPED_CONFIGS = [config(*tile) for tile in MGROUPED_TILES[:1 if INTERPRET else None]]
+_KGROUPED_CONFIGS = [config(*tile) for tile in KGROUPED_TILES[:1 if INTERPRET else None]]
 GROUP_M = tl.constexpr(8)
 TMA_ALIGN = 16  # bytes = e4m3 elements: TMA needs every row stride to be a multiple of 16 bytes
 

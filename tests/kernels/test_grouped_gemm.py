@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import kernels
+from kernels import triton_gemm
 from tests.kernels.helpers import GROUP_SIZES, bounds, inputs, offsets
 
 SHAPES = [(256, 128), (208, 96)]  # (K, N); the second is not a multiple of 128 on either side
@@ -85,3 +86,13 @@ def test_offs_of_other_groups_do_not_leak_into_a_group():
     torch.testing.assert_close(b[:64], a[:64], rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(b[65:], a[65:], rtol=1e-5, atol=1e-4)
     assert kernels.calc_diff(a[64], w[1] @ x[64]) < 1e-3 and kernels.calc_diff(b[64], w[0] @ x[64]) < 1e-3
+
+
+@pytest.mark.parametrize("tiles", sorted(set(triton_gemm.MGROUPED_TILES[1:] + triton_gemm.KGROUPED_TILES[1:])))
+def test_every_autotune_config_matches_the_reference(monkeypatch, tiles):
+    """The interpreter runs only the first config; the others (64-row / 64-column tiles) run here."""
+    for kernel in (triton_gemm._mgrouped_kernel, triton_gemm._kgrouped_kernel):
+        monkeypatch.setattr(kernel, "configs", [triton_gemm.config(*tiles)])
+    x, w, dy, offs = inputs(GROUP_SIZES, 208, 96, seed=8)
+    for op, args in ((forward, (x, w, offs)), (dgrad, (dy, w, offs)), (wgrad, (dy, x, offs))):
+        torch.testing.assert_close(op(*args, backend="triton"), op(*args, backend="torch"), rtol=1e-5, atol=1e-4)
