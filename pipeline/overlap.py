@@ -26,16 +26,16 @@ def complete(forward: Any) -> Any:
             return stop.value
 
 
-def run_overlapped(forward: Any, backward: Callable[[], None]) -> Any:
-    """Advance forward to its first in-flight communication, run backward, then finish forward."""
-    if inspect.isgenerator(forward):
-        try:
-            next(forward)
-        except StopIteration as stop:
-            backward()
-            return stop.value
-    backward()
-    return complete(forward)
+def start(forward: Any) -> tuple[bool, Any]:
+    """Advance a forward to its first in-flight communication: (False, paused generator), or
+    (True, its value) when it finished without pausing (or was not a generator)."""
+    if not inspect.isgenerator(forward):
+        return True, forward
+    try:
+        next(forward)
+    except StopIteration as stop:
+        return True, stop.value
+    return False, forward
 
 
 class OverlapSequential(nn.Sequential):

@@ -83,7 +83,8 @@ class Channel:
         self.group = group
         self.device = device
         self._sends: list[tuple[dist.Work, Tensor]] = []
-        self._expect: dict[tuple[int, int], int] = {}  # (peer, stream) -> payload bytes of the last message
+        self._sent: dict[tuple[int, int], int] = {}  # (peer, stream) -> payload bytes of the last message out
+        self._expect: dict[tuple[int, int], int] = {}  # (peer, stream) -> payload bytes of the last message in
         self._queued: dict[tuple[int, int], deque[_Ticket]] = defaultdict(deque)
 
     def _isend(self, buf: Tensor, peer: int, stream: int) -> None:
@@ -94,12 +95,12 @@ class Channel:
         header = _header(tensors).to(self.device).view(torch.uint8)
         data = _payload(tensors).to(self.device)
         key = (peer, stream)
-        same = key in self._expect and self._expect[key] == data.numel()
-        filler = data if same else data.new_zeros(self._expect.get(key, 0))
+        same = key in self._sent and self._sent[key] == data.numel()
+        filler = data if same else data.new_zeros(self._sent.get(key, 0))
         self._isend(torch.cat([header, filler]), peer, stream)
         if not same:
             self._isend(data, peer, stream)
-        self._expect[key] = data.numel()
+        self._sent[key] = data.numel()
 
     def post_recv(self, peer: int, stream: int) -> _Ticket:
         """Ask for the next message from peer on stream (posted now if the stream is free)."""

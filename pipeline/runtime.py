@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import time
 from contextlib import nullcontext
 from typing import Any, Callable, Sequence
@@ -12,7 +11,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from pipeline import schedules
-from pipeline.overlap import complete, run_overlapped
+from pipeline.overlap import complete, start
 from pipeline.p2p import Channel
 from pipeline.schedules import Action, Op, Schedule
 from pipeline.wgrad import WeightGradStore, install_split_linear
@@ -234,13 +233,14 @@ class PipelineRuntime(nn.Module):
     def _forward_backward(self, act: Action) -> None:
         bwd = act.backward
         inputs, started = self._start_forward(act.phase, act.chunk)
-        if inspect.isgenerator(started):  # EP overlap: B runs while the forward's comm is in flight
-            out = run_overlapped(started, lambda: self._backward(bwd.phase, bwd.chunk, bwd.split))
+        done, out = start(started)
+        if done:
             self._finish_forward(act.phase, act.chunk, inputs, out)
-            return
-        self._finish_forward(act.phase, act.chunk, inputs, started)
-        self._send_early(act.phase, act.chunk)
-        self._backward(bwd.phase, bwd.chunk, bwd.split)
+            self._send_early(act.phase, act.chunk)
+            self._backward(bwd.phase, bwd.chunk, bwd.split)
+        else:  # EP overlap: the backward runs while the forward's communication is in flight
+            self._backward(bwd.phase, bwd.chunk, bwd.split)
+            self._finish_forward(act.phase, act.chunk, inputs, complete(out))
 
 
 class DualPipe(PipelineRuntime):

@@ -107,35 +107,10 @@ def bad_inputs(rank: int, world: int) -> dict[str, str]:
     }
 
 
-class ToyEPBlock(torch.nn.Module):
-    """Linear, an async all_to_all of its activations over the EP group (the dispatch stand-in), Linear."""
-
-    def __init__(self, hidden: int, group: dist.ProcessGroup, log: list[str]) -> None:
-        super().__init__()
-        self.up = torch.nn.Linear(hidden, 2 * hidden)
-        self.down = torch.nn.Linear(2 * hidden, hidden)
-        self.group, self.log = group, log
-
-    def forward_steps(self, x: torch.Tensor):
-        h = self.up(x)
-        send = h.detach().contiguous()
-        recv = torch.empty_like(send)
-        work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
-        self.log.append("comm started")
-        yield work
-        work.wait()
-        self.log.append("comm done")
-        h = h + (recv - send)  # value: the exchanged rows; gradient: identity
-        return self.down(torch.tanh(h))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from pipeline.overlap import complete
-        return complete(self.forward_steps(x))
-
-
 def ep_overlap(rank: int, world: int, num_chunks: int) -> dict:
     """Each rank runs its own 1-rank DualPipeV; the ranks form the EP group of the toy blocks.
     Returns, with overlap on and off: losses, grads and the order of comm vs backward events."""
+    from pipeline.bench_models import AllToAllBlock
     from pipeline.overlap import OverlapSequential
     groups = [dist.new_group([r]) for r in range(world)]
     own = groups[rank]
@@ -143,7 +118,7 @@ def ep_overlap(rank: int, world: int, num_chunks: int) -> dict:
     for overlap in (True, False):
         log: list[str] = []
         torch.manual_seed(0)
-        stages = [OverlapSequential(ToyEPBlock(HIDDEN, dist.group.WORLD, log), torch.nn.Tanh()).double()
+        stages = [OverlapSequential(AllToAllBlock(HIDDEN, dist.group.WORLD, log), torch.nn.Tanh()).double()
                   for _ in range(2)]
         pipe = DualPipeV(tuple(stages), process_group=own, overlap=overlap)
         for m in pipe.modules():
