@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import copy
 import functools
-from typing import Any, Mapping, MutableMapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from optim.flat_layout import FlatLayout
+from optim.flat_layout import Bucket, FlatLayout
 
 CHUNK = 2**20
 
@@ -21,9 +21,10 @@ class ShardedParams:
     The model params become views of one flat buffer (their dtype), so the all-gather of the
     updated shards writes straight into them. Gradients are reduced from a flat fp32 buffer;
     fp32 params get their .grad bound to views of it (a grad hook moves the first grad after
-    zero_grad in), so backward accumulates in place and the reduce needs no copy. The inner
-    optimizer sees the master shard as chunks of CHUNK elements (leaf params aliasing it):
-    torch's CPU AdamW is ~3x slower on one 16 MiB tensor than on 4 MiB pieces.
+    zero_grad in), so backward accumulates in place and the reduce needs no copy. Each bucket
+    has its own inner optimizer, so a bucket's gather overlaps the next bucket's update; it
+    sees its shard as chunks of CHUNK elements (leaf params aliasing the master): torch's CPU
+    AdamW is ~3x slower on one 16 MiB tensor than on 4 MiB pieces.
 
     Collectives per bucket: "scatter_gather" is one reduce_scatter_single in and one
     all_gather_single out (NCCL, and what "auto" picks off gloo). gloo in torch 2.13 has both,
@@ -53,11 +54,9 @@ class ShardedParams:
                 p.data = view
             self.master = self.layout.shard_of(self.param_flat).to(torch.float32)
         self.grad = torch.zeros_like(self.master)
-        self.chunks = []
-        for start in range(0, self.master.numel(), CHUNK):
-            chunk = torch.nn.Parameter(self.master[start:start + CHUNK])
-            chunk.grad = self.grad[start:start + CHUNK]
-            self.chunks.append(chunk)
+        self.bucket_chunks = [self._chunks(b.shard_start, b.shard_start + b.shard_numel)
+                              for b in self.layout.buckets]
+        self.optims: list[torch.optim.Optimizer] = []
         self.grad_flat = torch.zeros(self.layout.total, dtype=torch.float32,
                                      device=self.param_flat.device)
         self.grad_views = self.layout.views(self.grad_flat)
@@ -67,6 +66,21 @@ class ShardedParams:
         self._works: list[dist.Work] = []
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
+
+    def _chunks(self, begin: int, end: int) -> list[torch.nn.Parameter]:
+        """Leaf params of at most CHUNK elements aliasing master[begin:end], grads aliasing grad."""
+        chunks = []
+        for start in range(begin, end, CHUNK):
+            chunk = torch.nn.Parameter(self.master[start:min(end, start + CHUNK)])
+            chunk.grad = self.grad[start:min(end, start + CHUNK)]
+            chunks.append(chunk)
+        return chunks
+
+    def build_optimizers(self, optimizer_class: type[torch.optim.Optimizer],
+                         hyper: dict[str, Any], defaults: dict[str, Any]) -> None:
+        """One inner optimizer per bucket, so each bucket's gather starts as soon as it is updated."""
+        self.optims = [optimizer_class([{**hyper, "params": chunks}], **defaults)
+                       for chunks in self.bucket_chunks]
 
     def zero_grad(self, set_to_none: bool) -> None:
         """Drop the grads (set_to_none) or zero the flat buffer, fp32 .grad bound to it."""
@@ -138,49 +152,62 @@ class ShardedParams:
                 grad[b.shard].copy_(self.grad_flat[b.owned])
         grad.div_(self.grad_divisor)
 
-    def all_gather(self, out_flat: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
-        """All-gather every rank's shard (cast to out_flat's dtype) into out_flat, bucket by bucket."""
-        shard, buckets = shard.detach().to(out_flat.dtype), self.layout.buckets
+    def _gather_bucket(self, out_flat: torch.Tensor, shard: torch.Tensor, b: Bucket
+                       ) -> tuple[list[dist.Work], torch.Tensor]:
+        """Start gathering every rank's piece of bucket b into out_flat; (works, piece to keep)."""
+        piece = shard[b.shard].detach().to(out_flat.dtype)
         if self.collectives == "scatter_gather":
-            _wait([dist.all_gather_single(out_flat[b.full], shard[b.shard], group=self.group,
-                                          async_op=True) for b in buckets])
-            return out_flat
-        for b in buckets:
-            out_flat[b.owned].copy_(shard[b.shard])
-        _wait([dist.broadcast(out_flat[b.start + r * b.shard_numel:][:b.shard_numel], src=owner,
-                              group=self.group, async_op=True)
-               for b in buckets for r, owner in enumerate(self.owners)])
-        return out_flat
+            return [dist.all_gather_single(out_flat[b.full], piece, group=self.group,
+                                           async_op=True)], piece
+        out_flat[b.owned].copy_(piece)
+        return [dist.broadcast(out_flat[b.start + r * b.shard_numel:][:b.shard_numel],
+                               src=owner, group=self.group, async_op=True)
+                for r, owner in enumerate(self.owners)], piece
 
-    def gather_params(self) -> None:
-        """Write the updated master shards of all ranks into the model params."""
-        self.all_gather(self.param_flat, self.master)
+    def step(self, hyper: dict[str, Any]) -> None:
+        """Update each bucket's shard and gather it into the model while the next one updates."""
+        works, pieces = [], []
+        for b, optim in zip(self.layout.buckets, self.optims):
+            optim.param_groups[0].update(hyper)
+            optim.step()
+            started, piece = self._gather_bucket(self.param_flat, self.master, b)
+            works += started
+            pieces.append(piece)
+        _wait(works)
 
     def gather_full(self, shard: torch.Tensor) -> torch.Tensor:
         """A new fp32 flat buffer holding every rank's piece of a shard-shaped tensor."""
         out = torch.empty(self.layout.total, dtype=torch.float32, device=shard.device)
-        return self.all_gather(out, shard)
+        started = [self._gather_bucket(out, shard, b) for b in self.layout.buckets]
+        _wait([w for works, _ in started for w in works])
+        return out
 
     def sq_norm(self) -> torch.Tensor:
         """Sum of squares (float64, shape [1]) of this rank's reduced grad shard."""
         return torch.linalg.vector_norm(self.grad, dtype=torch.float64).square().reshape(1)
 
-    def get_state(self, state: Mapping[torch.Tensor, dict[str, Any]]
-                  ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """The inner optimizer's state of this shard: shard-shaped entries (chunks joined), scalars."""
-        first = state.get(self.chunks[0], {})
-        keys = [k for k, v in first.items()
-                if torch.is_tensor(v) and v.shape == self.chunks[0].shape]
-        elementwise = {k: torch.cat([state[c][k] for c in self.chunks]) for k in keys}
+    def chunk_states(self) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+        """(chunk, its inner-optimizer state) for every chunk, in shard order."""
+        return [(c, optim.state.get(c, {}))
+                for optim, chunks in zip(self.optims, self.bucket_chunks) for c in chunks]
+
+    def get_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The inner optimizers' state of this shard: shard-shaped entries (chunks joined), scalars."""
+        states = self.chunk_states()
+        first_chunk, first = states[0]
+        keys = [k for k, v in first.items() if torch.is_tensor(v) and v.shape == first_chunk.shape]
+        elementwise = {k: torch.cat([state[k] for _, state in states]) for k in keys}
         return elementwise, {k: v for k, v in first.items() if k not in keys}
 
-    def set_state(self, state: MutableMapping[torch.Tensor, dict[str, Any]],
-                  elementwise: Mapping[str, torch.Tensor], scalars: Mapping[str, Any]) -> None:
-        """Give the inner optimizer this shard's state (inverse of get_state)."""
-        for start, chunk in zip(range(0, self.master.numel(), CHUNK), self.chunks):
-            entry = {k: v[start:start + CHUNK].clone() for k, v in elementwise.items()}
-            entry.update(copy.deepcopy(dict(scalars)))
-            state[chunk] = entry
+    def set_state(self, elementwise: Mapping[str, torch.Tensor], scalars: Mapping[str, Any]) -> None:
+        """Give the inner optimizers this shard's state (inverse of get_state)."""
+        start = 0
+        for optim, chunks in zip(self.optims, self.bucket_chunks):
+            for chunk in chunks:
+                entry = {k: v[start:start + chunk.numel()].clone() for k, v in elementwise.items()}
+                entry.update(copy.deepcopy(dict(scalars)))
+                optim.state[chunk] = entry
+                start += chunk.numel()
 
 
 def _wait(works: list[dist.Work]) -> None:

@@ -73,7 +73,8 @@ def _check_group(i: int, group: dict[str, Any]) -> None:
 class ZeRO1(torch.optim.Optimizer):
     """Any torch optimizer with fp32 master params and state sharded evenly over process groups.
 
-    Call shape of torch.distributed.optim.ZeroRedundancyOptimizer. Gradients on the model are
+    Call shape of torch.distributed.optim.ZeroRedundancyOptimizer (one inner optimizer_class
+    instance per bucket, built with **defaults and the group's hyper-parameters). Gradients on the model are
     the local, un-averaged sums over micro-batches (no DDP wrapper, no communication during
     backward unless the last one runs inside reduce_during_backward(), which overlaps it);
     step() (or reduce_gradients()) reduce-scatters them in fp32, divided by each
@@ -108,13 +109,11 @@ class ZeRO1(torch.optim.Optimizer):
         bucket_cap = max(1, int(bucket_cap_mb * 2**20) // 4)
         self._shards = [ShardedParams(g["params"], g["process_group"], bucket_cap,
                                       g["grad_divisor"], collectives) for g in groups]
-        self.optim = optimizer_class(
-            [{**_hyper(g), "params": s.chunks} for g, s in zip(groups, self._shards)],
-            **defaults)
-        for group, inner in zip(groups, self.optim.param_groups):
-            group.update(_hyper(inner))
+        for group, shard in zip(groups, self._shards):
+            shard.build_optimizers(optimizer_class, _hyper(group), defaults)
+            group.update(_hyper(shard.optims[0].param_groups[0]))
         self._reduced = False
-        super().__init__(groups, dict(self.optim.defaults))
+        super().__init__(groups, dict(self._shards[0].optims[0].defaults))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only allowed during construction: the flat layout is fixed once built."""
@@ -171,19 +170,16 @@ class ZeRO1(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.reduce_gradients()
-        for group, inner in zip(self.param_groups, self.optim.param_groups):
-            inner.update(_hyper(group))
-        self.optim.step()
-        for shard in self._shards:
-            shard.gather_params()
+        for group, shard in zip(self.param_groups, self._shards):
+            shard.step(_hyper(group))
         self._reduced = False
         return loss
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for the optimizer: fp32 master shards and each state entry."""
         out = {MASTER_KEY: sum(s.master.numel() * s.master.element_size() for s in self._shards)}
-        for chunk in (c for s in self._shards for c in s.chunks):
-            for key, value in self.optim.state.get(chunk, {}).items():
+        for _, state in (cs for s in self._shards for cs in s.chunk_states()):
+            for key, value in state.items():
                 if torch.is_tensor(value):
                     out[key] = out.get(key, 0) + value.numel() * value.element_size()
         out["total"] = sum(out.values())
@@ -199,7 +195,7 @@ class ZeRO1(torch.optim.Optimizer):
         state: dict[int, dict[str, Any]] = {}
         elementwise = []
         for shard in self._shards:
-            inner, scalars = shard.get_state(self.optim.state)
+            inner, scalars = shard.get_state()
             full = {k: shard.layout.views(shard.gather_full(v)) for k, v in inner.items()}
             full[MASTER_KEY] = shard.layout.views(shard.gather_full(shard.master))
             for j in range(len(shard.params)):
@@ -240,7 +236,7 @@ class ZeRO1(torch.optim.Optimizer):
         elementwise = {k: layout.shard_of(layout.flatten([e[k] for e in entries],
                                                          entries[0][k].dtype)) for k in keys}
         scalars = {k: v for k, v in entries[0].items() if k != MASTER_KEY and k not in keys}
-        shard.set_state(self.optim.state, elementwise, scalars)
+        shard.set_state(elementwise, scalars)
 
 
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:
