@@ -3,8 +3,9 @@
 Every schedule runs the same model weights and micro-batches in the same spawned processes (gloo,
 one thread each), round-robin step by step so load changes on a shared machine hit all alike.
 Per schedule it reports the median step time, each rank's measured idle fraction ((step time -
-time inside compute actions) / step time), for our schedules the simulator's idle fraction (fed
-with the measured mean F, B, W, F&B costs and p2p latency), and peak memory, measured in one extra
+time inside compute actions) / step time), for our schedules also the waiting fraction (step time
+not spent computing nor issuing sends/receives) next to the simulator's idle fraction fed with the
+measured mean occupied time of F, B, W, F&B actions and the p2p latency, and peak memory, measured in one extra
 untimed step as the peak bytes of distinct storages saved for backward (saved-tensor hooks) plus,
 for our runtime, the bytes that queued weight-grad closures keep alive until their W action.
 `--ep-overlap` instead measures the EP overlap switch (see run_ep_overlap).
@@ -23,7 +24,8 @@ import torch.distributed as dist
 from dispatch.multiproc import run_processes
 from pipeline import schedules
 from pipeline.bench_models import build_layers
-from pipeline.bench_runners import OURS, TORCH, Runner, mean_costs, our_runner, single_process, torch_runner
+from pipeline.bench_runners import (OURS, TORCH, Runner, occupied_costs, our_runner, single_process, torch_runner,
+                                    waiting_fraction)
 from pipeline.memory import SavedTensorMeter
 from pipeline.p2p import Channel
 from pipeline.simulate import Costs, simulate
@@ -64,8 +66,8 @@ def _data(opts: dict) -> tuple[torch.Tensor, torch.Tensor]:
 def _time_round_robin(runners: dict[str, Runner], opts: dict) -> dict[str, dict]:
     """Step every runner in turn, warmup + steps times, then once more under the memory meter."""
     x, target = _data(opts)
-    stats = {name: {"step_s": [], "idle": [], "peak": 0, "costs": torch.zeros(2 * len(COST_KEYS), dtype=torch.float64)}
-             for name in runners}
+    stats = {name: {"step_s": [], "idle": [], "wait": [], "peak": 0,
+                    "costs": torch.zeros(2 * len(COST_KEYS), dtype=torch.float64)} for name in runners}
     for i in range(opts["warmup"] + opts["steps"] + 1):
         for name, run in runners.items():
             for m in run.modules:
@@ -87,7 +89,8 @@ def _time_round_robin(runners: dict[str, Runner], opts: dict) -> dict[str, dict]
                 st["step_s"].append(float(elapsed))
                 st["idle"].append(1 - (run.compute_seconds() - compute0) / float(elapsed))
                 if run.pipe is not None:
-                    st["costs"] += torch.tensor(mean_costs(run.pipe), dtype=torch.float64)
+                    st["costs"] += torch.tensor(occupied_costs(run.pipe), dtype=torch.float64)
+                    st["wait"].append(waiting_fraction(run.pipe, float(elapsed)))
     return stats
 
 
@@ -109,13 +112,15 @@ def _bench_worker(rank: int, world: int, opts: dict) -> list[dict]:
         pipe = runners[name].pipe
         if pipe is not None:
             dist.all_reduce(st["costs"])
-            row["sim_idle"] = simulated_idle(pipe, opts["chunks"], st["costs"].tolist(), rank, latency)
+            row["wait"] = statistics.median(st["wait"])
+            row["sim_wait"] = simulated_idle(pipe, opts["chunks"], st["costs"].tolist(), rank, latency)
         rows.append(row)
     return rows
 
 
 def simulated_idle(pipe, chunks: int, sums: list[float], rank: int, p2p: float) -> float:
-    """Idle fraction the simulator predicts for this rank from measured mean action costs and p2p latency."""
+    """Idle fraction the simulator predicts for this rank from the measured mean occupied time of
+    each action kind and the measured p2p latency."""
     mean = {k: (sums[2 * i] / sums[2 * i + 1] if sums[2 * i + 1] else 0.0) for i, k in enumerate(COST_KEYS)}
     w = mean["W"] if mean["Bs"] else 0.0
     full_b = mean["B"] if mean["B"] else mean["Bs"] + w
@@ -131,8 +136,9 @@ def summarise(results: list[list[dict]], opts: dict) -> list[dict]:
                "step_ms": 1e3 * statistics.median(per_rank[0]["step_s"]),
                "idle_fraction": [round(r["idle"], 4) for r in per_rank],
                "peak_mem_bytes": max(r["peak"] for r in per_rank)}
-        if "sim_idle" in per_rank[0]:
-            row["sim_idle_fraction"] = [round(r["sim_idle"], 4) for r in per_rank]
+        if "sim_wait" in per_rank[0]:
+            row["wait_fraction"] = [round(r["wait"], 4) for r in per_rank]
+            row["sim_wait_fraction"] = [round(r["sim_wait"], 4) for r in per_rank]
         rows.append(row)
     ref = next((r["step_ms"] for r in rows if r["schedule"] == "torch DualPipeV"), None)
     for r in rows:
@@ -142,13 +148,15 @@ def summarise(results: list[list[dict]], opts: dict) -> list[dict]:
 
 def format_table(rows: list[dict]) -> str:
     """The rows as a fixed-width table."""
-    lines = [f"{'schedule':32} {'step ms':>9} {'x torch DPV':>11} {'idle per rank':>22} "
-             f"{'sim idle':>16} {'peak MiB':>9}"]
+    def per_rank(row: dict, key: str) -> str:
+        return " ".join(f"{x:.2f}" for x in row.get(key, [])) or "-"
+
+    lines = [f"{'schedule':32} {'step ms':>8} {'x torch DPV':>11} {'idle/rank':>20} {'wait/rank':>10} "
+             f"{'sim wait':>10} {'peak MiB':>9}"]
     for r in rows:
-        idle = " ".join(f"{x:.2f}" for x in r["idle_fraction"])
-        sim = " ".join(f"{x:.2f}" for x in r.get("sim_idle_fraction", [])) or "-"
         ratio = f"{r['vs_torch_dualpipev']:.2f}" if r.get("vs_torch_dualpipev") else "-"
-        lines.append(f"{r['schedule']:32} {r['step_ms']:9.1f} {ratio:>11} {idle:>22} {sim:>16} "
+        lines.append(f"{r['schedule']:32} {r['step_ms']:8.1f} {ratio:>11} {per_rank(r, 'idle_fraction'):>20} "
+                     f"{per_rank(r, 'wait_fraction'):>10} {per_rank(r, 'sim_wait_fraction'):>10} "
                      f"{r['peak_mem_bytes'] / 2**20:9.2f}")
     return "\n".join(lines)
 

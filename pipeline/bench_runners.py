@@ -13,6 +13,7 @@ from torch import nn
 from pipeline.bench_models import mse, partition
 from pipeline.overlap import OverlapSequential
 from pipeline.runtime import DualPipe, DualPipeV, PipelineRuntime
+from pipeline.schedules import COMPUTE_OPS
 
 OURS = ("ours DualPipeV", "ours DualPipe")
 TORCH = ("torch DualPipeV", "torch ZBVZeroBubble", "torch 1F1B", "torch Interleaved1F1B")
@@ -31,7 +32,7 @@ class Runner:
     def compute_seconds(self) -> float:
         """Seconds spent in compute so far (ours: in the last step)."""
         if self.pipe is not None:
-            return sum(busy for *_, busy in self.pipe.timeline)
+            return sum(busy for act, *_, busy in self.pipe.timeline if act.op in COMPUTE_OPS)
         return self.timed
 
     def timer(self, fn: Callable) -> Callable:
@@ -109,11 +110,26 @@ def single_process(rank: int, layers: list[nn.Module], chunks: int) -> Runner:
     return runner
 
 
-def mean_costs(pipe: PipelineRuntime) -> list[float]:
-    """[sum, count] of busy seconds of F, full B, split B, W and F&B actions in the last step."""
+def occupied_costs(pipe: PipelineRuntime) -> list[float]:
+    """[sum, count] of occupied seconds of F, full B, split B, W and F&B actions in the last step:
+    each compute action's busy time plus that of the send/receive actions listed after it (the
+    time the rank spends issuing them); receive waits are not included."""
     sums = {k: [0.0, 0] for k in ("F", "B", "Bs", "W", "FB")}
+    key, carry = None, 0.0
     for act, _, _, busy in pipe.timeline:
+        if act.op not in COMPUTE_OPS:
+            if key is None:
+                carry += busy
+            else:
+                sums[key][0] += busy
+            continue
         key = "Bs" if act.op.value == "B" and act.split else act.op.value
-        sums[key][0] += busy
+        sums[key][0] += busy + carry
         sums[key][1] += 1
+        carry = 0.0
     return [v for pair in sums.values() for v in pair]
+
+
+def waiting_fraction(pipe: PipelineRuntime, step_s: float) -> float:
+    """Share of the step in which the rank was neither computing nor issuing communication."""
+    return 1 - sum(busy for *_, busy in pipe.timeline) / step_s

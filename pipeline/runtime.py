@@ -42,7 +42,8 @@ class PipelineRuntime(nn.Module):
         self.split_bw = split_bw
         self.overlap = overlap
         self.store = WeightGradStore()
-        self._split_linears = install_split_linear(list(modules)) if split_bw else []
+        if split_bw:
+            install_split_linear(list(modules))
         self.timeline: list[tuple[Action, float, float, float]] | None = None  # [] to record (act, start, end, busy)
         self.current_action: Action | None = None
         self._schedules: dict[tuple[int, bool, bool], Schedule] = {}
@@ -87,8 +88,6 @@ class PipelineRuntime(nn.Module):
         self._results: dict[int, tuple[Tensor, ...]] = {}
         self._losses: dict[int, Tensor] = {}
         self._sent_early: set[tuple[Op, int, int]] = set()
-        if not forward_only:
-            self._allocate_grads()
         for act in sched.actions[self.rank]:
             self._run(act)
         self._channel.wait_sends()
@@ -120,14 +119,6 @@ class PipelineRuntime(nn.Module):
 
     # -- actions -------------------------------------------------------------------------------
 
-    def _allocate_grads(self) -> None:
-        """Zero grads for the split Linears up front (ranks that wait at the start hide it), so
-        every weight-grad accumulation is one in-place matmul."""
-        for lin in self._split_linears:
-            for p in (lin.weight, lin.bias):
-                if p is not None and p.requires_grad and p.grad is None:
-                    p.grad = torch.zeros_like(p)
-
     def _run(self, act: Action) -> None:
         self.current_action = act
         self._waited = 0.0
@@ -147,7 +138,7 @@ class PipelineRuntime(nn.Module):
             self._sent_early.remove((act.op, act.phase, act.chunk))
         else:
             self._channel.send(self._outbox.pop((act.op, act.phase, act.chunk)), act.peer, self._stream(act))
-        if self.timeline is not None and act.op in schedules.COMPUTE_OPS:
+        if self.timeline is not None:
             end = time.perf_counter()
             self.timeline.append((act, t0, end, end - t0 - self._waited))
         self.current_action = None

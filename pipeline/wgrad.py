@@ -57,16 +57,18 @@ class WeightGradStore:
         return sum(map(len, self._queues.values()))
 
 
-def accumulate_grad(param: Tensor, grad: Callable[[], Tensor], fused: Callable[[Tensor], None] | None = None) -> None:
-    """Add grad() to param.grad. With fused (an in-place `acc += grad` kernel, e.g. addmm_) and a
-    leaf param that already has a grad and no post-accumulate hooks, skip the temporary; otherwise
-    go through autograd so hooks run and non-leaf params reach their leaves."""
-    if (fused is not None and param.is_leaf and param.grad is not None
-            and not getattr(param, "_post_accumulate_grad_hooks", None)):
-        with torch.no_grad():
-            fused(param.grad)
+def accumulate_grad(param: Tensor, grad: Callable[[], Tensor], fused: Callable[[Tensor], None]) -> None:
+    """Add grad() to param.grad: for a leaf without post-accumulate hooks, by assignment or by
+    fused(param.grad) (an in-place `acc += grad` kernel such as addmm_, no temporary); otherwise
+    through autograd, so hooks run and non-leaf params pass the grad on to their leaves."""
+    if not param.is_leaf or getattr(param, "_post_accumulate_grad_hooks", None):
+        torch.autograd.backward(param, grad())
         return
-    torch.autograd.backward(param, grad())
+    with torch.no_grad():
+        if param.grad is None:
+            param.grad = grad()
+        else:
+            fused(param.grad)
 
 
 def defer_weight_grad(weight: Tensor, compute: Callable[[], None], holds: tuple[Tensor, ...] = ()) -> bool:
