@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from optim import ZeRO1
+from optim import ZeRO1, warmup_cosine
 
 STEPS = 10
 SAVE_AT = 5
@@ -140,6 +140,7 @@ def dp_worker(rank: int, world: int, saved: dict[str, Any] | None) -> dict[str, 
         out.update(resume_case(rank, world, saved))
     if world == 2:
         out.update(bf16_case(rank, world))
+        out.update(lr_scheduler_case(rank, world))
     if world == 4:
         out.update(ep_case(rank, world))
         out.update(group_size_case())
@@ -164,6 +165,21 @@ def bf16_case(rank: int, world: int) -> dict[str, Any]:
     train(model, opt, range(STEPS), rank, world, torch.bfloat16)
     masters = [e["master"] for e in opt.state_dict()["state"].values()]
     return {"bf16_params": params_of(model), "bf16_masters": masters}
+
+
+def lr_scheduler_case(rank: int, world: int) -> dict[str, Any]:
+    """A torch LR scheduler drives ZeRO1: the lr each step used, as seen by the inner optimizers."""
+    model = mlp()
+    opt = ZeRO1(groups(model))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, 2, 6, 0.1))
+    used = []
+    for _ in range(6):
+        opt.zero_grad()
+        model(batch(0)[0]).square().mean().backward()
+        opt.step()
+        used.append([shard.optims[0].param_groups[0]["lr"] for shard in opt._shards])
+        sched.step()
+    return {"lr_used": used}
 
 
 EP = 2

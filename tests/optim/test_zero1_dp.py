@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dispatch.multiproc import run_processes
-from optim import optimizer_state_bytes
+from optim import optimizer_state_bytes, warmup_cosine
 from tests.optim import cases
 
 pytestmark = pytest.mark.timeout(400)
@@ -126,3 +126,10 @@ def test_group_size_must_divide_world(dp4: list[dict[str, Any]]) -> None:
     for rank, out in enumerate(dp4):
         expected = "not a member" if rank == 3 else "size 3 does not divide the world size 4"
         assert expected in out["group_error"]
+
+
+def test_lr_scheduler_drives_inner_optimizers(dp2: list[dict[str, Any]]) -> None:
+    base = [1e-2, 2e-2]
+    want = [lr * warmup_cosine(s, 2, 6, 0.1) for s in range(6) for lr in base]
+    for out in dp2:
+        assert [lr for step in out["lr_used"] for lr in step] == pytest.approx(want, rel=1e-12)
