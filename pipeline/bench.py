@@ -28,7 +28,7 @@ from pipeline.bench_runners import (OURS, TORCH, Runner, occupied_costs, our_run
                                     waiting_fraction)
 from pipeline.memory import SavedTensorMeter
 from pipeline.p2p import Channel
-from pipeline.simulate import Costs, simulate
+from pipeline.simulator import Costs, simulate
 
 COST_KEYS = ("F", "B", "Bs", "W", "FB")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline import Costs, Op, build, dualpipe, dualpipev, one_f_one_b, simulate, with_communication, zb1p
-from pipeline.simulate import main as simulate_main
+from pipeline.simulator import main as simulate_main
 
 # Unequal F, B, W, F&B with the input-grad part of B (B - W) as long as F: the regime in which
 # DeepSeek's table is exact (elsewhere the simulated DualPipe bubble departs from it).

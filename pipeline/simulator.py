@@ -1,6 +1,6 @@
 """Simulate a schedule from per-chunk costs: timelines, bubbles, peak activations; text/SVG drawing.
 
-Run `python -m pipeline.simulate --schedule dualpipev --pp 8 --chunks 16 --f 1 --b 2 --w 1 --svg out.svg`.
+Run `python -m pipeline.simulator --schedule dualpipev --pp 8 --chunks 16 --f 1 --b 2 --w 1 --svg out.svg`.
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ def summary(result: SimResult) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: simulate one schedule and print (and optionally draw) its timeline."""
-    p = argparse.ArgumentParser(prog="python -m pipeline.simulate", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m pipeline.simulator", description=__doc__.splitlines()[0])
     p.add_argument("--schedule", choices=SCHEDULES, default="dualpipev")
     p.add_argument("--pp", type=int, default=8, help="stages (dualpipev puts 2 per rank: pp/2 ranks)")
     p.add_argument("--chunks", type=int, default=16)
