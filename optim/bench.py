@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=8, help="Linear layers in the MLP")
     p.add_argument("--hidden", type=int, default=1024, help="Linear width")
     p.add_argument("--batch", type=int, default=16, help="rows per rank per step")
-    p.add_argument("--steps", type=int, default=20, help="timed iterations per optimizer")
+    p.add_argument("--steps", type=int, default=30, help="timed iterations per optimizer")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations per optimizer")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="ZeRO1 bucket cap")

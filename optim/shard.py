@@ -19,9 +19,11 @@ class ShardedParams:
     """Model params of one group re-pointed into a flat buffer, with this rank's fp32 master shard.
 
     The model params become views of one flat buffer (their dtype), so the all-gather of the
-    updated shards writes straight into them. Gradients are reduced from a flat fp32 buffer;
-    fp32 params get their .grad bound to views of it (a grad hook moves the first grad after
-    zero_grad in), so backward accumulates in place and the reduce needs no copy. Each bucket
+    updated shards writes straight into them. Gradients are summed over micro-batches and
+    reduced in a flat fp32 buffer: fp32 params get their .grad bound to views of it (a grad
+    hook moves the first grad after zero_grad in), so backward accumulates in place and the
+    reduce needs no copy; for other dtypes the hook adds each backward's grad to the fp32 sum
+    and drops it. Each bucket
     has its own inner optimizer, so a bucket's gather overlaps the next bucket's update; it
     sees its shard as chunks of CHUNK elements (leaf params aliasing the master): torch's CPU
     AdamW is ~3x slower on one 16 MiB tensor than on 4 MiB pieces.
@@ -83,26 +85,25 @@ class ShardedParams:
                        for chunks in self.bucket_chunks]
 
     def zero_grad(self, set_to_none: bool) -> None:
-        """Drop the grads (set_to_none) or zero the flat buffer, fp32 .grad bound to it."""
-        if not set_to_none:
+        """Drop fp32 grads (set_to_none) or bind them to the zeroed flat buffer; zero the sums."""
+        if not (set_to_none and self.binds_grads):
             self.grad_flat.zero_()
         for p, view in zip(self.params, self.grad_views):
-            if set_to_none:
-                p.grad = None
-            elif self.binds_grads:
-                p.grad = view
-            elif p.grad is not None:
-                p.grad.zero_()
+            p.grad = view if self.binds_grads and not set_to_none else None
 
     def _collect(self, i: int) -> None:
-        """Bring param i's .grad into the flat buffer if it does not live there (zero for None)."""
+        """Move param i's .grad into the flat fp32 buffer: fp32 by copy and rebinding (zero for
+        None), other dtypes added to the running fp32 sum and dropped."""
         p, view = self.params[i], self.grad_views[i]
-        if p.grad is None:
+        if not self.binds_grads:
+            if p.grad is not None:
+                view.add_(p.grad)
+                p.grad = None
+        elif p.grad is None:
             view.zero_()
         elif p.grad.data_ptr() != view.data_ptr():
             view.copy_(p.grad)
-            if self.binds_grads:
-                p.grad = view
+            p.grad = view
 
     def arm(self) -> None:
         """Reduce each bucket from the grad hooks as soon as the next backward has filled it."""
@@ -111,14 +112,13 @@ class ShardedParams:
         self._waiting = [self.layout.bucket_of.count(b) for b in range(len(self.layout.buckets))]
 
     def _on_grad(self, i: int, _param: torch.Tensor) -> None:
-        """Post-accumulate-grad hook: move a fresh fp32 grad into the flat buffer (no memset
-        needed after zero_grad); when armed, count param i ready and launch complete buckets."""
+        """Post-accumulate-grad hook: move the grad into the flat buffer (see _collect); when
+        armed, count param i ready and launch the buckets now complete."""
         bucket = self.layout.bucket_of[i]
         if self._armed and bucket > self._next:
             raise RuntimeError("a grad arrived for a bucket already being reduced: wrap only the "
                                "last backward before step() in reduce_during_backward()")
-        if self._armed or self.binds_grads:
-            self._collect(i)
+        self._collect(i)
         if self._armed:
             self._waiting[bucket] -= 1
             self._launch(flush=False)

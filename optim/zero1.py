@@ -73,17 +73,18 @@ def _check_group(i: int, group: dict[str, Any]) -> None:
 class ZeRO1(torch.optim.Optimizer):
     """Any torch optimizer with fp32 master params and state sharded evenly over process groups.
 
-    Call shape of torch.distributed.optim.ZeroRedundancyOptimizer (one inner optimizer_class
-    instance per bucket, built with **defaults and the group's hyper-parameters). Gradients on the model are
-    the local, un-averaged sums over micro-batches (no DDP wrapper, no communication during
-    backward unless the last one runs inside reduce_during_backward(), which overlaps it);
-    step() (or reduce_gradients()) reduce-scatters them in fp32, divided by each
-    group's grad_divisor (default: its process-group size), updates the local shard and
-    all-gathers the new params into the model. Param-group keys besides the optimizer's
-    hyper-parameters: process_group (shard group, e.g. expert-data-parallel for experts),
-    norm_groups (extra groups the grad norm is summed over, e.g. expert-parallel, pipeline),
-    grad_divisor. bucket_cap_mb caps one collective's fp32 bucket; collectives picks the
-    primitives (see ShardedParams; "auto" chooses by backend).
+    Call shape of torch.distributed.optim.ZeroRedundancyOptimizer; one optimizer_class instance
+    per bucket, built with **defaults and the group's hyper-parameters. Model grads are the
+    local, un-averaged sums over micro-batches (no DDP wrapper; non-fp32 grads are summed in
+    fp32 inside ZeRO1) and nothing is communicated during backward unless the last one runs
+    inside reduce_during_backward(), which overlaps the reduction with it. step() (or
+    reduce_gradients()) reduce-scatters the sums in fp32, divided by each group's grad_divisor
+    (default: its process-group size), updates the local shard and all-gathers the new params
+    into the model. Param-group keys besides the optimizer's hyper-parameters: process_group
+    (shard group, e.g. expert-data-parallel for experts), norm_groups (extra groups the grad
+    norm is summed over, e.g. expert-parallel, pipeline), grad_divisor. bucket_cap_mb caps one
+    collective's fp32 bucket; collectives picks the primitives (see ShardedParams; "auto"
+    chooses by backend).
     """
 
     def __init__(self, params: Iterable[Any],
