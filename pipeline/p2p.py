@@ -79,16 +79,23 @@ class Channel:
     the new header (and filler of the old size) and the payload follows as a second message.
     """
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, num_streams: int = 4) -> None:
         self.group = group
+        # NCCL ignores tags and matches a pair's messages in issue order: give each stream its own
+        # communicator (same ranks) so only the order within a stream matters, as with gloo tags.
+        self._groups = ([dist.new_group(dist.get_process_group_ranks(group)) for _ in range(num_streams)]
+                        if dist.get_backend(group) == "nccl" else None)
         self.device = device
         self._sends: list[tuple[dist.Work, Tensor]] = []
         self._sent: dict[tuple[int, int], int] = {}  # (peer, stream) -> payload bytes of the last message out
         self._expect: dict[tuple[int, int], int] = {}  # (peer, stream) -> payload bytes of the last message in
         self._queued: dict[tuple[int, int], deque[_Ticket]] = defaultdict(deque)
 
+    def _group(self, stream: int) -> dist.ProcessGroup:
+        return self.group if self._groups is None else self._groups[stream]
+
     def _isend(self, buf: Tensor, peer: int, stream: int) -> None:
-        self._sends.append((dist.isend(buf, group=self.group, group_dst=peer, tag=stream), buf))
+        self._sends.append((dist.isend(buf, group=self._group(stream), group_dst=peer, tag=stream), buf))
 
     def send(self, tensors: list[Tensor], peer: int, stream: int) -> None:
         """Start sending tensors to group rank peer (non-blocking; finished by wait_sends)."""
@@ -114,7 +121,7 @@ class Channel:
     def _post(self, ticket: _Ticket, peer: int, stream: int) -> None:
         ticket.buf = torch.empty(HEADER_BYTES + self._expect.get((peer, stream), 0), dtype=torch.uint8,
                                  device=self.device)
-        ticket.work = dist.irecv(ticket.buf, group=self.group, group_src=peer, tag=stream)
+        ticket.work = dist.irecv(ticket.buf, group=self._group(stream), group_src=peer, tag=stream)
 
     def finish_recv(self, ticket: _Ticket, peer: int, stream: int) -> list[tuple[Tensor, bool]]:
         """Wait for a message asked for with post_recv; return its tensors and requires_grad flags."""
@@ -129,7 +136,7 @@ class Channel:
             payload = ticket.buf[HEADER_BYTES:]
         else:
             payload = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            dist.recv(payload, group=self.group, group_src=peer, tag=stream)
+            dist.recv(payload, group=self._group(stream), group_src=peer, tag=stream)
         self._expect[key] = nbytes
         queue.popleft()
         if queue:

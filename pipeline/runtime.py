@@ -16,7 +16,7 @@ from pipeline.p2p import Channel
 from pipeline.schedules import Action, Op, Schedule
 from pipeline.wgrad import WeightGradStore, install_split_linear
 
-_STREAM = {Op.SEND_F: 0, Op.RECV_F: 0, Op.SEND_B: 2, Op.RECV_B: 2}  # + phase
+_STREAM = {Op.SEND_F: 0, Op.RECV_F: 0, Op.SEND_B: 2, Op.RECV_B: 2}  # + phase: 4 message streams
 
 
 def _as_tuple(x: Any) -> tuple:
@@ -47,7 +47,7 @@ class PipelineRuntime(nn.Module):
         self.timeline: list[tuple[Action, float, float, float]] | None = None  # [] to record (act, start, end, busy)
         self.current_action: Action | None = None
         self._schedules: dict[tuple[int, bool, bool], Schedule] = {}
-        self._channel: Channel | None = None
+        self._channel = Channel(self.group, self._device())  # created with the runtime (NCCL makes groups)
 
     def _check_ranks(self) -> None:
         """Raise ValueError if the rank count does not suit the schedule."""
@@ -79,8 +79,7 @@ class PipelineRuntime(nn.Module):
         self._labels = self._split("labels", tuple(labels), exit_, num_chunks) if exit_ and labels else {}
         self._criterion = criterion
         self._layout = layout
-        if self._channel is None:  # kept across steps: both ends remember message sizes per stream
-            self._channel = Channel(self.group, self._device())
+        self._channel.device = self._device()
         self._local: dict[tuple[Op, int, int], list[tuple[Tensor, bool]]] = {}  # hand-overs on this rank
         self._posted: dict[tuple[Op, int, int], Any] = {}  # receives in flight
         self._outbox: dict[tuple[Op, int, int], list[Tensor]] = {}  # waiting for their SEND action
