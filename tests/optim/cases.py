@@ -142,7 +142,7 @@ def dp_worker(rank: int, world: int, saved: dict[str, Any] | None) -> dict[str, 
         out.update(bf16_case(rank, world))
         out.update(lr_scheduler_case(rank, world))
     if world == 4:
-        out.update(ep_case(rank, world))
+        out["ep"] = ep_case(rank, world)
         out.update(group_size_case())
     return out
 
@@ -225,19 +225,26 @@ def ep_case(rank: int, world: int, steps: int = 5) -> dict[str, Any]:
         [list(range(s, s + EP)) for s in range(0, world, EP)])
     edp_group, _ = dist.new_subgroups_by_enumeration(
         [list(range(e, world, EP)) for e in range(EP)])
+    return {collectives: ep_train(rank, ep_group, edp_group, world, collectives, steps)
+            for collectives in ("allreduce_broadcast", "scatter_gather")}
+
+
+def ep_train(rank: int, ep_group: Any, edp_group: Any, world: int, collectives: str,
+             steps: int) -> dict[str, Any]:
+    """Train the EP model with clipping; its norms and the params this rank holds."""
     model = ep_model()
     expert = model["experts"][rank % EP]
     opt = ZeRO1([{"params": model["dense"].parameters()},
                  {"params": expert.parameters(), "process_group": edp_group,
                   "grad_divisor": world, "norm_groups": (ep_group,)}],
-                lr=1e-2, weight_decay=0.1)
+                lr=1e-2, weight_decay=0.1, collectives=collectives)
     norms = []
     for step in range(steps):
         opt.zero_grad()
         ep_loss(model, step, rank).backward()
         norms.append(float(opt.clip_grad_norm_(MAX_NORM)))
         opt.step()
-    return {"ep_norms": norms, "ep_params": {
+    return {"norms": norms, "params": {
         n: p.detach().clone() for n, p in model.named_parameters()
         if n.startswith("dense") or n.startswith(f"experts.{rank % EP}.")}}
 

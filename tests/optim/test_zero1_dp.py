@@ -112,13 +112,16 @@ def test_bf16_model_follows_fp32_masters(dp2: list[dict[str, Any]], ref: dict[st
         assert rel_diff(masters, by_group(ref["params"])) <= 0.1
 
 
-def test_expert_params_averaged_over_expert_dp_only(dp4: list[dict[str, Any]]) -> None:
-    want = cases.ep_reference(4, len(dp4[0]["ep_norms"]))
-    for out in dp4:
-        assert out["ep_norms"] == pytest.approx(want["norms"], rel=1e-6)
-        names = sorted(out["ep_params"])
+@pytest.mark.parametrize("collectives", ["allreduce_broadcast", "scatter_gather"])
+def test_expert_params_averaged_over_expert_dp_only(dp4: list[dict[str, Any]],
+                                                    collectives: str) -> None:
+    runs = [out["ep"][collectives] for out in dp4]
+    want = cases.ep_reference(4, len(runs[0]["norms"]))
+    for run in runs:
+        assert run["norms"] == pytest.approx(want["norms"], rel=1e-6)
+        names = sorted(run["params"])
         assert len(names) == 4
-        assert rel_diff([out["ep_params"][n] for n in names],
+        assert rel_diff([run["params"][n] for n in names],
                         [want["params"][n] for n in names]) <= 1e-6
 
 
