@@ -23,10 +23,9 @@ class ShardedParams:
     reduced in a flat fp32 buffer: fp32 params get their .grad bound to views of it (a grad
     hook moves the first grad after zero_grad in), so backward accumulates in place and the
     reduce needs no copy; for other dtypes the hook adds each backward's grad to the fp32 sum
-    and drops it. Each bucket
-    has its own inner optimizer, so a bucket's gather overlaps the next bucket's update; it
-    sees its shard as chunks of CHUNK elements (leaf params aliasing the master): torch's CPU
-    AdamW is ~3x slower on one 16 MiB tensor than on 4 MiB pieces.
+    and drops it. Each bucket has its own inner optimizer, so a bucket's gather overlaps the
+    next bucket's update; it sees its shard as chunks of CHUNK elements (leaf params aliasing
+    the master): torch's CPU AdamW is ~3x slower on one 16 MiB tensor than on 4 MiB pieces.
 
     Collectives per bucket: "scatter_gather" is one reduce_scatter_single in and one
     all_gather_single out (NCCL, and what "auto" picks off gloo). gloo in torch 2.13 has both,
