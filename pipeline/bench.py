@@ -5,10 +5,11 @@ one thread each), round-robin step by step so load changes on a shared machine h
 Per schedule it reports the median step time, each rank's measured idle fraction ((step time -
 time inside compute actions) / step time), for our schedules also the waiting fraction (step time
 not spent computing nor issuing sends/receives) next to the simulator's idle fraction fed with the
-measured mean occupied time of F, B, W, F&B actions and the p2p latency, and peak memory, measured in one extra
+measured mean occupied time of F, B, W, F&B actions and the p2p latency ("sim wait") or replaying
+each step with every action's measured occupied time ("replay"), and peak memory, measured in one extra
 untimed step as the peak bytes of distinct storages saved for backward (saved-tensor hooks) plus,
 for our runtime, the bytes that queued weight-grad closures keep alive until their W action.
-`--ep-overlap` instead measures the EP overlap switch (see run_ep_overlap).
+`--ep-overlap` instead measures the EP overlap switch (see _ep_overlap_worker).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ import torch.distributed as dist
 from dispatch.multiproc import run_processes
 from pipeline import schedules
 from pipeline.bench_models import build_layers
-from pipeline.bench_runners import (OURS, TORCH, Runner, occupied_costs, our_runner, single_process, torch_runner,
-                                    waiting_fraction)
+from pipeline.bench_runners import (OURS, TORCH, Runner, occupied_costs, occupied_durations, our_runner,
+                                    single_process, torch_runner, waiting_fraction)
 from pipeline.memory import SavedTensorMeter
 from pipeline.p2p import Channel
 from pipeline.simulator import Costs, simulate
@@ -66,7 +67,7 @@ def _data(opts: dict) -> tuple[torch.Tensor, torch.Tensor]:
 def _time_round_robin(runners: dict[str, Runner], opts: dict) -> dict[str, dict]:
     """Step every runner in turn, warmup + steps times, then once more under the memory meter."""
     x, target = _data(opts)
-    stats = {name: {"step_s": [], "idle": [], "wait": [], "peak": 0,
+    stats = {name: {"step_s": [], "idle": [], "wait": [], "replay": [], "peak": 0,
                     "costs": torch.zeros(2 * len(COST_KEYS), dtype=torch.float64)} for name in runners}
     for i in range(opts["warmup"] + opts["steps"] + 1):
         for name, run in runners.items():
@@ -91,6 +92,7 @@ def _time_round_robin(runners: dict[str, Runner], opts: dict) -> dict[str, dict]
                 if run.pipe is not None:
                     st["costs"] += torch.tensor(occupied_costs(run.pipe), dtype=torch.float64)
                     st["wait"].append(waiting_fraction(run.pipe, float(elapsed)))
+                    st["replay"].append(replayed_idle(run.pipe, opts["chunks"]))
     return stats
 
 
@@ -113,9 +115,21 @@ def _bench_worker(rank: int, world: int, opts: dict) -> list[dict]:
         if pipe is not None:
             dist.all_reduce(st["costs"])
             row["wait"] = statistics.median(st["wait"])
+            row["replay_wait"] = statistics.median(st["replay"])
             row["sim_wait"] = simulated_idle(pipe, opts["chunks"], st["costs"].tolist(), rank, latency)
         rows.append(row)
     return rows
+
+
+def replayed_idle(pipe, chunks: int) -> float:
+    """Idle fraction of this rank when the simulator replays the step just run with every rank's
+    measured occupied time per action (no p2p cost)."""
+    durations = [None] * pipe.num_ranks
+    dist.all_gather_object(durations, occupied_durations(pipe), group=pipe.group)
+    table = {(r, act): seconds for r, per_rank in enumerate(durations) for act, seconds in per_rank}
+    sched = schedules.build(pipe.schedule_name, pipe.num_ranks, chunks, split_bw=pipe.split_bw)
+    result = simulate(sched, Costs(0.0, 0.0), table)
+    return 1 - result.busy[pipe.rank] / result.makespan
 
 
 def simulated_idle(pipe, chunks: int, sums: list[float], rank: int, p2p: float) -> float:
@@ -139,6 +153,7 @@ def summarise(results: list[list[dict]], opts: dict) -> list[dict]:
         if "sim_wait" in per_rank[0]:
             row["wait_fraction"] = [round(r["wait"], 4) for r in per_rank]
             row["sim_wait_fraction"] = [round(r["sim_wait"], 4) for r in per_rank]
+            row["replay_wait_fraction"] = [round(r["replay_wait"], 4) for r in per_rank]
         rows.append(row)
     ref = next((r["step_ms"] for r in rows if r["schedule"] == "torch DualPipeV"), None)
     for r in rows:
@@ -152,11 +167,12 @@ def format_table(rows: list[dict]) -> str:
         return " ".join(f"{x:.2f}" for x in row.get(key, [])) or "-"
 
     lines = [f"{'schedule':32} {'step ms':>8} {'x torch DPV':>11} {'idle/rank':>20} {'wait/rank':>10} "
-             f"{'sim wait':>10} {'peak MiB':>9}"]
+             f"{'sim wait':>10} {'replay':>10} {'peak MiB':>9}"]
     for r in rows:
         ratio = f"{r['vs_torch_dualpipev']:.2f}" if r.get("vs_torch_dualpipev") else "-"
         lines.append(f"{r['schedule']:32} {r['step_ms']:8.1f} {ratio:>11} {per_rank(r, 'idle_fraction'):>20} "
                      f"{per_rank(r, 'wait_fraction'):>10} {per_rank(r, 'sim_wait_fraction'):>10} "
+                     f"{per_rank(r, 'replay_wait_fraction'):>10} "
                      f"{r['peak_mem_bytes'] / 2**20:9.2f}")
     return "\n".join(lines)
 

@@ -13,7 +13,7 @@ from torch import nn
 from pipeline.bench_models import mse, partition
 from pipeline.overlap import OverlapSequential
 from pipeline.runtime import DualPipe, DualPipeV, PipelineRuntime
-from pipeline.schedules import COMPUTE_OPS
+from pipeline.schedules import COMPUTE_OPS, Action
 
 OURS = ("ours DualPipeV", "ours DualPipe")
 TORCH = ("torch DualPipeV", "torch ZBVZeroBubble", "torch 1F1B", "torch Interleaved1F1B")
@@ -110,23 +110,29 @@ def single_process(rank: int, layers: list[nn.Module], chunks: int) -> Runner:
     return runner
 
 
-def occupied_costs(pipe: PipelineRuntime) -> list[float]:
-    """[sum, count] of occupied seconds of F, full B, split B, W and F&B actions in the last step:
-    each compute action's busy time plus that of the send/receive actions listed after it (the
-    time the rank spends issuing them); receive waits are not included."""
-    sums = {k: [0.0, 0] for k in ("F", "B", "Bs", "W", "FB")}
-    key, carry = None, 0.0
+def occupied_durations(pipe: PipelineRuntime) -> list[tuple[Action, float]]:
+    """Each compute action of the last step with its occupied seconds: its busy time plus that of
+    the send/receive actions listed after it (issuing them); receive waits are not included."""
+    out: list[tuple[Action, float]] = []
+    carry = 0.0
     for act, _, _, busy in pipe.timeline:
-        if act.op not in COMPUTE_OPS:
-            if key is None:
-                carry += busy
-            else:
-                sums[key][0] += busy
-            continue
+        if act.op in COMPUTE_OPS:
+            out.append((act, busy + carry))
+            carry = 0.0
+        elif out:
+            out[-1] = (out[-1][0], out[-1][1] + busy)
+        else:
+            carry += busy
+    return out
+
+
+def occupied_costs(pipe: PipelineRuntime) -> list[float]:
+    """[sum, count] of occupied seconds of F, full B, split B, W and F&B actions in the last step."""
+    sums = {k: [0.0, 0] for k in ("F", "B", "Bs", "W", "FB")}
+    for act, seconds in occupied_durations(pipe):
         key = "Bs" if act.op.value == "B" and act.split else act.op.value
-        sums[key][0] += busy + carry
+        sums[key][0] += seconds
         sums[key][1] += 1
-        carry = 0.0
     return [v for pair in sums.values() for v in pair]
 
 

@@ -6,6 +6,7 @@ Run `python -m pipeline.simulator --schedule dualpipev --pp 8 --chunks 16 --f 1 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pipeline.schedules import SCHEDULES, Action, Op, Schedule, build
@@ -85,8 +86,10 @@ def _deps(schedule: Schedule, rank: int, half: Action) -> list[tuple[str, int, i
     return []
 
 
-def simulate(schedule: Schedule, costs: Costs) -> SimResult:
-    """Run every rank's compute actions in order as soon as their inputs are ready."""
+def simulate(schedule: Schedule, costs: Costs,
+             durations: Mapping[tuple[int, Action], float] | None = None) -> SimResult:
+    """Run every rank's compute actions in order as soon as their inputs are ready; durations
+    (rank, action) -> time overrides the per-kind costs (e.g. with one measured step)."""
     n = schedule.layout.num_ranks
     queues = [schedule.compute_actions(r) for r in range(n)]
     pos = [0] * n
@@ -106,7 +109,7 @@ def simulate(schedule: Schedule, costs: Costs) -> SimResult:
                 for k in deps:
                     finish, src = done[k]
                     ready = max(ready, finish + (costs.p2p if src != r else 0.0))
-                end = ready + costs.of(act)
+                end = ready + (durations[(r, act)] if durations else costs.of(act))
                 for h in act.halves():
                     done[(h.op.value, r, h.phase, h.chunk)] = (end, r)
                 timelines[r].append(Span(act, ready, end))
