@@ -1,7 +1,8 @@
 """`moe-bench optim`: ZeRO1 against ZeroRedundancyOptimizer(AdamW) and DDP + AdamW, side by side.
 
 Every optimizer trains its own copy of the same MLP in the same gloo processes; iterations
-of the three are interleaved so machine noise hits them alike. step_ms is the median of a
+of the three are interleaved, in an order that rotates every round, so machine noise and
+position effects hit them alike. step_ms is the median of a
 whole training iteration (forward, backward, gradient sync, optimizer step).
 """
 
@@ -65,9 +66,10 @@ def _worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, dict[str, 
     setups = _setups(args["layers"], args["hidden"], args["bucket_cap_mb"], args["collectives"])
     x = torch.randn(args["batch"], args["hidden"], generator=torch.Generator().manual_seed(rank))
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in setups}
+    names = list(setups)
     for it in range(args["warmup"] + args["steps"]):
-        for name, (model, opt) in setups.items():
-            t = _iteration(model, opt, x)
+        for name in names[it % len(names):] + names[:it % len(names)]:
+            t = _iteration(*setups[name], x)
             if it >= args["warmup"]:
                 times[name].append(t)
     return {name: {"step_ms": 1e3 * statistics.median(t for t, _ in ts),
