@@ -158,6 +158,35 @@ def resume_case(rank: int, world: int, saved: dict[str, Any]) -> dict[str, Any]:
     return {"resumed_params": params_of(model), "resaved": resaved if rank == 0 else None}
 
 
+def bf16_reference(world: int, steps: int = STEPS) -> list[torch.Tensor]:
+    """Single process: bf16 model, each rank's micro-batch grads summed in fp32, averaged over
+    ranks, clipped AdamW on fp32 masters copied back into the bf16 model; final masters."""
+    model = mlp(torch.bfloat16)
+    masters = mlp()
+    masters.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    opt = torch.optim.AdamW(groups(masters))
+    per_rank = BATCH // world
+    for step in range(steps):
+        x, y = batch(step)
+        total = [torch.zeros_like(m) for m in masters.parameters()]
+        for rank in range(world):
+            rank_sum = [torch.zeros_like(m) for m in masters.parameters()]
+            xr, yr = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+            for xm, ym in zip(xr.chunk(MICRO), yr.chunk(MICRO)):
+                loss = nn.functional.mse_loss(model(xm.to(torch.bfloat16)).float(), ym) / MICRO
+                for acc, g in zip(rank_sum, torch.autograd.grad(loss, list(model.parameters()))):
+                    acc += g.float()
+            total = [t + r for t, r in zip(total, rank_sum)]
+        for m, t in zip(masters.parameters(), total):
+            m.grad = t / world
+        nn.utils.clip_grad_norm_(masters.parameters(), MAX_NORM)
+        opt.step()
+        with torch.no_grad():
+            for p, m in zip(model.parameters(), masters.parameters()):
+                p.copy_(m)
+    return [m.detach().clone() for m in masters.parameters()]
+
+
 def bf16_case(rank: int, world: int) -> dict[str, Any]:
     """bf16 model params with fp32 masters: the model ends equal to the masters cast to bf16."""
     model = mlp(torch.bfloat16)
