@@ -141,6 +141,7 @@ def dp_worker(rank: int, world: int, saved: dict[str, Any] | None) -> dict[str, 
     if world == 2:
         out.update(bf16_case(rank, world))
         out.update(lr_scheduler_case(rank, world))
+        out.update(overlap_misuse_case())
     if world == 4:
         out["ep"] = ep_case(rank, world)
         out.update(group_size_case())
@@ -209,6 +210,22 @@ def lr_scheduler_case(rank: int, world: int) -> dict[str, Any]:
         used.append([shard.optims[0].param_groups[0]["lr"] for shard in opt._shards])
         sched.step()
     return {"lr_used": used}
+
+
+def overlap_misuse_case() -> dict[str, Any]:
+    """A second backward inside reduce_during_backward() is refused (its buckets are in flight)."""
+    model = mlp()
+    opt = ZeRO1(model.parameters())
+    x = batch(0)[0]
+    error = None
+    with opt.reduce_during_backward():
+        model(x).sum().backward()
+        try:
+            model(x).sum().backward()
+        except RuntimeError as e:
+            error = str(e)
+    opt.step()
+    return {"misuse_error": error}
 
 
 EP = 2

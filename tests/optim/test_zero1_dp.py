@@ -137,3 +137,8 @@ def test_lr_scheduler_drives_inner_optimizers(dp2: list[dict[str, Any]]) -> None
     want = [lr * warmup_cosine(s, 2, 6, 0.1) for s in range(6) for lr in base]
     for out in dp2:
         assert [lr for step in out["lr_used"] for lr in step] == pytest.approx(want, rel=1e-12)
+
+
+def test_second_backward_inside_overlap_is_refused(dp2: list[dict[str, Any]]) -> None:
+    for out in dp2:
+        assert "wrap only the last backward" in out["misuse_error"]
