@@ -8,7 +8,9 @@ and dtype can cross; see Channel for how they travel.
 from __future__ import annotations
 
 from collections import defaultdict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -66,8 +68,14 @@ class _Ticket:
     __slots__ = ("work", "buf")
 
     def __init__(self) -> None:
-        self.work: dist.Work | None = None
+        self.work: Future | None = None  # resolves to the dist.Work of the posted receive
         self.buf: Tensor | None = None
+
+
+def _done(value: Any) -> Future:
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut
 
 
 class Channel:
@@ -77,6 +85,8 @@ class Channel:
     one buffer [header | payload] when the payload keeps that size, so the receiver can post it
     ahead of time and it crosses in one transfer; when the size changes, the first buffer carries
     the new header (and filler of the old size) and the payload follows as a second message.
+    On gloo, isend/irecv are issued by one helper thread, in order: issuing can stall on the
+    transport's locks (milliseconds on a loaded CPU) and the computing thread need not wait.
     """
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_streams: int = 4) -> None:
@@ -86,7 +96,8 @@ class Channel:
         self._groups = ([dist.new_group(dist.get_process_group_ranks(group)) for _ in range(num_streams)]
                         if dist.get_backend(group) == "nccl" else None)
         self.device = device
-        self._sends: list[tuple[dist.Work, Tensor]] = []
+        self._issuer = ThreadPoolExecutor(1, "pipeline-p2p") if dist.get_backend(group) == "gloo" else None
+        self._sends: list[tuple[Future, Tensor]] = []
         self._sent: dict[tuple[int, int], int] = {}  # (peer, stream) -> payload bytes of the last message out
         self._expect: dict[tuple[int, int], int] = {}  # (peer, stream) -> payload bytes of the last message in
         self._queued: dict[tuple[int, int], deque[_Ticket]] = defaultdict(deque)
@@ -94,8 +105,15 @@ class Channel:
     def _group(self, stream: int) -> dist.ProcessGroup:
         return self.group if self._groups is None else self._groups[stream]
 
+    def _issue(self, fn: Callable[..., dist.Work], buf: Tensor, peer_key: str, peer: int, stream: int) -> Future:
+        """Future of the dist.Work of fn(buf, ...) (isend/irecv), issued in order on the helper thread."""
+        kwargs = {"group": self._group(stream), peer_key: peer, "tag": stream}
+        if self._issuer is None:
+            return _done(fn(buf, **kwargs))
+        return self._issuer.submit(fn, buf, **kwargs)
+
     def _isend(self, buf: Tensor, peer: int, stream: int) -> None:
-        self._sends.append((dist.isend(buf, group=self._group(stream), group_dst=peer, tag=stream), buf))
+        self._sends.append((self._issue(dist.isend, buf, "group_dst", peer, stream), buf))
 
     def send(self, tensors: list[Tensor], peer: int, stream: int) -> None:
         """Start sending tensors to group rank peer (non-blocking; finished by wait_sends)."""
@@ -121,7 +139,7 @@ class Channel:
     def _post(self, ticket: _Ticket, peer: int, stream: int) -> None:
         ticket.buf = torch.empty(HEADER_BYTES + self._expect.get((peer, stream), 0), dtype=torch.uint8,
                                  device=self.device)
-        ticket.work = dist.irecv(ticket.buf, group=self._group(stream), group_src=peer, tag=stream)
+        ticket.work = self._issue(dist.irecv, ticket.buf, "group_src", peer, stream)
 
     def finish_recv(self, ticket: _Ticket, peer: int, stream: int) -> list[tuple[Tensor, bool]]:
         """Wait for a message asked for with post_recv; return its tensors and requires_grad flags."""
@@ -129,14 +147,14 @@ class Channel:
         queue = self._queued[key]
         if not queue or queue[0] is not ticket:
             raise RuntimeError(f"messages on stream {stream} from rank {peer} must be read in order")
-        ticket.work.wait()
+        ticket.work.result().wait()
         metas = _parse(ticket.buf[:HEADER_BYTES].view(torch.int64).cpu())
         nbytes = sum(m.nbytes for m in metas)
         if key in self._expect and self._expect[key] == nbytes:
             payload = ticket.buf[HEADER_BYTES:]
         else:
             payload = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            dist.recv(payload, group=self._group(stream), group_src=peer, tag=stream)
+            self._issue(dist.irecv, payload, "group_src", peer, stream).result().wait()
         self._expect[key] = nbytes
         queue.popleft()
         if queue:
@@ -153,5 +171,5 @@ class Channel:
     def wait_sends(self) -> None:
         """Complete every send started so far."""
         for work, _ in self._sends:
-            work.wait()
+            work.result().wait()
         self._sends.clear()
