@@ -19,6 +19,8 @@ BAD_SETTINGS = [
     (dict(capacity_factor=-1.5), r"capacity_factor = -1.5 must be > 0"),
     (dict(capacity_factor=float("nan")), r"capacity_factor = nan must be > 0"),
     (dict(capacity_factor="1.0"), r"capacity_factor = '1.0' must be > 0"),
+    (dict(capacity_factor=float("inf")), r"capacity_factor = inf must be > 0 and finite, or None for dropless"),
+    (dict(capacity_factor=True), r"capacity_factor = True must be > 0"),
     (dict(score_func="tanh"), r"score_func = 'tanh' is not allowed; choose one of 'softmax', 'sigmoid'"),
     (dict(drop_policy="random"), r"drop_policy = 'random' is not allowed; choose one of 'probs', 'position'"),
 ]
