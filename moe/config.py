@@ -41,7 +41,8 @@ def check_router_settings(num_experts: int, top_k: int, score_func: str, num_gro
     if topk_groups * (num_experts // num_groups) < top_k:
         raise ValueError(f"topk_groups = {topk_groups} groups of {num_experts // num_groups} experts "
                          f"cannot hold top_k = {top_k} experts")
-    if capacity_factor is not None and (isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float))
+    if capacity_factor is not None and (isinstance(capacity_factor, bool)
+                                        or not isinstance(capacity_factor, (int, float))
                                         or not 0 < capacity_factor < math.inf):
         raise ValueError(f"capacity_factor = {capacity_factor!r} must be > 0 and finite, or None for dropless")
     check_choice("drop_policy", drop_policy, DROP_POLICIES)
