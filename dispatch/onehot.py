@@ -1,0 +1,84 @@
+"""The classic one-hot capacity dispatch (GShard-style einsums + one even all-to-all), the benchmark's peer."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from dispatch.channel import Channel
+from dispatch.fp8 import decode_fp8, encode_fp8
+from dispatch.layout import check_num_experts, check_routing
+from dispatch.topology import make_topology
+from dispatch.traffic import Traffic, TrafficMeter
+
+
+def onehot_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """Slots per expert: ceil(capacity_factor * T * k / E)."""
+    return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
+
+
+def onehot_masks(indices: Tensor, weights: Tensor, num_experts: int, capacity: int,
+                 dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(dispatch mask, combine weights), both [T, E, C]; slots past an expert's capacity are dropped.
+
+    Positions are given slot-major (every token's first choice before any second choice), as in GShard.
+    """
+    tokens, k = indices.shape
+    slots = indices.t()
+    onehot = F.one_hot(slots.clamp(min=0), num_experts) * (slots >= 0).unsqueeze(-1)
+    position = torch.cumsum(onehot.view(k * tokens, num_experts), 0).view(k, tokens, num_experts) - 1
+    slot, token, expert = torch.nonzero((onehot == 1) & (position < capacity), as_tuple=True)
+    mask = torch.zeros(tokens, num_experts, capacity, dtype=dtype, device=indices.device)
+    combine = torch.zeros_like(mask)
+    at = (token, expert, position[slot, token, expert])
+    mask[at] = 1
+    combine[at] = weights[token, slot].to(dtype)
+    return mask, combine
+
+
+class OneHotDispatcher:
+    """Every rank sends E_local x C rows to every rank, however few tokens are routed (padding included)."""
+
+    def __init__(self, num_experts: int, group: dist.ProcessGroup | None = None, gpus_per_node: int | None = None,
+                 capacity_factor: float = 1.0, payload: str = "bf16") -> None:
+        self.group = group if group is not None else dist.group.WORLD
+        self.world_size = dist.get_world_size(self.group)
+        self.num_experts, self.capacity_factor, self.payload = num_experts, capacity_factor, payload
+        self.experts_per_rank = check_num_experts(num_experts, self.world_size)
+        self.meter = TrafficMeter()
+        self.channel = Channel(self.group, make_topology(self.world_size, gpus_per_node), self.meter)
+
+    @property
+    def last_bytes(self) -> dict[str, Traffic]:
+        """Traffic of the latest dispatch and combine."""
+        return self.meter.last
+
+    def dispatch(self, x: Tensor, indices: Tensor, weights: Tensor) -> tuple[Tensor, int, Tensor]:
+        """(expert input [E_local, R*C, H], capacity C, combine weights [T, E, C])."""
+        check_routing(indices, self.num_experts, weights, x)
+        capacity = onehot_capacity(x.shape[0], indices.shape[1], self.num_experts, self.capacity_factor)
+        self.meter.start("dispatch")
+        mask, combine = onehot_masks(indices, weights, self.num_experts, capacity, x.dtype)
+        buffer = torch.einsum("tec,th->ech", mask, x).reshape(-1, x.shape[1])
+        wire = encode_fp8(buffer) if self.payload == "fp8" else buffer
+        received = self._even_exchange(wire, "dispatch")
+        rows = decode_fp8(received, x.shape[1], x.dtype) if self.payload == "fp8" else received
+        per_rank = self.experts_per_rank
+        expert_in = rows.view(self.world_size, per_rank, capacity, -1).transpose(0, 1).reshape(per_rank, -1, x.shape[1])
+        return expert_in, capacity, combine
+
+    def combine(self, y: Tensor, combine: Tensor) -> Tensor:
+        """Send expert outputs [E_local, R*C, H] back and weigh them into [T, H] with the combine einsum."""
+        self.meter.start("combine")
+        capacity = combine.shape[2]
+        rows = y.view(self.experts_per_rank, self.world_size, capacity, -1).transpose(0, 1).reshape(-1, y.shape[-1])
+        back = self._even_exchange(rows, "combine")
+        return torch.einsum("tec,ech->th", combine, back.view(self.num_experts, capacity, -1))
+
+    def _even_exchange(self, rows: Tensor, kind: str) -> Tensor:
+        splits = [rows.shape[0] // self.world_size] * self.world_size
+        return self.channel.exchange(rows, splits, splits, kind)
