@@ -10,9 +10,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dispatch.channel import Channel
+from dispatch.dispatcher import PAYLOADS
 from dispatch.fp8 import decode_fp8, encode_fp8
 from dispatch.layout import check_num_experts, check_routing
-from dispatch.topology import make_topology
+from dispatch.predict import payload_row_bytes
+from dispatch.topology import Topology, make_topology
 from dispatch.traffic import Traffic, TrafficMeter
 
 
@@ -40,11 +42,39 @@ def onehot_masks(indices: Tensor, weights: Tensor, num_experts: int, capacity: i
     return mask, combine
 
 
+def dropped_slots(indices: Tensor, num_experts: int, capacity: int) -> int:
+    """Routing slots of this rank past their expert's capacity (which ones depends on order, how many does not)."""
+    kept = indices[indices >= 0]
+    return int((torch.bincount(kept, minlength=num_experts) - capacity).clamp(min=0).sum())
+
+
+def onehot_traffic(topology: Topology, num_experts: int, capacity: int, hidden: int, payload: str = "bf16",
+                   dtype: torch.dtype = torch.bfloat16) -> list[dict[str, Traffic]]:
+    """Per rank {"dispatch", "combine"} traffic: E_local x C rows to every peer each way, whatever the routing."""
+    rows = capacity * check_num_experts(num_experts, topology.world_size)
+    traffic = [{"dispatch": Traffic(), "combine": Traffic()} for _ in range(topology.world_size)]
+    for src in range(topology.world_size):
+        for dst in range(topology.world_size):
+            if dst != src:
+                inter = not topology.same_node(src, dst)
+                traffic[src]["dispatch"].add(inter, "payload", rows * payload_row_bytes(hidden, payload, dtype))
+                traffic[src]["combine"].add(inter, "payload", rows * hidden * dtype.itemsize)
+    return traffic
+
+
 class OneHotDispatcher:
-    """Every rank sends E_local x C rows to every rank, however few tokens are routed (padding included)."""
+    """Every rank sends E_local x C rows to every rank, however few tokens are routed (padding included).
+
+    C = ceil(capacity_factor * T * k / E) with T the largest token count in the group (agreed by one
+    all-reduce of a scalar, which GShard's static shapes make free), so every rank's buffers match.
+    """
 
     def __init__(self, num_experts: int, group: dist.ProcessGroup | None = None, gpus_per_node: int | None = None,
                  capacity_factor: float = 1.0, payload: str = "bf16") -> None:
+        if payload not in PAYLOADS:
+            raise ValueError(f"payload = {payload!r} is not allowed; choose one of {', '.join(map(repr, PAYLOADS))}")
+        if not capacity_factor > 0:
+            raise ValueError(f"capacity_factor = {capacity_factor!r} must be > 0")
         self.group = group if group is not None else dist.group.WORLD
         self.world_size = dist.get_world_size(self.group)
         self.num_experts, self.capacity_factor, self.payload = num_experts, capacity_factor, payload
@@ -60,7 +90,9 @@ class OneHotDispatcher:
     def dispatch(self, x: Tensor, indices: Tensor, weights: Tensor) -> tuple[Tensor, int, Tensor]:
         """(expert input [E_local, R*C, H], capacity C, combine weights [T, E, C])."""
         check_routing(indices, self.num_experts, weights, x)
-        capacity = onehot_capacity(x.shape[0], indices.shape[1], self.num_experts, self.capacity_factor)
+        tokens = torch.tensor([x.shape[0]], device=x.device)
+        dist.all_reduce(tokens, dist.ReduceOp.MAX, group=self.group)
+        capacity = onehot_capacity(int(tokens), indices.shape[1], self.num_experts, self.capacity_factor)
         self.meter.start("dispatch")
         mask, combine = onehot_masks(indices, weights, self.num_experts, capacity, x.dtype)
         buffer = torch.einsum("tec,th->ech", mask, x).reshape(-1, x.shape[1])
@@ -75,7 +107,7 @@ class OneHotDispatcher:
         """Send expert outputs [E_local, R*C, H] back and weigh them into [T, H] with the combine einsum."""
         self.meter.start("combine")
         capacity = combine.shape[2]
-        rows = y.view(self.experts_per_rank, self.world_size, capacity, -1).transpose(0, 1).reshape(-1, y.shape[-1])
+        rows = y.reshape(self.experts_per_rank, self.world_size, capacity, -1).transpose(0, 1).reshape(-1, y.shape[-1])
         back = self._even_exchange(rows, "combine")
         return torch.einsum("tec,ech->th", combine, back.view(self.num_experts, capacity, -1))
 
