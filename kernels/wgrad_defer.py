@@ -1,0 +1,113 @@
+"""Deferred weight grads: inside a capture, a backward queues its weight-grad work for a later W action.
+
+A `WeightGradStore` opens a capture (`store.capture(key)`) around a backward; an op that supports
+deferral (its backward calls `defer_weight_grad`, or `weight_grad_or_defer` for a custom Function)
+then computes only its input grad and queues the weight-grad computation under `key`, and
+`store.run(key)` (the W action) executes the queue later. The open capture lives in one
+process-wide slot, not a thread- or context-local one, so a backward run by the autograd engine's
+own device threads (CUDA) sees it too; captures therefore do not nest. Pure autograd: no
+torch.distributed here.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Callable, Hashable, Iterator
+
+import torch
+from torch import Tensor
+from torch.autograd.graph import GradientEdge
+
+_LOCK = threading.Lock()
+_active: WeightGradStore | None = None  # the store whose capture is open, seen from every thread
+
+GradTarget = Tensor | GradientEdge
+
+
+class WeightGradStore:
+    """Queued weight-grad closures per key (one key per split backward), run by W actions."""
+
+    def __init__(self) -> None:
+        self._queues: dict[Hashable, list[tuple[Callable[[], None], int]]] = {}
+        self._key: Hashable | None = None
+        self.held_bytes = 0  # bytes of tensors the queued closures keep alive
+
+    @contextmanager
+    def capture(self, key: Hashable) -> Iterator[None]:
+        """Within this block, deferrable weight grads (from any thread) are queued under key."""
+        global _active
+        with _LOCK:
+            if _active is not None:
+                raise RuntimeError(f"a weight-grad capture (key {_active._key!r}) is already open; "
+                                   f"captures do not nest, one backward is captured at a time per process")
+            _active, self._key = self, key
+            self._queues.setdefault(key, [])
+        try:
+            yield
+        finally:
+            with _LOCK:
+                _active, self._key = None, None
+
+    def push(self, fn: Callable[[], None], nbytes: int = 0) -> None:
+        """Queue fn (keeping nbytes of tensors alive until it runs) under the key being captured."""
+        with _LOCK:
+            self._queues[self._key].append((fn, nbytes))
+            self.held_bytes += nbytes
+
+    def run(self, key: Hashable) -> int:
+        """Execute and drop the closures queued under key; return how many ran."""
+        fns = self._queues.pop(key, [])
+        for fn, nbytes in fns:
+            fn()
+            self.held_bytes -= nbytes
+        return len(fns)
+
+    def pending(self) -> int:
+        """Closures queued and not yet run."""
+        return sum(map(len, self._queues.values()))
+
+
+def accumulate_grad(param: GradTarget, grad: Callable[[], Tensor], fused: Callable[[Tensor], None]) -> None:
+    """Add grad() to param.grad: for a leaf without post-accumulate hooks, by assignment or by
+    fused(param.grad) (an in-place `acc += grad` kernel such as addmm_, no temporary); otherwise
+    (hooks, a non-leaf, or a GradientEdge into the graph) through autograd, so hooks run and
+    non-leaf params pass the grad on to their leaves."""
+    if isinstance(param, GradientEdge) or not param.is_leaf or getattr(param, "_post_accumulate_grad_hooks", None):
+        torch.autograd.backward(param, grad())
+        return
+    with torch.no_grad():
+        if param.grad is None:
+            param.grad = grad()
+        else:
+            fused(param.grad)
+
+
+def defer_weight_grad(weight: GradTarget, compute: Callable[[], None], holds: tuple[Tensor, ...] = ()) -> bool:
+    """Call from a backward: inside a capture, queue `compute()` (which accumulates weight's grad,
+    e.g. with accumulate_grad) for the W action and return True (the backward then returns None
+    for weight); elsewhere return False. holds: tensors compute keeps alive (memory accounting)."""
+    store = _active
+    if store is None or (isinstance(weight, Tensor) and not weight.requires_grad):
+        return False
+    store.push(compute, sum(t.nbytes for t in holds))
+    return True
+
+
+def grad_target(ctx: torch.autograd.function.FunctionCtx, index: int) -> GradTarget:
+    """Where a custom Function's input `index` sends its grad: the leaf tensor itself, or the edge
+    into the graph that produced the input (e.g. a dtype cast of a parameter). Needs no reference
+    to the input saved in forward."""
+    node, output_nr = ctx.next_functions[index]
+    leaf = getattr(node, "variable", None)  # AccumulateGrad holds its leaf
+    return leaf if leaf is not None else GradientEdge(node, output_nr)
+
+
+def weight_grad_or_defer(ctx: torch.autograd.function.FunctionCtx, index: int, grad: Callable[[], Tensor],
+                         holds: tuple[Tensor, ...] = ()) -> Tensor | None:
+    """For a custom Function's backward: inside a capture, queue the accumulation of grad() into
+    input `index` for the W action and return None; otherwise return grad() now."""
+    target = grad_target(ctx, index)
+    if defer_weight_grad(target, lambda: accumulate_grad(target, grad, lambda acc: acc.add_(grad())), holds):
+        return None
+    return grad()
