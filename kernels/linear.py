@@ -7,13 +7,22 @@ from torch import Tensor
 
 from kernels import checks
 from kernels.ops import run
+from kernels.wgrad_defer import weight_grad_or_defer
+
+
+def _wgrad(dy: Tensor, x: Tensor, offs: Tensor, backend: str | None, w_dtype: torch.dtype) -> Tensor:
+    """dw[g] = dy_g^T @ x_g, both operands in 1x128 tiles along tokens, fp32 accumulation, cast to w_dtype."""
+    dy_t, dy_t_scale = run("quantize_activation_kgrouped", backend, dy, offs)
+    x_t, x_t_scale = run("quantize_activation_kgrouped", backend, x, offs)
+    return run("wgrad", backend, dy_t, dy_t_scale, x_t, x_t_scale, offs).to(w_dtype)
 
 
 class FP8GroupedLinear(torch.autograd.Function):
     """out[rows of g] = x[rows of g] @ w[g].T with x in 1x128 tiles and w in 128x128 blocks of e4m3.
 
     Backward: dx = dy @ w (dy in 1x128 tiles, w's blocks transposed); dw[g] = dy_g^T @ x_g with both
-    operands in 1x128 tiles along tokens (k-grouped); every product accumulates in fp32.
+    operands in 1x128 tiles along tokens (k-grouped); every product accumulates in fp32. Inside a
+    kernels.wgrad_defer capture dw is left to the W action.
     """
 
     @staticmethod
@@ -28,15 +37,14 @@ class FP8GroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor):  # noqa: D102
         x, w_q, w_scale, offs = ctx.saved_tensors
+        backend, w_dtype = ctx.backend, ctx.w_dtype
         dy = dy.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dy_q, dy_scale = run("quantize_activation", ctx.backend, dy)
-            dx = run("dgrad", ctx.backend, dy_q, dy_scale, w_q, w_scale, offs, x.dtype)
-        if ctx.needs_input_grad[1]:
-            dy_t, dy_t_scale = run("quantize_activation_kgrouped", ctx.backend, dy, offs)
-            x_t, x_t_scale = run("quantize_activation_kgrouped", ctx.backend, x, offs)
-            dw = run("wgrad", ctx.backend, dy_t, dy_t_scale, x_t, x_t_scale, offs).to(ctx.w_dtype)
+            dy_q, dy_scale = run("quantize_activation", backend, dy)
+            dx = run("dgrad", backend, dy_q, dy_scale, w_q, w_scale, offs, x.dtype)
+        if ctx.needs_input_grad[1]:  # inside a split backward's capture: computed by the W action
+            dw = weight_grad_or_defer(ctx, 1, lambda: _wgrad(dy, x, offs, backend, w_dtype), (x, dy))
         return dx, dw, None, None
 
 

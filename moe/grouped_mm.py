@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kernels.wgrad_defer import weight_grad_or_defer
+
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -49,7 +51,8 @@ def grouped_weight_grad(dy: Tensor, x: Tensor, offs: Tensor) -> Tensor:
 
 
 class GroupedLinearFunction(torch.autograd.Function):
-    """Autograd for grouped_matmul: dgrad is a grouped matmul with w transposed, wgrad k-grouped."""
+    """Autograd for grouped_matmul: dgrad is a grouped matmul with w transposed, wgrad k-grouped
+    (deferred to a W action inside a kernels.wgrad_defer capture)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, offs: Tensor) -> Tensor:  # noqa: D102
@@ -61,7 +64,9 @@ class GroupedLinearFunction(torch.autograd.Function):
         x, w, offs = ctx.saved_tensors
         dy = dy.contiguous()
         dx = grouped_matmul(dy, w.transpose(-2, -1).contiguous(), offs) if ctx.needs_input_grad[0] else None
-        dw = grouped_weight_grad(dy, x, offs) if ctx.needs_input_grad[1] else None
+        dw = None
+        if ctx.needs_input_grad[1]:  # inside a split backward's capture: computed by the W action
+            dw = weight_grad_or_defer(ctx, 1, lambda: grouped_weight_grad(dy, x, offs), (x, dy))
         return dx, dw, None
 
 

@@ -23,14 +23,14 @@ class MLPStage(nn.Module):
 
 
 class MoEStage(nn.Module):
-    """Residual MoE layer (dropless, no aux loss) followed by an MLP stage."""
+    """Residual MoE layer (dropless, no aux loss; experts in `precision`) followed by an MLP stage."""
 
-    def __init__(self, hidden: int) -> None:
+    def __init__(self, hidden: int, precision: str = "native") -> None:
         super().__init__()
         from moe.config import ModelConfig
         from moe.layer import MoELayer
         cfg = ModelConfig(hidden_size=hidden, num_heads=2, num_kv_heads=1, num_experts=4, top_k=2,
-                          expert_ffn_size=16, num_shared_experts=1)
+                          expert_ffn_size=16, num_shared_experts=1, expert_precision=precision)
         self.norm = nn.LayerNorm(hidden)
         self.moe = MoELayer(cfg)
         self.mlp = MLPStage(hidden)
@@ -41,10 +41,13 @@ class MoEStage(nn.Module):
 
 
 def make_stages(kind: str, num_stages: int, hidden: int, dtype: torch.dtype, seed: int = 0) -> list[nn.Module]:
-    """num_stages freshly initialised stages (same seed -> same weights in every process)."""
+    """num_stages freshly initialised stages of kind mlp, moe or moe-fp8 (same seed -> same weights
+    in every process)."""
     torch.manual_seed(seed)
-    cls = MLPStage if kind == "mlp" else MoEStage
-    return [cls(hidden).to(dtype) for _ in range(num_stages)]
+    if kind == "mlp":
+        return [MLPStage(hidden).to(dtype) for _ in range(num_stages)]
+    precision = "fp8" if kind == "moe-fp8" else "native"
+    return [MoEStage(hidden, precision).to(dtype) for _ in range(num_stages)]
 
 
 def criterion(out: Tensor, skip: Tensor, label: Tensor) -> Tensor:

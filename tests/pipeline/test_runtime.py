@@ -6,18 +6,22 @@ import pytest
 import torch
 
 from dispatch.multiproc import run_processes
+from kernels.backend import BACKEND_ENV
 from tests.pipeline.models import calc_diff
 from tests.pipeline.workers import bad_inputs, bw_split, ep_overlap, p2p_messages, sent_messages
 
 
 @pytest.mark.timeout(200)
-def test_weight_grads_are_computed_in_w_actions() -> None:
-    results = run_processes(bw_split, 2, 8, timeout_s=150)
+@pytest.mark.parametrize("stage_kind", ["mlp", "moe", "moe-fp8"])
+def test_weight_grads_are_computed_in_w_actions(stage_kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(BACKEND_ENV, "torch")  # the FP8 experts run the torch reference on CPU
+    results = run_processes(bw_split, 2, 8, stage_kind, timeout_s=150)
     for rank, res in enumerate(results):
         split, fused = res[True], res[False]
         assert split["w_actions"] > 0
         in_w = [s for s in split["seen"] if s[0] == "W"]
-        # every W action accumulates the weight grads of the two Linear layers of its stage
+        # every W action accumulates the two watched weights of its stage: the two Linear layers of
+        # an MLP stage, w_gate_up and w_down of the grouped experts of a MoE stage
         assert len(in_w) == 2 * split["w_actions"]
         assert ("B", True) not in split["seen"]  # a split B never touches weight grads
         assert all(op != "W" for op, _ in fused["seen"])

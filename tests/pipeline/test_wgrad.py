@@ -1,52 +1,34 @@
-"""The weight-grad store: deferral inside a split backward for Linear and for a grouped matmul."""
+"""The weight-grad store: deferral inside a split backward for Linear and for the grouped expert linear."""
 
 from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
-from pipeline.wgrad import WeightGradStore, accumulate_grad, defer_weight_grad, install_split_linear
+from pipeline.wgrad import WeightGradStore, install_split_linear
 
 
-class _GroupedMatmul(torch.autograd.Function):
-    """out[rows of g] = x[rows of g] @ w[g].T, wired to the store the way grouped experts would be."""
-
-    @staticmethod
-    def forward(ctx, x, w, counts):
-        ctx.save_for_backward(x, w)
-        ctx.counts = counts
-        return torch.cat([xs @ w[g].T for g, xs in enumerate(x.split(counts))])
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w = ctx.saved_tensors
-        dx = torch.cat([dys @ w[g] for g, dys in enumerate(dy.split(ctx.counts))])
-
-        def wgrad():
-            return torch.stack([d.T @ xs for d, xs in zip(dy.split(ctx.counts), x.split(ctx.counts))])
-
-        compute = lambda: accumulate_grad(w, wgrad, lambda acc: acc.add_(wgrad()))  # noqa: E731
-        return dx, (None if defer_weight_grad(w, compute, (x, dy)) else wgrad()), None
-
-
-def test_grouped_matmul_weight_grad_waits_for_w_even_through_a_cast() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32-cast-grouped-mm", "fp64-leaf-group-loop"])
+def test_grouped_expert_weight_grad_waits_for_w_for_a_leaf_and_through_a_cast(dtype: torch.dtype) -> None:
+    from moe.grouped_mm import group_offsets, grouped_linear
     torch.manual_seed(0)
-    w = nn.Parameter(torch.randn(3, 5, 4, dtype=torch.float64))
-    x = torch.randn(9, 4, dtype=torch.float64, requires_grad=True)
-    counts = [2, 3, 4]
+    w = nn.Parameter(torch.randn(3, 32, 16, dtype=torch.float64))  # fp32: a cast in the forward; fp64: the leaf
+    x = torch.randn(9, 16, dtype=dtype, requires_grad=True)
+    offs = group_offsets(torch.tensor([2, 3, 4]))
     ref_w = w.detach().clone().requires_grad_()
     for _ in range(2):  # the second pass accumulates in place
-        _GroupedMatmul.apply(x.detach(), ref_w.float().double(), counts).square().sum().backward()
+        grouped_linear(x.detach(), ref_w.to(dtype), offs).square().sum().backward()
     store = WeightGradStore()
     for key in range(2):
         with store.capture(key):
-            _GroupedMatmul.apply(x, w.float().double(), counts).square().sum().backward()
+            grouped_linear(x, w.to(dtype), offs).square().sum().backward()
         assert x.grad is not None and store.pending() == key + 1
     assert w.grad is None  # nothing reached the weight yet
     assert store.run(0) == 1 and store.run(1) == 1
-    assert torch.allclose(w.grad, ref_w.grad, rtol=1e-6)
+    assert torch.equal(w.grad, ref_w.grad)
     assert store.pending() == 0 and store.held_bytes == 0
 
 

@@ -58,11 +58,22 @@ def equivalence_one(rank: int, world: int, kind: str, stage_kind: str, num_chunk
     return result
 
 
-def bw_split(rank: int, world: int, num_chunks: int) -> dict:
-    """Which action kinds accumulate Linear weight grads, with the B/W split on and off; and the grads."""
+def _watched(pipe: torch.nn.Module, stage_kind: str) -> list[torch.nn.Parameter]:
+    """Weights whose accumulation bw_split records: the Linear weights of MLP stages, the grouped
+    expert weights (w_gate_up, w_down) of MoE stages."""
+    if stage_kind == "mlp":
+        return [m.weight for m in pipe.modules() if isinstance(m, torch.nn.Linear)]
+    from moe.experts import GroupedExperts
+    return [w for m in pipe.modules() if isinstance(m, GroupedExperts) for w in (m.w_gate_up, m.w_down)]
+
+
+def bw_split(rank: int, world: int, num_chunks: int, stage_kind: str = "mlp") -> dict:
+    """Which action kinds accumulate the watched weight grads (see _watched), with the B/W split on
+    and off; and all grads. float64, float32 for FP8 experts (they take float32 at most)."""
+    dtype = torch.float32 if stage_kind == "moe-fp8" else torch.float64
     out = {}
     for split_bw in (True, False):
-        stages = make_stages("mlp", 2 * world, HIDDEN, torch.float64)
+        stages = make_stages(stage_kind, 2 * world, HIDDEN, dtype)
         held = placement("dualpipev", rank, world)
         pipe = DualPipeV((copy.deepcopy(stages[held[0]]), copy.deepcopy(stages[held[1]])), split_bw=split_bw)
         seen: list[tuple[str, bool]] = []
@@ -73,10 +84,9 @@ def bw_split(rank: int, world: int, num_chunks: int) -> dict:
                 seen.append((pipe.current_action.op.value, pipe.current_action.split))
                 last[id(p)] = p.grad.clone()
 
-        for m in pipe.modules():
-            if isinstance(m, torch.nn.Linear):
-                m.weight.register_post_accumulate_grad_hook(record)
-        inputs, labels = rank_inputs("dualpipev", rank, world, make_data(BATCH, HIDDEN, torch.float64))
+        for weight in _watched(pipe, stage_kind):
+            weight.register_post_accumulate_grad_hook(record)
+        inputs, labels = rank_inputs("dualpipev", rank, world, make_data(BATCH, HIDDEN, dtype))
         loss, _ = pipe.step(*inputs, num_chunks=num_chunks, criterion=criterion, labels=labels)
         w_actions = sum(a.op.value == "W" for a in pipe.schedule(num_chunks).actions[rank])
         out[split_bw] = {"seen": seen, "loss": loss, "w_actions": w_actions,
