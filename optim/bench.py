@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="ZeRO1 bucket cap")
     p.add_argument("--collectives", choices=COLLECTIVES, default="auto",
-                   help="ZeRO1 collectives (auto: all-reduce + broadcast on gloo)")
+                   help="ZeRO1 collectives (auto: p2p on gloo)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up")
     p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
     args = p.parse_args(argv)

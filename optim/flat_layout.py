@@ -36,7 +36,11 @@ class Bucket:
     @property
     def owned(self) -> slice:
         """This rank's piece of the bucket, as a range of the flat buffer."""
-        begin = self.start + self.rank * self.shard_numel
+        return self.piece(self.rank)
+
+    def piece(self, rank: int) -> slice:
+        """The piece of the bucket that rank owns, as a range of the flat buffer."""
+        begin = self.start + rank * self.shard_numel
         return slice(begin, begin + self.shard_numel)
 
 

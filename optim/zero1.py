@@ -15,7 +15,7 @@ from optim.shard import ShardedParams
 
 LAYOUT_KEYS = ("process_group", "norm_groups", "grad_divisor")
 MASTER_KEY = "master"
-COLLECTIVES = ("auto", "scatter_gather", "allreduce_broadcast")
+COLLECTIVES = ("auto", "scatter_gather", "p2p")
 
 
 def _param_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
@@ -165,12 +165,18 @@ class ZeRO1(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """Reduce grads (if not yet), update the local shards, all-gather params into the model."""
+        """Reduce grads (if not yet), update the local shards, all-gather params into the model.
+
+        Without a prior reduce_gradients() (no clipping), each bucket is updated and gathered
+        as soon as its own reduction is done, while the others are still in flight.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.reduce_gradients()
+        if not self._reduced:
+            for shard in self._shards:
+                shard.start_reduce()
         for group, shard in zip(self.param_groups, self._shards):
             shard.step(_hyper(group))
         self._reduced = False

@@ -17,7 +17,7 @@ SAVE_AT = 5
 MICRO = 4
 BATCH = 64
 MAX_NORM = 0.05
-COLLECTIVES_BY_WORLD = {2: "allreduce_broadcast", 4: "scatter_gather"}
+COLLECTIVES_BY_WORLD = {2: "scatter_gather", 4: "p2p"}
 COLLECTIVES = ("all_reduce", "reduce_scatter_single", "all_gather_single", "broadcast",
                "all_gather", "reduce_scatter_tensor", "all_gather_into_tensor",
                "all_to_all_single", "send", "recv", "isend", "irecv", "barrier")
@@ -45,8 +45,9 @@ def groups(model: nn.Module) -> list[dict[str, Any]]:
              "weight_decay": 0.0}]
 
 
-def reference(steps: int = STEPS) -> dict[str, Any]:
-    """Single-process AdamW on the whole batch with clipping: params, norms and state by step."""
+def reference(steps: int = STEPS, max_norm: float | None = MAX_NORM) -> dict[str, Any]:
+    """Single-process AdamW on the whole batch, clipped to max_norm unless None: params, norms
+    and state by step."""
     model = mlp()
     opt = torch.optim.AdamW(groups(model))
     norms, at_save = [], None
@@ -58,7 +59,8 @@ def reference(steps: int = STEPS) -> dict[str, Any]:
         x, y = batch(step)
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
-        norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        if max_norm is not None:
+            norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
         opt.step()
     return {"params": [p.detach().clone() for p in model.parameters()], "norms": norms,
             "at_save": at_save, "numel": sum(p.numel() for p in model.parameters())}
@@ -86,8 +88,10 @@ def count_collectives() -> Iterator[list[str]]:
 
 
 def train(model: nn.Module, opt: ZeRO1, steps: range, rank: int, world: int,
-          dtype: torch.dtype = torch.float32, overlap: bool = False) -> dict[str, Any]:
-    """ZeRO1 data parallel with MICRO accumulation micro-batches and clipping; norms and comm log.
+          dtype: torch.dtype = torch.float32, overlap: bool = False,
+          max_norm: float | None = MAX_NORM) -> dict[str, Any]:
+    """ZeRO1 data parallel with MICRO accumulation micro-batches, clipped to max_norm unless
+    None (then step() reduces each bucket just before updating it); norms and comm log.
 
     With overlap, the last micro-batch's backward runs inside reduce_during_backward().
     At world 2, zero_grad keeps the grads bound to the zeroed flat buffer.
@@ -109,7 +113,8 @@ def train(model: nn.Module, opt: ZeRO1, steps: range, rank: int, world: int,
             counts.append(len(calls))
         backward_calls.append(counts)
         with count_collectives() as calls:
-            norms.append(float(opt.clip_grad_norm_(MAX_NORM)))
+            if max_norm is not None:
+                norms.append(float(opt.clip_grad_norm_(max_norm)))
             opt.step()
         step_calls.append(len(calls))
     return {"norms": norms, "backward_calls": backward_calls, "step_calls": step_calls}
@@ -121,11 +126,11 @@ def params_of(model: nn.Module) -> list[torch.Tensor]:
 
 
 def dp_worker(rank: int, world: int, saved: dict[str, Any] | None) -> dict[str, Any]:
-    """10 ZeRO1 steps; with saved, also resume from it; at world 4, also the EP and error cases.
+    """10 ZeRO1 steps, the unclipped and EP cases; with saved, also resume from it; more by world.
 
     World 2 and 4 use different collectives, so both paths are checked against the reference;
     world 4 also overlaps the last micro-batch's reduction with its backward;
-    the resume, bf16 and EP cases use "auto" (all-reduce + broadcast on gloo, with subgroups).
+    the resume, bf16 and LR cases use "auto" (p2p on gloo).
     """
     model = mlp()
     opt = ZeRO1(groups(model), bucket_cap_mb=0.002, collectives=COLLECTIVES_BY_WORLD[world])
@@ -136,6 +141,7 @@ def dp_worker(rank: int, world: int, saved: dict[str, Any] | None) -> dict[str, 
     out = {k: out[k] + more[k] for k in out}
     out.update(params=params_of(model), state_bytes=opt.state_bytes(),
                buckets=len(opt._shards[0].layout.buckets), saved=state if rank == 0 else None)
+    out.update(unclipped_params=unclipped_case(rank, world), ep=ep_case(rank, world))
     if saved is not None:
         out.update(resume_case(rank, world, saved))
     if world == 2:
@@ -143,9 +149,17 @@ def dp_worker(rank: int, world: int, saved: dict[str, Any] | None) -> dict[str, 
         out.update(lr_scheduler_case(rank, world))
         out.update(overlap_misuse_case())
     if world == 4:
-        out["ep"] = ep_case(rank, world)
         out.update(group_size_case())
     return out
+
+
+def unclipped_case(rank: int, world: int) -> list[torch.Tensor]:
+    """STEPS steps without clipping, so step() finishes each bucket's reduction just before
+    updating it; the final params."""
+    model = mlp()
+    opt = ZeRO1(groups(model), bucket_cap_mb=0.002, collectives=COLLECTIVES_BY_WORLD[world])
+    train(model, opt, range(STEPS), rank, world, overlap=True, max_norm=None)
+    return params_of(model)
 
 
 def resume_case(rank: int, world: int, saved: dict[str, Any]) -> dict[str, Any]:
@@ -266,13 +280,14 @@ def ep_reference(world: int, steps: int) -> dict[str, Any]:
 
 
 def ep_case(rank: int, world: int, steps: int = 5) -> dict[str, Any]:
-    """Dense params sharded over all ranks, expert params over their expert-DP group."""
+    """Dense params sharded over all ranks, expert params over their expert-DP group (of one
+    rank at world 2)."""
     ep_group, _ = dist.new_subgroups_by_enumeration(
         [list(range(s, s + EP)) for s in range(0, world, EP)])
     edp_group, _ = dist.new_subgroups_by_enumeration(
         [list(range(e, world, EP)) for e in range(EP)])
     return {collectives: ep_train(rank, ep_group, edp_group, world, collectives, steps)
-            for collectives in ("allreduce_broadcast", "scatter_gather")}
+            for collectives in ("p2p", "scatter_gather")}
 
 
 def ep_train(rank: int, ep_group: Any, edp_group: Any, world: int, collectives: str,
