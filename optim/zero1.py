@@ -16,6 +16,8 @@ from optim.shard import ShardedParams
 LAYOUT_KEYS = ("process_group", "norm_groups", "grad_divisor")
 MASTER_KEY = "master"
 COLLECTIVES = ("auto", "scatter_gather", "p2p")
+FUSED_BY_DEFAULT = (torch.optim.Adam, torch.optim.AdamW)
+IMPLEMENTATION_KEYS = ("fused", "foreach", "differentiable")
 
 
 def _param_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
@@ -54,6 +56,16 @@ def _param_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _inner_defaults(optimizer_class: type[torch.optim.Optimizer], defaults: dict[str, Any],
+                    device: torch.device) -> dict[str, Any]:
+    """defaults plus fused=True for torch's Adam/AdamW on CPU/CUDA unless the caller picked an
+    implementation: on a flat fp32 shard the fused kernel is ~3x faster than the CPU for-loop."""
+    if (optimizer_class in FUSED_BY_DEFAULT and device.type in ("cpu", "cuda")
+            and not any(k in defaults for k in IMPLEMENTATION_KEYS)):
+        return {**defaults, "fused": True}
+    return defaults
+
+
 def _check_group(i: int, group: dict[str, Any]) -> None:
     """Check that a group's process group can shard it: this rank is in it, its size divides the world."""
     pg = group["process_group"]
@@ -74,7 +86,8 @@ class ZeRO1(torch.optim.Optimizer):
     """Any torch optimizer with fp32 master params and state sharded evenly over process groups.
 
     Call shape of torch.distributed.optim.ZeroRedundancyOptimizer; one optimizer_class instance
-    per bucket, built with **defaults and the group's hyper-parameters. Model grads are the
+    per bucket, built with **defaults and the group's hyper-parameters (torch's Adam and AdamW
+    default to fused=True unless fused, foreach or differentiable is given). Model grads are the
     local, un-averaged sums over micro-batches (no DDP wrapper; non-fp32 grads are summed in
     fp32 inside ZeRO1) and nothing is communicated during backward unless the last one runs
     inside reduce_during_backward(), which overlaps the reduction with it. step() (or
@@ -111,7 +124,8 @@ class ZeRO1(torch.optim.Optimizer):
         self._shards = [ShardedParams(g["params"], g["process_group"], bucket_cap,
                                       g["grad_divisor"], collectives) for g in groups]
         for group, shard in zip(groups, self._shards):
-            shard.build_optimizers(optimizer_class, _hyper(group), defaults)
+            shard.build_optimizers(optimizer_class, _hyper(group),
+                                   _inner_defaults(optimizer_class, defaults, shard.master.device))
             group.update(_hyper(shard.optims[0].param_groups[0]))
         self._reduced = False
         super().__init__(groups, dict(self._shards[0].optims[0].defaults))

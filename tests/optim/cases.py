@@ -148,6 +148,7 @@ def dp_worker(rank: int, world: int, saved: dict[str, Any] | None) -> dict[str, 
         out.update(bf16_case(rank, world))
         out.update(lr_scheduler_case(rank, world))
         out.update(overlap_misuse_case())
+        out.update(implementation_case())
     if world == 4:
         out.update(group_size_case())
     return out
@@ -160,6 +161,16 @@ def unclipped_case(rank: int, world: int) -> list[torch.Tensor]:
     opt = ZeRO1(groups(model), bucket_cap_mb=0.002, collectives=COLLECTIVES_BY_WORLD[world])
     train(model, opt, range(STEPS), rank, world, overlap=True, max_norm=None)
     return params_of(model)
+
+
+def implementation_case() -> dict[str, Any]:
+    """The inner AdamW's fused/foreach flags: by default, and when the caller picks foreach."""
+    flags = {}
+    for name, kwargs in (("default", {}), ("foreach", {"foreach": True})):
+        opt = ZeRO1(mlp().parameters(), **kwargs)
+        flags[name] = {(o.defaults["fused"], o.defaults["foreach"])
+                       for shard in opt._shards for o in shard.optims}
+    return {"implementation": flags}
 
 
 def resume_case(rank: int, world: int, saved: dict[str, Any]) -> dict[str, Any]:

@@ -149,3 +149,7 @@ def test_second_backward_inside_overlap_is_refused(dp2: list[dict[str, Any]]) ->
     for out in dp2:
         assert "wrap only the last backward" in out["misuse_error"]
 
+
+def test_adamw_is_fused_unless_the_caller_picks(dp2: list[dict[str, Any]]) -> None:
+    for out in dp2:
+        assert out["implementation"] == {"default": {(True, None)}, "foreach": {(None, True)}}
