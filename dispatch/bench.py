@@ -92,7 +92,8 @@ def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
 NAMES = [("backend", "backend", ""), ("payload", "payload", "")]
 BYTES = [(part.replace("_", " ").replace("payload", "pay"), f"{part}_bytes_per_token", ".0f")
          for part in ("inter_payload", "inter_meta", "intra_payload", "intra_meta")]
-PROJECTED = [("proj disp ms", "projected_dispatch_ms", ".4f"), ("proj comb ms", "projected_combine_ms", ".4f")]
+PROJECTED = [("proj disp ms", "projected_dispatch_ms", ".4f"), ("proj comb ms", "projected_combine_ms", ".4f"),
+             ("proj disp GB/s", "projected_algbw_gbps", ".1f")]
 MEASURED = [*NAMES, ("disp ms", "dispatch_ms", ".1f"), ("comb ms", "combine_ms", ".1f"),
             ("disp GB/s", "algbw_gbps", ".3f"), ("comb GB/s", "combine_algbw_gbps", ".3f"),
             ("x 1-hot", "speedup_vs_onehot", ".1f"), *BYTES, ("bytes=pred", "bytes_match_prediction", "")]
@@ -119,7 +120,7 @@ def format_projection(rows: list[dict], link: LinkModel) -> str:
     """Projected (not measured) link-only times under the link model."""
     return (f"PROJECTED, not measured: link-only time of the counted bytes at {link.inter_gbps:g} GB/s inter-node and "
             f"{link.intra_gbps:g} GB/s intra-node per rank (slowest rank's sends; hierarchical hops in sequence)\n"
-            + table(rows, [*NAMES, *PROJECTED, ("proj disp GB/s", "projected_algbw_gbps", ".1f")]))
+            + table(rows, [*NAMES, *PROJECTED]))
 
 
 def format_v3(rows: list[dict], link: LinkModel | None) -> str:
