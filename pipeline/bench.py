@@ -3,13 +3,15 @@
 Every schedule runs the same model weights and micro-batches in the same spawned processes (gloo,
 one thread each), round-robin step by step so load changes on a shared machine hit all alike.
 Per schedule it reports the median step time, each rank's measured idle fraction ((step time -
-time inside compute actions) / step time), for our schedules also the waiting fraction (step time
-not spent computing nor issuing sends/receives) next to the simulator's idle fraction fed with the
-measured mean occupied time of F, B, W, F&B actions and the p2p latency ("sim wait") or replaying
-each step with every action's measured occupied time ("replay"), and peak memory, measured in one extra
-untimed step as the peak bytes of distinct storages saved for backward (saved-tensor hooks) plus,
-for our runtime, the bytes that queued weight-grad closures keep alive until their W action.
-`--ep-overlap` instead measures the EP overlap switch (see _ep_overlap_worker).
+time inside compute actions) / step time) and peak memory, measured in one extra untimed step as
+the peak bytes of distinct storages saved for backward (saved-tensor hooks) plus, for our runtime,
+the bytes that queued weight-grad closures keep alive until their W action. For our schedules it
+also sets the measured wait fraction (step time in which a rank was blocked on a receive or
+outside its actions; see pipeline.costs) next to the simulator's prediction from the measured
+per-chunk costs of each stage (action costs drawn from their stage's samples; "sim wait"), their
+relative difference, the prediction from each stage's median costs, and the simulator replaying
+each step with every action's own time ("replay"). `--ep-overlap` instead measures the EP overlap
+switch (see _ep_overlap_worker).
 """
 
 from __future__ import annotations
@@ -25,13 +27,11 @@ import torch.distributed as dist
 from dispatch.multiproc import run_processes
 from pipeline import schedules
 from pipeline.bench_models import build_layers
-from pipeline.bench_runners import (OURS, TORCH, Runner, occupied_costs, occupied_durations, our_runner,
-                                    single_process, torch_runner, waiting_fraction)
+from pipeline.bench_runners import OURS, TORCH, Runner, our_runner, single_process, torch_runner
+from pipeline.costs import (CostSamples, measured_wait, median_wait, occupied_durations, replayed_wait,
+                            sampled_wait)
 from pipeline.memory import SavedTensorMeter
 from pipeline.p2p import Channel
-from pipeline.simulator import Costs, simulate
-
-COST_KEYS = ("F", "B", "Bs", "W", "FB")
 
 
 def p2p_latency(rank: int, shape: tuple[int, ...], rounds: int = 40) -> float:
@@ -67,8 +67,7 @@ def _data(opts: dict) -> tuple[torch.Tensor, torch.Tensor]:
 def _time_round_robin(runners: dict[str, Runner], opts: dict) -> dict[str, dict]:
     """Step every runner in turn, warmup + steps times, then once more under the memory meter."""
     x, target = _data(opts)
-    stats = {name: {"step_s": [], "idle": [], "wait": [], "replay": [], "peak": 0,
-                    "costs": torch.zeros(2 * len(COST_KEYS), dtype=torch.float64)} for name in runners}
+    stats = {name: {"step_s": [], "idle": [], "durations": [], "peak": 0} for name in runners}
     for i in range(opts["warmup"] + opts["steps"] + 1):
         for name, run in runners.items():
             for m in run.modules:
@@ -90,9 +89,7 @@ def _time_round_robin(runners: dict[str, Runner], opts: dict) -> dict[str, dict]
                 st["step_s"].append(float(elapsed))
                 st["idle"].append(1 - (run.compute_seconds() - compute0) / float(elapsed))
                 if run.pipe is not None:
-                    st["costs"] += torch.tensor(occupied_costs(run.pipe), dtype=torch.float64)
-                    st["wait"].append(waiting_fraction(run.pipe, float(elapsed)))
-                    st["replay"].append(replayed_idle(run.pipe, opts["chunks"]))
+                    st["durations"].append(occupied_durations(run.pipe.timeline))
     return stats
 
 
@@ -111,49 +108,42 @@ def _bench_worker(rank: int, world: int, opts: dict) -> list[dict]:
     for name, st in _time_round_robin(runners, opts).items():
         row = {"schedule": name, "rank": rank, "step_s": st["step_s"], "idle": statistics.median(st["idle"]),
                "peak": st["peak"], "p2p_s": latency}
-        pipe = runners[name].pipe
-        if pipe is not None:
-            dist.all_reduce(st["costs"])
-            row["wait"] = statistics.median(st["wait"])
-            row["replay_wait"] = statistics.median(st["replay"])
-            row["sim_wait"] = simulated_idle(pipe, opts["chunks"], st["costs"].tolist(), rank, latency)
+        if runners[name].pipe is not None:
+            row["durations"] = st["durations"]
         rows.append(row)
     return rows
 
 
-def replayed_idle(pipe, chunks: int) -> float:
-    """Idle fraction of this rank when the simulator replays the step just run with every rank's
-    measured occupied time per action (no p2p cost)."""
-    durations = [None] * pipe.num_ranks
-    dist.all_gather_object(durations, occupied_durations(pipe), group=pipe.group)
-    table = {(r, act): seconds for r, per_rank in enumerate(durations) for act, seconds in per_rank}
-    sched = schedules.build(pipe.schedule_name, pipe.num_ranks, chunks, split_bw=pipe.split_bw)
-    result = simulate(sched, Costs(0.0, 0.0), table)
-    return 1 - result.busy[pipe.rank] / result.makespan
+def wait_model(schedule: schedules.Schedule, per_rank: list[dict], p2p: float) -> dict:
+    """Each rank's measured wait fraction next to the simulator's predictions from the costs measured."""
+    samples = CostSamples()
+    for rank, r in enumerate(per_rank):
+        for durations in r["durations"]:
+            samples.add(rank, durations)
+    measured = [measured_wait(r["step_s"], r["durations"]) for r in per_rank]
+    predicted = sampled_wait(schedule, samples, p2p)
+    steps = [list(step) for step in zip(*(r["durations"] for r in per_rank))]
+    return {"wait_fraction": measured, "sim_wait_fraction": predicted,
+            "sim_rel_diff": [(p - m) / m if m else None for p, m in zip(predicted, measured)],
+            "sim_median_wait_fraction": median_wait(schedule, samples, p2p),
+            "replay_wait_fraction": replayed_wait(schedule, steps, p2p)}
 
 
-def simulated_idle(pipe, chunks: int, sums: list[float], rank: int, p2p: float) -> float:
-    """Idle fraction the simulator predicts for this rank from the measured mean occupied time of
-    each action kind and the measured p2p latency."""
-    mean = {k: (sums[2 * i] / sums[2 * i + 1] if sums[2 * i + 1] else 0.0) for i, k in enumerate(COST_KEYS)}
-    w = mean["W"] if mean["Bs"] else 0.0
-    full_b = mean["B"] if mean["B"] else mean["Bs"] + w
-    sched = schedules.build(pipe.schedule_name, pipe.num_ranks, chunks, split_bw=pipe.split_bw)
-    return simulate(sched, Costs(mean["F"], full_b, w, mean["FB"] or None, p2p)).idle_fractions[rank]
+_SCHEDULE = {"ours DualPipeV": "dualpipev", "ours DualPipe": "dualpipe"}
 
 
 def summarise(results: list[list[dict]], opts: dict) -> list[dict]:
-    """One row per schedule: median step ms, per-rank idle, simulator idle, peak memory."""
+    """One row per schedule: median step ms, per-rank idle, peak memory; for ours the wait model (wait_model)."""
     rows = []
     for per_rank in zip(*results):
         row = {"schedule": per_rank[0]["schedule"], "world_size": opts["world"], "num_chunks": opts["chunks"],
                "step_ms": 1e3 * statistics.median(per_rank[0]["step_s"]),
                "idle_fraction": [round(r["idle"], 4) for r in per_rank],
                "peak_mem_bytes": max(r["peak"] for r in per_rank)}
-        if "sim_wait" in per_rank[0]:
-            row["wait_fraction"] = [round(r["wait"], 4) for r in per_rank]
-            row["sim_wait_fraction"] = [round(r["sim_wait"], 4) for r in per_rank]
-            row["replay_wait_fraction"] = [round(r["replay_wait"], 4) for r in per_rank]
+        if "durations" in per_rank[0]:
+            sched = schedules.build(_SCHEDULE[row["schedule"]], opts["world"], opts["chunks"], split_bw=opts["split_bw"])
+            model = wait_model(sched, list(per_rank), per_rank[0]["p2p_s"])
+            row.update({k: [None if x is None else round(x, 4) for x in v] for k, v in model.items()})
         rows.append(row)
     ref = next((r["step_ms"] for r in rows if r["schedule"] == "torch DualPipeV"), None)
     for r in rows:
@@ -163,17 +153,30 @@ def summarise(results: list[list[dict]], opts: dict) -> list[dict]:
 
 def format_table(rows: list[dict]) -> str:
     """The rows as a fixed-width table."""
-    def per_rank(row: dict, key: str) -> str:
-        return " ".join(f"{x:.2f}" for x in row.get(key, [])) or "-"
+    def per_rank(row: dict, key: str, fmt: str = "{:.3f}") -> str:
+        return " ".join("-" if x is None else fmt.format(x) for x in row.get(key, [])) or "-"
 
-    lines = [f"{'schedule':32} {'step ms':>8} {'x torch DPV':>11} {'idle/rank':>20} {'wait/rank':>10} "
-             f"{'sim wait':>10} {'replay':>10} {'peak MiB':>9}"]
+    lines = [f"{'schedule':22} {'step ms':>8} {'x torch DPV':>11} {'idle/rank':>11} {'wait/rank':>11} "
+             f"{'sim wait':>11} {'sim vs wait':>11} {'sim median':>11} {'replay':>11} {'peak MiB':>8}"]
     for r in rows:
         ratio = f"{r['vs_torch_dualpipev']:.2f}" if r.get("vs_torch_dualpipev") else "-"
-        lines.append(f"{r['schedule']:32} {r['step_ms']:8.1f} {ratio:>11} {per_rank(r, 'idle_fraction'):>20} "
-                     f"{per_rank(r, 'wait_fraction'):>10} {per_rank(r, 'sim_wait_fraction'):>10} "
-                     f"{per_rank(r, 'replay_wait_fraction'):>10} "
-                     f"{r['peak_mem_bytes'] / 2**20:9.2f}")
+        lines.append(f"{r['schedule']:22} {r['step_ms']:8.1f} {ratio:>11} {per_rank(r, 'idle_fraction'):>11} "
+                     f"{per_rank(r, 'wait_fraction'):>11} {per_rank(r, 'sim_wait_fraction'):>11} "
+                     f"{per_rank(r, 'sim_rel_diff', '{:+.0%}'):>11} {per_rank(r, 'sim_median_wait_fraction'):>11} "
+                     f"{per_rank(r, 'replay_wait_fraction'):>11} {r['peak_mem_bytes'] / 2**20:8.2f}")
+    return "\n".join(lines)
+
+
+def format_wait_summary(rows: list[dict]) -> str:
+    """For each of our schedules: the wait of all ranks together, measured vs predicted."""
+    lines = []
+    for r in rows:
+        if "wait_fraction" in r:
+            m, p = (statistics.mean(r[k]) for k in ("wait_fraction", "sim_wait_fraction"))
+            lines.append(f"{r['schedule']}: wait of all ranks {m:.3f} measured, {p:.3f} predicted from the measured "
+                         f"per-chunk costs ({(p - m) / m:+.0%}, {p - m:+.3f}); "
+                         f"{statistics.mean(r['sim_median_wait_fraction']):.3f} from median costs, "
+                         f"{statistics.mean(r['replay_wait_fraction']):.3f} replayed")
     return "\n".join(lines)
 
 
@@ -198,7 +201,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--chunks", type=int, default=8)
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-split", dest="split_bw", action="store_false", help="our runtime without B/W split")
@@ -224,6 +227,8 @@ def main(argv: list[str]) -> int:
           f"{args.chunks} micro-batches, {args.world} processes x {args.threads} thread, gloo, "
           f"median of {args.steps} steps{latency}")
     print(format_table(rows))
+    if not args.ep_overlap:
+        print(format_wait_summary(rows))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=2)

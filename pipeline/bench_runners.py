@@ -13,7 +13,7 @@ from torch import nn
 from pipeline.bench_models import mse, partition
 from pipeline.overlap import OverlapSequential
 from pipeline.runtime import DualPipe, DualPipeV, PipelineRuntime
-from pipeline.schedules import COMPUTE_OPS, Action
+from pipeline.schedules import COMPUTE_OPS
 
 OURS = ("ours DualPipeV", "ours DualPipe")
 TORCH = ("torch DualPipeV", "torch ZBVZeroBubble", "torch 1F1B", "torch Interleaved1F1B")
@@ -108,34 +108,3 @@ def single_process(rank: int, layers: list[nn.Module], chunks: int) -> Runner:
 
     runner.step = runner.timer(step)
     return runner
-
-
-def occupied_durations(pipe: PipelineRuntime) -> list[tuple[Action, float]]:
-    """Each compute action of the last step with its occupied seconds: its busy time plus that of
-    the send/receive actions listed after it (issuing them); receive waits are not included."""
-    out: list[tuple[Action, float]] = []
-    carry = 0.0
-    for act, _, _, busy in pipe.timeline:
-        if act.op in COMPUTE_OPS:
-            out.append((act, busy + carry))
-            carry = 0.0
-        elif out:
-            out[-1] = (out[-1][0], out[-1][1] + busy)
-        else:
-            carry += busy
-    return out
-
-
-def occupied_costs(pipe: PipelineRuntime) -> list[float]:
-    """[sum, count] of occupied seconds of F, full B, split B, W and F&B actions in the last step."""
-    sums = {k: [0.0, 0] for k in ("F", "B", "Bs", "W", "FB")}
-    for act, seconds in occupied_durations(pipe):
-        key = "Bs" if act.op.value == "B" and act.split else act.op.value
-        sums[key][0] += seconds
-        sums[key][1] += 1
-    return [v for pair in sums.values() for v in pair]
-
-
-def waiting_fraction(pipe: PipelineRuntime, step_s: float) -> float:
-    """Share of the step in which the rank was neither computing nor issuing communication."""
-    return 1 - sum(busy for *_, busy in pipe.timeline) / step_s

@@ -1,0 +1,97 @@
+"""Per-chunk costs measured from runtime timelines, and the wait the simulator predicts from them.
+
+A rank's step is a list of compute actions (F, B, W, F&B) with send/receive actions between them.
+An action's occupied time runs from its start to the start of the next compute action, less the
+time it was blocked on receives: its compute plus issuing the sends and receives (and the
+bookkeeping) that follow it. The rest of the step is the rank's wait: blocked on a receive, or
+outside its actions. Costs are pooled per stage and kind, (rank, phases, kind), over the chunks
+and steps measured; the simulator, fed with them, predicts each rank's wait fraction either with
+each stage's median cost, or averaged over runs whose every action cost is drawn from its stage's
+samples, which keeps the jitter of single actions that a median hides (a wait is caused by the
+slower of two ranks at each hand-over, so jitter adds wait that no central cost shows).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from pipeline.schedules import COMPUTE_OPS, Action, Op, Schedule
+from pipeline.simulator import Costs, SimResult, simulate
+
+Timeline = Sequence[tuple[Action, float, float, float]]  # (action, start, end, busy) as the runtime records
+Durations = list[tuple[Action, float]]  # a rank's compute actions in order, each with its occupied seconds
+
+
+def occupied_durations(timeline: Timeline) -> Durations:
+    """Each compute action of one recorded step with its occupied seconds (see the module doc);
+    send/receive actions before the first compute action count towards it."""
+    starts = [i for i, (act, *_) in enumerate(timeline) if act.op in COMPUTE_OPS]
+    bounds = [0, *starts[1:], len(timeline)]
+    out = []
+    for i, k in enumerate(starts):
+        span = timeline[bounds[i]:bounds[i + 1]]
+        end = timeline[bounds[i + 1]][1] if bounds[i + 1] < len(timeline) else span[-1][2]
+        blocked = sum(e - s - busy for _, s, e, busy in span)
+        out.append((timeline[k][0], end - span[0][1] - blocked))
+    return out
+
+
+def cost_key(action: Action) -> tuple[tuple[int, ...], str]:
+    """(phases, kind) an action's cost is pooled under: kind F, B (full), Bs (split), W or FB;
+    phases the stage(s) it runs on (an F&B pair: its forward's then its backward's)."""
+    if action.op is Op.FB:
+        return (action.phase, action.backward.phase), "FB"
+    return (action.phase,), "Bs" if action.op is Op.B and action.split else action.op.value
+
+
+@dataclass
+class CostSamples:
+    """Measured occupied seconds per (rank, phases, kind), pooled over chunks and steps."""
+
+    samples: dict[tuple[int, tuple[int, ...], str], list[float]] = field(default_factory=dict)
+
+    def add(self, rank: int, durations: Durations) -> None:
+        """Pool one step's durations of rank."""
+        for act, seconds in durations:
+            self.samples.setdefault((rank, *cost_key(act)), []).append(seconds)
+
+    def durations(self, schedule: Schedule, pick: Callable[[list[float]], float]) -> dict[tuple[int, Action], float]:
+        """Cost of every compute action of schedule: pick(samples of its rank, phases and kind)."""
+        return {(r, act): pick(self.samples[(r, *cost_key(act))])
+                for r in range(schedule.layout.num_ranks) for act in schedule.compute_actions(r)}
+
+
+def median_wait(schedule: Schedule, samples: CostSamples, p2p: float) -> list[float]:
+    """Per-rank wait fractions simulated with each stage's median cost per kind (p2p: seconds per hop)."""
+    return simulate(schedule, Costs(0.0, 0.0, p2p=p2p), samples.durations(schedule, statistics.median)).idle_fractions
+
+
+def sampled_wait(schedule: Schedule, samples: CostSamples, p2p: float, draws: int = 200, seed: int = 0) -> list[float]:
+    """Per-rank wait fractions over `draws` simulated steps, every action's cost drawn at random
+    from its stage's samples: total wait / total makespan."""
+    rng = random.Random(seed)
+    runs = [simulate(schedule, Costs(0.0, 0.0, p2p=p2p), samples.durations(schedule, rng.choice))
+            for _ in range(draws)]
+    return _pooled(runs)
+
+
+def replayed_wait(schedule: Schedule, steps: list[list[Durations]], p2p: float) -> list[float]:
+    """Per-rank wait fractions of the simulator replaying each measured step with every action's own
+    occupied time (steps[i][rank]): checks the simulator's model of the schedule, not the costs."""
+    runs = [simulate(schedule, Costs(0.0, 0.0, p2p=p2p),
+                     {(r, act): seconds for r, durations in enumerate(step) for act, seconds in durations})
+            for step in steps]
+    return _pooled(runs)
+
+
+def measured_wait(step_s: list[float], durations: list[Durations]) -> float:
+    """A rank's measured wait fraction over steps: 1 - total occupied time / total step time."""
+    return 1 - sum(s for d in durations for _, s in d) / sum(step_s)
+
+
+def _pooled(runs: list[SimResult]) -> list[float]:
+    total = sum(r.makespan for r in runs)
+    return [sum(r.bubbles[rank] for r in runs) / total for rank in range(len(runs[0].bubbles))]
