@@ -77,6 +77,9 @@ class RunConfig:
         if self.train.seq_len > self.model.max_seq_len:
             raise ValueError(f"train.seq_len = {self.train.seq_len} must be <= model.max_seq_len = "
                              f"{self.model.max_seq_len}")
+        if self.model.ep_size != 1:
+            raise ValueError(f"model.ep_size = {self.model.ep_size}: moe-train runs one process, so the allowed "
+                             "value is 1 (expert parallelism runs under dispatch.EPDispatcher, not yet in moe-train)")
 
 
 SECTIONS = {"model": ModelConfig, "train": TrainSettings, "data": DataSettings}

@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
     ({"train": {"lr": "fast"}}, "train.lr = 'fast' must be of type float or int"),
     ({"train": {"dtype": "float16"}}, "train.dtype = 'float16' is not allowed"),
     ({"train": {"seq_len": 512}}, "train.seq_len = 512 must be <= model.max_seq_len"),
+    ({"model": {"ep_size": 2}}, "model.ep_size = 2: moe-train runs one process, so the allowed value is 1"),
     ({"data": {"corpus": "/no/such/corpus"}}, "data.corpus = '/no/such/corpus': no such file or folder"),
     ({"optimizer": {}}, "unknown section .optimizer."),
 ])
