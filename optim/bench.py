@@ -1,9 +1,17 @@
 """`moe-bench optim`: ZeRO1 against ZeroRedundancyOptimizer(AdamW) and DDP + AdamW, side by side.
 
-Every optimizer trains its own copy of the same MLP in the same gloo processes; iterations
+Every optimizer trains its own copy of the same MLP in the same gloo processes, in fp32, with
+the same AdamW implementation (--adamw, fused by default) and the same bucket cap; iterations
 of the three are interleaved, in an order that rotates every round, so machine noise and
-position effects hit them alike. step_ms is the median of a
-whole training iteration (forward, backward, gradient sync, optimizer step).
+position effects hit them alike. step_ms is the median of a whole training iteration (opt_ms:
+the part inside optimizer.step()); each contender runs in its best configuration on gloo:
+- zero1: forward; backward inside reduce_during_backward() (a bucket's reduce-scatter starts
+  as soon as it is full); step: the rest of the reduce-scatter, AdamW on the local shard, the
+  all-gather of the updated params into the model.
+- zero_redundancy: DDP forward and backward (all-reduce overlapped with backward,
+  gradient_as_bucket_view); step: AdamW on its partition, then every owner broadcasts its
+  params (parameters_as_bucket_view). Its overlap_with_ddp mode refuses gloo.
+- ddp_adamw: the same DDP forward and backward, then AdamW on every param.
 """
 
 from __future__ import annotations
@@ -32,17 +40,22 @@ def _mlp(layers: int, hidden: int) -> nn.Module:
     return nn.Sequential(*[nn.Linear(hidden, hidden) for _ in range(layers)])
 
 
-def _setups(layers: int, hidden: int, bucket_cap_mb: float,
-            collectives: str) -> dict[str, tuple[nn.Module, Any]]:
-    """Each contender: (module to call, optimizer), built on the same initial weights."""
+def _setups(layers: int, hidden: int, bucket_cap_mb: float, collectives: str,
+            adamw: str) -> dict[str, tuple[nn.Module, Any]]:
+    """Each contender: (module to call, optimizer), built on the same initial weights.
+
+    All three run the same AdamW implementation (adamw: "fused", "foreach" or "for-loop").
+    """
+    hyper = {"lr": 1e-4, "fused": adamw == "fused", "foreach": adamw == "foreach"}
     ours = _mlp(layers, hidden)
-    zro = DistributedDataParallel(_mlp(layers, hidden))
-    ddp = DistributedDataParallel(_mlp(layers, hidden))
+    zro, ddp = (DistributedDataParallel(_mlp(layers, hidden), bucket_cap_mb=bucket_cap_mb,
+                                        gradient_as_bucket_view=True) for _ in range(2))
     return {
-        "zero1": (ours, ZeRO1(ours.parameters(), torch.optim.AdamW, lr=1e-4,
-                              bucket_cap_mb=bucket_cap_mb, collectives=collectives)),
-        PEER: (zro, ZeroRedundancyOptimizer(zro.parameters(), torch.optim.AdamW, lr=1e-4)),
-        "ddp_adamw": (ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-4)),
+        "zero1": (ours, ZeRO1(ours.parameters(), torch.optim.AdamW, bucket_cap_mb=bucket_cap_mb,
+                              collectives=collectives, **hyper)),
+        PEER: (zro, ZeroRedundancyOptimizer(zro.parameters(), torch.optim.AdamW,
+                                            parameters_as_bucket_view=True, **hyper)),
+        "ddp_adamw": (ddp, torch.optim.AdamW(ddp.parameters(), **hyper)),
     }
 
 
@@ -63,7 +76,8 @@ def _iteration(model: nn.Module, opt: Any, x: torch.Tensor) -> tuple[float, floa
 
 
 def _worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, dict[str, float]]:
-    setups = _setups(args["layers"], args["hidden"], args["bucket_cap_mb"], args["collectives"])
+    setups = _setups(args["layers"], args["hidden"], args["bucket_cap_mb"], args["collectives"],
+                     args["adamw"])
     x = torch.randn(args["batch"], args["hidden"], generator=torch.Generator().manual_seed(rank))
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in setups}
     names = list(setups)
@@ -120,7 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=30, help="timed iterations per optimizer")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations per optimizer")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="ZeRO1 bucket cap")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                   help="bucket cap of ZeRO1 and of the peers' DDP")
+    p.add_argument("--adamw", choices=("fused", "foreach", "for-loop"), default="fused",
+                   help="AdamW implementation, the same for all three")
     p.add_argument("--collectives", choices=COLLECTIVES, default="auto",
                    help="ZeRO1 collectives (auto: p2p on gloo)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up")
