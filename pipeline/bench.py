@@ -8,10 +8,10 @@ the peak bytes of distinct storages saved for backward (saved-tensor hooks) plus
 the bytes that queued weight-grad closures keep alive until their W action. For our schedules it
 also sets the measured wait fraction (step time in which a rank was blocked on a receive or
 outside its actions; see pipeline.costs) next to the simulator's prediction from the measured
-per-chunk costs of each stage (action costs drawn from their stage's samples; "sim wait"), their
-relative difference, the prediction from each stage's median costs, and the simulator replaying
-each step with every action's own time ("replay"). `--ep-overlap` instead measures the EP overlap
-switch (see _ep_overlap_worker).
+per-chunk costs of each stage (action costs drawn from their stage's samples in a measured step;
+"sim wait"), their relative difference, the prediction from each stage's median costs, and the
+simulator replaying each step with every action's own time ("replay"). `--ep-overlap` instead
+measures the EP overlap switch (see _ep_overlap_worker).
 """
 
 from __future__ import annotations
@@ -116,16 +116,13 @@ def _bench_worker(rank: int, world: int, opts: dict) -> list[dict]:
 
 def wait_model(schedule: schedules.Schedule, per_rank: list[dict], p2p: float) -> dict:
     """Each rank's measured wait fraction next to the simulator's predictions from the costs measured."""
-    samples = CostSamples()
-    for rank, r in enumerate(per_rank):
-        for durations in r["durations"]:
-            samples.add(rank, durations)
+    steps = [list(step) for step in zip(*(r["durations"] for r in per_rank))]
+    samples = [CostSamples.of_step(step) for step in steps]
     measured = [measured_wait(r["step_s"], r["durations"]) for r in per_rank]
     predicted = sampled_wait(schedule, samples, p2p)
-    steps = [list(step) for step in zip(*(r["durations"] for r in per_rank))]
     return {"wait_fraction": measured, "sim_wait_fraction": predicted,
             "sim_rel_diff": [(p - m) / m if m else None for p, m in zip(predicted, measured)],
-            "sim_median_wait_fraction": median_wait(schedule, samples, p2p),
+            "sim_median_wait_fraction": median_wait(schedule, CostSamples.pooled(samples), p2p),
             "replay_wait_fraction": replayed_wait(schedule, steps, p2p)}
 
 

@@ -4,11 +4,13 @@ A rank's step is a list of compute actions (F, B, W, F&B) with send/receive acti
 An action's occupied time runs from its start to the start of the next compute action, less the
 time it was blocked on receives: its compute plus issuing the sends and receives (and the
 bookkeeping) that follow it. The rest of the step is the rank's wait: blocked on a receive, or
-outside its actions. Costs are pooled per stage and kind, (rank, phases, kind), over the chunks
-and steps measured; the simulator, fed with them, predicts each rank's wait fraction either with
-each stage's median cost, or averaged over runs whose every action cost is drawn from its stage's
-samples, which keeps the jitter of single actions that a median hides (a wait is caused by the
-slower of two ranks at each hand-over, so jitter adds wait that no central cost shows).
+outside its actions. Costs are pooled per stage and kind, (rank, phases, kind), over a step's
+chunks. The simulator, fed with them, predicts each rank's wait fraction either with each stage's
+median cost over all steps, or averaged over runs whose every action cost is drawn from its
+stage's samples of one measured step at a time. Drawing keeps the jitter of single chunks that a
+median hides (at each hand-over the slower rank makes the other wait, so jitter adds wait no
+central cost shows); drawing within a step keeps a slow episode of a shared machine, which hits
+both ranks at once, from being spread over every step as imbalance that never happened.
 """
 
 from __future__ import annotations
@@ -49,12 +51,29 @@ def cost_key(action: Action) -> tuple[tuple[int, ...], str]:
 
 @dataclass
 class CostSamples:
-    """Measured occupied seconds per (rank, phases, kind), pooled over chunks and steps."""
+    """Measured occupied seconds per (rank, phases, kind), pooled over chunks (and steps)."""
 
     samples: dict[tuple[int, tuple[int, ...], str], list[float]] = field(default_factory=dict)
 
+    @classmethod
+    def of_step(cls, step: Sequence[Durations]) -> CostSamples:
+        """The samples of one measured step (step[rank]: that rank's durations)."""
+        out = cls()
+        for rank, durations in enumerate(step):
+            out.add(rank, durations)
+        return out
+
+    @classmethod
+    def pooled(cls, parts: Sequence[CostSamples]) -> CostSamples:
+        """All samples of parts together."""
+        out = cls()
+        for part in parts:
+            for key, values in part.samples.items():
+                out.samples.setdefault(key, []).extend(values)
+        return out
+
     def add(self, rank: int, durations: Durations) -> None:
-        """Pool one step's durations of rank."""
+        """Pool durations of rank."""
         for act, seconds in durations:
             self.samples.setdefault((rank, *cost_key(act)), []).append(seconds)
 
@@ -69,12 +88,13 @@ def median_wait(schedule: Schedule, samples: CostSamples, p2p: float) -> list[fl
     return simulate(schedule, Costs(0.0, 0.0, p2p=p2p), samples.durations(schedule, statistics.median)).idle_fractions
 
 
-def sampled_wait(schedule: Schedule, samples: CostSamples, p2p: float, draws: int = 200, seed: int = 0) -> list[float]:
-    """Per-rank wait fractions over `draws` simulated steps, every action's cost drawn at random
-    from its stage's samples: total wait / total makespan."""
+def sampled_wait(schedule: Schedule, steps: Sequence[CostSamples], p2p: float, draws: int = 10,
+                 seed: int = 0) -> list[float]:
+    """Per-rank wait fractions over `draws` simulated steps per measured step, every action's cost
+    drawn at random from its stage's samples of that step: total wait / total makespan."""
     rng = random.Random(seed)
-    runs = [simulate(schedule, Costs(0.0, 0.0, p2p=p2p), samples.durations(schedule, rng.choice))
-            for _ in range(draws)]
+    runs = [simulate(schedule, Costs(0.0, 0.0, p2p=p2p), step.durations(schedule, rng.choice))
+            for step in steps for _ in range(draws)]
     return _pooled(runs)
 
 

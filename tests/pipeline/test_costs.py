@@ -31,35 +31,45 @@ def test_costs_pool_by_stage_and_kind() -> None:
     fb = Action(Op.FB, 1, 3, backward=Action(Op.B, 0, 2, split=True))
     assert cost_key(fb) == ((1, 0), "FB")
     assert cost_key(Action(Op.B, 1, 4)) == ((1,), "B") and cost_key(B0) == ((0,), "Bs")
-    samples = CostSamples()
-    samples.add(1, [(F0, 2.0), (Action(Op.F, 0, 5), 4.0), (fb, 7.0)])
-    assert samples.samples == {(1, (0,), "F"): [2.0, 4.0], (1, (1, 0), "FB"): [7.0]}
+    step = CostSamples.of_step([[(F0, 1.0)], [(F0, 2.0), (Action(Op.F, 0, 5), 4.0), (fb, 7.0)]])
+    assert step.samples == {(0, (0,), "F"): [1.0], (1, (0,), "F"): [2.0, 4.0], (1, (1, 0), "FB"): [7.0]}
+    both = CostSamples.pooled([step, CostSamples.of_step([[(F0, 3.0)]])])
+    assert both.samples[(0, (0,), "F")] == [1.0, 3.0] and step.samples[(0, (0,), "F")] == [1.0]
 
 
-def _constant_samples(schedule, costs: Costs) -> CostSamples:
-    samples = CostSamples()
-    for r in range(schedule.layout.num_ranks):
-        samples.add(r, [(a, costs.of(a)) for a in schedule.compute_actions(r)])
-    return samples
+def _step(schedule, costs: Costs, scale: float = 1.0) -> list[list]:
+    """One step's durations per rank: every action at scale x its kind's cost."""
+    return [[(a, scale * costs.of(a)) for a in schedule.compute_actions(r)]
+            for r in range(schedule.layout.num_ranks)]
 
 
 @pytest.mark.parametrize("name,ranks", [("dualpipev", 2), ("dualpipe", 2), ("dualpipev", 4)])
 def test_without_jitter_every_prediction_is_the_simulators_own(name: str, ranks: int) -> None:
     schedule = build(name, ranks, 8)
     costs = Costs(1.0, 2.5, 1.1, 3.2, p2p=0.05)
-    samples = _constant_samples(schedule, costs)
+    steps = [_step(schedule, costs)] * 2
+    samples = [CostSamples.of_step(step) for step in steps]
     expected = simulate(schedule, costs).idle_fractions
-    steps = [[[(a, costs.of(a)) for a in schedule.compute_actions(r)] for r in range(ranks)]] * 2
-    for got in (median_wait(schedule, samples, 0.05), sampled_wait(schedule, samples, 0.05, draws=5),
+    for got in (median_wait(schedule, CostSamples.pooled(samples), 0.05), sampled_wait(schedule, samples, 0.05, 3),
                 replayed_wait(schedule, steps, 0.05)):
         assert got == pytest.approx(expected)
 
 
-def test_jitter_adds_wait_a_median_cost_hides() -> None:
+def test_jitter_within_a_step_adds_wait_a_median_cost_hides() -> None:
     schedule = build("dualpipev", 2, 8)
-    samples = CostSamples()
-    for r in range(2):  # every action's cost drawn from {0.7, 1.0, 1.3} x its kind's base cost
-        for scale in (0.7, 1.0, 1.3):
-            samples.add(r, [(a, scale * Costs(1.0, 2.0, 1.0).of(a)) for a in schedule.compute_actions(r)])
-    median, sampled = median_wait(schedule, samples, 0.0), sampled_wait(schedule, samples, 0.0)
+    base = Costs(1.0, 2.0, 1.0)
+    # every (rank, stage, kind) costs {0.7, 1.0, 1.3} x its base cost within the step
+    step = CostSamples.pooled([CostSamples.of_step(_step(schedule, base, scale)) for scale in (0.7, 1.0, 1.3)])
+    median, sampled = median_wait(schedule, step, 0.0), sampled_wait(schedule, [step], 0.0, draws=200)
     assert all(s > m + 0.02 for s, m in zip(sampled, median)), (sampled, median)
+
+
+def test_a_slow_step_is_not_spread_over_the_others() -> None:
+    """Steps 3x apart in speed, each without jitter: no wait beyond the schedule's own; drawing
+    from the pooled samples instead would mix slow and fast chunks into imbalance."""
+    schedule = build("dualpipev", 2, 8)
+    base = Costs(1.0, 2.0, 1.0)
+    steps = [CostSamples.of_step(_step(schedule, base, scale)) for scale in (1.0, 3.0)]
+    expected = simulate(schedule, base).idle_fractions
+    assert sampled_wait(schedule, steps, 0.0) == pytest.approx(expected)
+    assert all(s > e + 0.02 for s, e in zip(sampled_wait(schedule, [CostSamples.pooled(steps)], 0.0), expected))
