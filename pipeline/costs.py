@@ -95,7 +95,7 @@ def sampled_wait(schedule: Schedule, steps: Sequence[CostSamples], p2p: float, d
     rng = random.Random(seed)
     runs = [simulate(schedule, Costs(0.0, 0.0, p2p=p2p), step.durations(schedule, rng.choice))
             for step in steps for _ in range(draws)]
-    return _pooled(runs)
+    return _wait_fractions(runs)
 
 
 def replayed_wait(schedule: Schedule, steps: list[list[Durations]], p2p: float) -> list[float]:
@@ -104,7 +104,7 @@ def replayed_wait(schedule: Schedule, steps: list[list[Durations]], p2p: float) 
     runs = [simulate(schedule, Costs(0.0, 0.0, p2p=p2p),
                      {(r, act): seconds for r, durations in enumerate(step) for act, seconds in durations})
             for step in steps]
-    return _pooled(runs)
+    return _wait_fractions(runs)
 
 
 def measured_wait(step_s: list[float], durations: list[Durations]) -> float:
@@ -112,6 +112,6 @@ def measured_wait(step_s: list[float], durations: list[Durations]) -> float:
     return 1 - sum(s for d in durations for _, s in d) / sum(step_s)
 
 
-def _pooled(runs: list[SimResult]) -> list[float]:
+def _wait_fractions(runs: list[SimResult]) -> list[float]:
     total = sum(r.makespan for r in runs)
     return [sum(r.bubbles[rank] for r in runs) / total for rank in range(len(runs[0].bubbles))]
