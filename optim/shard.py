@@ -19,13 +19,16 @@ class ShardedParams:
     """Model params of one group re-pointed into a flat buffer, with this rank's fp32 master shard.
 
     The model params become views of one flat buffer (their dtype), so the all-gather of the
-    updated shards writes straight into them. Gradients are summed over micro-batches and
+    updated shards writes straight into them. fp32 params are their own masters: a bucket's
+    master is this rank's slice of the flat params, so the update writes the model in place
+    (and model.load_state_dict() reaches the masters); other dtypes get fp32 copies. Gradients are summed over micro-batches and
     reduced in a flat fp32 buffer: fp32 params get their .grad bound to views of it (a grad
     hook moves the first grad after zero_grad in), so backward accumulates in place and the
     reduce needs no copy; for other dtypes the hook adds each backward's grad to the fp32 sum
     and drops it. Each bucket has its own inner optimizer, so a bucket's gather overlaps the
     next bucket's update; it sees its shard as chunks of CHUNK elements (leaf params aliasing
-    the master): torch's CPU AdamW is ~3x slower on one 16 MiB tensor than on 4 MiB pieces.
+    the master): torch's CPU for-loop AdamW is ~3x slower on one 16 MiB tensor than on 4 MiB
+    pieces.
 
     Collectives per bucket: "scatter_gather" is one reduce_scatter_single in and one
     all_gather_single out (NCCL, and what "auto" picks off gloo). "p2p" (what "auto" picks on
@@ -54,10 +57,12 @@ class ShardedParams:
             self.param_flat = self.layout.flatten([p.detach() for p in self.params], dtype)
             for p, view in zip(self.params, self.layout.views(self.param_flat)):
                 p.data = view
-            self.master = self.layout.shard_of(self.param_flat).to(torch.float32)
-        self.grad = torch.zeros_like(self.master)
-        self.bucket_chunks = [self._chunks(b.shard_start, b.shard_start + b.shard_numel)
-                              for b in self.layout.buckets]
+            owned = [self.param_flat[b.owned] for b in self.layout.buckets]
+            self.masters = owned if dtype == torch.float32 else [o.float() for o in owned]
+        self.grad = torch.zeros(self.layout.shard_numel, dtype=torch.float32,
+                                device=self.param_flat.device)
+        self.bucket_chunks = [self._chunks(m, self.grad[b.shard])
+                              for m, b in zip(self.masters, self.layout.buckets)]
         self.optims: list[torch.optim.Optimizer] = []
         self.grad_flat = torch.zeros(self.layout.total, dtype=torch.float32,
                                      device=self.param_flat.device)
@@ -71,12 +76,13 @@ class ShardedParams:
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
 
-    def _chunks(self, begin: int, end: int) -> list[torch.nn.Parameter]:
-        """Leaf params of at most CHUNK elements aliasing master[begin:end], grads aliasing grad."""
+    @staticmethod
+    def _chunks(master: torch.Tensor, grad: torch.Tensor) -> list[torch.nn.Parameter]:
+        """Leaf params of at most CHUNK elements aliasing a bucket's master, grads aliasing grad."""
         chunks = []
-        for start in range(begin, end, CHUNK):
-            chunk = torch.nn.Parameter(self.master[start:min(end, start + CHUNK)])
-            chunk.grad = self.grad[start:min(end, start + CHUNK)]
+        for start in range(0, master.numel(), CHUNK):
+            chunk = torch.nn.Parameter(master[start:start + CHUNK])
+            chunk.grad = grad[start:start + CHUNK]
             chunks.append(chunk)
         return chunks
 
@@ -173,14 +179,18 @@ class ShardedParams:
         for i in reversed(range(len(self.layout.buckets))):
             self._finish(i)
 
-    def _gather_bucket(self, out_flat: torch.Tensor, shard: torch.Tensor, b: Bucket
+    def _gather_bucket(self, out_flat: torch.Tensor, piece: torch.Tensor, b: Bucket
                        ) -> tuple[list[dist.Work], torch.Tensor]:
-        """Start gathering every rank's piece of bucket b into out_flat; (works, piece to keep)."""
-        piece = shard[b.shard].detach().to(out_flat.dtype)
+        """Start gathering every rank's piece of bucket b into out_flat; (works, piece to keep).
+
+        piece is this rank's part, in place already when it is a view of out_flat[b.owned].
+        """
+        piece = piece.detach().to(out_flat.dtype)
         if self.collectives == "scatter_gather":
             return [dist.all_gather_single(out_flat[b.full], piece, group=self.group,
                                            async_op=True)], piece
-        out_flat[b.owned].copy_(piece)
+        if piece.data_ptr() != out_flat[b.owned].data_ptr():
+            out_flat[b.owned].copy_(piece)
         works = []
         for r in self.peers:
             works += [dist.isend(piece, group=self.group, group_dst=r),
@@ -195,7 +205,7 @@ class ShardedParams:
             optim = self.optims[i]
             optim.param_groups[0].update(hyper)
             optim.step()
-            started, piece = self._gather_bucket(self.param_flat, self.master,
+            started, piece = self._gather_bucket(self.param_flat, self.masters[i],
                                                  self.layout.buckets[i])
             works += started
             pieces.append(piece)
@@ -204,9 +214,15 @@ class ShardedParams:
     def gather_full(self, shard: torch.Tensor) -> torch.Tensor:
         """A new fp32 flat buffer holding every rank's piece of a shard-shaped tensor."""
         out = torch.empty(self.layout.total, dtype=torch.float32, device=shard.device)
-        started = [self._gather_bucket(out, shard, b) for b in self.layout.buckets]
+        started = [self._gather_bucket(out, shard[b.shard], b) for b in self.layout.buckets]
         _wait([w for works, _ in started for w in works])
         return out
+
+    def set_params(self, full: torch.Tensor) -> None:
+        """Set the model params and this rank's masters from a full fp32 flat buffer."""
+        self.param_flat.copy_(full)
+        for master, b in zip(self.masters, self.layout.buckets):
+            master.copy_(full[b.owned])
 
     def sq_norm(self) -> torch.Tensor:
         """Sum of squares (float64, shape [1]) of this rank's reduced grad shard."""

@@ -125,7 +125,7 @@ class ZeRO1(torch.optim.Optimizer):
                                       g["grad_divisor"], collectives) for g in groups]
         for group, shard in zip(groups, self._shards):
             shard.build_optimizers(optimizer_class, _hyper(group),
-                                   _inner_defaults(optimizer_class, defaults, shard.master.device))
+                                   _inner_defaults(optimizer_class, defaults, shard.grad.device))
             group.update(_hyper(shard.optims[0].param_groups[0]))
         self._reduced = False
         super().__init__(groups, dict(self._shards[0].optims[0].defaults))
@@ -197,8 +197,12 @@ class ZeRO1(torch.optim.Optimizer):
         return loss
 
     def state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds for the optimizer: fp32 master shards and each state entry."""
-        out = {MASTER_KEY: sum(s.master.numel() * s.master.element_size() for s in self._shards)}
+        """Bytes this rank holds for the optimizer: fp32 master shards and each state entry.
+
+        The master shards of fp32 params are counted although they are the model's own memory.
+        """
+        out = {MASTER_KEY: sum(m.numel() * m.element_size() for s in self._shards
+                               for m in s.masters)}
         for _, state in (cs for s in self._shards for cs in s.chunk_states()):
             for key, value in state.items():
                 if torch.is_tensor(value):
@@ -218,7 +222,7 @@ class ZeRO1(torch.optim.Optimizer):
         for shard in self._shards:
             inner, scalars = shard.get_state()
             full = {k: shard.layout.views(shard.gather_full(v)) for k, v in inner.items()}
-            full[MASTER_KEY] = shard.layout.views(shard.gather_full(shard.master))
+            full[MASTER_KEY] = shard.layout.views(shard.gather_full(torch.cat(shard.masters)))
             for j in range(len(shard.params)):
                 entry = {k: views[j].clone() for k, views in full.items()}
                 entry.update(copy.deepcopy(scalars))
@@ -251,9 +255,7 @@ class ZeRO1(torch.optim.Optimizer):
                     keys: list[str]) -> None:
         """Set one group's master shard, model params and optimizer state from full per-param entries."""
         layout = shard.layout
-        master = layout.flatten([e[MASTER_KEY] for e in entries], torch.float32)
-        shard.master.copy_(layout.shard_of(master))
-        shard.param_flat.copy_(master)
+        shard.set_params(layout.flatten([e[MASTER_KEY] for e in entries], torch.float32))
         elementwise = {k: layout.shard_of(layout.flatten([e[k] for e in entries],
                                                          entries[0][k].dtype)) for k in keys}
         scalars = {k: v for k, v in entries[0].items() if k != MASTER_KEY and k not in keys}

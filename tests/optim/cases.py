@@ -156,9 +156,13 @@ def dp_worker(rank: int, world: int, saved: dict[str, Any] | None) -> dict[str, 
 
 def unclipped_case(rank: int, world: int) -> list[torch.Tensor]:
     """STEPS steps without clipping, so step() finishes each bucket's reduction just before
-    updating it; the final params."""
+    updating it; the final params. The model gets the reference's init only after ZeRO1 is
+    built (load_state_dict, then a no-op .to()): fp32 params are their own masters."""
     model = mlp()
+    model[0].weight.data.mul_(3.0)
     opt = ZeRO1(groups(model), bucket_cap_mb=0.002, collectives=COLLECTIVES_BY_WORLD[world])
+    model.load_state_dict(mlp().state_dict())
+    model.to(torch.float32)
     train(model, opt, range(STEPS), rank, world, overlap=True, max_norm=None)
     return params_of(model)
 
