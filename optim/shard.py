@@ -13,6 +13,7 @@ from torch.distributed import ProcessGroup
 from optim.flat_layout import Bucket, FlatLayout
 
 CHUNK = 2**20
+P2P_TAG = 0x2E01  # ZeRO1's own tag: other p2p traffic on the group cannot match its messages
 
 
 class ShardedParams:
@@ -143,11 +144,16 @@ class ShardedParams:
         if self.collectives == "scatter_gather":
             return [dist.reduce_scatter_single(grad[b.shard], flat[b.full], group=self.group,
                                                async_op=True)]
+        inboxes = [grad[b.shard], *(inbox[b.shard] for inbox in self._scratch)]
+        return self._exchange([flat[b.piece(r)] for r in self.peers], inboxes)
+
+    def _exchange(self, outgoing: list[torch.Tensor], incoming: list[torch.Tensor]
+                  ) -> list[dist.Work]:
+        """Send outgoing[k] to the k-th peer and receive incoming[k] from it (p2p collectives)."""
         works = []
-        for k, r in enumerate(self.peers):
-            inbox = grad[b.shard] if k == 0 else self._scratch[k - 1, b.shard]
-            works += [dist.isend(flat[b.piece(r)], group=self.group, group_dst=r),
-                      dist.irecv(inbox, group=self.group, group_src=r)]
+        for r, out, into in zip(self.peers, outgoing, incoming):
+            works += [dist.isend(out, group=self.group, group_dst=r, tag=P2P_TAG),
+                      dist.irecv(into, group=self.group, group_src=r, tag=P2P_TAG)]
         return works
 
     def _finish(self, i: int) -> None:
@@ -158,7 +164,10 @@ class ShardedParams:
         b = self.layout.buckets[i]
         grad, own = self.grad[b.shard], self.grad_flat[b.owned]
         if self.collectives == "p2p":
-            grad.add_(own) if self.peers else grad.copy_(own)
+            if self.peers:
+                grad.add_(own)
+            else:
+                grad.copy_(own)
             for inbox in self._scratch:
                 grad.add_(inbox[b.shard])
         grad.div_(self.grad_divisor)
@@ -191,11 +200,8 @@ class ShardedParams:
                                            async_op=True)], piece
         if piece.data_ptr() != out_flat[b.owned].data_ptr():
             out_flat[b.owned].copy_(piece)
-        works = []
-        for r in self.peers:
-            works += [dist.isend(piece, group=self.group, group_dst=r),
-                      dist.irecv(out_flat[b.piece(r)], group=self.group, group_src=r)]
-        return works, piece
+        return self._exchange([piece] * len(self.peers),
+                              [out_flat[b.piece(r)] for r in self.peers]), piece
 
     def step(self, hyper: dict[str, Any]) -> None:
         """Per bucket in reduction order: finish its reduction, update its shard, start its gather."""

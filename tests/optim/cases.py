@@ -149,6 +149,7 @@ def dp_worker(rank: int, world: int, saved: dict[str, Any] | None) -> dict[str, 
         out.update(lr_scheduler_case(rank, world))
         out.update(overlap_misuse_case())
         out.update(implementation_case())
+        out.update(foreign_p2p_case(rank))
     if world == 4:
         out.update(group_size_case())
     return out
@@ -165,6 +166,23 @@ def unclipped_case(rank: int, world: int) -> list[torch.Tensor]:
     model.to(torch.float32)
     train(model, opt, range(STEPS), rank, world, overlap=True, max_norm=None)
     return params_of(model)
+
+
+def foreign_p2p_case(rank: int) -> dict[str, Any]:
+    """A tag-0 message on the same group, sent by rank 0 before its backward and received by
+    rank 1 after its own, while ZeRO1's p2p reductions are in flight; params after one step."""
+    model = mlp()
+    opt = ZeRO1(model.parameters(), collectives="p2p")
+    note = torch.full((3,), 7.0) if rank == 0 else torch.zeros(3)
+    sent = dist.isend(note, dst=1) if rank == 0 else None
+    with opt.reduce_during_backward():
+        model(batch(0)[0][rank::2]).square().mean().backward()
+    if sent is None:
+        dist.recv(note, src=0)
+    else:
+        sent.wait()
+    opt.step()
+    return {"note": note, "foreign_params": params_of(model)}
 
 
 def implementation_case() -> dict[str, Any]:

@@ -153,3 +153,12 @@ def test_second_backward_inside_overlap_is_refused(dp2: list[dict[str, Any]]) ->
 def test_adamw_is_fused_unless_the_caller_picks(dp2: list[dict[str, Any]]) -> None:
     for out in dp2:
         assert out["implementation"] == {"default": {(True, None)}, "foreach": {(None, True)}}
+
+
+def test_other_p2p_traffic_does_not_match_zero1_messages(dp2: list[dict[str, Any]]) -> None:
+    model = cases.mlp()
+    torch.optim.AdamW(model.parameters()).step(
+        lambda: model(cases.batch(0)[0]).square().mean().backward())
+    for out in dp2:
+        assert torch.equal(out["note"], torch.full((3,), 7.0))
+        assert rel_diff(out["foreign_params"], cases.params_of(model)) <= 1e-6
