@@ -22,14 +22,14 @@ class ShardedParams:
     The model params become views of one flat buffer (their dtype), so the all-gather of the
     updated shards writes straight into them. fp32 params are their own masters: a bucket's
     master is this rank's slice of the flat params, so the update writes the model in place
-    (and model.load_state_dict() reaches the masters); other dtypes get fp32 copies. Gradients are summed over micro-batches and
-    reduced in a flat fp32 buffer: fp32 params get their .grad bound to views of it (a grad
-    hook moves the first grad after zero_grad in), so backward accumulates in place and the
-    reduce needs no copy; for other dtypes the hook adds each backward's grad to the fp32 sum
-    and drops it. Each bucket has its own inner optimizer, so a bucket's gather overlaps the
-    next bucket's update; it sees its shard as chunks of CHUNK elements (leaf params aliasing
-    the master): torch's CPU for-loop AdamW is ~3x slower on one 16 MiB tensor than on 4 MiB
-    pieces.
+    (and model.load_state_dict() reaches the masters); other dtypes get fp32 copies.
+    Gradients are summed over micro-batches and reduced in a flat fp32 buffer: fp32 params get
+    their .grad bound to views of it (a grad hook moves the first grad after zero_grad in), so
+    backward accumulates in place and the reduce needs no copy; for other dtypes the hook adds
+    each backward's grad to the fp32 sum and drops it. Each bucket has its own inner
+    optimizer, so a bucket's gather overlaps the next bucket's update; it sees its shard as
+    chunks of CHUNK elements (leaf params aliasing the master): torch's CPU for-loop AdamW is
+    ~3x slower on one 16 MiB tensor than on 4 MiB pieces.
 
     Collectives per bucket: "scatter_gather" is one reduce_scatter_single in and one
     all_gather_single out (NCCL, and what "auto" picks off gloo). "p2p" (what "auto" picks on
@@ -157,7 +157,7 @@ class ShardedParams:
         return works
 
     def _finish(self, i: int) -> None:
-        """Wait for bucket i's reduction (if still pending), sum its pieces, divide by grad_divisor."""
+        """Wait for bucket i's reduction (if pending), sum its pieces, divide by grad_divisor."""
         if i not in self._works:
             return
         _wait(self._works.pop(i))
@@ -173,7 +173,7 @@ class ShardedParams:
         grad.div_(self.grad_divisor)
 
     def start_reduce(self) -> None:
-        """Collect the local grads (summed over micro-batches) and start every bucket's reduction."""
+        """Collect the local grad sums over micro-batches and start every bucket's reduction."""
         if not self._armed:
             self._next = len(self.layout.buckets) - 1
         for i, bucket in enumerate(self.layout.bucket_of):
@@ -204,7 +204,7 @@ class ShardedParams:
                               [out_flat[b.piece(r)] for r in self.peers]), piece
 
     def step(self, hyper: dict[str, Any]) -> None:
-        """Per bucket in reduction order: finish its reduction, update its shard, start its gather."""
+        """Per bucket in reduction order: finish its reduction, update it, start its gather."""
         works, pieces = [], []
         for i in reversed(range(len(self.layout.buckets))):
             self._finish(i)
