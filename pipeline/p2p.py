@@ -7,10 +7,9 @@ and dtype can cross; see Channel for how they travel.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict, deque
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -57,9 +56,20 @@ def _parse(header: Tensor) -> list[TensorMeta]:
     return metas
 
 
-def _payload(tensors: list[Tensor]) -> Tensor:
-    flat = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
-    return torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
+def _nbytes(tensors: list[Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _fill(buf: Tensor, tensors: list[Tensor]) -> None:
+    """Copy every tensor's bytes into the uint8 buffer buf, back to back, in one copy each."""
+    offset = 0
+    for t in tensors:
+        size = t.numel() * t.element_size()
+        if offset % t.element_size():  # a view as t.dtype needs an aligned start: copy bytes
+            buf[offset:offset + size].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+        else:
+            buf[offset:offset + size].view(t.dtype).view(t.shape).copy_(t.detach())
+        offset += size
 
 
 class _Ticket:
@@ -68,14 +78,17 @@ class _Ticket:
     __slots__ = ("work", "buf")
 
     def __init__(self) -> None:
-        self.work: Future | None = None  # resolves to the dist.Work of the posted receive
+        self.work: dist.Work | None = None
         self.buf: Tensor | None = None
 
 
-def _done(value: Any) -> Future:
-    fut: Future = Future()
-    fut.set_result(value)
-    return fut
+@dataclass
+class TransferLog:
+    """perf_counter times of a channel's messages per (peer, stream), in order: when each send was
+    issued, and when each receive was waited for and when it completed."""
+
+    sent: dict[tuple[int, int], list[float]] = field(default_factory=lambda: defaultdict(list))
+    received: dict[tuple[int, int], list[tuple[float, float]]] = field(default_factory=lambda: defaultdict(list))
 
 
 class Channel:
@@ -85,8 +98,8 @@ class Channel:
     one buffer [header | payload] when the payload keeps that size, so the receiver can post it
     ahead of time and it crosses in one transfer; when the size changes, the first buffer carries
     the new header (and filler of the old size) and the payload follows as a second message.
-    On gloo, isend/irecv are issued by one helper thread, in order: issuing can stall on the
-    transport's locks (milliseconds on a loaded CPU) and the computing thread need not wait.
+    Sends and receives are issued on the calling thread straight to the process group (both are
+    non-blocking); a helper thread would cost a GIL hand-over per message.
     """
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_streams: int = 4) -> None:
@@ -96,8 +109,8 @@ class Channel:
         self._groups = ([dist.new_group(dist.get_process_group_ranks(group)) for _ in range(num_streams)]
                         if dist.get_backend(group) == "nccl" else None)
         self.device = device
-        self._issuer = ThreadPoolExecutor(1, "pipeline-p2p") if dist.get_backend(group) == "gloo" else None
-        self._sends: list[tuple[Future, Tensor]] = []
+        self.log: TransferLog | None = None  # set to record the times of messages
+        self._sends: list[tuple[dist.Work, Tensor]] = []
         self._sent: dict[tuple[int, int], int] = {}  # (peer, stream) -> payload bytes of the last message out
         self._expect: dict[tuple[int, int], int] = {}  # (peer, stream) -> payload bytes of the last message in
         self._queued: dict[tuple[int, int], deque[_Ticket]] = defaultdict(deque)
@@ -105,27 +118,30 @@ class Channel:
     def _group(self, stream: int) -> dist.ProcessGroup:
         return self.group if self._groups is None else self._groups[stream]
 
-    def _issue(self, fn: Callable[..., dist.Work], buf: Tensor, peer_key: str, peer: int, stream: int) -> Future:
-        """Future of the dist.Work of fn(buf, ...) (isend/irecv), issued in order on the helper thread."""
-        kwargs = {"group": self._group(stream), peer_key: peer, "tag": stream}
-        if self._issuer is None:
-            return _done(fn(buf, **kwargs))
-        return self._issuer.submit(fn, buf, **kwargs)
-
     def _isend(self, buf: Tensor, peer: int, stream: int) -> None:
-        self._sends.append((self._issue(dist.isend, buf, "group_dst", peer, stream), buf))
+        self._sends.append((self._group(stream).send([buf], peer, stream), buf))
+
+    def _irecv(self, buf: Tensor, peer: int, stream: int) -> dist.Work:
+        return self._group(stream).recv([buf], peer, stream)
 
     def send(self, tensors: list[Tensor], peer: int, stream: int) -> None:
         """Start sending tensors to group rank peer (non-blocking; finished by wait_sends)."""
-        header = _header(tensors).to(self.device).view(torch.uint8)
-        data = _payload(tensors).to(self.device)
         key = (peer, stream)
-        same = key in self._sent and self._sent[key] == data.numel()
-        filler = data if same else data.new_zeros(self._sent.get(key, 0))
-        self._isend(torch.cat([header, filler]), peer, stream)
+        nbytes = _nbytes(tensors)
+        same = self._sent.get(key) == nbytes
+        first = torch.empty(HEADER_BYTES + (nbytes if same else self._sent.get(key, 0)), dtype=torch.uint8,
+                            device=self.device)
+        first[:HEADER_BYTES].view(torch.int64).copy_(_header(tensors))
+        payload = first[HEADER_BYTES:] if same else torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        _fill(payload, tensors)
         if not same:
-            self._isend(data, peer, stream)
-        self._sent[key] = data.numel()
+            first[HEADER_BYTES:].zero_()
+        if self.log is not None:
+            self.log.sent[key].append(time.perf_counter())
+        self._isend(first, peer, stream)
+        if not same:
+            self._isend(payload, peer, stream)
+        self._sent[key] = nbytes
 
     def post_recv(self, peer: int, stream: int) -> _Ticket:
         """Ask for the next message from peer on stream (posted now if the stream is free)."""
@@ -139,7 +155,7 @@ class Channel:
     def _post(self, ticket: _Ticket, peer: int, stream: int) -> None:
         ticket.buf = torch.empty(HEADER_BYTES + self._expect.get((peer, stream), 0), dtype=torch.uint8,
                                  device=self.device)
-        ticket.work = self._issue(dist.irecv, ticket.buf, "group_src", peer, stream)
+        ticket.work = self._irecv(ticket.buf, peer, stream)
 
     def finish_recv(self, ticket: _Ticket, peer: int, stream: int) -> list[tuple[Tensor, bool]]:
         """Wait for a message asked for with post_recv; return its tensors and requires_grad flags."""
@@ -147,14 +163,17 @@ class Channel:
         queue = self._queued[key]
         if not queue or queue[0] is not ticket:
             raise RuntimeError(f"messages on stream {stream} from rank {peer} must be read in order")
-        ticket.work.result().wait()
+        t0 = time.perf_counter()
+        ticket.work.wait()
         metas = _parse(ticket.buf[:HEADER_BYTES].view(torch.int64).cpu())
         nbytes = sum(m.nbytes for m in metas)
-        if key in self._expect and self._expect[key] == nbytes:
+        if self._expect.get(key) == nbytes:
             payload = ticket.buf[HEADER_BYTES:]
         else:
             payload = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            self._issue(dist.irecv, payload, "group_src", peer, stream).result().wait()
+            self._irecv(payload, peer, stream).wait()
+        if self.log is not None:
+            self.log.received[key].append((t0, time.perf_counter()))
         self._expect[key] = nbytes
         queue.popleft()
         if queue:
@@ -171,5 +190,5 @@ class Channel:
     def wait_sends(self) -> None:
         """Complete every send started so far."""
         for work, _ in self._sends:
-            work.result().wait()
+            work.wait()
         self._sends.clear()

@@ -8,7 +8,8 @@ import torch
 from dispatch.multiproc import run_processes
 from kernels.backend import BACKEND_ENV
 from tests.pipeline.models import calc_diff
-from tests.pipeline.workers import bad_inputs, bw_split, ep_overlap, p2p_messages, sent_messages
+from tests.pipeline.workers import (bad_inputs, bw_split, ep_overlap, mixed_messages, p2p_both_ways, p2p_messages,
+                                    sent_messages)
 
 
 @pytest.mark.timeout(200)
@@ -65,3 +66,13 @@ def test_p2p_negotiates_shapes_dtypes_and_counts_per_message() -> None:
         for (t, flag), w in zip(got, want):
             assert t.dtype == w.dtype and t.shape == w.shape and torch.equal(t, w.detach())
             assert flag == w.requires_grad
+
+
+@pytest.mark.timeout(120)
+def test_p2p_messages_cross_both_ways_on_two_streams_intact_and_in_order() -> None:
+    results = run_processes(p2p_both_ways, 2, timeout_s=60)
+    for rank, received in enumerate(results):
+        sent = mixed_messages(1 - rank, len(received))
+        for got, want in zip(received, sent):
+            assert [t.dtype for t, _ in got] == [w.dtype for w in want]
+            assert all(torch.equal(t, w) for (t, _), w in zip(got, want))

@@ -163,3 +163,32 @@ def sent_messages() -> list[list[torch.Tensor]]:
     a = torch.randn(4, 6, generator=g)
     return [[a], [a * 2], [a.t(), torch.arange(5)], [a[:, :3].to(torch.float64), torch.ones(2, dtype=torch.bool)],
             [], [a.to(torch.bfloat16).requires_grad_()], [a[1:3]]]
+
+
+def p2p_both_ways(rank: int, world: int, count: int = 40) -> list:
+    """Both ranks post every receive first, then send `count` messages of changing shapes, dtypes and
+    counts on two streams at once; each returns what it got per stream."""
+    from pipeline.p2p import Channel
+    ch = Channel(dist.group.WORLD, torch.device("cpu"))
+    peer = 1 - rank
+    tickets = [(i % 2, ch.post_recv(peer, stream=i % 2)) for i in range(count)]
+    for i, msg in enumerate(mixed_messages(rank, count)):
+        ch.send(msg, peer, stream=i % 2)
+    got = [[(t.clone(), flag) for t, flag in ch.finish_recv(tk, peer, stream)] for stream, tk in tickets]
+    ch.wait_sends()
+    return got
+
+
+def mixed_messages(rank: int, count: int) -> list[list[torch.Tensor]]:
+    """Messages of rank: sizes repeat or change, dtypes mixed, odd-sized tensors before wide ones
+    (unaligned starts), non-contiguous and 0-dim tensors."""
+    g = torch.Generator().manual_seed(10 + rank)
+    dtypes = (torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.bool, torch.int8)
+    out = []
+    for i in range(count):
+        rows = 1 + (i // 3) % 4  # every size a few times in a row
+        msg = [torch.randn(rows, 5, generator=g).t(), torch.randint(0, 2, (3,), generator=g, dtype=torch.int8)]
+        msg += [torch.randn(rows, 3, generator=g).to(dtypes[(i + k) % len(dtypes)]) for k in range(i % 3)]
+        msg.append(torch.tensor(float(i), dtype=torch.float64))
+        out.append(msg)
+    return out
