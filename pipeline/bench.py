@@ -6,12 +6,10 @@ Per schedule it reports the median step time, each rank's measured idle fraction
 time inside compute actions) / step time) and peak memory, measured in one extra untimed step as
 the peak bytes of distinct storages saved for backward (saved-tensor hooks) plus, for our runtime,
 the bytes that queued weight-grad closures keep alive until their W action. For our schedules it
-also sets the measured wait fraction (step time in which a rank was blocked on a receive or
-outside its actions; see pipeline.costs) next to the simulator's prediction from the measured
-per-chunk costs of each stage (action costs drawn from their stage's samples in a measured step;
-"sim wait"), their relative difference, the prediction from each stage's median costs, and the
-simulator replaying each step with every action's own time ("replay"). `--ep-overlap` instead
-measures the EP overlap switch (see _ep_overlap_worker).
+also sets the measured wait fraction next to the simulator's prediction (WAIT_CAPTION says how
+both are taken; see pipeline.costs), their relative difference, the prediction from each stage's
+median costs, and the simulator replaying each step with every action's own time ("replay").
+`--ep-overlap` instead measures the EP overlap switch (see _ep_overlap_worker).
 """
 
 from __future__ import annotations
@@ -28,10 +26,18 @@ from dispatch.multiproc import run_processes
 from pipeline import schedules
 from pipeline.bench_models import build_layers
 from pipeline.bench_runners import OURS, TORCH, Runner, our_runner, single_process, torch_runner
-from pipeline.costs import (CostSamples, measured_wait, median_wait, occupied_durations, replayed_wait,
-                            sampled_wait)
+from pipeline.costs import (CostSamples, action_window, hop_latencies, measured_wait, median_wait, occupied_durations,
+                            replayed_wait, sampled_wait)
 from pipeline.memory import SavedTensorMeter
 from pipeline.p2p import Channel
+
+
+WAIT_CAPTION = ("wait: time a rank was blocked on a receive or outside its actions, within each step's window "
+                "from the first action of any rank to the last action end of any rank (the step's head and tail "
+                "are left out of measured and simulated time alike); sim wait: the simulator fed with per-chunk "
+                "costs drawn from their stage's samples of a measured step, each rank starting at its measured "
+                "offset in the window, and per direction the median p2p latency of the run (from the later of send "
+                "issued and receive waited for, to receive completed, over receives that blocked)")
 
 
 def p2p_latency(rank: int, shape: tuple[int, ...], rounds: int = 40) -> float:
@@ -67,7 +73,8 @@ def _data(opts: dict) -> tuple[torch.Tensor, torch.Tensor]:
 def _time_round_robin(runners: dict[str, Runner], opts: dict) -> dict[str, dict]:
     """Step every runner in turn, warmup + steps times, then once more under the memory meter."""
     x, target = _data(opts)
-    stats = {name: {"step_s": [], "idle": [], "durations": [], "peak": 0} for name in runners}
+    stats = {name: {"step_s": [], "idle": [], "durations": [], "bounds": [], "transfers": [], "peak": 0}
+             for name in runners}
     for i in range(opts["warmup"] + opts["steps"] + 1):
         for name, run in runners.items():
             for m in run.modules:
@@ -89,7 +96,10 @@ def _time_round_robin(runners: dict[str, Runner], opts: dict) -> dict[str, dict]
                 st["step_s"].append(float(elapsed))
                 st["idle"].append(1 - (run.compute_seconds() - compute0) / float(elapsed))
                 if run.pipe is not None:
-                    st["durations"].append(occupied_durations(run.pipe.timeline))
+                    timeline = run.pipe.timeline
+                    st["durations"].append(occupied_durations(timeline))
+                    st["bounds"].append((timeline[0][1], timeline[-1][2]))
+                    st["transfers"].append(run.pipe.transfers)
     return stats
 
 
@@ -109,21 +119,31 @@ def _bench_worker(rank: int, world: int, opts: dict) -> list[dict]:
         row = {"schedule": name, "rank": rank, "step_s": st["step_s"], "idle": statistics.median(st["idle"]),
                "peak": st["peak"], "p2p_s": latency}
         if runners[name].pipe is not None:
-            row["durations"] = st["durations"]
+            row.update({k: st[k] for k in ("durations", "bounds", "transfers")})
         rows.append(row)
     return rows
 
 
 def wait_model(schedule: schedules.Schedule, per_rank: list[dict], p2p: float) -> dict:
-    """Each rank's measured wait fraction next to the simulator's predictions from the costs measured."""
+    """Each rank's measured wait fraction within the steps' action windows next to the simulator's
+    predictions from the costs measured: per-chunk costs, each rank's start in the window and the
+    p2p latency per direction measured in the run (p2p, the idle ping-pong's, where none was)."""
     steps = [list(step) for step in zip(*(r["durations"] for r in per_rank))]
-    samples = [CostSamples.of_step(step) for step in steps]
-    measured = [measured_wait(r["step_s"], r["durations"]) for r in per_rank]
-    predicted = sampled_wait(schedule, samples, p2p)
+    windows = [action_window(bounds) for bounds in zip(*(r["bounds"] for r in per_rank))]
+    starts = [start for _, start in windows]
+    samples = [CostSamples.of_step(step, start) for step, start in zip(steps, starts)]
+    latencies = hop_latencies(list(zip(*(r["transfers"] for r in per_rank))))
+    ranks = range(len(per_rank))
+    hops = {(s, d): statistics.median(latencies[(s, d)]) if latencies.get((s, d)) else p2p
+            for s in ranks for d in ranks if s != d}
+    measured = [measured_wait([w for w, _ in windows], r["durations"]) for r in per_rank]
+    predicted = sampled_wait(schedule, samples, hops)
     return {"wait_fraction": measured, "sim_wait_fraction": predicted,
             "sim_rel_diff": [(p - m) / m if m else None for p, m in zip(predicted, measured)],
-            "sim_median_wait_fraction": median_wait(schedule, CostSamples.pooled(samples), p2p),
-            "replay_wait_fraction": replayed_wait(schedule, steps, p2p)}
+            "sim_median_wait_fraction": median_wait(schedule, CostSamples.pooled(samples), hops),
+            "replay_wait_fraction": replayed_wait(schedule, steps, hops, starts),
+            "head_ms": [1e3 * statistics.mean(s) for s in zip(*starts)],
+            "hop_ms": {f"{s}->{d}": round(1e3 * t, 3) for (s, d), t in hops.items()}}
 
 
 _SCHEDULE = {"ours DualPipeV": "dualpipev", "ours DualPipe": "dualpipe"}
@@ -140,7 +160,8 @@ def summarise(results: list[list[dict]], opts: dict) -> list[dict]:
         if "durations" in per_rank[0]:
             sched = schedules.build(_SCHEDULE[row["schedule"]], opts["world"], opts["chunks"], split_bw=opts["split_bw"])
             model = wait_model(sched, list(per_rank), per_rank[0]["p2p_s"])
-            row.update({k: [None if x is None else round(x, 4) for x in v] for k, v in model.items()})
+            hop_ms = model.pop("hop_ms")
+            row.update({k: [None if x is None else round(x, 4) for x in v] for k, v in model.items()}, hop_ms=hop_ms)
         rows.append(row)
     ref = next((r["step_ms"] for r in rows if r["schedule"] == "torch DualPipeV"), None)
     for r in rows:
@@ -173,7 +194,9 @@ def format_wait_summary(rows: list[dict]) -> str:
             lines.append(f"{r['schedule']}: wait of all ranks {m:.3f} measured, {p:.3f} predicted from the measured "
                          f"per-chunk costs ({(p - m) / m:+.0%}, {p - m:+.3f}); "
                          f"{statistics.mean(r['sim_median_wait_fraction']):.3f} from median costs, "
-                         f"{statistics.mean(r['replay_wait_fraction']):.3f} replayed")
+                         f"{statistics.mean(r['replay_wait_fraction']):.3f} replayed; in-run p2p ms "
+                         + ", ".join(f"{k} {v:.2f}" for k, v in r["hop_ms"].items())
+                         + "; ranks start " + " ".join(f"{h:.2f}" for h in r["head_ms"]) + " ms into the window")
     return "\n".join(lines)
 
 
@@ -219,13 +242,14 @@ def main(argv: list[str]) -> int:
     results = run_processes(worker, args.world, opts, threads=args.threads, timeout_s=900)
     rows = summarise(results, opts)
     model = "all_to_all MLP blocks" if args.ep_overlap else args.model
-    latency = "" if args.ep_overlap else f"; p2p latency {1e3 * results[0][0]['p2p_s']:.2f} ms"
+    latency = "" if args.ep_overlap else f"; idle ping-pong p2p latency {1e3 * results[0][0]['p2p_s']:.2f} ms"
     print(f"pipeline benchmark: {model}, {args.layers} layers, hidden {args.hidden}, batch {args.batch}, "
           f"{args.chunks} micro-batches, {args.world} processes x {args.threads} thread, gloo, "
           f"median of {args.steps} steps{latency}")
     print(format_table(rows))
     if not args.ep_overlap:
         print(format_wait_summary(rows))
+        print(WAIT_CAPTION)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=2)

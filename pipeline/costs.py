@@ -18,13 +18,15 @@ from __future__ import annotations
 import random
 import statistics
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
+from pipeline.p2p import TransferLog
 from pipeline.schedules import COMPUTE_OPS, Action, Op, Schedule
 from pipeline.simulator import Costs, SimResult, simulate
 
 Timeline = Sequence[tuple[Action, float, float, float]]  # (action, start, end, busy) as the runtime records
 Durations = list[tuple[Action, float]]  # a rank's compute actions in order, each with its occupied seconds
+Hops = float | Mapping[tuple[int, int], float]  # p2p seconds per hop, or per (source rank, destination rank)
 
 
 def occupied_durations(timeline: Timeline) -> Durations:
@@ -51,22 +53,25 @@ def cost_key(action: Action) -> tuple[tuple[int, ...], str]:
 
 @dataclass
 class CostSamples:
-    """Measured occupied seconds per (rank, phases, kind), pooled over chunks (and steps)."""
+    """Measured occupied seconds per (rank, phases, kind), pooled over chunks (and steps), and the
+    time each rank started its first action after the first rank did (start[rank], if measured)."""
 
     samples: dict[tuple[int, tuple[int, ...], str], list[float]] = field(default_factory=dict)
+    start: list[float] | None = None
 
     @classmethod
-    def of_step(cls, step: Sequence[Durations]) -> CostSamples:
-        """The samples of one measured step (step[rank]: that rank's durations)."""
-        out = cls()
+    def of_step(cls, step: Sequence[Durations], start: list[float] | None = None) -> CostSamples:
+        """The samples of one measured step (step[rank]: that rank's durations; start: see the class)."""
+        out = cls(start=start)
         for rank, durations in enumerate(step):
             out.add(rank, durations)
         return out
 
     @classmethod
     def pooled(cls, parts: Sequence[CostSamples]) -> CostSamples:
-        """All samples of parts together."""
-        out = cls()
+        """All samples of parts together (start: each rank's mean)."""
+        starts = [p.start for p in parts if p.start is not None]
+        out = cls(start=[statistics.mean(s) for s in zip(*starts)] if starts else None)
         for part in parts:
             for key, values in part.samples.items():
                 out.samples.setdefault(key, []).extend(values)
@@ -83,33 +88,61 @@ class CostSamples:
                 for r in range(schedule.layout.num_ranks) for act in schedule.compute_actions(r)}
 
 
-def median_wait(schedule: Schedule, samples: CostSamples, p2p: float) -> list[float]:
+def median_wait(schedule: Schedule, samples: CostSamples, p2p: Hops) -> list[float]:
     """Per-rank wait fractions simulated with each stage's median cost per kind (p2p: seconds per hop)."""
-    return simulate(schedule, Costs(0.0, 0.0, p2p=p2p), samples.durations(schedule, statistics.median)).idle_fractions
+    return simulate(schedule, Costs(0.0, 0.0, p2p=p2p), samples.durations(schedule, statistics.median),
+                    samples.start).idle_fractions
 
 
-def sampled_wait(schedule: Schedule, steps: Sequence[CostSamples], p2p: float, draws: int = 10,
+def sampled_wait(schedule: Schedule, steps: Sequence[CostSamples], p2p: Hops, draws: int = 10,
                  seed: int = 0) -> list[float]:
     """Per-rank wait fractions over `draws` simulated steps per measured step, every action's cost
     drawn at random from its stage's samples of that step: total wait / total makespan."""
     rng = random.Random(seed)
-    runs = [simulate(schedule, Costs(0.0, 0.0, p2p=p2p), step.durations(schedule, rng.choice))
+    runs = [simulate(schedule, Costs(0.0, 0.0, p2p=p2p), step.durations(schedule, rng.choice), step.start)
             for step in steps for _ in range(draws)]
     return _wait_fractions(runs)
 
 
-def replayed_wait(schedule: Schedule, steps: list[list[Durations]], p2p: float) -> list[float]:
+def replayed_wait(schedule: Schedule, steps: list[list[Durations]], p2p: Hops,
+                  starts: Sequence[list[float] | None] | None = None) -> list[float]:
     """Per-rank wait fractions of the simulator replaying each measured step with every action's own
-    occupied time (steps[i][rank]): checks the simulator's model of the schedule, not the costs."""
+    occupied time (steps[i][rank]; starts[i]: see CostSamples.start): checks the simulator's model of
+    the schedule, not the costs."""
     runs = [simulate(schedule, Costs(0.0, 0.0, p2p=p2p),
-                     {(r, act): seconds for r, durations in enumerate(step) for act, seconds in durations})
-            for step in steps]
+                     {(r, act): seconds for r, durations in enumerate(step) for act, seconds in durations},
+                     start)
+            for step, start in zip(steps, starts or [None] * len(steps))]
     return _wait_fractions(runs)
 
 
-def measured_wait(step_s: list[float], durations: list[Durations]) -> float:
-    """A rank's measured wait fraction over steps: 1 - total occupied time / total step time."""
-    return 1 - sum(s for d in durations for _, s in d) / sum(step_s)
+def measured_wait(window_s: list[float], durations: list[Durations]) -> float:
+    """A rank's measured wait fraction over steps: 1 - total occupied time / total time of the
+    steps' windows (whole steps, or from the first action of any rank to the last action's end)."""
+    return 1 - sum(s for d in durations for _, s in d) / sum(window_s)
+
+
+def action_window(bounds: Sequence[tuple[float, float]]) -> tuple[float, list[float]]:
+    """Of one step (bounds[rank]: perf_counter times its first action started and its last ended):
+    seconds from the first action of any rank to the last action end of any rank, and when each
+    rank's first action started within that window."""
+    first = min(b[0] for b in bounds)
+    return max(b[1] for b in bounds) - first, [b[0] - first for b in bounds]
+
+
+def hop_latencies(steps: Sequence[Sequence[TransferLog]], blocked: float = 50e-6) -> dict[tuple[int, int], list[float]]:
+    """Seconds a message took to land once it was both sent and asked for (from the later of its
+    send's issue and its receiver's wait), per (source rank, destination rank), over the messages a
+    receiver was blocked on for more than `blocked` (for the others, arrival is unknown).
+    steps[i][rank]: that rank's log of step i."""
+    out: dict[tuple[int, int], list[float]] = {}
+    for logs in steps:
+        for dst, log in enumerate(logs):
+            for (src, stream), received in log.received.items():
+                sent = logs[src].sent[(dst, stream)]
+                out.setdefault((src, dst), []).extend(
+                    done - max(sent[i], asked) for i, (asked, done) in enumerate(received) if done - asked > blocked)
+    return out
 
 
 def _wait_fractions(runs: list[SimResult]) -> list[float]:

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from pipeline import schedules
 from pipeline.overlap import complete, start
-from pipeline.p2p import Channel
+from pipeline.p2p import Channel, TransferLog
 from pipeline.schedules import Action, Op, Schedule
 from pipeline.wgrad import WeightGradStore, install_split_linear
 
@@ -45,9 +45,15 @@ class PipelineRuntime(nn.Module):
         if split_bw:
             install_split_linear(list(modules))
         self.timeline: list[tuple[Action, float, float, float]] | None = None  # [] to record (act, start, end, busy)
+        # and the messages' times (transfers)
         self.current_action: Action | None = None
         self._schedules: dict[tuple[int, bool, bool], Schedule] = {}
         self._channel = Channel(self.group, self._device())  # created with the runtime (NCCL makes groups)
+
+    @property
+    def transfers(self) -> TransferLog | None:
+        """Times of the last step's messages, recorded along with the timeline."""
+        return self._channel.log
 
     def _check_ranks(self) -> None:
         """Raise ValueError if the rank count does not suit the schedule."""
@@ -80,6 +86,7 @@ class PipelineRuntime(nn.Module):
         self._criterion = criterion
         self._layout = layout
         self._channel.device = self._device()
+        self._channel.log = TransferLog() if self.timeline is not None else None
         self._local: dict[tuple[Op, int, int], list[tuple[Tensor, bool]]] = {}  # hand-overs on this rank
         self._posted: dict[tuple[Op, int, int], Any] = {}  # receives in flight
         self._outbox: dict[tuple[Op, int, int], list[Tensor]] = {}  # waiting for their SEND action

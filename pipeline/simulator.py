@@ -6,7 +6,7 @@ Run `python -m pipeline.simulator --schedule dualpipev --pp 8 --chunks 16 --f 1 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pipeline.schedules import SCHEDULES, Action, Op, Schedule, build
@@ -20,7 +20,11 @@ class Costs:
     b: float
     w: float = 0.0
     fb: float | None = None  # an overlapped F&B pair; default f + b (no gain from overlap)
-    p2p: float = 0.0
+    p2p: float | Mapping[tuple[int, int], float] = 0.0  # one hop, or per (source rank, destination rank)
+
+    def hop(self, src: int, dst: int) -> float:
+        """p2p time of a message from rank src to rank dst."""
+        return self.p2p if isinstance(self.p2p, (int, float)) else self.p2p[(src, dst)]
 
     def of(self, action: Action) -> float:
         """Duration of a compute action (a split B costs b - w; its W costs w)."""
@@ -86,14 +90,15 @@ def _deps(schedule: Schedule, rank: int, half: Action) -> list[tuple[str, int, i
     return []
 
 
-def simulate(schedule: Schedule, costs: Costs,
-             durations: Mapping[tuple[int, Action], float] | None = None) -> SimResult:
+def simulate(schedule: Schedule, costs: Costs, durations: Mapping[tuple[int, Action], float] | None = None,
+             start: Sequence[float] | None = None) -> SimResult:
     """Run every rank's compute actions in order as soon as their inputs are ready; durations
-    (rank, action) -> time overrides the per-kind costs (e.g. with one measured step)."""
+    (rank, action) -> time overrides the per-kind costs (e.g. with one measured step); start: the
+    time each rank begins (default 0; the time before it counts as its idle time)."""
     n = schedule.layout.num_ranks
     queues = [schedule.compute_actions(r) for r in range(n)]
     pos = [0] * n
-    clock = [0.0] * n
+    clock = list(start) if start is not None else [0.0] * n
     done: dict[tuple[str, int, int, int], tuple[float, int]] = {}  # key -> (finish time, rank)
     timelines: list[list[Span]] = [[] for _ in range(n)]
     remaining = sum(map(len, queues))
@@ -108,7 +113,7 @@ def simulate(schedule: Schedule, costs: Costs,
                     break
                 for k in deps:
                     finish, src = done[k]
-                    ready = max(ready, finish + (costs.p2p if src != r else 0.0))
+                    ready = max(ready, finish + (costs.hop(src, r) if src != r else 0.0))
                 end = ready + (durations[(r, act)] if durations else costs.of(act))
                 for h in act.halves():
                     done[(h.op.value, r, h.phase, h.chunk)] = (end, r)

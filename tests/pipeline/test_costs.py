@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.costs import (CostSamples, cost_key, measured_wait, median_wait, occupied_durations, replayed_wait,
-                            sampled_wait)
+from pipeline.costs import (CostSamples, action_window, cost_key, hop_latencies, measured_wait, median_wait,
+                            occupied_durations, replayed_wait, sampled_wait)
+from pipeline.p2p import TransferLog
 from pipeline.schedules import Action, Op, build
 from pipeline.simulator import Costs, simulate
 
@@ -73,3 +74,29 @@ def test_a_slow_step_is_not_spread_over_the_others() -> None:
     expected = simulate(schedule, base).idle_fractions
     assert sampled_wait(schedule, steps, 0.0) == pytest.approx(expected)
     assert all(s > e + 0.02 for s, e in zip(sampled_wait(schedule, [CostSamples.pooled(steps)], 0.0), expected))
+
+
+def test_window_runs_from_the_first_action_of_any_rank_to_the_last_end() -> None:
+    assert action_window([(10.0, 20.0), (10.5, 21.0)]) == (11.0, [0.0, 0.5])
+
+
+def test_hop_latency_counts_blocked_receives_from_the_later_of_send_and_wait() -> None:
+    sender, receiver = TransferLog(), TransferLog()
+    sender.sent[(1, 2)] += [1.0, 2.0, 3.0]
+    receiver.received[(0, 2)] += [(0.5, 1.25),  # waiting before the send: lands 0.25 after it
+                                  (2.5, 2.75),  # asked after the send: lands 0.25 after the ask
+                                  (4.0, 4.00001)]  # not blocked: arrival unknown, left out
+    assert hop_latencies([[sender, receiver]]) == {(0, 1): [0.25, 0.25]}
+
+
+def test_start_offsets_and_per_direction_hops_shift_the_simulated_step() -> None:
+    schedule = build("dualpipev", 2, 4)
+    base = simulate(schedule, Costs(1.0, 2.0, 1.0, p2p=0.1))
+    hops = simulate(schedule, Costs(1.0, 2.0, 1.0, p2p={(0, 1): 0.1, (1, 0): 0.1}))
+    assert hops.makespan == base.makespan and hops.busy == base.busy
+    late = simulate(schedule, Costs(1.0, 2.0, 1.0, p2p=0.1), start=[0.5, 0.0])  # rank 0 starts late
+    assert late.timelines[0][0].start == 0.5 and late.makespan == pytest.approx(base.makespan + 0.5)
+    slow_back = simulate(schedule, Costs(1.0, 2.0, 1.0, p2p={(0, 1): 0.1, (1, 0): 0.6}))
+    assert slow_back.makespan > base.makespan
+    step = CostSamples.of_step(_step(schedule, Costs(1.0, 2.0, 1.0)), start=[0.5, 0.0])
+    assert median_wait(schedule, step, 0.1) == pytest.approx(late.idle_fractions)
