@@ -106,5 +106,5 @@ class EPDispatcher:
             raise ValueError(f"y must be [{handle.perm.row.numel()}, hidden] (one row per dispatched row), "
                              f"got shape {list(y.shape)}")
         self.meter.start("combine")
-        partial = unpermute(y, handle.perm, handle.recv_weights)
+        partial = unpermute(y, handle.perm, handle.recv_weights, y.dtype)  # one partial sum per row, as sent
         return CombineRows.apply(partial, handle.route.hops, self.channel, y.dtype)

@@ -7,32 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-
-@dataclass
-class SegmentPlan:
-    """A fixed-order sum of P values into n targets: pass j adds every target's j-th value."""
-
-    passes: list[tuple[Tensor, Tensor]]  # (value positions, their targets); targets unique per pass
-    num_targets: int
-
-
-def segment_plan(target: Tensor, num_targets: int) -> SegmentPlan:
-    """Plan summing values[i] into target[i], each target's values taken in ascending i."""
-    order = torch.argsort(target, stable=True)
-    counts = torch.bincount(target, minlength=num_targets)
-    sorted_target = target[order]
-    ordinal = torch.arange(target.numel(), device=target.device) - (torch.cumsum(counts, 0) - counts)[sorted_target]
-    depth = max(int(counts.max()) if target.numel() else 0, 1)  # one (maybe empty) pass keeps autograd linked
-    passes = [(order[ordinal == j], sorted_target[ordinal == j]) for j in range(depth)]
-    return SegmentPlan(passes, num_targets)
-
-
-def ordered_sum(values: Tensor, plan: SegmentPlan) -> Tensor:
-    """[num_targets, ...] sums of values in the plan's fixed order (no colliding atomics on any device)."""
-    out = values.new_zeros(plan.num_targets, *values.shape[1:])
-    for positions, targets in plan.passes:
-        out = out.index_add(0, targets, values[positions])
-    return out
+from dispatch.segment import SegmentPlan, ordered_sum, segment_plan
 
 
 @dataclass
@@ -51,17 +26,62 @@ def make_permutation(groups: Tensor, num_groups: int) -> Permutation:
     kept = torch.nonzero(flat >= 0).squeeze(1)
     order = kept[torch.argsort(flat[kept], stable=True)]
     row = order // groups.shape[1]
-    return Permutation(row, order % groups.shape[1], torch.bincount(flat[kept], minlength=num_groups),
-                       segment_plan(row, groups.shape[0]))
+    counts = torch.bincount(flat[kept], minlength=num_groups)
+    return Permutation(row, order % groups.shape[1], counts, segment_plan(row, groups.shape[0], counts.tolist()))
+
+
+class _Permute(torch.autograd.Function):
+    """x [M, H] -> x[perm.row]; backward sums each row's copies in the inverse plan's order."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, perm: Permutation) -> Tensor:  # noqa: D102
+        ctx.perm = perm
+        return x.index_select(0, perm.row)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # noqa: D102
+        return ordered_sum(grad, ctx.perm.inverse, dtype=grad.dtype), None  # in grad's dtype, as x[row]'s backward did
+
+
+class _Unpermute(torch.autograd.Function):
+    """y [P, H], weights [M, k] -> [M, H] weighted sums of each row's pairs, taken in at least fp32."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, weights: Tensor, perm: Permutation, dtype: torch.dtype | None) -> Tensor:  # noqa: D102
+        acc = torch.promote_types(y.dtype, torch.float32)
+        pair_weight = weights[perm.row, perm.slot].to(acc)
+        ctx.save_for_backward(y, pair_weight)
+        ctx.perm, ctx.weights_like = perm, (weights.shape, weights.dtype)
+        return ordered_sum(y, perm.inverse, pair_weight, acc, dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # noqa: D102
+        y, pair_weight = ctx.saved_tensors
+        perm, (shape, dtype) = ctx.perm, ctx.weights_like
+        grad_y = torch.empty_like(y) if ctx.needs_input_grad[0] else None
+        grad_pair = pair_weight.new_empty(y.shape[0]) if ctx.needs_input_grad[1] else None
+        for start, end in perm.inverse.runs():  # one run at a time: no [P, H] temporaries
+            g = grad.index_select(0, perm.row[start:end]).to(pair_weight.dtype)
+            if grad_y is not None:
+                grad_y[start:end] = g * pair_weight[start:end].unsqueeze(1)
+            if grad_pair is not None:
+                grad_pair[start:end] = (g * y[start:end]).sum(1)
+        grad_weights = None
+        if grad_pair is not None:
+            grad_weights = pair_weight.new_zeros(shape)
+            grad_weights[perm.row, perm.slot] = grad_pair
+            grad_weights = grad_weights.to(dtype)
+        return grad_y, grad_weights, None, None
 
 
 def permute(x: Tensor, perm: Permutation) -> Tensor:
     """One row of x per (row, slot) pair, contiguous per group."""
-    return x[perm.row]
+    return _Permute.apply(x, perm)
 
 
-def unpermute(y: Tensor, perm: Permutation, weights: Tensor) -> Tensor:
-    """[M, H]: out[m] = sum over m's pairs of weights[m, slot] * y[pair], summed in at least fp32."""
-    acc = torch.promote_types(y.dtype, torch.float32)
-    pair_weight = weights[perm.row, perm.slot].to(acc)
-    return ordered_sum(y.to(acc) * pair_weight.unsqueeze(1), perm.inverse)
+def unpermute(y: Tensor, perm: Permutation, weights: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """[M, H]: out[m] = sum over m's pairs of weights[m, slot] * y[pair], summed in at least fp32.
+
+    The sums are rounded once to dtype (default: the fp32-or-wider accumulation dtype).
+    """
+    return _Unpermute.apply(y, weights, perm, dtype)

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from dispatch.layout import expert_owner, lookup, membership
-from dispatch.permute import SegmentPlan, segment_plan
+from dispatch.segment import SegmentPlan, segment_plan
 from dispatch.topology import Topology
 
 BACKENDS = ("flat", "hierarchical")
@@ -61,4 +61,4 @@ def plan_sends(ids: Tensor, stage: Stage, world_size: int) -> tuple[Tensor, list
 
 def make_hop(send_row: Tensor, send_splits: list[int], recv_splits: list[int], num_rows: int) -> Hop:
     """A hop record with the reverse summation plan combine needs."""
-    return Hop(send_row, send_splits, recv_splits, segment_plan(send_row, num_rows))
+    return Hop(send_row, send_splits, recv_splits, segment_plan(send_row, num_rows, send_splits))

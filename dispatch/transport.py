@@ -9,8 +9,8 @@ import torch
 from torch import Tensor
 
 from dispatch.channel import Channel
-from dispatch.permute import ordered_sum
 from dispatch.routes import Hop, Stage, make_hop, plan_sends
+from dispatch.segment import ordered_sum
 
 
 @dataclass
@@ -43,16 +43,19 @@ def unpack_meta(meta: Tensor) -> tuple[Tensor, Tensor]:
 def scatter_rows(rows: Tensor, hops: list[Hop], channel: Channel, kind: str, part: str = "payload") -> Tensor:
     """Move rows along the hops a dispatch took."""
     for hop in hops:
-        rows = channel.exchange(rows[hop.send_row], hop.send_splits, hop.recv_splits, kind, part)
+        rows = channel.exchange(rows.index_select(0, hop.send_row), hop.send_splits, hop.recv_splits, kind, part)
     return rows
 
 
 def gather_rows(rows: Tensor, hops: list[Hop], channel: Channel, kind: str, wire_dtype: torch.dtype) -> Tensor:
-    """Adjoint of scatter_rows: send rows back hop by hop (as wire_dtype), summing copies in fp32 or wider."""
+    """Adjoint of scatter_rows: send rows back hop by hop as wire_dtype, summing copies in fp32 or wider.
+
+    Each hop's sums are rounded once to wire_dtype, the dtype they travel (or are returned) in.
+    """
     acc = torch.promote_types(rows.dtype, torch.float32)
     for hop in reversed(hops):
         back = channel.exchange(rows.to(wire_dtype), hop.recv_splits, hop.send_splits, kind)
-        rows = ordered_sum(back.to(acc), hop.back)
+        rows = ordered_sum(back, hop.back, dtype=acc, out_dtype=wire_dtype)
     return rows
 
 
@@ -70,8 +73,8 @@ class DispatchRows(torch.autograd.Function):
             send_row, send_splits = plan_sends(ids, stage, world)
             recv_splits = channel.exchange_counts(send_splits, stage.peers, "dispatch", x.device)
             hop = make_hop(send_row, send_splits, recv_splits, ids.shape[0])
-            wire = channel.exchange(wire[send_row], send_splits, recv_splits, "dispatch")
-            meta = channel.exchange(meta[send_row], send_splits, recv_splits, "dispatch", "meta")
+            wire = channel.exchange(wire.index_select(0, send_row), send_splits, recv_splits, "dispatch")
+            meta = channel.exchange(meta.index_select(0, send_row), send_splits, recv_splits, "dispatch", "meta")
             route.hops.append(hop)
         recv_weights, route.ids = unpack_meta(meta)
         ctx.hops, ctx.channel = route.hops, channel
@@ -94,7 +97,7 @@ class CombineRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, partial: Tensor, hops: list[Hop], channel: Channel, wire_dtype: torch.dtype) -> Tensor:  # noqa: D102
         ctx.hops, ctx.channel, ctx.dtype = hops, channel, partial.dtype
-        return gather_rows(partial, hops, channel, "combine", wire_dtype).to(wire_dtype)
+        return gather_rows(partial, hops, channel, "combine", wire_dtype)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):  # noqa: D102

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 
+from dispatch import BACKENDS, PAYLOADS, EPDispatcher
 from dispatch.routing import synthetic_routing
 
 WORLD, GPUS_PER_NODE, EXPERTS, TOP_K, HIDDEN = 4, 2, 8, 3, 160
 CASES = ("uniform_dropped", "one_expert", "node_limited")
+
+
+def dispatchers(num_experts: int) -> Iterator[tuple[str, str, EPDispatcher]]:
+    """(backend, payload, dispatcher) for every backend and payload over the world of simulated nodes."""
+    for backend in BACKENDS:
+        for payload in PAYLOADS:
+            yield backend, payload, EPDispatcher(num_experts, gpus_per_node=GPUS_PER_NODE, backend=backend,
+                                                 payload=payload)
 
 
 def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:

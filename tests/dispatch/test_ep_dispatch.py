@@ -9,8 +9,8 @@ from dispatch import BACKENDS, PAYLOADS, EPDispatcher, make_topology
 from dispatch.fp8 import dequantize_fp8, quantize_fp8
 from dispatch.multiproc import run_processes
 from dispatch.predict import predict_traffic
-from tests.dispatch.cases import (CASES, EXPERTS, GPUS_PER_NODE, HIDDEN, WORLD, calc_diff, dyadic_tokens,
-                                  expected_combine, routing_case)
+from tests.dispatch.cases import (CASES, EXPERTS, GPUS_PER_NODE, HIDDEN, WORLD, calc_diff, dispatchers,
+                                  dyadic_tokens, expected_combine, routing_case)
 
 EXPERT_SCALE = torch.arange(1, EXPERTS + 1, dtype=torch.float64)  # expert e multiplies its rows by e+1
 
@@ -44,13 +44,8 @@ def _run_case(dispatcher: EPDispatcher, rank: int, case: str, payload: str) -> d
 
 
 def _all_cases(rank: int, world_size: int) -> dict:
-    results = {}
-    for backend in BACKENDS:
-        for payload in PAYLOADS:
-            dispatcher = EPDispatcher(EXPERTS, gpus_per_node=GPUS_PER_NODE, backend=backend, payload=payload)
-            for case in CASES:
-                results[backend, payload, case] = _run_case(dispatcher, rank, case, payload)
-    return results
+    return {(backend, payload, case): _run_case(dispatcher, rank, case, payload)
+            for backend, payload, dispatcher in dispatchers(EXPERTS) for case in CASES}
 
 
 @pytest.fixture(scope="module")
