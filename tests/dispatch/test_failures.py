@@ -47,8 +47,12 @@ def _bad_input_then_a_failed_rank(rank: int, world_size: int) -> dict:
 
 def _rank_killed_mid_dispatch(rank: int, world_size: int, log_dir: str) -> None:
     dispatcher = EPDispatcher(8, gpus_per_node=2)
-    if rank == 2:
+    if rank == 2:  # dies once the others are about to wait on it, so a loaded machine cannot reorder this
+        while len([p for p in os.listdir(log_dir) if p.startswith("ready")]) < world_size - 1:
+            time.sleep(0.01)
+        time.sleep(0.2)
         os._exit(3)
+    open(os.path.join(log_dir, f"ready{rank}"), "w").close()
     start = time.monotonic()
     try:
         dispatcher.dispatch(torch.ones(4, 4), torch.tensor([[0, 7]] * 4), torch.ones(4, 2))
@@ -77,6 +81,6 @@ def test_a_killed_rank_ends_the_run_promptly_and_survivors_raise_by_themselves(t
         run_processes(_rank_killed_mid_dispatch, 4, str(tmp_path), timeout_s=120)
     assert time.monotonic() - start < 60
     time.sleep(1.0)  # survivors killed by the runner may still have been writing
-    logs = {p.name: float(p.read_text() or "nan") for p in tmp_path.iterdir()}
+    logs = {p.name: float(p.read_text() or "nan") for p in tmp_path.iterdir() if not p.name.startswith("ready")}
     assert logs and set(logs) <= {"rank0", "rank1", "rank3"}
     assert all(seconds < 30 for seconds in logs.values()), logs
