@@ -38,10 +38,7 @@ class LinkModel:
 
 def summed(per_rank: list[Traffic]) -> Traffic:
     """Traffic of all ranks together."""
-    total = Traffic()
-    for traffic in per_rank:
-        total = total + traffic
-    return total
+    return sum(per_rank, Traffic())
 
 
 def byte_fields(per_rank: list[Traffic], tokens: int, prefix: str = "") -> dict[str, float]:

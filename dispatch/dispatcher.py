@@ -40,7 +40,8 @@ class EPHandle:
     num_tokens: int
 
 
-def _check_choice(name: str, value: object, allowed: tuple) -> None:
+def check_choice(name: str, value: object, allowed: tuple) -> None:
+    """Raise a ValueError naming the field and the allowed values unless value is one of them."""
     if value not in allowed:
         raise ValueError(f"{name} = {value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}")
 
@@ -56,8 +57,8 @@ class EPDispatcher:
 
     def __init__(self, num_experts: int, group: dist.ProcessGroup | None = None, gpus_per_node: int | None = None,
                  backend: str = "flat", payload: str = "bf16") -> None:
-        _check_choice("backend", backend, BACKENDS)
-        _check_choice("payload", payload, PAYLOADS)
+        check_choice("backend", backend, BACKENDS)
+        check_choice("payload", payload, PAYLOADS)
         if not dist.is_initialized():
             raise RuntimeError("EPDispatcher needs torch.distributed to be initialised (gloo or nccl)")
         self.group = group if group is not None else dist.group.WORLD

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dispatch.channel import Channel
-from dispatch.dispatcher import PAYLOADS
+from dispatch.dispatcher import PAYLOADS, check_choice
 from dispatch.fp8 import decode_fp8, encode_fp8
 from dispatch.layout import check_num_experts, check_routing
 from dispatch.predict import payload_row_bytes
@@ -71,10 +71,9 @@ class OneHotDispatcher:
 
     def __init__(self, num_experts: int, group: dist.ProcessGroup | None = None, gpus_per_node: int | None = None,
                  capacity_factor: float = 1.0, payload: str = "bf16") -> None:
-        if payload not in PAYLOADS:
-            raise ValueError(f"payload = {payload!r} is not allowed; choose one of {', '.join(map(repr, PAYLOADS))}")
-        if not capacity_factor > 0:
-            raise ValueError(f"capacity_factor = {capacity_factor!r} must be > 0")
+        check_choice("payload", payload, PAYLOADS)
+        if isinstance(capacity_factor, bool) or not 0 < capacity_factor < math.inf:
+            raise ValueError(f"capacity_factor = {capacity_factor!r} must be a finite number > 0")
         self.group = group if group is not None else dist.group.WORLD
         self.world_size = dist.get_world_size(self.group)
         self.num_experts, self.capacity_factor, self.payload = num_experts, capacity_factor, payload

@@ -50,7 +50,7 @@ class _Unpermute(torch.autograd.Function):
     def forward(ctx, y: Tensor, weights: Tensor, perm: Permutation, dtype: torch.dtype | None) -> Tensor:  # noqa: D102
         acc = torch.promote_types(y.dtype, torch.float32)
         pair_weight = weights[perm.row, perm.slot].to(acc)
-        ctx.save_for_backward(y, pair_weight)
+        ctx.save_for_backward(y if ctx.needs_input_grad[1] else None, pair_weight)  # y only feeds weights' grad
         ctx.perm, ctx.weights_like = perm, (weights.shape, weights.dtype)
         return ordered_sum(y, perm.inverse, pair_weight, acc, dtype)
 

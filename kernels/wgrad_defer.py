@@ -107,6 +107,8 @@ def weight_grad_or_defer(ctx: torch.autograd.function.FunctionCtx, index: int, g
                          holds: tuple[Tensor, ...] = ()) -> Tensor | None:
     """For a custom Function's backward: inside a capture, queue the accumulation of grad() into
     input `index` for the W action and return None; otherwise return grad() now."""
+    if _active is None:
+        return grad()
     target = grad_target(ctx, index)
     if defer_weight_grad(target, lambda: accumulate_grad(target, grad, lambda acc: acc.add_(grad())), holds):
         return None
