@@ -70,7 +70,8 @@ class ShardedParams:
         self.grad_views = self.layout.views(self.grad_flat)
         self.binds_grads = dtype == torch.float32
         self.zero_grad(set_to_none=False)
-        self._scratch = torch.empty(max(world - 2, 0), self.layout.shard_numel,
+        scratch_rows = max(world - 2, 0) if collectives == "p2p" else 0  # only p2p receives into it
+        self._scratch = torch.empty(scratch_rows, self.layout.shard_numel, dtype=torch.float32,
                                     device=self.grad.device)
         self._armed, self._next, self._waiting = False, -1, []
         self._works: dict[int, list[dist.Work]] = {}

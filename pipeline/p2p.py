@@ -57,14 +57,14 @@ def _parse(header: Tensor) -> list[TensorMeta]:
 
 
 def _nbytes(tensors: list[Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.nbytes for t in tensors)
 
 
 def _fill(buf: Tensor, tensors: list[Tensor]) -> None:
     """Copy every tensor's bytes into the uint8 buffer buf, back to back, in one copy each."""
     offset = 0
     for t in tensors:
-        size = t.numel() * t.element_size()
+        size = t.nbytes
         if offset % t.element_size():  # a view as t.dtype needs an aligned start: copy bytes
             buf[offset:offset + size].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
         else:
@@ -134,8 +134,6 @@ class Channel:
         first[:HEADER_BYTES].view(torch.int64).copy_(_header(tensors))
         payload = first[HEADER_BYTES:] if same else torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         _fill(payload, tensors)
-        if not same:
-            first[HEADER_BYTES:].zero_()
         if self.log is not None:
             self.log.sent[key].append(time.perf_counter())
         self._isend(first, peer, stream)

@@ -44,8 +44,8 @@ class PipelineRuntime(nn.Module):
         self.store = WeightGradStore()
         if split_bw:
             install_split_linear(list(modules))
-        self.timeline: list[tuple[Action, float, float, float]] | None = None  # [] to record (act, start, end, busy)
-        # and the messages' times (transfers)
+        # [] to record (act, start, end, busy) per action, and the messages' times (transfers)
+        self.timeline: list[tuple[Action, float, float, float]] | None = None
         self.current_action: Action | None = None
         self._schedules: dict[tuple[int, bool, bool], Schedule] = {}
         self._channel = Channel(self.group, self._device())  # created with the runtime (NCCL makes groups)
