@@ -3,7 +3,9 @@
 A `WeightGradStore` opens a capture (`store.capture(key)`) around a backward; an op that supports
 deferral (its backward calls `defer_weight_grad`, or `weight_grad_or_defer` for a custom Function)
 then computes only its input grad and queues the weight-grad computation under `key`, and
-`store.run(key)` (the W action) executes the queue later. The open capture lives in one
+`store.run(key)` (the W action) executes the queue later; `store.run(k1, k2, ...)` executes several
+chunks' queues at once, and work queued with a merge key (e.g. one Linear's weight grad) then
+runs once over all those chunks' inputs: one larger GEMM instead of one per chunk. The open capture lives in one
 process-wide slot, not a thread- or context-local one, so a backward run by the autograd engine's
 own device threads (CUDA) sees it too; captures therefore do not nest. Pure autograd: no
 torch.distributed here.
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Callable, Hashable, Iterator
+from typing import Any, Callable, Hashable, Iterator
 
 import torch
 from torch import Tensor
@@ -23,13 +25,14 @@ _LOCK = threading.Lock()
 _active: WeightGradStore | None = None  # the store whose capture is open, seen from every thread
 
 GradTarget = Tensor | GradientEdge
+Merge = tuple[Hashable, Callable[[list[Any]], None], Any]  # (key, run over every queued args, these args)
 
 
 class WeightGradStore:
     """Queued weight-grad closures per key (one key per split backward), run by W actions."""
 
     def __init__(self) -> None:
-        self._queues: dict[Hashable, list[tuple[Callable[[], None], int]]] = {}
+        self._queues: dict[Hashable, list[tuple[Callable[[], None], int, Merge | None]]] = {}
         self._key: Hashable | None = None
         self.held_bytes = 0  # bytes of tensors the queued closures keep alive
 
@@ -49,19 +52,29 @@ class WeightGradStore:
             with _LOCK:
                 _active, self._key = None, None
 
-    def push(self, fn: Callable[[], None], nbytes: int = 0) -> None:
-        """Queue fn (keeping nbytes of tensors alive until it runs) under the key being captured."""
+    def push(self, fn: Callable[[], None], nbytes: int = 0, merge: Merge | None = None) -> None:
+        """Queue fn (keeping nbytes of tensors alive until it runs) under the key being captured;
+        with merge = (key, run_all, args), queued work of the same merge key runs as one
+        run_all([args, ...]) instead of fn each."""
         with _LOCK:
-            self._queues[self._key].append((fn, nbytes))
+            self._queues[self._key].append((fn, nbytes, merge))
             self.held_bytes += nbytes
 
-    def run(self, key: Hashable) -> int:
-        """Execute and drop the closures queued under key; return how many ran."""
-        fns = self._queues.pop(key, [])
-        for fn, nbytes in fns:
-            fn()
-            self.held_bytes -= nbytes
-        return len(fns)
+    def run(self, *keys: Hashable) -> int:
+        """Execute and drop the work queued under keys (one W action for those chunks), merged by
+        merge key (in order of first appearance; unmergeable work first, in order); return how
+        many closures were queued."""
+        items = [item for key in keys for item in self._queues.pop(key, [])]
+        merged: dict[Hashable, tuple[Callable[[list[Any]], None], list[Any]]] = {}
+        for fn, _, merge in items:
+            if merge is None:
+                fn()
+            else:
+                merged.setdefault(merge[0], (merge[1], []))[1].append(merge[2])
+        for run_all, args in merged.values():
+            run_all(args)
+        self.held_bytes -= sum(nbytes for _, nbytes, _ in items)
+        return len(items)
 
     def pending(self) -> int:
         """Closures queued and not yet run."""
@@ -83,14 +96,16 @@ def accumulate_grad(param: GradTarget, grad: Callable[[], Tensor], fused: Callab
             fused(param.grad)
 
 
-def defer_weight_grad(weight: GradTarget, compute: Callable[[], None], holds: tuple[Tensor, ...] = ()) -> bool:
+def defer_weight_grad(weight: GradTarget, compute: Callable[[], None], holds: tuple[Tensor, ...] = (),
+                      merge: Merge | None = None) -> bool:
     """Call from a backward: inside a capture, queue `compute()` (which accumulates weight's grad,
     e.g. with accumulate_grad) for the W action and return True (the backward then returns None
-    for weight); elsewhere return False. holds: tensors compute keeps alive (memory accounting)."""
+    for weight); elsewhere return False. holds: tensors compute keeps alive (memory accounting);
+    merge: see WeightGradStore.push."""
     store = _active
     if store is None or (isinstance(weight, Tensor) and not weight.requires_grad):
         return False
-    store.push(compute, sum(t.nbytes for t in holds))
+    store.push(compute, sum(t.nbytes for t in holds), merge)
     return True
 
 

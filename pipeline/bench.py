@@ -5,7 +5,9 @@ one thread each), round-robin step by step so load changes on a shared machine h
 Per schedule it reports the median step time, each rank's measured idle fraction ((step time -
 time inside compute actions) / step time) and peak memory, measured in one extra untimed step as
 the peak bytes of distinct storages saved for backward (saved-tensor hooks) plus, for our runtime,
-the bytes that queued weight-grad closures keep alive until their W action. For our schedules it
+the bytes that queued weight-grad closures keep alive until their W action. Ours merge the weight
+grads of up to --merge-w chunks per W action (default all of a stage's; `ours DualPipeV, W per
+chunk` keeps DeepSeek's one W per chunk, the runtime's default). For our schedules it
 also sets the measured wait fraction next to the simulator's prediction (WAIT_CAPTION says how
 both are taken; see pipeline.costs), their relative difference, the prediction from each stage's
 median costs, and the simulator replaying each step with every action's own time ("replay").
@@ -25,7 +27,7 @@ import torch.distributed as dist
 from dispatch.multiproc import run_processes
 from pipeline import schedules
 from pipeline.bench_models import build_layers
-from pipeline.bench_runners import OURS, TORCH, Runner, our_runner, single_process, torch_runner
+from pipeline.bench_runners import OURS, PER_CHUNK_W, TORCH, Runner, our_runner, single_process, torch_runner
 from pipeline.costs import (CostSamples, action_window, hop_latencies, measured_wait, median_wait, occupied_durations,
                             replayed_wait, sampled_wait)
 from pipeline.memory import SavedTensorMeter
@@ -119,7 +121,8 @@ def _bench_worker(rank: int, world: int, opts: dict) -> list[dict]:
         row = {"schedule": name, "rank": rank, "step_s": st["step_s"], "idle": statistics.median(st["idle"]),
                "peak": st["peak"], "p2p_s": latency}
         if runners[name].pipe is not None:
-            row.update({k: st[k] for k in ("durations", "bounds", "transfers")})
+            row.update({k: st[k] for k in ("durations", "bounds", "transfers")},
+                       pipe_schedule=runners[name].pipe.schedule(opts["chunks"]))
         rows.append(row)
     return rows
 
@@ -146,9 +149,6 @@ def wait_model(schedule: schedules.Schedule, per_rank: list[dict], p2p: float) -
             "hop_ms": {f"{s}->{d}": round(1e3 * t, 3) for (s, d), t in hops.items()}}
 
 
-_SCHEDULE = {"ours DualPipeV": "dualpipev", "ours DualPipe": "dualpipe"}
-
-
 def summarise(results: list[list[dict]], opts: dict) -> list[dict]:
     """One row per schedule: median step ms, per-rank idle, peak memory; for ours the wait model (wait_model)."""
     rows = []
@@ -158,8 +158,7 @@ def summarise(results: list[list[dict]], opts: dict) -> list[dict]:
                "idle_fraction": [round(r["idle"], 4) for r in per_rank],
                "peak_mem_bytes": max(r["peak"] for r in per_rank)}
         if "durations" in per_rank[0]:
-            sched = schedules.build(_SCHEDULE[row["schedule"]], opts["world"], opts["chunks"], split_bw=opts["split_bw"])
-            model = wait_model(sched, list(per_rank), per_rank[0]["p2p_s"])
+            model = wait_model(per_rank[0]["pipe_schedule"], list(per_rank), per_rank[0]["p2p_s"])
             hop_ms = model.pop("hop_ms")
             row.update({k: [None if x is None else round(x, 4) for x in v] for k, v in model.items()}, hop_ms=hop_ms)
         rows.append(row)
@@ -174,11 +173,12 @@ def format_table(rows: list[dict]) -> str:
     def per_rank(row: dict, key: str, fmt: str = "{:.3f}") -> str:
         return " ".join("-" if x is None else fmt.format(x) for x in row.get(key, [])) or "-"
 
-    lines = [f"{'schedule':22} {'step ms':>8} {'x torch DPV':>11} {'idle/rank':>11} {'wait/rank':>11} "
+    width = max(22, *(len(r["schedule"]) for r in rows))
+    lines = [f"{'schedule':{width}} {'step ms':>8} {'x torch DPV':>11} {'idle/rank':>11} {'wait/rank':>11} "
              f"{'sim wait':>11} {'sim vs wait':>11} {'sim median':>11} {'replay':>11} {'peak MiB':>8}"]
     for r in rows:
         ratio = f"{r['vs_torch_dualpipev']:.2f}" if r.get("vs_torch_dualpipev") else "-"
-        lines.append(f"{r['schedule']:22} {r['step_ms']:8.1f} {ratio:>11} {per_rank(r, 'idle_fraction'):>11} "
+        lines.append(f"{r['schedule']:{width}} {r['step_ms']:8.1f} {ratio:>11} {per_rank(r, 'idle_fraction'):>11} "
                      f"{per_rank(r, 'wait_fraction'):>11} {per_rank(r, 'sim_wait_fraction'):>11} "
                      f"{per_rank(r, 'sim_rel_diff', '{:+.0%}'):>11} {per_rank(r, 'sim_median_wait_fraction'):>11} "
                      f"{per_rank(r, 'replay_wait_fraction'):>11} {r['peak_mem_bytes'] / 2**20:8.2f}")
@@ -226,6 +226,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-split", dest="split_bw", action="store_false", help="our runtime without B/W split")
     p.add_argument("--no-overlap", dest="overlap", action="store_false", help="our runtime without EP overlap")
+    p.add_argument("--merge-w", type=int, help="chunks per W action of ours (default: --chunks, one W per stage; "
+                   f"'{PER_CHUNK_W}' also runs with 1)")
     p.add_argument("--ep-overlap", action="store_true",
                    help="measure the EP overlap switch: --world ranks, each a 1-rank DualPipeV, all_to_all blocks")
     p.add_argument("--only", nargs="*", help="run only these schedules (names as printed)")
@@ -233,9 +235,15 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.batch % args.chunks:
         p.error(f"--batch {args.batch} must be divisible by --chunks {args.chunks}")
+    if args.merge_w is None:
+        args.merge_w = args.chunks if args.split_bw else 1
+    if args.merge_w < 1 or (args.merge_w > 1 and not args.split_bw):
+        p.error(f"--merge-w {args.merge_w} must be >= 1 (and 1 with --no-split)")
     names = ["1 process", *OURS, *TORCH]
     if args.world % 2:
         names.remove("ours DualPipe")
+    if args.merge_w == 1:
+        names.remove(PER_CHUNK_W)
     names = [n for n in names if not args.only or n in args.only]
     opts = {**vars(args), "schedules": names}
     worker = _ep_overlap_worker if args.ep_overlap else _bench_worker
@@ -245,7 +253,8 @@ def main(argv: list[str]) -> int:
     latency = "" if args.ep_overlap else f"; idle ping-pong p2p latency {1e3 * results[0][0]['p2p_s']:.2f} ms"
     print(f"pipeline benchmark: {model}, {args.layers} layers, hidden {args.hidden}, batch {args.batch}, "
           f"{args.chunks} micro-batches, {args.world} processes x {args.threads} thread, gloo, "
-          f"median of {args.steps} steps{latency}")
+          f"median of {args.steps} steps{latency}; ours: "
+          + ("no B/W split" if not args.split_bw else f"B/W split, each W action over up to {args.merge_w} chunks"))
     print(format_table(rows))
     if not args.ep_overlap:
         print(format_wait_summary(rows))

@@ -15,7 +15,8 @@ from pipeline.overlap import OverlapSequential
 from pipeline.runtime import DualPipe, DualPipeV, PipelineRuntime
 from pipeline.schedules import COMPUTE_OPS
 
-OURS = ("ours DualPipeV", "ours DualPipe")
+PER_CHUNK_W = "ours DualPipeV, W per chunk"  # merge_w=1 whatever the bench's --merge-w
+OURS = ("ours DualPipeV", PER_CHUNK_W, "ours DualPipe")
 TORCH = ("torch DualPipeV", "torch ZBVZeroBubble", "torch 1F1B", "torch Interleaved1F1B")
 
 
@@ -78,11 +79,12 @@ def torch_runner(name: str, rank: int, world: int, layers: list[nn.Module], chun
 def our_runner(name: str, rank: int, world: int, layers: list[nn.Module], chunks: int, opts: dict,
                group: Any = None) -> Runner:
     """Our DualPipeV or DualPipe over the same layers (group: the pipeline's ranks, default all)."""
-    v = name == "ours DualPipeV"
+    v = name.startswith("ours DualPipeV")
     num_stages = 2 * world if v else world
     mods = partition(layers, num_stages, OverlapSequential)
     pipe = (DualPipeV if v else DualPipe)((mods[rank], mods[num_stages - 1 - rank]), group,
-                                          split_bw=opts["split_bw"], overlap=opts["overlap"])
+                                          split_bw=opts["split_bw"], overlap=opts["overlap"],
+                                          merge_w=1 if name == PER_CHUNK_W else opts["merge_w"])
 
     def step(x: torch.Tensor, target: torch.Tensor) -> None:
         if v:

@@ -44,10 +44,13 @@ def occupied_durations(timeline: Timeline) -> Durations:
 
 
 def cost_key(action: Action) -> tuple[tuple[int, ...], str]:
-    """(phases, kind) an action's cost is pooled under: kind F, B (full), Bs (split), W or FB;
-    phases the stage(s) it runs on (an F&B pair: its forward's then its backward's)."""
+    """(phases, kind) an action's cost is pooled under: kind F, B (full), Bs (split), W, Wn (a W
+    merged over n chunks) or FB; phases the stage(s) it runs on (an F&B pair: its forward's then
+    its backward's)."""
     if action.op is Op.FB:
         return (action.phase, action.backward.phase), "FB"
+    if action.op is Op.W and action.merged:
+        return (action.phase,), f"W{len(action.chunks)}"
     return (action.phase,), "Bs" if action.op is Op.B and action.split else action.op.value
 
 

@@ -24,15 +24,24 @@ def _as_tuple(x: Any) -> tuple:
 
 
 class PipelineRuntime(nn.Module):
-    """Shared machinery: holds the rank's two stage modules and runs schedule actions on them."""
+    """Shared machinery: holds the rank's two stage modules and runs schedule actions on them.
+
+    split_bw: weight grads in W actions (False: inside each B); overlap: F&B pairs overlap a
+    chunk's EP communication with the other chunk's compute (modules with forward_steps);
+    merge_w: chunks whose weight grads one W action computes together (1: a W per chunk as in
+    DeepSeek's schedules; see schedules.merge_weight_grads).
+    """
 
     schedule_name = ""
 
     def __init__(self, modules: Sequence[nn.Module], process_group: dist.ProcessGroup | None = None, *,
-                 batch_dim: int = 0, split_bw: bool = True, overlap: bool = True) -> None:
+                 batch_dim: int = 0, split_bw: bool = True, overlap: bool = True, merge_w: int = 1) -> None:
         super().__init__()
         if len(modules) != 2 or not all(isinstance(m, nn.Module) for m in modules):
             raise ValueError(f"modules must be a pair (m0, m1) of nn.Module, got {len(modules)} item(s)")
+        if not isinstance(merge_w, int) or merge_w < 1 or (merge_w > 1 and not split_bw):
+            raise ValueError(f"merge_w = {merge_w!r}: chunks per W action must be an integer >= 1 "
+                             f"(and 1 when split_bw is False)")
         self.module = nn.ModuleList(modules)
         self.group = process_group if process_group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
@@ -41,6 +50,7 @@ class PipelineRuntime(nn.Module):
         self.batch_dim = batch_dim
         self.split_bw = split_bw
         self.overlap = overlap
+        self.merge_w = merge_w
         self.store = WeightGradStore()
         if split_bw:
             install_split_linear(list(modules))
@@ -63,6 +73,8 @@ class PipelineRuntime(nn.Module):
         key = (num_chunks, forward_only, self.split_bw)
         if key not in self._schedules:
             sched = schedules.build(self.schedule_name, self.num_ranks, num_chunks, split_bw=self.split_bw)
+            if self.merge_w > 1:
+                sched = schedules.merge_weight_grads(sched, self.merge_w)
             if forward_only:
                 sched = schedules.forward_only(sched)
             self._schedules[key] = schedules.with_communication(sched)
@@ -135,7 +147,7 @@ class PipelineRuntime(nn.Module):
         elif act.op is Op.B:
             self._backward(act.phase, act.chunk, act.split)
         elif act.op is Op.W:
-            self.store.run((act.phase, act.chunk))
+            self.store.run(*((act.phase, c) for c in act.chunks))
         elif act.op is Op.FB:
             self._forward_backward(act)
         elif act.op in (Op.RECV_F, Op.RECV_B):

@@ -8,7 +8,7 @@ these lists; neither knows any schedule by name.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import defaultdict, deque
 from dataclasses import dataclass, replace
 from enum import Enum
 
@@ -20,7 +20,7 @@ class Op(str, Enum):
 
     F = "F"  # forward of one chunk through one stage
     B = "B"  # backward (input grads; weight grads too unless split)
-    W = "W"  # deferred weight grads of an earlier split B
+    W = "W"  # deferred weight grads of an earlier split B (or of several, merged)
     FB = "FB"  # a forward and a backward of two chunks, overlapped
     SEND_F = "SEND_F"  # send a forward's outputs to the next stage's rank
     RECV_F = "RECV_F"  # post the receive of a forward's inputs
@@ -41,6 +41,12 @@ class Action:
     split: bool = False  # B: weight grads are left to a later W
     backward: Action | None = None  # FB: the backward half; (phase, chunk) is the forward half
     peer: int = -1  # SEND/RECV: the other rank
+    merged: tuple[int, ...] = ()  # W: further chunks whose weight grads it computes along with chunk's
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        """The chunks this action works on (a merged W: several)."""
+        return (self.chunk, *self.merged)
 
     def halves(self) -> tuple[Action, ...]:
         """The plain F/B actions this action consists of (itself unless it is an FB pair)."""
@@ -52,7 +58,7 @@ class Action:
         if self.op is Op.FB:
             return f"F{self.phase}.{self.chunk}&{self.backward}"
         tail = f"@{self.peer}" if self.peer >= 0 else ("w" if self.split else "")
-        return f"{self.op.value}{self.phase}.{self.chunk}{tail}"
+        return f"{self.op.value}{self.phase}.{self.chunk}{''.join(f'+{c}' for c in self.merged)}{tail}"
 
 
 @dataclass(frozen=True)
@@ -285,6 +291,43 @@ def without_split(schedule: Schedule) -> Schedule:
     """The same order with every backward computing its weight grads at once (no W actions)."""
     actions = [[replace(a, split=False) for a in acts if a.op is not Op.W] for acts in schedule.actions]
     return Schedule(schedule.name, schedule.layout, actions)
+
+
+def merge_weight_grads(schedule: Schedule, group: int) -> Schedule:
+    """The same order with every backward split and, per rank and stage, the weight grads of each
+    `group` consecutive backwards computed by one W action, placed where the group's last weight
+    pass was (its W, or its backward if unsplit): fewer, larger weight-grad GEMMs (they pay when
+    chunks are small), for the memory of each chunk's layer inputs and output grads held until then."""
+    if not isinstance(group, int) or group < 1:
+        raise ValueError(f"group = {group!r}: chunks per merged W must be an integer >= 1")
+    out = []
+    for acts in schedule.actions:
+        backwards: dict[int, list[int]] = defaultdict(list)  # phase -> chunks in backward order
+        weight_pass: dict[tuple[int, int], int] = {}  # (phase, chunk) -> index of its weight pass
+        for i, act in enumerate(acts):
+            for half in act.halves():
+                if half.op is Op.B:
+                    backwards[half.phase].append(half.chunk)
+                    weight_pass[(half.phase, half.chunk)] = i
+            if act.op is Op.W:
+                weight_pass.update({(act.phase, c): i for c in act.chunks})
+        after: dict[int, list[Action]] = defaultdict(list)
+        for phase, chunks in sorted(backwards.items()):
+            for k in range(0, len(chunks), group):
+                part = chunks[k:k + group]
+                at = max(weight_pass[(phase, c)] for c in part)
+                after[at].append(Action(Op.W, phase, part[0], merged=tuple(part[1:])))
+        seq = []
+        for i, act in enumerate(acts):
+            if act.op is Op.B:
+                seq.append(replace(act, split=True))
+            elif act.op is Op.FB:
+                seq.append(replace(act, backward=replace(act.backward, split=True)))
+            elif act.op is not Op.W:
+                seq.append(act)
+            seq.extend(after[i])
+        out.append(seq)
+    return Schedule(schedule.name, schedule.layout, out)
 
 
 def forward_only(schedule: Schedule) -> Schedule:

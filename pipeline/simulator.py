@@ -27,14 +27,15 @@ class Costs:
         return self.p2p if isinstance(self.p2p, (int, float)) else self.p2p[(src, dst)]
 
     def of(self, action: Action) -> float:
-        """Duration of a compute action (a split B costs b - w; its W costs w)."""
+        """Duration of a compute action (a split B costs b - w, in an F&B pair too; a W costs w per chunk)."""
         if action.op is Op.F:
             return self.f
         if action.op is Op.B:
             return self.b - self.w if action.split else self.b
         if action.op is Op.W:
-            return self.w
-        return self.f + self.b if self.fb is None else self.fb
+            return self.w * len(action.chunks)
+        pair = self.f + self.b if self.fb is None else self.fb
+        return pair - self.w if action.backward.split else pair
 
 
 @dataclass

@@ -3,10 +3,13 @@
 The deferral core (`WeightGradStore`, `defer_weight_grad`, `accumulate_grad`) lives in
 kernels.wgrad_defer, below every package that defers (the grouped expert linears of moe and
 kernels use it too); this module re-exports it and adds `split_linear`, which the runtime
-installs on the stages' `nn.Linear` modules.
+installs on the stages' `nn.Linear` modules. A deferred Linear weight grad carries a merge key
+(the weight), so a W action covering several chunks computes it as one GEMM over all their rows.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +25,14 @@ def _linear_weight_grads(weight: Tensor, bias: Tensor | None, x2: Tensor, dy2: T
         accumulate_grad(weight, lambda: dy2.t() @ x2, lambda acc: acc.addmm_(dy2.t(), x2))
     if bias is not None and bias.requires_grad:
         accumulate_grad(bias, lambda: dy2.sum(0), lambda acc: acc.add_(dy2.sum(0)))
+
+
+def _merged_linear_weight_grads(weight: Tensor, bias: Tensor | None, parts: list[tuple[Tensor, Tensor]]) -> None:
+    """The weight grads of several chunks' (x2, dy2) at once, their rows stacked."""
+    if len(parts) == 1:
+        _linear_weight_grads(weight, bias, *parts[0])
+    else:
+        _linear_weight_grads(weight, bias, torch.cat([x for x, _ in parts]), torch.cat([dy for _, dy in parts]))
 
 
 class _SplitLinear(torch.autograd.Function):
@@ -40,7 +51,8 @@ class _SplitLinear(torch.autograd.Function):
             return dx, None, None
         x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
         bias = ctx.bias
-        if not defer_weight_grad(weight, lambda: _linear_weight_grads(weight, bias, x2, dy2), (x2, dy2)):
+        merge = (("linear", id(weight)), partial(_merged_linear_weight_grads, weight, bias), (x2, dy2))
+        if not defer_weight_grad(weight, lambda: _linear_weight_grads(weight, bias, x2, dy2), (x2, dy2), merge):
             _linear_weight_grads(weight, bias, x2, dy2)
         return dx, None, None
 

@@ -85,3 +85,18 @@ def test_captures_do_not_nest() -> None:
                 pass
     with inner.capture("b"):  # the slot is free again once the outer capture closed
         pass
+
+
+def test_one_run_over_several_keys_merges_work_by_merge_key() -> None:
+    store, calls = WeightGradStore(), []
+    for key in range(3):
+        with store.capture(key):
+            store.push(lambda k=key: calls.append(("alone", k)), nbytes=10)
+            for name in ("a", "b"):
+                store.push(lambda: calls.append("unmerged fn must not run"), nbytes=100,
+                           merge=(name, lambda args, n=name: calls.append((n, args)), key))
+    assert store.held_bytes == 3 * 210
+    assert store.run(0, 1, 2) == 9
+    # unmergeable work first, in queue order; then each merge key once over every key's args, in order
+    assert calls == [("alone", 0), ("alone", 1), ("alone", 2), ("a", [0, 1, 2]), ("b", [0, 1, 2])]
+    assert store.pending() == 0 and store.held_bytes == 0

@@ -9,7 +9,9 @@ from dispatch.multiproc import run_processes
 from tests.pipeline.models import calc_diff, make_data, make_stages, reference
 from tests.pipeline.workers import BATCH, HIDDEN, equivalence
 
-CASES = [("dualpipev", 1), ("dualpipev", 2), ("dualpipev", 4), ("dualpipe", 2), ("dualpipe", 4)]
+# (schedule, ranks, chunks per W action): merged W's (3 does not divide the chunks) as well as DeepSeek's
+CASES = [("dualpipev", 1, 1), ("dualpipev", 2, 1), ("dualpipev", 2, 3), ("dualpipev", 4, 1), ("dualpipe", 2, 1),
+         ("dualpipe", 4, 1), ("dualpipe", 4, 3)]
 
 
 def _check(kind: str, world: int, stage_kind: str, results: list[dict], num_chunks: int) -> None:
@@ -44,9 +46,9 @@ def _check(kind: str, world: int, stage_kind: str, results: list[dict], num_chun
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("kind,world", CASES)
-def test_linear_and_moe_stages_match_reference(kind: str, world: int) -> None:
+@pytest.mark.parametrize("kind,world,merge_w", CASES)
+def test_linear_and_moe_stages_match_reference(kind: str, world: int, merge_w: int) -> None:
     num_chunks = 2 * max(world, 2) if kind == "dualpipev" else 8
-    results = run_processes(equivalence, world, kind, ("mlp", "moe"), num_chunks, timeout_s=180)
+    results = run_processes(equivalence, world, kind, ("mlp", "moe"), num_chunks, merge_w, timeout_s=180)
     for stage_kind in ("mlp", "moe"):
         _check(kind, world, stage_kind, [r[stage_kind] for r in results], num_chunks)

@@ -32,6 +32,19 @@ def test_weight_grads_are_computed_in_w_actions(stage_kind: str, monkeypatch: py
     assert torch.equal(results[0][True]["loss"], results[0][False]["loss"])
 
 
+@pytest.mark.timeout(200)
+def test_a_merged_w_accumulates_each_weight_once_for_all_its_chunks() -> None:
+    results = run_processes(bw_split, 2, 8, "mlp", 8, timeout_s=150)
+    for res in results:
+        split, fused = res[True], res[False]
+        assert split["w_actions"] == 2  # one per stage: all 8 chunks' weight grads together
+        assert split["seen"] == [("W", False)] * 4  # each of the 2 x 2 Linear weights accumulated once
+        assert len(fused["seen"]) == 4 * 8
+        for g_split, g_fused in zip(split["grads"], fused["grads"]):
+            assert calc_diff(g_split, g_fused) < 1e-12
+    assert torch.equal(results[0][True]["loss"], results[0][False]["loss"])
+
+
 @pytest.mark.timeout(120)
 def test_bad_input_raises_clear_errors() -> None:
     errors = run_processes(bad_inputs, 1, timeout_s=60)[0]
@@ -40,6 +53,8 @@ def test_bad_input_raises_clear_errors() -> None:
     assert "num_chunks = 1 is too few" in errors["few_chunks"]
     assert "batch size 32, not divisible" in errors["indivisible"]
     assert "needs inputs" in errors["missing_inputs"]
+    assert "merge_w = 0" in errors["merge_w"] and "integer >= 1" in errors["merge_w"]
+    assert "1 when split_bw is False" in errors["merge_w_unsplit"]
 
 
 @pytest.mark.timeout(200)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline import Costs, Op, build, dualpipe, dualpipev, one_f_one_b, simulate, with_communication, zb1p
+from pipeline import (Costs, Op, build, dualpipe, dualpipev, merge_weight_grads, one_f_one_b, simulate,
+                      with_communication, zb1p)
 from pipeline.simulator import main as simulate_main
 
 # Unequal F, B, W, F&B with the input-grad part of B (B - W) as long as F: the regime in which
@@ -46,22 +47,54 @@ def test_peak_activations_and_param_copies(pp: int) -> None:
         assert simulate(zb1p(pp, chunks), c).param_copies == 1
 
 
-@pytest.mark.parametrize("name,ranks", [("1f1b", 4), ("zb1p", 4), ("dualpipe", 4), ("dualpipev", 2)])
-def test_every_chunk_passes_every_stage_once(name: str, ranks: int) -> None:
+@pytest.mark.parametrize("name,ranks,merge", [("1f1b", 4, 1), ("zb1p", 4, 1), ("dualpipe", 4, 1), ("dualpipev", 2, 1),
+                                              ("dualpipe", 4, 3), ("dualpipev", 2, 4), ("dualpipev", 2, 10)])
+def test_every_chunk_passes_every_stage_once(name: str, ranks: int, merge: int) -> None:
     sched = build(name, ranks, 10 if name != "dualpipe" else 8)
+    sched = merge_weight_grads(sched, merge) if merge > 1 else sched
     layout = sched.layout
     seen = {op: set() for op in (Op.F, Op.B, Op.W)}
     for rank in range(ranks):
         for act in sched.compute_actions(rank):
             for half in act.halves():
-                key = (layout.stage_of(rank, half.phase), half.chunk)
-                assert key not in seen[half.op]
-                seen[half.op].add(key)
+                for chunk in half.chunks:
+                    key = (layout.stage_of(rank, half.phase), chunk)
+                    assert key not in seen[half.op]
+                    seen[half.op].add(key)
     full = {(s, ch) for s in range(layout.num_stages) for ch in range(layout.num_chunks)}
     assert seen[Op.F] == full and seen[Op.B] == full
     split = {(layout.stage_of(r, a.phase), a.chunk) for r in range(ranks)
              for act in sched.compute_actions(r) for a in act.halves() if a.op is Op.B and a.split}
     assert seen[Op.W] == split
+
+
+@pytest.mark.parametrize("name,ranks,chunks", [("dualpipe", 2, 8), ("dualpipe", 4, 10), ("dualpipev", 2, 8),
+                                               ("dualpipev", 4, 9)])
+@pytest.mark.parametrize("group", [2, 3, 100])
+def test_merged_w_follows_its_backwards_in_groups_of_consecutive_chunks(name: str, ranks: int, chunks: int,
+                                                                        group: int) -> None:
+    plain = build(name, ranks, chunks)
+    merged = merge_weight_grads(plain, group)
+    for rank in range(ranks):
+        acts = merged.compute_actions(rank)
+        backs = [(h.phase, h.chunk) for a in acts for h in a.halves() if h.op is Op.B]
+        assert all(h.split for a in acts for h in a.halves() if h.op is Op.B)
+        assert backs == [(h.phase, h.chunk) for a in plain.compute_actions(rank) for h in a.halves() if h.op is Op.B]
+        for i, act in enumerate(a for a in acts if a.op is Op.W):
+            order = [c for p, c in backs if p == act.phase]
+            start = order.index(act.chunk)
+            assert list(act.chunks) == order[start:start + len(act.chunks)]  # consecutive backwards
+            assert len(act.chunks) == min(group, len(order) - start) and start % group == 0
+            done = {(h.phase, h.chunk) for a in acts[:acts.index(act)] for h in a.halves() if h.op is Op.B}
+            assert {(act.phase, c) for c in act.chunks} <= done  # after every backward it covers
+    # the simulator prices a merged W as its chunks' W (the same work per rank) and finds no deadlock
+    c = COSTS[0]
+    assert simulate(merged, c).busy == pytest.approx(simulate(plain, c).busy)
+
+
+def test_merge_weight_grads_rejects_a_bad_group() -> None:
+    with pytest.raises(ValueError, match="integer >= 1"):
+        merge_weight_grads(dualpipev(2, 4), 0)
 
 
 def test_without_split_removes_w_and_costs_more() -> None:

@@ -32,12 +32,13 @@ def rank_inputs(kind: str, rank: int, world: int, data: tuple) -> tuple[tuple, t
     return (), ()
 
 
-def equivalence(rank: int, world: int, kind: str, stage_kinds: tuple[str, ...], num_chunks: int) -> dict:
+def equivalence(rank: int, world: int, kind: str, stage_kinds: tuple[str, ...], num_chunks: int,
+                merge_w: int = 1) -> dict:
     """equivalence_one for each stage kind (one process spawn for all of them)."""
-    return {sk: equivalence_one(rank, world, kind, sk, num_chunks) for sk in stage_kinds}
+    return {sk: equivalence_one(rank, world, kind, sk, num_chunks, merge_w) for sk in stage_kinds}
 
 
-def equivalence_one(rank: int, world: int, kind: str, stage_kind: str, num_chunks: int) -> dict:
+def equivalence_one(rank: int, world: int, kind: str, stage_kind: str, num_chunks: int, merge_w: int = 1) -> dict:
     """fp32 losses, float64 grads per held stage and forward-only outputs of one pipeline step."""
     cls = DualPipe if kind == "dualpipe" else DualPipeV
     held = placement(kind, rank, world)
@@ -45,7 +46,7 @@ def equivalence_one(rank: int, world: int, kind: str, stage_kind: str, num_chunk
     result = {"held": held}
     for dtype in (torch.float32, torch.float64):
         stages = make_stages(stage_kind, num_stages, HIDDEN, dtype)
-        pipe = cls((copy.deepcopy(stages[held[0]]), copy.deepcopy(stages[held[1]])))
+        pipe = cls((copy.deepcopy(stages[held[0]]), copy.deepcopy(stages[held[1]])), merge_w=merge_w)
         inputs, labels = rank_inputs(kind, rank, world, make_data(BATCH, HIDDEN, dtype))
         loss, outputs = pipe.step(*inputs, num_chunks=num_chunks, criterion=criterion, labels=labels,
                                   return_outputs=True)
@@ -67,15 +68,17 @@ def _watched(pipe: torch.nn.Module, stage_kind: str) -> list[torch.nn.Parameter]
     return [w for m in pipe.modules() if isinstance(m, GroupedExperts) for w in (m.w_gate_up, m.w_down)]
 
 
-def bw_split(rank: int, world: int, num_chunks: int, stage_kind: str = "mlp") -> dict:
+def bw_split(rank: int, world: int, num_chunks: int, stage_kind: str = "mlp", merge_w: int = 1) -> dict:
     """Which action kinds accumulate the watched weight grads (see _watched), with the B/W split on
-    and off; and all grads. float64, float32 for FP8 experts (they take float32 at most)."""
+    (W actions over merge_w chunks) and off; and all grads. float64, float32 for FP8 experts (they
+    take float32 at most)."""
     dtype = torch.float32 if stage_kind == "moe-fp8" else torch.float64
     out = {}
     for split_bw in (True, False):
         stages = make_stages(stage_kind, 2 * world, HIDDEN, dtype)
         held = placement("dualpipev", rank, world)
-        pipe = DualPipeV((copy.deepcopy(stages[held[0]]), copy.deepcopy(stages[held[1]])), split_bw=split_bw)
+        pipe = DualPipeV((copy.deepcopy(stages[held[0]]), copy.deepcopy(stages[held[1]])), split_bw=split_bw,
+                         merge_w=merge_w if split_bw else 1)
         seen: list[tuple[str, bool]] = []
         last: dict[int, torch.Tensor] = {}
 
@@ -114,6 +117,8 @@ def bad_inputs(rank: int, world: int) -> dict[str, str]:
         "few_chunks": _error(lambda: step(1)),
         "indivisible": _error(lambda: step(3, x)),
         "missing_inputs": _error(lambda: pipe.step(num_chunks=4, criterion=criterion, labels=(label,))),
+        "merge_w": _error(lambda: DualPipeV(tuple(stages), merge_w=0)),
+        "merge_w_unsplit": _error(lambda: DualPipeV(tuple(stages), split_bw=False, merge_w=2)),
     }
 
 
