@@ -8,9 +8,11 @@ the peak bytes of distinct storages saved for backward (saved-tensor hooks) plus
 the bytes that queued weight-grad closures keep alive until their W action. Ours merge the weight
 grads of up to --merge-w chunks per W action (default all of a stage's; `ours DualPipeV, W per
 chunk` keeps DeepSeek's one W per chunk, the runtime's default). For our schedules it
-also sets the measured wait fraction next to the simulator's prediction (WAIT_CAPTION says how
-both are taken; see pipeline.costs), their relative difference, the prediction from each stage's
-median costs, and the simulator replaying each step with every action's own time ("replay").
+also sets the measured wait fraction next to the simulator's prediction fed with the costs
+measured chunk by chunk (WAIT_CAPTION says how both are taken; see pipeline.costs), their
+relative difference, and two predictions from coarser costs: drawn from each stage's samples
+("sampled") and each stage's median ("median"); what these leave out is the jitter of single
+chunks (a slow chunk on one rank makes the other wait) and how it is correlated across ranks.
 `--ep-overlap` instead measures the EP overlap switch (see _ep_overlap_worker).
 """
 
@@ -36,10 +38,11 @@ from pipeline.p2p import Channel
 
 WAIT_CAPTION = ("wait: time a rank was blocked on a receive or outside its actions, within each step's window "
                 "from the first action of any rank to the last action end of any rank (the step's head and tail "
-                "are left out of measured and simulated time alike); sim wait: the simulator fed with per-chunk "
-                "costs drawn from their stage's samples of a measured step, each rank starting at its measured "
-                "offset in the window, and per direction the median p2p latency of the run (from the later of send "
-                "issued and receive waited for, to receive completed, over receives that blocked)")
+                "are left out of measured and simulated time alike); sim wait: the simulator fed with every "
+                "chunk's measured F/B/W/F&B cost (time occupied less time blocked, see pipeline.costs), each "
+                "rank starting at its measured offset in the window, and per direction the median p2p latency of the run (from the later of send issued and receive waited "
+                "for, to receive completed, over receives that blocked); sampled: costs drawn at random from their "
+                "stage's samples of the same step; median: each stage's median cost")
 
 
 def p2p_latency(rank: int, shape: tuple[int, ...], rounds: int = 40) -> float:
@@ -140,11 +143,11 @@ def wait_model(schedule: schedules.Schedule, per_rank: list[dict], p2p: float) -
     hops = {(s, d): statistics.median(latencies[(s, d)]) if latencies.get((s, d)) else p2p
             for s in ranks for d in ranks if s != d}
     measured = [measured_wait([w for w, _ in windows], r["durations"]) for r in per_rank]
-    predicted = sampled_wait(schedule, samples, hops)
+    predicted = replayed_wait(schedule, steps, hops, starts)
     return {"wait_fraction": measured, "sim_wait_fraction": predicted,
             "sim_rel_diff": [(p - m) / m if m else None for p, m in zip(predicted, measured)],
-            "sim_median_wait_fraction": median_wait(schedule, CostSamples.pooled(samples), hops),
-            "replay_wait_fraction": replayed_wait(schedule, steps, hops, starts),
+            "sampled_wait_fraction": sampled_wait(schedule, samples, hops),
+            "median_wait_fraction": median_wait(schedule, CostSamples.pooled(samples), hops),
             "head_ms": [1e3 * statistics.mean(s) for s in zip(*starts)],
             "hop_ms": {f"{s}->{d}": round(1e3 * t, 3) for (s, d), t in hops.items()}}
 
@@ -175,13 +178,13 @@ def format_table(rows: list[dict]) -> str:
 
     width = max(22, *(len(r["schedule"]) for r in rows))
     lines = [f"{'schedule':{width}} {'step ms':>8} {'x torch DPV':>11} {'idle/rank':>11} {'wait/rank':>11} "
-             f"{'sim wait':>11} {'sim vs wait':>11} {'sim median':>11} {'replay':>11} {'peak MiB':>8}"]
+             f"{'sim wait':>11} {'sim vs wait':>11} {'sampled':>11} {'median':>11} {'peak MiB':>8}"]
     for r in rows:
         ratio = f"{r['vs_torch_dualpipev']:.2f}" if r.get("vs_torch_dualpipev") else "-"
         lines.append(f"{r['schedule']:{width}} {r['step_ms']:8.1f} {ratio:>11} {per_rank(r, 'idle_fraction'):>11} "
                      f"{per_rank(r, 'wait_fraction'):>11} {per_rank(r, 'sim_wait_fraction'):>11} "
-                     f"{per_rank(r, 'sim_rel_diff', '{:+.0%}'):>11} {per_rank(r, 'sim_median_wait_fraction'):>11} "
-                     f"{per_rank(r, 'replay_wait_fraction'):>11} {r['peak_mem_bytes'] / 2**20:8.2f}")
+                     f"{per_rank(r, 'sim_rel_diff', '{:+.0%}'):>11} {per_rank(r, 'sampled_wait_fraction'):>11} "
+                     f"{per_rank(r, 'median_wait_fraction'):>11} {r['peak_mem_bytes'] / 2**20:8.2f}")
     return "\n".join(lines)
 
 
@@ -193,8 +196,8 @@ def format_wait_summary(rows: list[dict]) -> str:
             m, p = (statistics.mean(r[k]) for k in ("wait_fraction", "sim_wait_fraction"))
             lines.append(f"{r['schedule']}: wait of all ranks {m:.3f} measured, {p:.3f} predicted from the measured "
                          f"per-chunk costs ({(p - m) / m:+.0%}, {p - m:+.3f}); "
-                         f"{statistics.mean(r['sim_median_wait_fraction']):.3f} from median costs, "
-                         f"{statistics.mean(r['replay_wait_fraction']):.3f} replayed; in-run p2p ms "
+                         f"{statistics.mean(r['sampled_wait_fraction']):.3f} sampled, "
+                         f"{statistics.mean(r['median_wait_fraction']):.3f} from median costs; in-run p2p ms "
                          + ", ".join(f"{k} {v:.2f}" for k, v in r["hop_ms"].items())
                          + "; ranks start " + " ".join(f"{h:.2f}" for h in r["head_ms"]) + " ms into the window")
     return "\n".join(lines)

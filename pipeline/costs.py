@@ -4,10 +4,11 @@ A rank's step is a list of compute actions (F, B, W, F&B) with send/receive acti
 An action's occupied time runs from its start to the start of the next compute action, less the
 time it was blocked on receives: its compute plus issuing the sends and receives (and the
 bookkeeping) that follow it. The rest of the step is the rank's wait: blocked on a receive, or
-outside its actions. Costs are pooled per stage and kind, (rank, phases, kind), over a step's
-chunks. The simulator, fed with them, predicts each rank's wait fraction either with each stage's
-median cost over all steps, or averaged over runs whose every action cost is drawn from its
-stage's samples of one measured step at a time. Drawing keeps the jitter of single chunks that a
+outside its actions. The simulator predicts each rank's wait fraction from these costs three ways:
+replaying every measured step with each action's own cost (the costs as measured, chunk by chunk);
+with costs pooled per stage and kind, (rank, phases, kind), over a step's chunks, either each
+stage's median cost over all steps, or averaged over runs whose every action cost is drawn from
+its stage's samples of one measured step at a time. Drawing keeps the jitter of single chunks that a
 median hides (at each hand-over the slower rank makes the other wait, so jitter adds wait no
 central cost shows); drawing within a step keeps a slow episode of a shared machine, which hits
 both ranks at once, from being spread over every step as imbalance that never happened.
@@ -110,8 +111,8 @@ def sampled_wait(schedule: Schedule, steps: Sequence[CostSamples], p2p: Hops, dr
 def replayed_wait(schedule: Schedule, steps: list[list[Durations]], p2p: Hops,
                   starts: Sequence[list[float] | None] | None = None) -> list[float]:
     """Per-rank wait fractions of the simulator replaying each measured step with every action's own
-    occupied time (steps[i][rank]; starts[i]: see CostSamples.start): checks the simulator's model of
-    the schedule, not the costs."""
+    occupied time (steps[i][rank]; starts[i]: see CostSamples.start): the costs as measured, chunk by
+    chunk, so what it gets wrong is the simulator's model of the schedule and of p2p."""
     runs = [simulate(schedule, Costs(0.0, 0.0, p2p=p2p),
                      {(r, act): seconds for r, durations in enumerate(step) for act, seconds in durations},
                      start)

@@ -24,7 +24,7 @@ def test_bench_writes_a_row_per_schedule(tmp_path, capsys) -> None:
         assert FIELDS <= set(r) and r["world_size"] == 2 and r["num_chunks"] == 4
         assert r["step_ms"] > 0 and len(r["idle_fraction"]) == 2 and r["peak_mem_bytes"] > 0
         if r["schedule"].startswith("ours"):  # measured wait next to the simulator's from measured costs
-            for key in ("wait_fraction", "sim_wait_fraction", "sim_median_wait_fraction", "replay_wait_fraction"):
+            for key in ("wait_fraction", "sim_wait_fraction", "sampled_wait_fraction", "median_wait_fraction"):
                 assert len(r[key]) == 2 and all(0 <= x < 1 for x in r[key]), (key, r[key])
             assert len(r["sim_rel_diff"]) == 2
     assert "torch DualPipeV" in capsys.readouterr().out
