@@ -9,7 +9,7 @@ import argparse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from pipeline.schedules import SCHEDULES, Action, Op, Schedule, build
+from pipeline.schedules import SCHEDULES, Action, Op, Schedule, build, merge_weight_grads
 
 
 @dataclass(frozen=True)
@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fb", type=float, default=None, help="overlapped F&B pair cost (default f+b)")
     p.add_argument("--p2p", type=float, default=0.0)
     p.add_argument("--no-split", action="store_true", help="no B/W split (weight grads inside B)")
+    p.add_argument("--merge-w", type=int, default=1, help="chunks per W action (schedules.merge_weight_grads)")
     p.add_argument("--svg", help="write the timeline picture here")
     p.add_argument("--width", type=int, default=100)
     args = p.parse_args(argv)
@@ -208,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     ranks = args.pp // 2 if args.schedule == "dualpipev" else args.pp
     try:
         schedule = build(args.schedule, ranks, args.chunks, split_bw=not args.no_split)
+        if args.merge_w != 1:
+            if args.no_split:
+                raise ValueError(f"--merge-w {args.merge_w} needs the B/W split (drop --no-split)")
+            schedule = merge_weight_grads(schedule, args.merge_w)
     except ValueError as err:
         p.error(str(err))
     result = simulate(schedule, Costs(args.f, args.b, args.w, args.fb, args.p2p))

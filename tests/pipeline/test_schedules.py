@@ -134,3 +134,14 @@ def test_cli_prints_timeline_and_writes_svg(tmp_path, capsys) -> None:
     assert "bubble(max rank idle)=" in out and out.count("rank ") >= 4
     boxes = sum(len(build("dualpipev", 4, 16).compute_actions(r)) for r in range(4))
     assert svg.read_text().startswith("<svg") and svg.read_text().count("<rect") == boxes
+
+
+def test_cli_merges_w_and_rejects_a_merge_without_split(tmp_path, capsys) -> None:
+    svg = tmp_path / "m.svg"
+    assert simulate_main(["--pp", "4", "--chunks", "8", "--merge-w", "4", "--svg", str(svg)]) == 0
+    merged = merge_weight_grads(build("dualpipev", 2, 8), 4)
+    assert svg.read_text().count("<rect") == sum(len(merged.compute_actions(r)) for r in range(2))
+    assert svg.read_text().count("<title>W") == 2 * 2 * 2  # 2 ranks x 2 stages x 8/4 groups
+    with pytest.raises(SystemExit):
+        simulate_main(["--merge-w", "2", "--no-split"])
+    assert "needs the B/W split" in capsys.readouterr().err
