@@ -99,15 +99,17 @@ class Channel:
     ahead of time and it crosses in one transfer; when the size changes, the first buffer carries
     the new header (and filler of the old size) and the payload follows as a second message.
     Sends and receives are issued on the calling thread straight to the process group (both are
-    non-blocking); a helper thread would cost a GIL hand-over per message.
+    non-blocking); a helper thread would cost a GIL hand-over per message. Each stream has its own
+    process group (same ranks): NCCL ignores tags and matches a pair's messages in issue order, so
+    only the order within a stream may matter; gloo multiplexes a pair's messages over one socket,
+    whose lock a send shares with the receipt of every other stream's messages (with a group per
+    stream a 16 KB send is issued in 0.1-0.2 ms instead of 0.4-0.5 ms on 2 busy CPU cores).
     """
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_streams: int = 4) -> None:
         self.group = group
-        # NCCL ignores tags and matches a pair's messages in issue order: give each stream its own
-        # communicator (same ranks) so only the order within a stream matters, as with gloo tags.
-        self._groups = ([dist.new_group(dist.get_process_group_ranks(group)) for _ in range(num_streams)]
-                        if dist.get_backend(group) == "nccl" else None)
+        ranks = dist.get_process_group_ranks(group)
+        self._groups = [dist.new_group(ranks, use_local_synchronization=True) for _ in range(num_streams)]
         self.device = device
         self.log: TransferLog | None = None  # set to record the times of messages
         self._sends: list[tuple[dist.Work, Tensor]] = []
@@ -116,7 +118,7 @@ class Channel:
         self._queued: dict[tuple[int, int], deque[_Ticket]] = defaultdict(deque)
 
     def _group(self, stream: int) -> dist.ProcessGroup:
-        return self.group if self._groups is None else self._groups[stream]
+        return self._groups[stream]
 
     def _isend(self, buf: Tensor, peer: int, stream: int) -> None:
         self._sends.append((self._group(stream).send([buf], peer, stream), buf))
