@@ -338,13 +338,15 @@ def forward_only(schedule: Schedule) -> Schedule:
 
 def with_communication(schedule: Schedule) -> Schedule:
     """Add SEND after each action whose result goes to another rank and RECV one compute action
-    before each action that needs another rank's data (so the receive is in flight meanwhile)."""
+    before each action that needs another rank's data (so the receive is in flight meanwhile),
+    posted ahead of the sends that end the compute action before that one: a compute action's
+    sends are the last thing before the next compute action starts."""
     layout = schedule.layout
     last = layout.num_stages - 1
     out = []
     for rank, acts in enumerate(schedule.actions):
         seq: list[Action] = []
-        prev_compute = 0  # index in seq where the previous compute action starts
+        computes: list[int] = []  # indices in seq of the compute actions so far
         for act in acts:
             if act.op not in COMPUTE_OPS:
                 seq.append(act)
@@ -368,8 +370,11 @@ def with_communication(schedule: Schedule) -> Schedule:
                     peer = layout.locate(half.chunk, stage - 1)[0]
                     if peer != rank:
                         sends.append(Action(Op.SEND_B, half.phase, half.chunk, peer=peer))
-            seq[prev_compute:prev_compute] = recvs
-            prev_compute = len(seq)
+            at = computes[-2] + 1 if len(computes) > 1 else (computes[-1] if computes else 0)
+            seq[at:at] = recvs
+            if computes:
+                computes[-1] += len(recvs)
+            computes.append(len(seq))
             seq.append(act)
             seq.extend(sends)
         out.append(seq)
