@@ -39,10 +39,11 @@ from pipeline.p2p import Channel
 WAIT_CAPTION = ("wait: time a rank was blocked on a receive or outside its actions, within each step's window "
                 "from the first action of any rank to the last action end of any rank (the step's head and tail "
                 "are left out of measured and simulated time alike); sim wait: the simulator fed with every "
-                "chunk's measured F/B/W/F&B cost (time occupied less time blocked, see pipeline.costs), each "
-                "rank starting at its measured offset in the window, and per direction the median p2p latency of the run (from the later of send issued and receive waited "
-                "for, to receive completed, over receives that blocked); sampled: costs drawn at random from their "
-                "stage's samples of the same step; median: each stage's median cost")
+                "chunk's measured F/B/W/F&B cost (time occupied less time blocked, see pipeline.costs; an F&B "
+                "pair as its forward, then its backward, split as measured), each rank starting at its measured "
+                "offset in the window, and per direction the mean p2p latency of the run (from the later of send "
+                "issued and receive waited for, to receive completed, over receives that blocked); sampled: costs "
+                "drawn at random from their stage's samples of the same step; median: each stage's median cost")
 
 
 def p2p_latency(rank: int, shape: tuple[int, ...], rounds: int = 40) -> float:
@@ -78,7 +79,7 @@ def _data(opts: dict) -> tuple[torch.Tensor, torch.Tensor]:
 def _time_round_robin(runners: dict[str, Runner], opts: dict) -> dict[str, dict]:
     """Step every runner in turn, warmup + steps times, then once more under the memory meter."""
     x, target = _data(opts)
-    stats = {name: {"step_s": [], "idle": [], "durations": [], "bounds": [], "transfers": [], "peak": 0}
+    stats = {name: {"step_s": [], "idle": [], "durations": [], "shares": [], "bounds": [], "transfers": [], "peak": 0}
              for name in runners}
     for i in range(opts["warmup"] + opts["steps"] + 1):
         for name, run in runners.items():
@@ -103,6 +104,7 @@ def _time_round_robin(runners: dict[str, Runner], opts: dict) -> dict[str, dict]
                 if run.pipe is not None:
                     timeline = run.pipe.timeline
                     st["durations"].append(occupied_durations(timeline))
+                    st["shares"].append(dict(run.pipe.forward_shares))
                     st["bounds"].append((timeline[0][1], timeline[-1][2]))
                     st["transfers"].append(run.pipe.transfers)
     return stats
@@ -124,7 +126,7 @@ def _bench_worker(rank: int, world: int, opts: dict) -> list[dict]:
         row = {"schedule": name, "rank": rank, "step_s": st["step_s"], "idle": statistics.median(st["idle"]),
                "peak": st["peak"], "p2p_s": latency}
         if runners[name].pipe is not None:
-            row.update({k: st[k] for k in ("durations", "bounds", "transfers")},
+            row.update({k: st[k] for k in ("durations", "shares", "bounds", "transfers")},
                        pipe_schedule=runners[name].pipe.schedule(opts["chunks"]))
         rows.append(row)
     return rows
@@ -135,15 +137,16 @@ def wait_model(schedule: schedules.Schedule, per_rank: list[dict], p2p: float) -
     predictions from the costs measured: per-chunk costs, each rank's start in the window and the
     p2p latency per direction measured in the run (p2p, the idle ping-pong's, where none was)."""
     steps = [list(step) for step in zip(*(r["durations"] for r in per_rank))]
+    shares = [list(step) for step in zip(*(r["shares"] for r in per_rank))]
     windows = [action_window(bounds) for bounds in zip(*(r["bounds"] for r in per_rank))]
     starts = [start for _, start in windows]
-    samples = [CostSamples.of_step(step, start) for step, start in zip(steps, starts)]
+    samples = [CostSamples.of_step(*args) for args in zip(steps, starts, shares)]
     latencies = hop_latencies(list(zip(*(r["transfers"] for r in per_rank))))
     ranks = range(len(per_rank))
-    hops = {(s, d): statistics.median(latencies[(s, d)]) if latencies.get((s, d)) else p2p
+    hops = {(s, d): statistics.mean(latencies[(s, d)]) if latencies.get((s, d)) else p2p
             for s in ranks for d in ranks if s != d}
     measured = [measured_wait([w for w, _ in windows], r["durations"]) for r in per_rank]
-    predicted = replayed_wait(schedule, steps, hops, starts)
+    predicted = replayed_wait(schedule, steps, hops, starts, shares)
     return {"wait_fraction": measured, "sim_wait_fraction": predicted,
             "sim_rel_diff": [(p - m) / m if m else None for p, m in zip(predicted, measured)],
             "sampled_wait_fraction": sampled_wait(schedule, samples, hops),

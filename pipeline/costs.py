@@ -27,6 +27,7 @@ from pipeline.simulator import Costs, SimResult, simulate
 
 Timeline = Sequence[tuple[Action, float, float, float]]  # (action, start, end, busy) as the runtime records
 Durations = list[tuple[Action, float]]  # a rank's compute actions in order, each with its occupied seconds
+Shares = Mapping[Action, float]  # a rank's F&B pairs run forward first: the forward's share (simulate)
 Hops = float | Mapping[tuple[int, int], float]  # p2p seconds per hop, or per (source rank, destination rank)
 
 
@@ -57,18 +58,24 @@ def cost_key(action: Action) -> tuple[tuple[int, ...], str]:
 
 @dataclass
 class CostSamples:
-    """Measured occupied seconds per (rank, phases, kind), pooled over chunks (and steps), and the
-    time each rank started its first action after the first rank did (start[rank], if measured)."""
+    """Measured occupied seconds per (rank, phases, kind), pooled over chunks (and steps), the
+    forward shares of F&B pairs (kind "F share"), and the time each rank started its first action
+    after the first rank did (start[rank], if measured)."""
 
     samples: dict[tuple[int, tuple[int, ...], str], list[float]] = field(default_factory=dict)
     start: list[float] | None = None
 
     @classmethod
-    def of_step(cls, step: Sequence[Durations], start: list[float] | None = None) -> CostSamples:
-        """The samples of one measured step (step[rank]: that rank's durations; start: see the class)."""
+    def of_step(cls, step: Sequence[Durations], start: list[float] | None = None,
+                shares: Sequence[Shares] = ()) -> CostSamples:
+        """The samples of one measured step (step[rank]: that rank's durations; shares[rank]: its
+        F&B pairs' forward shares; start: see the class)."""
         out = cls(start=start)
         for rank, durations in enumerate(step):
             out.add(rank, durations)
+        for rank, pairs in enumerate(shares):
+            for act, share in pairs.items():
+                out.samples.setdefault((rank, cost_key(act)[0], "F share"), []).append(share)
         return out
 
     @classmethod
@@ -91,11 +98,17 @@ class CostSamples:
         return {(r, act): pick(self.samples[(r, *cost_key(act))])
                 for r in range(schedule.layout.num_ranks) for act in schedule.compute_actions(r)}
 
+    def forward_shares(self, schedule: Schedule) -> dict[tuple[int, Action], float]:
+        """Each F&B pair's forward share, the median of its stages' samples (pairs without none)."""
+        keys = {(r, act): (r, cost_key(act)[0], "F share") for r in range(schedule.layout.num_ranks)
+                for act in schedule.compute_actions(r) if act.op is Op.FB}
+        return {k: statistics.median(self.samples[key]) for k, key in keys.items() if self.samples.get(key)}
+
 
 def median_wait(schedule: Schedule, samples: CostSamples, p2p: Hops) -> list[float]:
     """Per-rank wait fractions simulated with each stage's median cost per kind (p2p: seconds per hop)."""
     return simulate(schedule, Costs(0.0, 0.0, p2p=p2p), samples.durations(schedule, statistics.median),
-                    samples.start).idle_fractions
+                    samples.start, samples.forward_shares(schedule)).idle_fractions
 
 
 def sampled_wait(schedule: Schedule, steps: Sequence[CostSamples], p2p: Hops, draws: int = 10,
@@ -103,20 +116,23 @@ def sampled_wait(schedule: Schedule, steps: Sequence[CostSamples], p2p: Hops, dr
     """Per-rank wait fractions over `draws` simulated steps per measured step, every action's cost
     drawn at random from its stage's samples of that step: total wait / total makespan."""
     rng = random.Random(seed)
-    runs = [simulate(schedule, Costs(0.0, 0.0, p2p=p2p), step.durations(schedule, rng.choice), step.start)
+    runs = [simulate(schedule, Costs(0.0, 0.0, p2p=p2p), step.durations(schedule, rng.choice), step.start,
+                     step.forward_shares(schedule))
             for step in steps for _ in range(draws)]
     return _wait_fractions(runs)
 
 
 def replayed_wait(schedule: Schedule, steps: list[list[Durations]], p2p: Hops,
-                  starts: Sequence[list[float] | None] | None = None) -> list[float]:
+                  starts: Sequence[list[float] | None] | None = None,
+                  shares: Sequence[Sequence[Shares]] | None = None) -> list[float]:
     """Per-rank wait fractions of the simulator replaying each measured step with every action's own
-    occupied time (steps[i][rank]; starts[i]: see CostSamples.start): the costs as measured, chunk by
-    chunk, so what it gets wrong is the simulator's model of the schedule and of p2p."""
+    occupied time (steps[i][rank]; starts[i]: see CostSamples.start; shares[i][rank]: its F&B pairs'
+    own forward shares): the costs as measured, chunk by chunk, so what it gets wrong is the
+    simulator's model of the schedule and of p2p."""
     runs = [simulate(schedule, Costs(0.0, 0.0, p2p=p2p),
                      {(r, act): seconds for r, durations in enumerate(step) for act, seconds in durations},
-                     start)
-            for step, start in zip(steps, starts or [None] * len(steps))]
+                     start, {(r, act): x for r, pairs in enumerate(step_shares) for act, x in pairs.items()})
+            for step, start, step_shares in zip(steps, starts or [None] * len(steps), shares or [()] * len(steps))]
     return _wait_fractions(runs)
 
 

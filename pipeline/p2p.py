@@ -112,6 +112,7 @@ class Channel:
         self._groups = [dist.new_group(ranks, use_local_synchronization=True) for _ in range(num_streams)]
         self.device = device
         self.log: TransferLog | None = None  # set to record the times of messages
+        self.blocked_s = 0.0  # seconds spent waiting for messages (and reading their headers), all told
         self._sends: list[tuple[dist.Work, Tensor]] = []
         self._sent: dict[tuple[int, int], int] = {}  # (peer, stream) -> payload bytes of the last message out
         self._expect: dict[tuple[int, int], int] = {}  # (peer, stream) -> payload bytes of the last message in
@@ -172,8 +173,10 @@ class Channel:
         else:
             payload = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             self._irecv(payload, peer, stream).wait()
+        t1 = time.perf_counter()
+        self.blocked_s += t1 - t0
         if self.log is not None:
-            self.log.received[key].append((t0, time.perf_counter()))
+            self.log.received[key].append((t0, t1))
         self._expect[key] = nbytes
         queue.popleft()
         if queue:

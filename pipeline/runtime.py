@@ -56,6 +56,9 @@ class PipelineRuntime(nn.Module):
             install_split_linear(list(modules))
         # [] to record (act, start, end, busy) per action, and the messages' times (transfers)
         self.timeline: list[tuple[Action, float, float, float]] | None = None
+        # recorded with the timeline: per F&B pair whose forward ran (and sent its outputs) before
+        # its backward, the share of the pair's busy time its forward took
+        self.forward_shares: dict[Action, float] = {}
         self.current_action: Action | None = None
         self._schedules: dict[tuple[int, bool, bool], Schedule] = {}
         self._channel = Channel(self.group, self._device())  # created with the runtime (NCCL makes groups)
@@ -106,6 +109,7 @@ class PipelineRuntime(nn.Module):
         self._results: dict[int, tuple[Tensor, ...]] = {}
         self._losses: dict[int, Tensor] = {}
         self._sent_early: set[tuple[Op, int, int]] = set()
+        self.forward_shares = {}
         for act in sched.actions[self.rank]:
             self._run(act)
         self._channel.wait_sends()
@@ -140,6 +144,7 @@ class PipelineRuntime(nn.Module):
     def _run(self, act: Action) -> None:
         self.current_action = act
         self._waited = 0.0
+        self._forward_busy: float | None = None
         t0 = time.perf_counter()
         if act.op is Op.F:
             inputs, out = self._start_forward(act.phase, act.chunk)
@@ -159,6 +164,8 @@ class PipelineRuntime(nn.Module):
         if self.timeline is not None:
             end = time.perf_counter()
             self.timeline.append((act, t0, end, end - t0 - self._waited))
+            if self._forward_busy is not None:
+                self.forward_shares[act] = self._forward_busy / max(end - t0 - self._waited, 1e-12)
         self.current_action = None
 
     @staticmethod
@@ -182,10 +189,10 @@ class PipelineRuntime(nn.Module):
         key = (op, phase, chunk)
         if key not in self._posted:
             return self._local.pop(key)
-        t0 = time.perf_counter()
+        blocked = self._channel.blocked_s
         peer = self._layout.locate(chunk, self._stage(phase) + (-1 if op is Op.RECV_F else 1))[0]
         tensors = self._channel.finish_recv(self._posted.pop(key), peer, _STREAM[op] + phase)
-        self._waited += time.perf_counter() - t0
+        self._waited += self._channel.blocked_s - blocked
         return tensors
 
     def _send_early(self, phase: int, chunk: int) -> None:
@@ -241,11 +248,13 @@ class PipelineRuntime(nn.Module):
 
     def _forward_backward(self, act: Action) -> None:
         bwd = act.backward
+        t0 = time.perf_counter()
         inputs, started = self._start_forward(act.phase, act.chunk)
         done, out = start(started)
         if done:
             self._finish_forward(act.phase, act.chunk, inputs, out)
             self._send_early(act.phase, act.chunk)
+            self._forward_busy = time.perf_counter() - t0 - self._waited
             self._backward(bwd.phase, bwd.chunk, bwd.split)
         else:  # EP overlap: the backward runs while the forward's communication is in flight
             self._backward(bwd.phase, bwd.chunk, bwd.split)

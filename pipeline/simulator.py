@@ -91,34 +91,57 @@ def _deps(schedule: Schedule, rank: int, half: Action) -> list[tuple[str, int, i
     return []
 
 
+def _ready(t: float, deps: list[tuple[str, int, int, int]], done: Mapping, costs: Costs, rank: int) -> float:
+    """When inputs deps have reached rank, not before t."""
+    for k in deps:
+        finish, src = done[k]
+        t = max(t, finish + (costs.hop(src, rank) if src != rank else 0.0))
+    return t
+
+
 def simulate(schedule: Schedule, costs: Costs, durations: Mapping[tuple[int, Action], float] | None = None,
-             start: Sequence[float] | None = None) -> SimResult:
+             start: Sequence[float] | None = None,
+             forward_shares: Mapping[tuple[int, Action], float] | None = None) -> SimResult:
     """Run every rank's compute actions in order as soon as their inputs are ready; durations
     (rank, action) -> time overrides the per-kind costs (e.g. with one measured step); start: the
-    time each rank begins (default 0; the time before it counts as its idle time)."""
+    time each rank begins (default 0; the time before it counts as its idle time).
+
+    An F&B pair is one block that starts once both halves' inputs are there and hands both outputs
+    on at its end (as when the halves interleave); with forward_shares[(rank, pair)] = s it is run
+    as its forward (share s of its time, starting on the forward's input, its outputs leaving at
+    once) followed by its backward (starting on the backward's input too), as the runtime does when
+    the forward has no communication to overlap.
+    """
     n = schedule.layout.num_ranks
     queues = [schedule.compute_actions(r) for r in range(n)]
     pos = [0] * n
     clock = list(start) if start is not None else [0.0] * n
     done: dict[tuple[str, int, int, int], tuple[float, int]] = {}  # key -> (finish time, rank)
     timelines: list[list[Span]] = [[] for _ in range(n)]
+    busy = [0.0] * n
     remaining = sum(map(len, queues))
     while remaining:
         progressed = False
         for r in range(n):
             while pos[r] < len(queues[r]):
                 act = queues[r][pos[r]]
-                ready = clock[r]
-                deps = [k for h in act.halves() for k in _deps(schedule, r, h)]
-                if any(k not in done for k in deps):
+                deps = [_deps(schedule, r, h) for h in act.halves()]
+                if any(k not in done for ks in deps for k in ks):
                     break
-                for k in deps:
-                    finish, src = done[k]
-                    ready = max(ready, finish + (costs.hop(src, r) if src != r else 0.0))
-                end = ready + (durations[(r, act)] if durations else costs.of(act))
-                for h in act.halves():
-                    done[(h.op.value, r, h.phase, h.chunk)] = (end, r)
-                timelines[r].append(Span(act, ready, end))
+                took = durations[(r, act)] if durations else costs.of(act)
+                share = forward_shares.get((r, act)) if forward_shares and act.op is Op.FB else None
+                if share is None:
+                    begin = _ready(clock[r], [k for ks in deps for k in ks], done, costs, r)
+                    end = begin + took
+                    finished = [end] * len(deps)
+                else:
+                    begin = _ready(clock[r], deps[0], done, costs, r)
+                    end = _ready(begin + share * took, deps[1], done, costs, r) + (1 - share) * took
+                    finished = [begin + share * took, end]
+                for h, t in zip(act.halves(), finished):
+                    done[(h.op.value, r, h.phase, h.chunk)] = (t, r)
+                timelines[r].append(Span(act, begin, end))
+                busy[r] += took
                 clock[r] = end
                 pos[r] += 1
                 remaining -= 1
@@ -126,9 +149,7 @@ def simulate(schedule: Schedule, costs: Costs, durations: Mapping[tuple[int, Act
         if not progressed:
             stuck = {r: str(queues[r][pos[r]]) for r in range(n) if pos[r] < len(queues[r])}
             raise RuntimeError(f"schedule {schedule.name} deadlocks; ranks wait at {stuck}")
-    makespan = max(clock)
-    busy = [sum(s.end - s.start for s in tl) for tl in timelines]
-    return SimResult(schedule, timelines, makespan, busy, [_peak_live(q) for q in queues])
+    return SimResult(schedule, timelines, max(clock), busy, [_peak_live(q) for q in queues])
 
 
 def _peak_live(actions: list[Action]) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from pipeline.costs import (CostSamples, action_window, cost_key, hop_latencies, measured_wait, median_wait,
@@ -100,3 +102,21 @@ def test_start_offsets_and_per_direction_hops_shift_the_simulated_step() -> None
     assert slow_back.makespan > base.makespan
     step = CostSamples.of_step(_step(schedule, Costs(1.0, 2.0, 1.0)), start=[0.5, 0.0])
     assert median_wait(schedule, step, 0.1) == pytest.approx(late.idle_fractions)
+
+
+def test_forward_shares_pool_per_pair_stages_and_feed_the_simulator() -> None:
+    schedule = build("dualpipev", 2, 8)
+    costs = Costs(1.0, 2.5, 1.1, 3.2, p2p=0.05)
+    steps = [_step(schedule, costs)]
+    pairs = [{a: 0.2 + 0.1 * (a.chunk % 2) for a in schedule.compute_actions(r) if a.op is Op.FB} for r in range(2)]
+    samples = CostSamples.of_step(steps[0], None, pairs)
+    medians = samples.forward_shares(schedule)
+    assert set(medians) == {(r, a) for r in range(2) for a in pairs[r]}
+    for (r, a), share in medians.items():  # the median over the pairs on the same two stages
+        same = [x for b, x in pairs[r].items() if cost_key(b) == cost_key(a)]
+        assert share == pytest.approx(statistics.median(same))
+    own = {(r, a): x for r in range(2) for a, x in pairs[r].items()}
+    assert replayed_wait(schedule, steps, 0.05, None, [pairs]) == pytest.approx(
+        simulate(schedule, costs, forward_shares=own).idle_fractions)
+    assert median_wait(schedule, samples, 0.05) == pytest.approx(
+        simulate(schedule, costs, forward_shares=medians).idle_fractions)

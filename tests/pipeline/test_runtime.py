@@ -68,6 +68,9 @@ def test_ep_overlap_runs_backward_while_communication_is_in_flight() -> None:
         # with overlap, some backward runs between a forward's comm start and its completion
         assert "comm started,backward" in ",".join(on["log"])
         assert "comm started,backward" not in ",".join(off["log"])
+        # a pair's forward share is recorded where its forward ran whole before its backward
+        assert on["shares"] == {} and on["pairs"] > 0
+        assert len(off["shares"]) == off["pairs"] and all(0 < x < 1 for x in off["shares"].values())
     assert not torch.equal(results[0][True]["loss"], results[1][True]["loss"])
 
 

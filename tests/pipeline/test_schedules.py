@@ -145,3 +145,26 @@ def test_cli_merges_w_and_rejects_a_merge_without_split(tmp_path, capsys) -> Non
     with pytest.raises(SystemExit):
         simulate_main(["--merge-w", "2", "--no-split"])
     assert "needs the B/W split" in capsys.readouterr().err
+
+
+def test_a_pair_with_a_forward_share_runs_its_forward_on_the_forward_input_alone() -> None:
+    sched, c = dualpipev(2, 8), Costs(1.0, 2.0, 0.5, 3.0, p2p=0.1)
+    durations = {(r, a): c.of(a) for r in range(2) for a in sched.compute_actions(r)}
+    pair = next(a for a in sched.compute_actions(0) if a.op is Op.FB and a.phase == 0)  # F0.x on stage 0
+    partner = next(a for a in sched.compute_actions(1) if a.op is Op.FB and (a.phase, a.chunk) == (0, pair.chunk))
+    assert (partner.backward.phase, partner.backward.chunk) == (pair.backward.phase, pair.backward.chunk)
+    durations[(0, pair)] = 20.0  # rank 0's slow pair feeds both halves of its partner on rank 1
+
+    def spans(shares: dict) -> tuple:
+        result = simulate(sched, c, durations, forward_shares=shares)
+        return ({s.action: s for s in result.timelines[0]}[pair], {s.action: s for s in result.timelines[1]}[partner],
+                result)
+
+    slow, waiting, _ = spans({})
+    assert waiting.start == pytest.approx(slow.end + 0.1)  # one block: both inputs first, from the pair's end
+    slow, waiting, result = spans({(0, pair): 0.25, (1, partner): 0.5})
+    # the forward half starts on the forward's output, a quarter into the slow pair; the backward
+    # half then waits for the pair's end
+    assert waiting.start == pytest.approx(slow.start + 0.25 * 20.0 + 0.1)
+    assert waiting.end == pytest.approx(slow.end + 0.1 + 0.5 * 3.0)
+    assert result.busy[1] == pytest.approx(sum(d for (r, _), d in durations.items() if r == 1))  # the gap is idle

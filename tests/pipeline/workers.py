@@ -142,8 +142,10 @@ def ep_overlap(rank: int, world: int, num_chunks: int) -> dict:
         g = torch.Generator().manual_seed(10 + rank)
         x = torch.randn(BATCH, HIDDEN, generator=g, dtype=torch.float64)
         label = torch.randn(BATCH, HIDDEN, generator=g, dtype=torch.float64)
+        pipe.timeline = []
         loss, _ = pipe.step(x, num_chunks=num_chunks, criterion=lambda o, l: ((o - l) ** 2).mean(), labels=(label,))
-        out[overlap] = {"loss": loss, "grads": [p.grad for p in pipe.parameters()], "log": log}
+        out[overlap] = {"loss": loss, "grads": [p.grad for p in pipe.parameters()], "log": log,
+                        "pairs": sum(a.op.value == "FB" for a, *_ in pipe.timeline), "shares": pipe.forward_shares}
     return out
 
 
