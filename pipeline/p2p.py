@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -112,7 +113,7 @@ class Channel:
         self._groups = [dist.new_group(ranks, use_local_synchronization=True) for _ in range(num_streams)]
         self.device = device
         self.log: TransferLog | None = None  # set to record the times of messages
-        self.blocked_s = 0.0  # seconds spent waiting for messages (and reading their headers), all told
+        self.blocked_s = 0.0  # seconds spent blocked on messages not yet arrived, all told
         self._sends: list[tuple[dist.Work, Tensor]] = []
         self._sent: dict[tuple[int, int], int] = {}  # (peer, stream) -> payload bytes of the last message out
         self._expect: dict[tuple[int, int], int] = {}  # (peer, stream) -> payload bytes of the last message in
@@ -165,18 +166,16 @@ class Channel:
         if not queue or queue[0] is not ticket:
             raise RuntimeError(f"messages on stream {stream} from rank {peer} must be read in order")
         t0 = time.perf_counter()
-        ticket.work.wait()
-        metas = _parse(ticket.buf[:HEADER_BYTES].view(torch.int64).cpu())
+        # on a GPU the header's copy to the host is what blocks until the message is there
+        metas = _parse(self._await(ticket.work, lambda: ticket.buf[:HEADER_BYTES].view(torch.int64).cpu()))
         nbytes = sum(m.nbytes for m in metas)
         if self._expect.get(key) == nbytes:
             payload = ticket.buf[HEADER_BYTES:]
         else:
             payload = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            self._irecv(payload, peer, stream).wait()
-        t1 = time.perf_counter()
-        self.blocked_s += t1 - t0
+            self._await(self._irecv(payload, peer, stream), lambda: None)
         if self.log is not None:
-            self.log.received[key].append((t0, t1))
+            self.log.received[key].append((t0, time.perf_counter()))
         self._expect[key] = nbytes
         queue.popleft()
         if queue:
@@ -188,6 +187,16 @@ class Channel:
                 raw = raw.clone()  # a view as m.dtype needs an aligned start
             out.append((raw.view(m.dtype).view(m.shape), m.requires_grad))
             offset += m.nbytes
+        return out
+
+    def _await(self, work: dist.Work, then: Callable[[], Any]) -> Any:
+        """Wait for a receive, then return then(); the time this takes for a message not yet
+        arrived adds to blocked_s."""
+        t0, arrived = time.perf_counter(), work.is_completed()
+        work.wait()
+        out = then()
+        if not arrived:
+            self.blocked_s += time.perf_counter() - t0
         return out
 
     def wait_sends(self) -> None:
