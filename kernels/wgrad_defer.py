@@ -5,10 +5,10 @@ deferral (its backward calls `defer_weight_grad`, or `weight_grad_or_defer` for 
 then computes only its input grad and queues the weight-grad computation under `key`, and
 `store.run(key)` (the W action) executes the queue later; `store.run(k1, k2, ...)` executes several
 chunks' queues at once, and work queued with a merge key (e.g. one Linear's weight grad) then
-runs once over all those chunks' inputs: one larger GEMM instead of one per chunk. The open capture lives in one
-process-wide slot, not a thread- or context-local one, so a backward run by the autograd engine's
-own device threads (CUDA) sees it too; captures therefore do not nest. Pure autograd: no
-torch.distributed here.
+runs once over all those chunks' inputs: one larger GEMM instead of one per chunk. The open
+capture lives in one process-wide slot, not a thread- or context-local one, so a backward run by
+the autograd engine's own device threads (CUDA) sees it too; captures therefore do not nest. Pure
+autograd: no torch.distributed here.
 """
 
 from __future__ import annotations

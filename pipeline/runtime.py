@@ -61,7 +61,7 @@ class PipelineRuntime(nn.Module):
         self.forward_shares: dict[Action, float] = {}
         self.current_action: Action | None = None
         self._schedules: dict[tuple[int, bool, bool], Schedule] = {}
-        self._channel = Channel(self.group, self._device())  # created with the runtime (NCCL makes groups)
+        self._channel = Channel(self.group, self._device())  # made here: it creates process groups
 
     @property
     def transfers(self) -> TransferLog | None:
