@@ -108,7 +108,6 @@ class Channel:
     """
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, num_streams: int = 4) -> None:
-        self.group = group
         ranks = dist.get_process_group_ranks(group)
         self._groups = [dist.new_group(ranks, use_local_synchronization=True) for _ in range(num_streams)]
         self.device = device
@@ -119,14 +118,11 @@ class Channel:
         self._expect: dict[tuple[int, int], int] = {}  # (peer, stream) -> payload bytes of the last message in
         self._queued: dict[tuple[int, int], deque[_Ticket]] = defaultdict(deque)
 
-    def _group(self, stream: int) -> dist.ProcessGroup:
-        return self._groups[stream]
-
     def _isend(self, buf: Tensor, peer: int, stream: int) -> None:
-        self._sends.append((self._group(stream).send([buf], peer, stream), buf))
+        self._sends.append((self._groups[stream].send([buf], peer, stream), buf))
 
     def _irecv(self, buf: Tensor, peer: int, stream: int) -> dist.Work:
-        return self._group(stream).recv([buf], peer, stream)
+        return self._groups[stream].recv([buf], peer, stream)
 
     def send(self, tensors: list[Tensor], peer: int, stream: int) -> None:
         """Start sending tensors to group rank peer (non-blocking; finished by wait_sends)."""

@@ -51,8 +51,9 @@ class _SplitLinear(torch.autograd.Function):
             return dx, None, None
         x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
         bias = ctx.bias
-        merge = (("linear", id(weight)), partial(_merged_linear_weight_grads, weight, bias), (x2, dy2))
-        if not defer_weight_grad(weight, lambda: _linear_weight_grads(weight, bias, x2, dy2), (x2, dy2), merge):
+        run_all = partial(_merged_linear_weight_grads, weight, bias)
+        if not defer_weight_grad(weight, partial(run_all, [(x2, dy2)]), (x2, dy2),
+                                 (("linear", id(weight)), run_all, (x2, dy2))):
             _linear_weight_grads(weight, bias, x2, dy2)
         return dx, None, None
 
