@@ -1,4 +1,4 @@
-"""TOML run configs: [model], [train] and [data] sections, validated before any work starts."""
+"""TOML run configs: [model], [train], [data] and [parallel] sections, validated before any work starts."""
 
 from __future__ import annotations
 
@@ -65,6 +65,69 @@ class DataSettings:
                              f"(give a path to text files, or \"stdlib\" for the shipped default)")
 
 
+SCHEDULES = ("none", "dualpipev", "dualpipe", "1f1b", "zb1p")
+COMM_BACKENDS = ("auto", "gloo", "nccl")
+DISPATCH_BACKENDS = ("flat", "hierarchical")
+DISPATCH_PAYLOADS = ("bf16", "fp8")
+
+
+@dataclass
+class ParallelSettings:
+    """The layout: world = pp x dp x tp ranks (TP innermost, then DP, then PP); EP folded over a stage's dp x tp ranks.
+
+    gpus_per_node 0 puts every rank on one node; num_chunks 0 runs all of a DP rank's
+    micro-batches in one pipeline step. Experts are replicated over dp * tp / ep ranks.
+    """
+
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+    gpus_per_node: int = 0
+    schedule: str = "none"
+    num_chunks: int = 0
+    split_bw: bool = True
+    merge_w: int = 1
+    overlap: bool = True
+    dispatch_backend: str = "flat"
+    dispatch_payload: str = "bf16"
+    comm_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("pp", "dp", "tp", "ep", "merge_w"):
+            check_positive(f"parallel.{name}", getattr(self, name))
+        for name in ("gpus_per_node", "num_chunks"):
+            check_positive(f"parallel.{name}", getattr(self, name), minimum=0)
+        check_choice("parallel.schedule", self.schedule, SCHEDULES)
+        check_choice("parallel.dispatch_backend", self.dispatch_backend, DISPATCH_BACKENDS)
+        check_choice("parallel.dispatch_payload", self.dispatch_payload, DISPATCH_PAYLOADS)
+        check_choice("parallel.comm_backend", self.comm_backend, COMM_BACKENDS)
+        if (self.pp == 1) != (self.schedule == "none"):
+            allowed = "'none'" if self.pp == 1 else ", ".join(map(repr, SCHEDULES[1:]))
+            raise ValueError(f"parallel.schedule = {self.schedule!r} with parallel.pp = {self.pp}: allowed {allowed}")
+        if self.schedule == "dualpipe" and self.pp % 2:
+            raise ValueError(f"parallel.pp = {self.pp}: schedule 'dualpipe' needs an even pp (allowed: 2, 4, 6, ...)")
+        if (self.dp * self.tp) % self.ep:
+            allowed = [d for d in range(1, self.dp * self.tp + 1) if (self.dp * self.tp) % d == 0]
+            raise ValueError(f"parallel.ep = {self.ep} must divide dp x tp = {self.dp * self.tp} "
+                             f"(allowed: {', '.join(map(str, allowed))})")
+        if self.gpus_per_node and self.world_size % self.gpus_per_node:
+            allowed = [d for d in range(1, self.world_size + 1) if self.world_size % d == 0]
+            raise ValueError(f"parallel.gpus_per_node = {self.gpus_per_node} must divide the world size "
+                             f"pp x dp x tp = {self.world_size} (allowed: 0, {', '.join(map(str, allowed))})")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the layout needs."""
+        return self.pp * self.dp * self.tp
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages the model is split into (DualPipeV: two per rank)."""
+        return 2 * self.pp if self.schedule == "dualpipev" else self.pp
+
+
 @dataclass
 class RunConfig:
     """A whole run: model shape, training loop and data."""
@@ -72,17 +135,40 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainSettings = field(default_factory=TrainSettings)
     data: DataSettings = field(default_factory=DataSettings)
+    parallel: ParallelSettings = field(default_factory=ParallelSettings)
 
     def __post_init__(self) -> None:
         if self.train.seq_len > self.model.max_seq_len:
             raise ValueError(f"train.seq_len = {self.train.seq_len} must be <= model.max_seq_len = "
                              f"{self.model.max_seq_len}")
-        if self.model.ep_size != 1:
-            raise ValueError(f"model.ep_size = {self.model.ep_size}: moe-train runs one process, so the allowed "
-                             "value is 1 (expert parallelism runs under dispatch.EPDispatcher, not yet in moe-train)")
+        par, model = self.parallel, self.model
+        if model.num_experts % par.ep:
+            raise ValueError(f"parallel.ep = {par.ep} must divide model.num_experts = {model.num_experts}")
+        if model.num_layers < par.num_stages:
+            raise ValueError(f"model.num_layers = {model.num_layers} is fewer than the {par.num_stages} pipeline "
+                             f"stages of parallel.pp = {par.pp} with schedule {par.schedule!r}")
+        if self.train.grad_accum_steps % par.dp:
+            raise ValueError(f"train.grad_accum_steps = {self.train.grad_accum_steps} (micro-batches per step, "
+                             f"global) must be a multiple of parallel.dp = {par.dp}")
+        per_rank = self.train.grad_accum_steps // par.dp
+        chunks = par.num_chunks or per_rank
+        if per_rank % chunks:
+            raise ValueError(f"parallel.num_chunks = {chunks} must divide the {per_rank} micro-batches each DP rank "
+                             f"runs per step (train.grad_accum_steps / parallel.dp)")
+        minimum = {"dualpipe": 2 * par.pp, "dualpipev": 2 * par.pp, "1f1b": par.pp, "zb1p": par.pp}.get(par.schedule, 1)
+        if chunks < minimum or (par.schedule == "dualpipe" and chunks % 2):
+            even = " and even" if par.schedule == "dualpipe" else ""
+            raise ValueError(f"parallel.num_chunks = {chunks} is too small for schedule {par.schedule!r} with pp = "
+                             f"{par.pp}: it needs >= {minimum}{even} chunks per pipeline step (raise "
+                             f"train.grad_accum_steps or parallel.num_chunks)")
+
+    @property
+    def chunks_per_step(self) -> int:
+        """Micro-batches one DP rank runs in one pipeline step."""
+        return self.parallel.num_chunks or self.train.grad_accum_steps // self.parallel.dp
 
 
-SECTIONS = {"model": ModelConfig, "train": TrainSettings, "data": DataSettings}
+SECTIONS = {"model": ModelConfig, "train": TrainSettings, "data": DataSettings, "parallel": ParallelSettings}
 
 
 def _accepted_types(hint: object) -> tuple[type, ...]:

@@ -8,8 +8,6 @@ from dataclasses import dataclass, fields
 SCORE_FUNCS = ("softmax", "sigmoid")
 DROP_POLICIES = ("probs", "position")
 EXPERT_PRECISIONS = ("native", "fp8")
-DISPATCH_BACKENDS = ("flat", "hierarchical")
-DISPATCH_PAYLOADS = ("bf16", "fp8")
 
 
 def check_choice(name: str, value: object, allowed: tuple) -> None:
@@ -50,7 +48,7 @@ def check_router_settings(num_experts: int, top_k: int, score_func: str, num_gro
 
 @dataclass
 class ModelConfig:
-    """Shape of a DeepSeek-style MoE decoder and its router, expert and dispatch settings."""
+    """Shape of a DeepSeek-style MoE decoder and its router and expert settings (parallel layout: launch.config)."""
 
     vocab_size: int = 256
     hidden_size: int = 128
@@ -78,15 +76,11 @@ class ModelConfig:
     z_loss_coeff: float = 0.0
     bias_update_rate: float = 0.0
     expert_precision: str = "native"
-    ep_size: int = 1
-    gpus_per_node: int | None = None
-    dispatch_backend: str = "flat"
-    dispatch_payload: str = "bf16"
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                     "max_seq_len", "dense_ffn_size", "expert_ffn_size", "ep_size"):
+                     "max_seq_len", "dense_ffn_size", "expert_ffn_size"):
             check_positive(name, getattr(self, name))
         check_positive("first_k_dense", self.first_k_dense, minimum=0)
         check_positive("num_shared_experts", self.num_shared_experts, minimum=0)
@@ -101,12 +95,6 @@ class ModelConfig:
         check_router_settings(self.num_experts, self.top_k, self.score_func, self.num_groups,
                               self.topk_groups, self.capacity_factor, self.drop_policy)
         check_choice("expert_precision", self.expert_precision, EXPERT_PRECISIONS)
-        check_choice("dispatch_backend", self.dispatch_backend, DISPATCH_BACKENDS)
-        check_choice("dispatch_payload", self.dispatch_payload, DISPATCH_PAYLOADS)
-        if self.num_experts % self.ep_size:
-            raise ValueError(f"num_experts = {self.num_experts} must be divisible by ep_size = {self.ep_size}")
-        if self.gpus_per_node is not None:
-            check_positive("gpus_per_node", self.gpus_per_node)
 
     @property
     def num_moe_layers(self) -> int:

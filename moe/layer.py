@@ -5,13 +5,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch.distributed as dist
+from typing import TYPE_CHECKING
+
+import torch
 from torch import Tensor, nn
 
 from moe.config import ModelConfig
 from moe.experts import GroupedExperts, SwiGLU
 from moe.local_dispatch import LocalDispatcher
 from moe.router import TopKRouter
+
+if TYPE_CHECKING:
+    from dispatch import EPDispatcher
 
 
 @dataclass
@@ -36,25 +41,31 @@ def build_router(cfg: ModelConfig) -> TopKRouter:
 
 
 class MoELayer(nn.Module):
-    """Routed experts (+ shared experts); with ep_group, this rank holds its contiguous expert block."""
+    """Routed experts (+ shared experts), all held here until to_expert_parallel() keeps one block."""
 
-    def __init__(self, cfg: ModelConfig, ep_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.router = build_router(cfg)
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        if ep_group is None:
-            self.dispatcher = LocalDispatcher(cfg.num_experts)
-            local_experts = cfg.num_experts
-        else:
-            from dispatch import EPDispatcher
-            self.dispatcher = EPDispatcher(cfg.num_experts, group=ep_group, gpus_per_node=cfg.gpus_per_node,
-                                           backend=cfg.dispatch_backend, payload=cfg.dispatch_payload)
-            local_experts = cfg.num_experts // dist.get_world_size(ep_group)
-        self.experts = GroupedExperts(local_experts, cfg.hidden_size, cfg.expert_ffn_size,
+        self.dispatcher = LocalDispatcher(cfg.num_experts)
+        self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.expert_ffn_size,
                                       precision=cfg.expert_precision, init_std=cfg.init_std, out_std=out_std)
         self.shared = (SwiGLU(cfg.hidden_size, cfg.num_shared_experts * cfg.expert_ffn_size,
                               init_std=cfg.init_std, out_std=out_std)
                        if cfg.num_shared_experts else None)
+
+    @torch.no_grad()
+    def to_expert_parallel(self, dispatcher: EPDispatcher) -> None:
+        """Route through an expert-parallel dispatcher and keep only its rank's contiguous expert block."""
+        count = dispatcher.experts_per_rank
+        if self.experts.num_experts != dispatcher.num_experts:
+            raise ValueError(f"the layer holds {self.experts.num_experts} experts, the dispatcher expects "
+                             f"{dispatcher.num_experts}: call to_expert_parallel once, on the full layer")
+        block = slice(dispatcher.rank * count, (dispatcher.rank + 1) * count)
+        for name in ("w_gate_up", "w_down"):
+            weight = getattr(self.experts, name)
+            setattr(self.experts, name, nn.Parameter(weight[block].clone(), requires_grad=weight.requires_grad))
+        self.dispatcher = dispatcher
 
     def forward(self, x: Tensor, seq_len: int | None = None) -> tuple[Tensor, MoEStats]:
         """x [..., H] -> (out [..., H], stats); seq_len feeds the sequence-wise balance loss."""

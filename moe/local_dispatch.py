@@ -29,6 +29,7 @@ class LocalDispatcher:
 
     def __init__(self, num_experts: int) -> None:
         self.num_experts = num_experts
+        self.experts_per_rank = num_experts
 
     def dispatch(self, x: Tensor, indices: Tensor, weights: Tensor) -> tuple[Tensor, RecvInfo, LocalHandle]:
         """Rows of x, one per kept (token, expert) slot, stably sorted by expert."""

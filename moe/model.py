@@ -6,7 +6,6 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -56,13 +55,13 @@ class Attention(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block whose FFN is a dense SwiGLU or an MoE layer."""
 
-    def __init__(self, cfg: ModelConfig, moe: bool, ep_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, moe: bool) -> None:
         super().__init__()
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.attn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.attn = Attention(cfg, out_std)
         self.ffn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-        self.ffn = (MoELayer(cfg, ep_group) if moe
+        self.ffn = (MoELayer(cfg) if moe
                     else SwiGLU(cfg.hidden_size, cfg.dense_ffn_size, init_std=cfg.init_std, out_std=out_std))
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, MoEStats | None]:
@@ -89,12 +88,12 @@ class ModelOutput:
 class MoETransformer(nn.Module):
     """Embeddings, first_k_dense dense blocks, MoE blocks, final norm and LM head."""
 
-    def __init__(self, cfg: ModelConfig, ep_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         nn.init.normal_(self.embed.weight, std=cfg.init_std)
-        self.blocks = nn.ModuleList(Block(cfg, moe=i >= cfg.first_k_dense, ep_group=ep_group)
+        self.blocks = nn.ModuleList(Block(cfg, moe=i >= cfg.first_k_dense)
                                     for i in range(cfg.num_layers))
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

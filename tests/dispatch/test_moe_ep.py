@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
 
+from dispatch import EPDispatcher
 from dispatch.multiproc import run_processes
 from moe.config import ModelConfig
 from moe.layer import MoELayer
@@ -18,18 +21,14 @@ VARIANTS = [("flat", None), ("hierarchical", None), ("hierarchical", 1.0)]  # (b
 
 def _config(backend: str, capacity_factor: float | None) -> ModelConfig:
     return ModelConfig(hidden_size=32, num_experts=8, top_k=3, expert_ffn_size=16, num_shared_experts=1,
-                       capacity_factor=capacity_factor, ep_size=WORLD, gpus_per_node=2,
-                       dispatch_backend=backend, dispatch_payload="bf16")
+                       capacity_factor=capacity_factor)
 
 
-def _layers(cfg: ModelConfig, rank: int, dtype: torch.dtype) -> tuple[MoELayer, MoELayer]:
+def _layers(cfg: ModelConfig, backend: str, dtype: torch.dtype) -> tuple[MoELayer, MoELayer]:
     torch.manual_seed(0)
     full = MoELayer(cfg).to(dtype)
-    ep = MoELayer(cfg, ep_group=dist.group.WORLD).to(dtype)
-    block = slice(rank * cfg.num_experts // WORLD, (rank + 1) * cfg.num_experts // WORLD)
-    state = {name: (value[block] if name.startswith("experts.") else value)
-             for name, value in full.state_dict().items()}
-    ep.load_state_dict(state)
+    ep = copy.deepcopy(full)
+    ep.to_expert_parallel(EPDispatcher(cfg.num_experts, group=dist.group.WORLD, gpus_per_node=2, backend=backend))
     return full, ep
 
 
@@ -43,13 +42,13 @@ def _compare(rank: int, world_size: int) -> dict:
     results = {}
     for backend, capacity in VARIANTS:
         cfg = _config(backend, capacity)
-        full, ep = _layers(cfg, rank, torch.float32)
+        full, ep = _layers(cfg, backend, torch.float32)
         x, _ = _tokens(rank, torch.float32)
         out, stats = ep(x)
         results[backend, capacity, "out"] = (out.detach(), full(x)[0].detach())
         results[backend, capacity, "dropped"] = int(stats.dropped)
 
-        full, ep = _layers(cfg, rank, torch.float64)
+        full, ep = _layers(cfg, backend, torch.float64)
         x, grad_out = _tokens(rank, torch.float64)
         x_ep = x.clone().requires_grad_()
         (ep(x_ep)[0] * grad_out).sum().backward()
