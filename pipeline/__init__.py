@@ -4,7 +4,7 @@ import importlib
 from typing import Any
 
 from pipeline.overlap import OverlapSequential
-from pipeline.runtime import DualPipe, DualPipeV, PipelineRuntime
+from pipeline.runtime import ZB1P, DualPipe, DualPipeV, OneFOneB, PipelineRuntime
 from pipeline.schedules import (SCHEDULES, Action, Layout, Op, Schedule, build, dualpipe, dualpipev,
                                 forward_only, merge_weight_grads, one_f_one_b, with_communication, without_split,
                                 zb1p)
@@ -12,7 +12,7 @@ from pipeline.wgrad import WeightGradStore, accumulate_grad, defer_weight_grad, 
 
 _SIMULATOR = ("Costs", "SimResult", "render_svg", "render_text", "simulate")
 
-__all__ = ["DualPipe", "DualPipeV", "PipelineRuntime", "OverlapSequential", "SCHEDULES", "Action", "Layout",
+__all__ = ["DualPipe", "DualPipeV", "OneFOneB", "ZB1P", "PipelineRuntime", "OverlapSequential", "SCHEDULES", "Action", "Layout",
            "Op", "Schedule", "build", "dualpipe", "dualpipev", "forward_only", "merge_weight_grads", "one_f_one_b",
            "with_communication", "without_split", "zb1p", "WeightGradStore", "accumulate_grad",
            "defer_weight_grad", "install_split_linear", *_SIMULATOR]

@@ -33,12 +33,14 @@ class PipelineRuntime(nn.Module):
     """
 
     schedule_name = ""
+    modules_per_rank = 2
 
     def __init__(self, modules: Sequence[nn.Module], process_group: dist.ProcessGroup | None = None, *,
                  batch_dim: int = 0, split_bw: bool = True, overlap: bool = True, merge_w: int = 1) -> None:
         super().__init__()
-        if len(modules) != 2 or not all(isinstance(m, nn.Module) for m in modules):
-            raise ValueError(f"modules must be a pair (m0, m1) of nn.Module, got {len(modules)} item(s)")
+        if len(modules) != self.modules_per_rank or not all(isinstance(m, nn.Module) for m in modules):
+            shape = "a pair (m0, m1)" if self.modules_per_rank == 2 else "a 1-tuple (m,)"
+            raise ValueError(f"modules must be {shape} of nn.Module, got {len(modules)} item(s)")
         if not isinstance(merge_w, int) or merge_w < 1 or (merge_w > 1 and not split_bw):
             raise ValueError(f"merge_w = {merge_w!r}: chunks per W action must be an integer >= 1 "
                              f"(and 1 when split_bw is False)")
@@ -282,3 +284,16 @@ class DualPipeV(PipelineRuntime):
     """
 
     schedule_name = "dualpipev"
+
+
+class OneFOneB(PipelineRuntime):
+    """1F1B: one stage per rank, modules=(m,); rank 0 feeds the inputs, the last rank computes the loss."""
+
+    schedule_name = "1f1b"
+    modules_per_rank = 1
+
+
+class ZB1P(OneFOneB):
+    """Zero-bubble ZB-H1: 1F1B whose backwards are split and whose weight passes fill the bubbles."""
+
+    schedule_name = "zb1p"
