@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any, Generator
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +73,15 @@ class Block(nn.Module):
             out, stats = self.ffn(h, seq_len=x.shape[1])
             return x + out, stats
         return x + self.ffn(h), None
+
+    def forward_steps(self, x: Tensor, cos: Tensor, sin: Tensor) -> Generator[Any, None, tuple[Tensor, MoEStats | None]]:
+        """forward as a generator that pauses while the MoE layer's communication is in flight
+        (see pipeline.overlap); a block without such a layer never pauses."""
+        if not hasattr(self.ffn, "forward_steps"):
+            return self(x, cos, sin)
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        out, stats = yield from self.ffn.forward_steps(self.ffn_norm(x), seq_len=x.shape[1])
+        return x + out, stats
 
 
 @dataclass
