@@ -3,27 +3,37 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 
 SUITES = {
-    "dispatch": "dispatch.bench",
-    "pipeline": "pipeline.bench",
-    "optim": "optim.bench",
-    "kernels": "kernels.bench",
+    "dispatch": "launch.bench.dispatch",
+    "pipeline": "launch.bench.pipeline",
+    "optim": "launch.bench.optim",
+    "kernels": "launch.bench.kernels",
+    "train": "launch.bench.train",
+    "tp": "launch.bench.tp",
+    "compare": "launch.bench.compare",
 }
+
+
+def available() -> dict[str, str]:
+    """The registered suites whose module exists in this checkout."""
+    return {name: module for name, module in SUITES.items() if importlib.util.find_spec(module) is not None}
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the suite name and hand the remaining arguments to that suite's main()."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUITES:
-        names = ", ".join(SUITES)
-        if argv and argv[0] not in ("-h", "--help"):
-            print(f"moe-bench: unknown suite {argv[0]!r}; choose one of: {names}", file=sys.stderr)
-            return 2
+    suites = available()
+    names = ", ".join(suites)
+    if not argv or argv[0] in ("-h", "--help"):
         print(f"usage: moe-bench SUITE [options]   (SUITE: {names}; SUITE --help for its options)")
         return 0
-    module = importlib.import_module(SUITES[argv[0]])
+    if argv[0] not in suites:
+        print(f"moe-bench: unknown suite {argv[0]!r}; choose one of: {names}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(suites[argv[0]])
     return int(module.main(argv[1:]) or 0)
 
 

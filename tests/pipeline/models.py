@@ -5,7 +5,10 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+
+from pipeline.overlap import complete
 
 
 class MLPStage(nn.Module):
@@ -38,6 +41,35 @@ class MoEStage(nn.Module):
     def forward(self, x: Tensor, skip: Tensor) -> tuple[Tensor, Tensor]:
         out, _ = self.moe(self.norm(x))
         return self.mlp(x + out, skip)
+
+
+class AllToAllBlock(nn.Module):
+    """Linear(h, 4h) -> GELU -> Linear(4h, h) whose hidden activations cross the group by an async
+    all_to_all (a stand-in for expert dispatch); forward_steps yields while the exchange is in flight."""
+
+    def __init__(self, hidden: int, group: dist.ProcessGroup | None = None, log: list[str] | None = None) -> None:
+        super().__init__()
+        self.up = nn.Linear(hidden, 4 * hidden)
+        self.down = nn.Linear(4 * hidden, hidden)
+        self.group = group
+        self.log = log if log is not None else []
+
+    def forward_steps(self, x: Tensor):
+        """Generator form of forward (see pipeline.overlap)."""
+        h = self.up(x)
+        send = h.detach().contiguous()
+        recv = torch.empty_like(send)
+        work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+        self.log.append("comm started")
+        yield work
+        work.wait()
+        self.log.append("comm done")
+        h = h + (recv - send)  # value: the exchanged rows; gradient: identity
+        return self.down(nn.functional.gelu(h))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Same result as forward_steps, without pausing."""
+        return complete(self.forward_steps(x))
 
 
 def make_stages(kind: str, num_stages: int, hidden: int, dtype: torch.dtype, seed: int = 0) -> list[nn.Module]:

@@ -125,7 +125,7 @@ def bad_inputs(rank: int, world: int) -> dict[str, str]:
 def ep_overlap(rank: int, world: int, num_chunks: int) -> dict:
     """Each rank runs its own 1-rank DualPipeV; the ranks form the EP group of the toy blocks.
     Returns, with overlap on and off: losses, grads and the order of comm vs backward events."""
-    from pipeline.bench_models import AllToAllBlock
+    from tests.pipeline.models import AllToAllBlock
     from pipeline.overlap import OverlapSequential
     groups = [dist.new_group([r]) for r in range(world)]
     own = groups[rank]

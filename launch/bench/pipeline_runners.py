@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from pipeline.bench_models import mse, partition
+from launch.bench.pipeline_models import MoEBlock, mse, partition
 from pipeline.overlap import OverlapSequential
 from pipeline.runtime import DualPipe, DualPipeV, PipelineRuntime
 from pipeline.schedules import COMPUTE_OPS
@@ -77,11 +77,15 @@ def torch_runner(name: str, rank: int, world: int, layers: list[nn.Module], chun
 
 
 def our_runner(name: str, rank: int, world: int, layers: list[nn.Module], chunks: int, opts: dict,
-               group: Any = None) -> Runner:
-    """Our DualPipeV or DualPipe over the same layers (group: the pipeline's ranks, default all)."""
+               group: Any = None, ep_group: Any = None) -> Runner:
+    """Our DualPipeV or DualPipe over the same layers (group: the pipeline's ranks, default all; ep_group:
+    spread the MoE blocks' experts over it)."""
     v = name.startswith("ours DualPipeV")
     num_stages = 2 * world if v else world
     mods = partition(layers, num_stages, OverlapSequential)
+    if ep_group is not None:
+        for block in (b for m in mods for b in m if isinstance(b, MoEBlock)):
+            block.expert_parallel(ep_group)
     pipe = (DualPipeV if v else DualPipe)((mods[rank], mods[num_stages - 1 - rank]), group,
                                           split_bw=opts["split_bw"], overlap=opts["overlap"],
                                           merge_w=1 if name == PER_CHUNK_W else opts["merge_w"])

@@ -10,10 +10,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dispatch.dispatcher import PAYLOADS, EPDispatcher
-from dispatch.onehot import OneHotDispatcher
 from dispatch.routes import BACKENDS
 from dispatch.routing import synthetic_routing
 from dispatch.traffic import Traffic
+from launch.bench.onehot import OneHotDispatcher
 
 ONEHOT = "one-hot"
 CONTENDERS = tuple((backend, payload) for backend in (ONEHOT, *BACKENDS) for payload in PAYLOADS)

@@ -16,14 +16,14 @@ from typing import Any
 
 import torch
 
-from dispatch.bench_model import V3, LinkModel, byte_fields, moved_bytes, predict_v3, projected_fields
-from dispatch.bench_worker import CONTENDERS, KINDS, ONEHOT, bench_worker, rank_routing
 from dispatch.layout import check_num_experts
 from dispatch.multiproc import run_processes
-from dispatch.onehot import dropped_slots, onehot_capacity, onehot_traffic
 from dispatch.predict import predict_traffic
 from dispatch.routing import ROUTINGS
 from dispatch.topology import make_topology
+from launch.bench.dispatch_model import V3, LinkModel, byte_fields, moved_bytes, predict_v3, projected_fields
+from launch.bench.dispatch_worker import CONTENDERS, KINDS, ONEHOT, bench_worker, rank_routing
+from launch.bench.onehot import dropped_slots, onehot_capacity, onehot_traffic
 
 V3_HIDDEN = 7168
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from optim import bench
+from launch.bench import optim as bench
 
 pytestmark = pytest.mark.timeout(300)
 

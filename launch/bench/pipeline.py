@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 from dispatch.multiproc import run_processes
+from launch.bench.pipeline_models import build_layers
+from launch.bench.pipeline_runners import OURS, PER_CHUNK_W, TORCH, Runner, our_runner, single_process, torch_runner
 from pipeline import schedules
-from pipeline.bench_models import build_layers
-from pipeline.bench_runners import OURS, PER_CHUNK_W, TORCH, Runner, our_runner, single_process, torch_runner
 from pipeline.costs import (CostSamples, action_window, hop_latencies, measured_wait, median_wait, occupied_durations,
                             replayed_wait, sampled_wait)
 from pipeline.memory import SavedTensorMeter
@@ -207,12 +207,13 @@ def format_wait_summary(rows: list[dict]) -> str:
 
 
 def _ep_overlap_worker(rank: int, world: int, opts: dict) -> list[dict]:
-    """Each rank runs its own 1-rank DualPipeV whose blocks exchange activations with the other
-    ranks (the EP group) by async all_to_all; time overlap on vs off, round-robin."""
+    """Each rank runs its own 1-rank DualPipeV of the product's MoE blocks, whose experts are spread over
+    all ranks (one EP group, the product's EPDispatcher); time overlap on vs off, round-robin."""
     groups = [dist.new_group([r]) for r in range(world)]
-    layers = build_layers("a2a", opts["layers"], opts["hidden"])
+    layers = build_layers("moe", opts["layers"], opts["hidden"])
     runners = {f"ours DualPipeV, EP overlap {'on' if on else 'off'}":
-               our_runner("ours DualPipeV", 0, 1, layers, opts["chunks"], {**opts, "overlap": on}, groups[rank])
+               our_runner("ours DualPipeV", 0, 1, layers, opts["chunks"], {**opts, "overlap": on}, groups[rank],
+                          dist.group.WORLD)
                for on in (True, False)}
     return [{"schedule": name, "rank": rank, "step_s": st["step_s"], "idle": statistics.median(st["idle"]),
              "peak": st["peak"]} for name, st in _time_round_robin(runners, opts).items()]
@@ -235,7 +236,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--merge-w", type=int, help="chunks per W action of ours (default: --chunks, one W per stage; "
                    f"'{PER_CHUNK_W}' also runs with 1)")
     p.add_argument("--ep-overlap", action="store_true",
-                   help="measure the EP overlap switch: --world ranks, each a 1-rank DualPipeV, all_to_all blocks")
+                   help="measure the EP overlap switch: --world ranks, each a 1-rank DualPipeV of MoE blocks, one EP group")
     p.add_argument("--only", nargs="*", help="run only these schedules (names as printed)")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
@@ -255,7 +256,7 @@ def main(argv: list[str]) -> int:
     worker = _ep_overlap_worker if args.ep_overlap else _bench_worker
     results = run_processes(worker, args.world, opts, threads=args.threads, timeout_s=900)
     rows = summarise(results, opts)
-    model = "all_to_all MLP blocks" if args.ep_overlap else args.model
+    model = "expert-parallel MoE blocks" if args.ep_overlap else args.model
     latency = "" if args.ep_overlap else f"; idle ping-pong p2p latency {1e3 * results[0][0]['p2p_s']:.2f} ms"
     print(f"pipeline benchmark: {model}, {args.layers} layers, hidden {args.hidden}, batch {args.batch}, "
           f"{args.chunks} micro-batches, {args.world} processes x {args.threads} thread, gloo, "

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pipeline.bench import main
+from launch.bench.pipeline import main
 
 FIELDS = {"schedule", "world_size", "num_chunks", "step_ms", "idle_fraction", "peak_mem_bytes"}
 

@@ -2,7 +2,7 @@
 
 import json
 
-from kernels import bench
+from launch.bench import kernels as bench
 from launch.bench_cli import main as moe_bench
 
 

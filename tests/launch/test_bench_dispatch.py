@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from dispatch.bench import main
+from launch.bench.dispatch import main
 from dispatch.routing import synthetic_routing
 
 WORLD, GPN, TOKENS, HIDDEN, EXPERTS, TOP_K, SEED = 4, 2, 48, 256, 8, 3, 7

@@ -10,7 +10,7 @@ import torch
 from dispatch import make_topology
 from dispatch.fp8 import dequantize_fp8, quantize_fp8
 from dispatch.multiproc import run_processes
-from dispatch.onehot import OneHotDispatcher, dropped_slots, onehot_masks, onehot_traffic
+from launch.bench.onehot import OneHotDispatcher, dropped_slots, onehot_masks, onehot_traffic
 from tests.dispatch.cases import EXPERTS, GPUS_PER_NODE, HIDDEN, TOP_K, WORLD, dyadic_tokens, routing_case
 
 CASES = ("uniform_dropped", "one_expert")  # one_expert overflows expert 5 at any capacity below the token count
