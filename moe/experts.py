@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe.config import check_choice, EXPERT_PRECISIONS
 from moe.grouped_mm import group_offsets, grouped_linear
+
+if TYPE_CHECKING:
+    from moe.tp.comm import TPRegion
 
 
 def _linear_for(precision: str):
@@ -45,7 +50,7 @@ class GroupedExperts(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """Dense SwiGLU MLP (dense layers and shared experts)."""
+    """Dense SwiGLU MLP (dense layers and shared experts); tensor-parallel after moe.tp.parallelize_swiglu."""
 
     def __init__(self, hidden_size: int, ffn_size: int, *, init_std: float = 0.02,
                  out_std: float | None = None) -> None:
@@ -54,8 +59,12 @@ class SwiGLU(nn.Module):
         self.down = nn.Linear(ffn_size, hidden_size, bias=False)
         nn.init.normal_(self.gate_up.weight, std=init_std)
         nn.init.normal_(self.down.weight, std=out_std or init_std)
+        self.tp: TPRegion | None = None
 
     def forward(self, x: Tensor) -> Tensor:
-        """x [..., H] -> [..., H]."""
+        """x [..., H] -> [..., H] (under TP with SP: token shards in and out)."""
+        if self.tp is not None:
+            x = self.tp.enter(x)
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        out = self.down(F.silu(gate) * up)
+        return out if self.tp is None else self.tp.leave(out)

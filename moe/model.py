@@ -13,6 +13,10 @@ from torch import Tensor, nn
 from moe.config import ModelConfig
 from moe.experts import SwiGLU
 from moe.layer import MoELayer, MoEStats
+from moe.tp import (check_tp_shapes, gather_sequence, parallelize_block, parallelize_embedding, parallelize_head,
+                    scatter_sequence, vocab_parallel_cross_entropy, TPRegion)
+from moe.tp.comm import Group
+from moe.tp.layout import mark_replicated
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device | None = None) -> tuple[Tensor, Tensor]:
@@ -30,7 +34,11 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    """Causal grouped-query attention with rotary embeddings."""
+    """Causal grouped-query attention with rotary embeddings (tensor-parallel after moe.tp.parallelize_attention).
+
+    Under TP, qkv holds this rank's query heads (and its KV heads); when KV heads are fewer than
+    TP ranks, qkv holds only query rows and `kv` all KV heads, of which head `kv_head` is used.
+    """
 
     def __init__(self, cfg: ModelConfig, out_std: float) -> None:
         super().__init__()
@@ -40,17 +48,26 @@ class Attention(nn.Module):
         self.out = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
         nn.init.normal_(self.qkv.weight, std=cfg.init_std)
         nn.init.normal_(self.out.weight, std=out_std)
+        self.kv: nn.Linear | None = None
+        self.kv_head: int | None = None
+        self.tp: TPRegion | None = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """x [B, S, H] -> [B, S, H]."""
+        """x [B, S, H] -> [B, S, H] (under TP with SP: sequence shards [B, S/tp, H] in and out)."""
+        if self.tp is not None:
+            x = self.tp.enter(x)
         batch, seq, _ = x.shape
-        q, k, v = self.qkv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2).split(
+        qkv = self.qkv(x) if self.kv is None else torch.cat((self.qkv(x), self.kv(x)), dim=-1)
+        q, k, v = qkv.view(batch, seq, -1, self.head_dim).transpose(1, 2).split(
             [self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        if self.kv_head is not None:
+            k, v = k[:, self.kv_head:self.kv_head + 1], v[:, self.kv_head:self.kv_head + 1]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        repeat = self.num_heads // self.num_kv_heads
+        repeat = self.num_heads // k.shape[1]
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(attn.transpose(1, 2).reshape(batch, seq, -1))
+        out = self.out(attn.transpose(1, 2).reshape(batch, seq, -1))
+        return out if self.tp is None else self.tp.leave(out)
 
 
 class Block(nn.Module):
@@ -64,15 +81,20 @@ class Block(nn.Module):
         self.ffn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.ffn = (MoELayer(cfg) if moe
                     else SwiGLU(cfg.hidden_size, cfg.dense_ffn_size, init_std=cfg.init_std, out_std=out_std))
+        self.moe_token_group: Group | None = None  # TP without SP: the MoE layer routes this rank's S/tp tokens
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, MoEStats | None]:
-        """x [B, S, H] -> (x [B, S, H], MoE stats or None for a dense block)."""
+        """x [B, S, H] -> (x [B, S, H], MoE stats or None for a dense block); with TP+SP x is [B, S/tp, H]."""
         x = x + self.attn(self.attn_norm(x), cos, sin)
         h = self.ffn_norm(x)
-        if isinstance(self.ffn, MoELayer):
-            out, stats = self.ffn(h, seq_len=x.shape[1])
-            return x + out, stats
-        return x + self.ffn(h), None
+        if not isinstance(self.ffn, MoELayer):
+            return x + self.ffn(h), None
+        if self.moe_token_group is not None:
+            h = scatter_sequence(h, self.moe_token_group)
+        out, stats = self.ffn(h, seq_len=h.shape[1])
+        if self.moe_token_group is not None:
+            out = gather_sequence(out, self.moe_token_group)
+        return x + out, stats
 
     def forward_steps(self, x: Tensor, cos: Tensor, sin: Tensor) -> Generator[Any, None, tuple[Tensor, MoEStats | None]]:
         """forward as a generator that pauses while the MoE layer's communication is in flight
@@ -86,7 +108,7 @@ class Block(nn.Module):
 
 @dataclass
 class ModelOutput:
-    """Logits, losses and per-MoE-layer routing statistics of one forward pass."""
+    """Logits (under TP: this rank's vocab block), losses and per-MoE-layer routing statistics of one forward pass."""
 
     logits: Tensor
     loss: Tensor | None = None
@@ -108,6 +130,23 @@ class MoETransformer(nn.Module):
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         nn.init.normal_(self.lm_head.weight, std=cfg.init_std)
+        self.tp: TPRegion | None = None
+
+    def to_tensor_parallel(self, tp_group: Group, sequence_parallel: bool) -> None:
+        """Keep this TP rank's shard of every layer in place (vocab rows, heads, FFN columns; see moe.tp).
+
+        Load a single-process state dict before converting; moe.tp.gather_full rebuilds it after.
+        The loss is then the same on every TP rank and logits are this rank's vocab block.
+        """
+        if self.tp is not None:
+            raise ValueError("the model is already tensor-parallel: convert the full model once")
+        check_tp_shapes(self.cfg, None, torch.distributed.get_world_size(tp_group), sequence_parallel)
+        self.embed = parallelize_embedding(self.embed, tp_group, sequence_parallel)
+        for block in self.blocks:
+            parallelize_block(block, tp_group, sequence_parallel)
+        mark_replicated(self.norm, "partial" if sequence_parallel else "identical")
+        parallelize_head(self.lm_head, tp_group)
+        self.tp = TPRegion(tp_group, sequence_parallel, dim=1)
 
     def moe_layers(self) -> list[MoELayer]:
         """The MoE layers in depth order."""
@@ -125,12 +164,19 @@ class MoETransformer(nn.Module):
             x, layer_stats = block(x, cos, sin)
             if layer_stats is not None:
                 stats.append(layer_stats)
-        logits = self.lm_head(self.norm(x))
+        h = self.norm(x)
+        logits = self.lm_head(h if self.tp is None else self.tp.enter(h))
         if labels is None:
             return ModelOutput(logits, moe_stats=stats)
-        lm_loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        lm_loss = self.cross_entropy(logits.flatten(0, 1), labels.flatten())
         aux_loss = sum((s.aux_loss for s in stats), lm_loss.new_zeros(()))
         return ModelOutput(logits, lm_loss + aux_loss, lm_loss, aux_loss, stats)
+
+    def cross_entropy(self, logits: Tensor, labels: Tensor) -> Tensor:
+        """Mean LM loss of logits [N, vocab] (under TP: this rank's vocab block) against labels [N], in >= float32."""
+        if self.tp is not None:
+            return vocab_parallel_cross_entropy(logits, labels, self.tp.group)
+        return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels)
 
     @torch.no_grad()
     def update_expert_bias(self, tokens_per_expert: list[Tensor]) -> None:

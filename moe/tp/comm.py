@@ -1,0 +1,181 @@
+"""Differentiable tensor-parallel collectives over an explicit process group (torch functional collectives).
+
+Conventions (Megatron's f/g pairs): a tensor-parallel region is entered before column-parallel
+linears and left after row-parallel ones.
+
+    without SP: enter = identity (backward all-reduce), leave = all-reduce (backward identity)
+    with SP:    enter = all-gather along the sequence (backward reduce-scatter),
+                leave = reduce-scatter along the sequence (backward all-gather)
+
+`scatter_sequence` / `gather_sequence` move a replicated tensor onto sequence shards and back
+(forward slice / all-gather, backward all-gather / slice); use them at stage boundaries where the
+consumer on every rank computes the same thing (the loss is replicated over the TP group).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor
+
+Group = dist.ProcessGroup
+
+
+def _waited(t: Tensor) -> Tensor:
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+def all_reduce(x: Tensor, group: Group, op: str = "sum") -> Tensor:
+    """x reduced over group (not differentiable)."""
+    return _waited(funcol.all_reduce(x, op, group))
+
+
+def all_gather(x: Tensor, dim: int, group: Group) -> Tensor:
+    """Every rank's x concatenated along dim in rank order (not differentiable)."""
+    return _waited(funcol.all_gather_single(x.contiguous(), dim, group))
+
+
+def reduce_scatter(x: Tensor, dim: int, group: Group) -> Tensor:
+    """This rank's chunk along dim of x summed over group (not differentiable)."""
+    size = dist.get_world_size(group)
+    if x.shape[dim] % size:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} must be divisible by the TP size {size}")
+    return _waited(funcol.reduce_scatter_single(x.contiguous(), "sum", dim, group))
+
+
+def own_chunk(x: Tensor, dim: int, group: Group) -> Tensor:
+    """This rank's contiguous chunk of x along dim (the sequence shard)."""
+    size = dist.get_world_size(group)
+    if x.shape[dim] % size:
+        raise ValueError(f"sequence length {x.shape[dim]} must be divisible by the TP size {size} "
+                         f"(sequence parallelism and MoE token shards split it evenly)")
+    return x.chunk(size, dim)[dist.get_rank(group)].contiguous()
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group: Group) -> Tensor:  # noqa: D102
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):  # noqa: D102
+        return all_reduce(dy, ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group: Group) -> Tensor:  # noqa: D102
+        return all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):  # noqa: D102
+        return dy, None
+
+
+class _GatherForRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int, group: Group) -> Tensor:  # noqa: D102
+        ctx.dim, ctx.group = dim, group
+        return all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):  # noqa: D102
+        return reduce_scatter(dy, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatterFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int, group: Group) -> Tensor:  # noqa: D102
+        ctx.dim, ctx.group = dim, group
+        return reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):  # noqa: D102
+        return all_gather(dy, ctx.dim, ctx.group), None, None
+
+
+class _ScatterSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int, group: Group) -> Tensor:  # noqa: D102
+        ctx.dim, ctx.group = dim, group
+        return own_chunk(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):  # noqa: D102
+        return all_gather(dy, ctx.dim, ctx.group), None, None
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int, group: Group) -> Tensor:  # noqa: D102
+        ctx.dim, ctx.group = dim, group
+        return all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):  # noqa: D102
+        return own_chunk(dy, ctx.dim, ctx.group), None, None
+
+
+def copy_to_region(x: Tensor, group: Group) -> Tensor:
+    """Identity forward, all-reduce backward (entering a TP region without SP)."""
+    return _CopyToRegion.apply(x, group)
+
+
+def reduce_from_region(x: Tensor, group: Group) -> Tensor:
+    """All-reduce forward, identity backward (leaving a TP region without SP; summing replicated-loss terms)."""
+    return _ReduceFromRegion.apply(x, group)
+
+
+def gather_for_region(x: Tensor, dim: int, group: Group) -> Tensor:
+    """All-gather along dim forward, reduce-scatter backward (entering a TP region with SP)."""
+    return _GatherForRegion.apply(x, dim, group)
+
+
+def reduce_scatter_from_region(x: Tensor, dim: int, group: Group) -> Tensor:
+    """Reduce-scatter along dim forward, all-gather backward (leaving a TP region with SP)."""
+    return _ReduceScatterFromRegion.apply(x, dim, group)
+
+
+def scatter_sequence(x: Tensor, tp_group: Group, dim: int = 1) -> Tensor:
+    """Replicated x [B, S, H] -> this rank's sequence shard [B, S/tp, H]; backward all-gathers."""
+    return _ScatterSequence.apply(x, dim, tp_group)
+
+
+def gather_sequence(x: Tensor, tp_group: Group, dim: int = 1) -> Tensor:
+    """Sequence shards [B, S/tp, H] -> replicated [B, S, H] (for replicated consumers); backward keeps the own shard."""
+    return _GatherSequence.apply(x, dim, tp_group)
+
+
+@dataclass(frozen=True)
+class TPRegion:
+    """How one module enters and leaves its tensor-parallel region: group, SP on/off, and the dim SP gathers."""
+
+    group: Group
+    sequence_parallel: bool
+    dim: int = 1  # sequence dim of the activations; token-wise layers may gather along 0 instead
+
+    @property
+    def size(self) -> int:
+        """Ranks in the TP group."""
+        return dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        """This rank's index in the TP group."""
+        return dist.get_rank(self.group)
+
+    def enter(self, x: Tensor) -> Tensor:
+        """Input of the column-parallel linears: replicated (no SP) or gathered from sequence shards (SP)."""
+        if self.sequence_parallel:
+            return gather_for_region(x, self.dim, self.group)
+        return copy_to_region(x, self.group)
+
+    def leave(self, x: Tensor) -> Tensor:
+        """Partial sums out of the row-parallel linears: all-reduced (no SP) or reduce-scattered to shards (SP)."""
+        if self.sequence_parallel:
+            return reduce_scatter_from_region(x, self.dim, self.group)
+        return reduce_from_region(x, self.group)
