@@ -1,44 +1,79 @@
-"""Run a function on several local processes joined by one torch.distributed process group."""
+"""Run a function on several processes joined by one torch.distributed process group (one node or several)."""
 
 from __future__ import annotations
 
+import ctypes
+import faulthandler
 import os
 import pickle
 import queue
+import signal
+import sys
+import threading
 import time
 import traceback
+from collections import deque
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+TAIL_LINES = 20  # last stderr lines of a dead rank quoted in the failure message
+GRACE_S = 3.0  # after a first failure, how long the others may still report (a killed peer explains their errors)
+PR_SET_PDEATHSIG = 1
+
 
 class WorkerError(RuntimeError):
     """A worker process raised, timed out or died; the message carries its traceback."""
 
 
+def _die_with_parent(parent_pid: int) -> None:
+    """Have the kernel kill this process when its parent dies (Linux), so a killed launcher leaves no rank behind."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(1)
+
+
+def _redirect_output(prefix: str) -> None:
+    """Send this process's stdout/stderr (file descriptors 1, 2) to PREFIX.out / PREFIX.err, line-buffered."""
+    for fd, suffix in ((1, "out"), (2, "err")):
+        log = os.open(f"{prefix}.{suffix}", os.O_WRONLY | os.O_APPEND)
+        os.dup2(log, fd)
+        os.close(log)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    faulthandler.enable()  # a fatal signal (segfault, abort) leaves the Python stacks in the .err file
+
+
 def _worker(
     rank: int,
+    local_rank: int,
     world_size: int,
-    port: int,
+    master: tuple[str, int],
     backend: str,
     threads: int,
     timeout_s: float,
+    log_prefix: str | None,
+    parent_pid: int,
     fn: Callable[..., Any],
     args: tuple,
     results: Any,
 ) -> None:
+    _die_with_parent(parent_pid)
+    if log_prefix is not None:
+        _redirect_output(log_prefix)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     torch.set_num_threads(threads)
     try:
-        store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
-                              timeout=timedelta(seconds=timeout_s))
+        store = dist.TCPStore(master[0], master[1], is_master=False, timeout=timedelta(seconds=timeout_s))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
         if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+            torch.cuda.set_device(local_rank)
         out = fn(rank, world_size, *args)
         # plain pickle copies tensors by value: shared-memory handles would die with this process
         results.put((rank, True, pickle.dumps(out)))
@@ -49,26 +84,106 @@ def _worker(
             dist.destroy_process_group()
 
 
-def _collect(procs: list, results: Any, outputs: dict[int, Any], wait_s: float) -> str | None:
-    """Fill outputs with each rank's result; return the first failure (raised, died, or too slow)."""
+class _LogStreams:
+    """Copies each rank's .out/.err files to this process's stdout/stderr as they grow; keeps each stderr's tail.
+
+    Global rank 0 is copied byte for byte (its progress bar keeps working); the other ranks line by
+    line, each line prefixed with "[rank R] ".
+    """
+
+    def __init__(self, prefixes: dict[int, str]):
+        self.files = [(rank, f"{prefix}.{suffix}", suffix) for rank, prefix in prefixes.items() for suffix in ("out", "err")]
+        self.offsets = {path: 0 for _, path, _ in self.files}
+        self.partial = {path: "" for _, path, _ in self.files}
+        self.err_paths = {rank: f"{prefix}.err" for rank, prefix in prefixes.items()}
+        self.tails = {rank: deque(maxlen=TAIL_LINES) for rank in prefixes}
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.done.wait(0.1):
+            self._pump()
+        self._pump()
+
+    def _pump(self) -> None:
+        for rank, path, suffix in self.files:
+            with open(path, "rb") as log:
+                log.seek(self.offsets[path])
+                data = log.read()
+            if not data:
+                continue
+            self.offsets[path] += len(data)
+            text = data.decode(errors="replace")
+            target = sys.stdout if suffix == "out" else sys.stderr
+            pieces = (self.partial[path] + text).replace("\r", "\n").split("\n")
+            self.partial[path] = pieces.pop()
+            if suffix == "err":
+                self.tails[rank].extend(p for p in pieces if p.strip())
+            if rank == 0:
+                target.write(text)
+            else:
+                target.write("".join(f"[rank {rank}] {line}\n" for line in pieces if line.strip()))
+            target.flush()
+
+    def close(self) -> None:
+        """Copy what is left and stop."""
+        self.done.set()
+        self.thread.join()
+
+    def tail(self, rank: int) -> str:
+        """The last stderr lines of a rank (a trailing partial line included)."""
+        return "\n".join([*self.tails[rank], self.partial[self.err_paths[rank]]]).strip()
+
+
+def _died(rank: int, exitcode: int, logs: _LogStreams | None) -> str:
+    how = f"exit code {exitcode}"
+    if exitcode < 0:
+        how += f" ({signal.Signals(-exitcode).name})"
+    text = f"rank {rank} died with {how} before reporting a result"
+    if logs is not None:
+        tail = logs.tail(rank)
+        path = logs.err_paths[rank]
+        text += f"; last lines of its stderr ({path}):\n{tail}" if tail else f"; its stderr ({path}) is empty"
+    return text
+
+
+def _collect(procs: dict[int, Any], results: Any, outputs: dict[int, Any], wait_s: float,
+             logs: _LogStreams | None) -> str | None:
+    """Fill outputs with each rank's result; return a message naming the failed ranks (died ones first), or None."""
     end = time.monotonic() + wait_s
+    raised: dict[int, str] = {}
+    died: dict[int, str] = {}
     suspects: set[int] = set()
-    while len(outputs) < len(procs):
+    grace_end = None
+    while len(outputs) + len(raised) + len(died) < len(procs):
+        if grace_end is not None and time.monotonic() > grace_end:
+            break
         try:
-            rank, ok, payload = results.get(timeout=1.0)
+            rank, ok, payload = results.get(timeout=0.5)
         except queue.Empty:
-            dead = {r for r, p in enumerate(procs) if r not in outputs and p.exitcode is not None}
-            if dead & suspects:  # gone with no result over two polls: it will never report
-                rank = min(dead & suspects)
-                return f"rank {rank} died with exit code {procs[rank].exitcode} before reporting a result"
+            dead = {r for r, p in procs.items() if r not in outputs and r not in raised and p.exitcode is not None}
+            for rank in dead & suspects - set(died):  # gone with no result over two polls: it will never report
+                died[rank] = _died(rank, procs[rank].exitcode, logs)
             suspects = dead
-            if time.monotonic() > end:
-                return f"no result within {wait_s:.0f}s from ranks {sorted(set(range(len(procs))) - set(outputs))}"
-            continue
-        if not ok:
-            return f"rank {rank} failed:\n{payload}"
-        outputs[rank] = pickle.loads(payload)
-    return None
+            if time.monotonic() > end and not (raised or died):
+                missing = sorted(set(procs) - set(outputs))
+                return f"no result within {wait_s:.0f}s from ranks {missing}"
+        else:
+            if ok:
+                outputs[rank] = pickle.loads(payload)
+            else:
+                raised[rank] = f"rank {rank} failed:\n{payload}"
+        if (raised or died) and grace_end is None:
+            grace_end = time.monotonic() + GRACE_S
+    if not (raised or died):
+        return None
+    first = [died[r] for r in sorted(died)] or [raised[min(raised)]]
+    others = sorted(set(raised) - ({min(raised)} if not died else set()))
+    if others:
+        last_lines = "; ".join(f"rank {r}: {raised[r].strip().splitlines()[-1]}" for r in others)
+        first.append(f"ranks that failed after it: {last_lines}")
+    return "\n".join(first)
 
 
 def run_processes(
@@ -78,40 +193,74 @@ def run_processes(
     backend: str = "gloo",
     threads: int = 1,
     timeout_s: float = 120.0,
+    run_timeout_s: float | None = None,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str = "127.0.0.1",
+    master_port: int = 0,
+    log_dir: str | Path | None = None,
 ) -> list[Any]:
-    """Run fn(rank, world_size, *args) on world_size fresh processes; return each rank's result.
+    """Run fn(rank, world_size, *args) on this node's share of world_size fresh processes; return their results.
 
-    The parent hosts the rendezvous store on a port the OS picks, so concurrent runs never
-    collide. If any rank raises, dies or exceeds timeout_s, every rank is killed and a
-    WorkerError carrying the first failure's traceback is raised; a rank that dies without
-    reporting is noticed within seconds. fn and its results must be picklable (define fn at
-    module level); tensors in results come back by value.
+    timeout_s bounds the rendezvous and every collective; run_timeout_s bounds the whole run
+    (default timeout_s + 60 s; math.inf: no bound, for training). With nnodes > 1 this node runs ranks
+    node_rank * L .. node_rank * L + L - 1 (L = world_size / nnodes) and node 0 hosts the
+    rendezvous store on master_addr:master_port; with one node the OS picks a free port, so
+    concurrent runs never collide. With log_dir, rank r's stdout/stderr go to log_dir/rank{r}.out
+    and .err and are copied to this process's (rank 0 as is, the others prefixed "[rank r]").
+    If any rank raises, dies or runs out of time, every local rank is killed and a WorkerError
+    names the failed ranks with the first one's traceback (or exit code, signal and last stderr
+    lines); a rank that dies without reporting is noticed within about a second. A killed parent
+    takes its ranks with it (Linux). fn and its results must be picklable (define fn at module
+    level); tensors in results come back by value. Returns the results of this node's ranks.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
-                          timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    if nnodes < 1 or world_size % nnodes or not 0 <= node_rank < nnodes:
+        raise ValueError(f"nnodes = {nnodes} must divide world_size = {world_size} and node_rank = {node_rank} "
+                         f"must lie in [0, {nnodes - 1}]")
+    if nnodes > 1 and not master_port:
+        raise ValueError("master_port must be given (not 0) when nnodes > 1: every node must reach the same store")
+    if run_timeout_s is None:
+        run_timeout_s = timeout_s + 60.0  # interpreter start-up counts too
+    local = world_size // nnodes
+    ranks = range(node_rank * local, (node_rank + 1) * local)
+    store = (dist.TCPStore(master_addr, master_port, is_master=True, timeout=timedelta(seconds=timeout_s),
+                           wait_for_workers=False) if node_rank == 0 else None)
+    master = (master_addr, store.port if store is not None else master_port)
+    prefixes: dict[int, str | None] = {r: None for r in ranks}
+    if log_dir is not None:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        prefixes = {r: str(Path(log_dir) / f"rank{r}") for r in ranks}
+        for prefix in prefixes.values():
+            for suffix in ("out", "err"):
+                Path(f"{prefix}.{suffix}").write_bytes(b"")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [
-        ctx.Process(target=_worker, daemon=True,
-                    args=(r, world_size, store.port, backend, threads, timeout_s, fn, args, results))
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
+    procs = {
+        r: ctx.Process(target=_worker, daemon=True,
+                       args=(r, r - ranks.start, world_size, master, backend, threads, timeout_s, prefixes[r],
+                             os.getpid(), fn, args, results))
+        for r in ranks
+    }
+    logs = _LogStreams(prefixes) if log_dir is not None else None
     outputs: dict[int, Any] = {}
-    failure: str | None = None
+    failure: str | None = "interrupted"
     try:
-        failure = _collect(procs, results, outputs, timeout_s + 60.0)  # interpreter start-up counts too
+        for p in procs.values():
+            p.start()
+        failure = _collect(procs, results, outputs, run_timeout_s, logs)
     finally:
-        for p in procs:
+        for p in procs.values():
             if failure is not None and p.is_alive():
                 p.kill()
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+                p.join()
+        if logs is not None:
+            logs.close()
         del store
     if failure is not None:
         raise WorkerError(failure)
-    return [outputs[r] for r in range(world_size)]
+    return [outputs[r] for r in ranks]

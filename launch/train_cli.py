@@ -1,15 +1,25 @@
-"""`moe-train --config FILE`: single-process MoE pretraining on a local corpus."""
+"""`moe-train --config FILE`: MoE pretraining on a local corpus, on the ranks the config's [parallel] layout needs.
+
+A plain `moe-train` spawns those ranks itself (add --nnodes/--node-rank/--master-addr/--master-port,
+or run one moe-train per node under SLURM, for several nodes); under torchrun, mpiexec or srun
+each process is one rank.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from dispatch.multiproc import WorkerError
 from launch.config import load_config
+from launch.launcher import LaunchError, NodeFlags, Trainer, launch_run
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse arguments, validate the config (before any work), train, print a summary."""
+def main(argv: list[str] | None = None, trainer: Trainer | None = None) -> int:
+    """Parse arguments, validate the config and the launch (before any work), train, print a summary.
+
+    trainer replaces launch.train.train (tests pass a small stand-in with the same call shape).
+    """
     parser = argparse.ArgumentParser(prog="moe-train", description=__doc__)
     parser.add_argument("--config", required=True, help="TOML run config (see configs/)")
     parser.add_argument("--steps", type=int, help="override train.steps")
@@ -19,6 +29,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="override any config value, e.g. --set model.expert_precision=fp8")
     parser.add_argument("--resume", action="store_true", help="continue from RUN_DIR/checkpoint.pt")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    nodes = parser.add_argument_group("several nodes (moe-train's own spawn; torchrun, mpiexec and srun bring their own)")
+    nodes.add_argument("--nnodes", type=int, help="nodes taking part (default 1, or SLURM_NNODES)")
+    nodes.add_argument("--node-rank", type=int, help="this node's index in [0, nnodes) (default 0, or SLURM_NODEID)")
+    nodes.add_argument("--master-addr", help="address of node 0, which hosts the rendezvous (default MASTER_ADDR, "
+                                              "the first SLURM host, or 127.0.0.1)")
+    nodes.add_argument("--master-port", type=int, help="rendezvous port on node 0 (default MASTER_PORT, or 29500 "
+                                                        "with several nodes; one node picks a free port)")
     args = parser.parse_args(argv)
     overrides = list(args.set)
     if args.steps is not None:
@@ -30,9 +47,16 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"moe-train: invalid config: {error}", file=sys.stderr)
         return 2
-    from launch.train import train
-
-    records = train(cfg, args.metrics_out, resume=args.resume, progress=not args.no_progress)
+    flags = NodeFlags(args.nnodes, args.node_rank, args.master_addr, args.master_port)
+    try:
+        records = launch_run(cfg, flags, trainer=trainer, metrics_out=args.metrics_out, resume=args.resume,
+                             progress=not args.no_progress)
+    except LaunchError as error:
+        print(f"moe-train: {error}", file=sys.stderr)
+        return 2
+    except WorkerError as error:
+        print(f"moe-train: the run failed and its other ranks were stopped: {error}", file=sys.stderr)
+        return 1
     if records:
         first, last = records[0], records[-1]
         print(f"steps {first['step']}..{last['step']}: lm_loss {first['lm_loss']:.4f} -> {last['lm_loss']:.4f}; "

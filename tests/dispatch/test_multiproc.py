@@ -1,6 +1,13 @@
-"""The local multi-process runner returns every rank's result and surfaces a failing rank."""
+"""The multi-process runner returns every rank's result, streams their output, spans nodes and surfaces a failing rank."""
 
+import math
+import os
+import signal
+import socket
+import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,3 +37,80 @@ def test_failing_rank_raises_with_traceback_and_does_not_hang():
     with pytest.raises(WorkerError, match="rank one fails on purpose"):
         run_processes(_rank_one_fails_others_wait, 2, timeout_s=20)
     assert time.monotonic() - start < 60
+
+
+def _loop_on_collectives(rank: int, world_size: int, pid_dir: str) -> None:
+    (Path(pid_dir) / f"{rank}.pid").write_text(str(os.getpid()))
+    print(f"rank {rank} is looping", file=sys.stderr, flush=True)
+    t = torch.ones(1)
+    while True:
+        dist.all_reduce(t)
+        time.sleep(0.01)
+
+
+def _print_and_sum(rank: int, world_size: int) -> float:
+    print(f"hello from {rank}", flush=True)
+    print(f"warning from {rank}", file=sys.stderr, flush=True)
+    return _sum_ranks(rank, world_size)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_sigkilled_rank_of_an_unbounded_run_is_named_with_its_exit_code_and_last_lines(tmp_path):
+    pid_dir, log_dir = tmp_path / "pids", tmp_path / "logs"
+    pid_dir.mkdir()
+
+    def kill_rank_one() -> None:
+        while len(list(pid_dir.glob("*.pid"))) < 3:
+            time.sleep(0.05)
+        time.sleep(0.5)  # every rank is inside its collective loop
+        os.kill(int((pid_dir / "1.pid").read_text()), signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_rank_one, daemon=True)
+    killer.start()
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as failure:
+        run_processes(_loop_on_collectives, 3, str(pid_dir), timeout_s=30, run_timeout_s=math.inf, log_dir=log_dir)
+    assert time.monotonic() - start < 60
+    message = str(failure.value)
+    assert message.startswith("rank 1 died with exit code -9 (SIGKILL)"), message
+    assert "rank 1 is looping" in message  # the last lines of its stderr
+    assert all(_gone(int(p.read_text())) for p in pid_dir.glob("*.pid"))
+
+
+def test_log_dir_streams_every_rank_and_keeps_the_files(tmp_path, capsys):
+    assert run_processes(_print_and_sum, 2, log_dir=tmp_path) == [3.0, 3.0]
+    out, err = capsys.readouterr()
+    assert "hello from 0\n" in out and "[rank 1] hello from 1\n" in out
+    assert "warning from 0\n" in err and "[rank 1] warning from 1\n" in err
+    assert (tmp_path / "rank1.out").read_text() == "hello from 1\n"
+
+
+def test_two_nodes_of_two_ranks_form_one_world():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    results: dict[int, list] = {}
+
+    def node(rank: int) -> None:
+        results[rank] = run_processes(_sum_ranks, 4, nnodes=2, node_rank=rank, master_port=port, timeout_s=60)
+
+    threads = [threading.Thread(target=node, args=(n,)) for n in (1, 0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {0: [10.0, 10.0], 1: [10.0, 10.0]}
+
+
+def test_bad_node_layout_is_refused_before_any_process_starts():
+    with pytest.raises(ValueError, match="nnodes = 3 must divide world_size = 4"):
+        run_processes(_sum_ranks, 4, nnodes=3, master_port=1)
+    with pytest.raises(ValueError, match="master_port must be given"):
+        run_processes(_sum_ranks, 4, nnodes=2)
