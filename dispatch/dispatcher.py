@@ -8,14 +8,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dispatch.channel import Channel
+from dispatch.channel import Channel, Steps, run_steps
 from dispatch.fp8 import decode_fp8, encode_fp8
 from dispatch.layout import check_num_experts, check_routing, expert_owner, lookup
 from dispatch.permute import Permutation, make_permutation, permute, unpermute
 from dispatch.routes import BACKENDS, stages_for
 from dispatch.topology import make_topology
 from dispatch.traffic import Traffic, TrafficMeter
-from dispatch.transport import Codec, CombineRows, DispatchRows, Route
+from dispatch.transport import Codec, CombineRows, DispatchRows, Route, dispatch_steps, gather_steps
 
 PAYLOADS = ("bf16", "fp8")
 
@@ -46,6 +46,13 @@ def check_choice(name: str, value: object, allowed: tuple) -> None:
         raise ValueError(f"{name} = {value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}")
 
 
+def _check_grad_group(grad_group: dist.ProcessGroup, group: dist.ProcessGroup) -> None:
+    ranks = dist.get_process_group_ranks(group)
+    got = "group itself" if grad_group is group else dist.get_process_group_ranks(grad_group)
+    if grad_group is group or got != ranks:
+        raise ValueError(f"grad_group must be a second process group over the ranks of group {ranks}, got {got}")
+
+
 class EPDispatcher:
     """Sends each token once per destination rank (hierarchical: once per destination node) and back.
 
@@ -53,23 +60,40 @@ class EPDispatcher:
     exactly); "fp8" sends e4m3 with one fp32 scale per 128 channels, dequantised on arrival.
     Combine always travels in y's dtype and accumulates in fp32 or wider. Waits are bounded by the
     group's timeout.
+
+    Forward exchanges run on group; the exchanges of their gradients (dispatch's and combine's
+    backward) run on grad_group when given, a second group over the same ranks, made by every one
+    of them: `EPDispatcher(E, group=ep, grad_group=dist.new_group(ranks_of_ep), ...)`. With it, a
+    backward through this dispatcher may run on another thread while a forward dispatches (the
+    pipeline runtime's F&B pairs do this; see concurrent_backward): each group then sees its
+    exchanges in the same order on every rank. Without it (None) both directions share group.
     """
 
     def __init__(self, num_experts: int, group: dist.ProcessGroup | None = None, gpus_per_node: int | None = None,
-                 backend: str = "flat", payload: str = "bf16") -> None:
+                 backend: str = "flat", payload: str = "bf16", grad_group: dist.ProcessGroup | None = None) -> None:
         check_choice("backend", backend, BACKENDS)
         check_choice("payload", payload, PAYLOADS)
         if not dist.is_initialized():
             raise RuntimeError("EPDispatcher needs torch.distributed to be initialised (gloo or nccl)")
         self.group = group if group is not None else dist.group.WORLD
         self.world_size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        if grad_group is not None:
+            _check_grad_group(grad_group, self.group)
+        self.grad_group = grad_group
         self.num_experts, self.backend, self.payload = num_experts, backend, payload
         self.experts_per_rank = check_num_experts(num_experts, self.world_size)
         self.topology = make_topology(self.world_size, gpus_per_node)
         self.meter = TrafficMeter()
         self.channel = Channel(self.group, self.topology, self.meter)
+        self.grad_channel = Channel(grad_group, self.topology, self.meter) if grad_group is not None else self.channel
         self.codec = FP8_CODEC if payload == "fp8" else None
         self._device: torch.device | None = None
+
+    @property
+    def concurrent_backward(self) -> bool:
+        """Whether a backward through this dispatcher may run on another thread while a forward
+        dispatches: true when grad exchanges have their own grad_group."""
+        return self.grad_channel is not self.channel
 
     @property
     def last_bytes(self) -> dict[str, Traffic]:
@@ -90,22 +114,34 @@ class EPDispatcher:
             self._device = device
         return self._stages, self._local_expert
 
-    def dispatch(self, x: Tensor, indices: Tensor, weights: Tensor) -> tuple[Tensor, RecvInfo, EPHandle]:
-        """Rows of x for this rank's experts, one per (received token, local expert), grouped by expert."""
+    def dispatch_steps(self, x: Tensor, indices: Tensor, weights: Tensor) -> Steps:
+        """dispatch as a generator that yields each exchange while it is in flight (see
+        dispatch.channel.Steps); returns what dispatch returns."""
         check_routing(indices, self.num_experts, weights, x)
         stages, local_expert = self._tables(x.device)
         self.meter.start("dispatch")
         route = Route()
-        rows, recv_weights = DispatchRows.apply(x, weights, indices, stages, self.channel, self.codec, route)
+        arrived = yield from dispatch_steps(x, weights, indices, stages, self.channel, self.codec, route)
+        rows, recv_weights = DispatchRows.apply(x, weights, arrived, route.hops, self.grad_channel)
         perm = make_permutation(lookup(route.ids, local_expert), self.experts_per_rank)
         info = RecvInfo(perm.counts, rows.shape[0])
         return permute(rows, perm), info, EPHandle(route, perm, recv_weights, x.shape[0])
 
-    def combine(self, y: Tensor, handle: EPHandle) -> Tensor:
-        """out[t] = sum_k weights[t, k] * y(row of t for expert k); dropped slots add nothing."""
+    def dispatch(self, x: Tensor, indices: Tensor, weights: Tensor) -> tuple[Tensor, RecvInfo, EPHandle]:
+        """Rows of x for this rank's experts, one per (received token, local expert), grouped by expert."""
+        return run_steps(self.dispatch_steps(x, indices, weights))
+
+    def combine_steps(self, y: Tensor, handle: EPHandle) -> Steps:
+        """combine as a generator that yields each exchange while it is in flight; returns what
+        combine returns."""
         if y.dim() != 2 or y.shape[0] != handle.perm.row.numel():
             raise ValueError(f"y must be [{handle.perm.row.numel()}, hidden] (one row per dispatched row), "
                              f"got shape {list(y.shape)}")
         self.meter.start("combine")
         partial = unpermute(y, handle.perm, handle.recv_weights, y.dtype)  # one partial sum per row, as sent
-        return CombineRows.apply(partial, handle.route.hops, self.channel, y.dtype)
+        summed = yield from gather_steps(partial.detach(), handle.route.hops, self.channel, "combine", y.dtype)
+        return CombineRows.apply(partial, summed, handle.route.hops, self.grad_channel)
+
+    def combine(self, y: Tensor, handle: EPHandle) -> Tensor:
+        """out[t] = sum_k weights[t, k] * y(row of t for expert k); dropped slots add nothing."""
+        return run_steps(self.combine_steps(y, handle))

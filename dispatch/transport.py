@@ -1,4 +1,5 @@
-"""Differentiable multi-hop token movement: dispatch's backward is a combine of gradients and vice versa."""
+"""Multi-hop token movement, as generators that pause while exchanges are in flight, and its autograd:
+dispatch's backward is a combine of gradients and vice versa."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from dispatch.channel import Channel
+from dispatch.channel import Channel, Steps, run_steps
 from dispatch.routes import Hop, Stage, make_hop, plan_sends
 from dispatch.segment import ordered_sum
 
@@ -47,39 +48,59 @@ def scatter_rows(rows: Tensor, hops: list[Hop], channel: Channel, kind: str, par
     return rows
 
 
-def gather_rows(rows: Tensor, hops: list[Hop], channel: Channel, kind: str, wire_dtype: torch.dtype) -> Tensor:
-    """Adjoint of scatter_rows: send rows back hop by hop as wire_dtype, summing copies in fp32 or wider.
+def gather_steps(rows: Tensor, hops: list[Hop], channel: Channel, kind: str, wire_dtype: torch.dtype) -> Steps:
+    """Adjoint of scatter_rows: send rows back hop by hop as wire_dtype, summing copies in fp32 or wider;
+    yields each hop's exchange while it is in flight, returns the sums.
 
     Each hop's sums are rounded once to wire_dtype, the dtype they travel (or are returned) in.
     """
     acc = torch.promote_types(rows.dtype, torch.float32)
     for hop in reversed(hops):
-        back = channel.exchange(rows.to(wire_dtype), hop.recv_splits, hop.send_splits, kind)
-        rows = ordered_sum(back, hop.back, dtype=acc, out_dtype=wire_dtype)
+        pending = channel.start_exchange(rows.to(wire_dtype), hop.recv_splits, hop.send_splits, kind)
+        yield pending
+        rows = ordered_sum(pending.wait(), hop.back, dtype=acc, out_dtype=wire_dtype)
     return rows
 
 
+def gather_rows(rows: Tensor, hops: list[Hop], channel: Channel, kind: str, wire_dtype: torch.dtype) -> Tensor:
+    """gather_steps run to its end."""
+    return run_steps(gather_steps(rows, hops, channel, kind, wire_dtype))
+
+
+def dispatch_steps(x: Tensor, weights: Tensor, indices: Tensor, stages: list[Stage], channel: Channel,
+                   codec: Codec | None, route: Route) -> Steps:
+    """Send each row of x (with its routing metadata) along stages, filling route; yields each
+    exchange while it is in flight; returns (rows that arrived here, their fp32 weights). No autograd."""
+    x = x.detach()
+    wire = codec.encode(x) if codec else x
+    meta = pack_meta(weights, indices)
+    world = channel.topology.world_size
+    for stage in stages:
+        ids = unpack_meta(meta)[1]
+        send_row, send_splits = plan_sends(ids, stage, world)
+        counts = channel.start_counts(send_splits, stage.peers, "dispatch", x.device)
+        yield counts
+        recv_splits = counts.wait()
+        hop = make_hop(send_row, send_splits, recv_splits, ids.shape[0])
+        rows = channel.start_exchange(wire.index_select(0, send_row), send_splits, recv_splits, "dispatch")
+        metas = channel.start_exchange(meta.index_select(0, send_row), send_splits, recv_splits, "dispatch", "meta")
+        yield rows
+        wire, meta = rows.wait(), metas.wait()
+        route.hops.append(hop)
+    recv_weights, route.ids = unpack_meta(meta)
+    return (codec.decode(wire, x) if codec else wire), recv_weights
+
+
 class DispatchRows(torch.autograd.Function):
-    """x [T, H], weights [T, k] -> rows that arrived here (one per source token) and their weights."""
+    """x [T, H], weights [T, k] -> the rows (one per source token) and weights that a dispatch_steps
+    run delivered here (passed in as arrived); backward sends their grads back over grad_channel."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weights: Tensor, indices: Tensor, stages: list[Stage], channel: Channel,
-                codec: Codec | None, route: Route) -> tuple[Tensor, Tensor]:  # noqa: D102
-        wire = codec.encode(x) if codec else x
-        meta = pack_meta(weights, indices)
-        world = channel.topology.world_size
-        for stage in stages:
-            ids = unpack_meta(meta)[1]
-            send_row, send_splits = plan_sends(ids, stage, world)
-            recv_splits = channel.exchange_counts(send_splits, stage.peers, "dispatch", x.device)
-            hop = make_hop(send_row, send_splits, recv_splits, ids.shape[0])
-            wire = channel.exchange(wire.index_select(0, send_row), send_splits, recv_splits, "dispatch")
-            meta = channel.exchange(meta.index_select(0, send_row), send_splits, recv_splits, "dispatch", "meta")
-            route.hops.append(hop)
-        recv_weights, route.ids = unpack_meta(meta)
-        ctx.hops, ctx.channel = route.hops, channel
+    def forward(ctx, x: Tensor, weights: Tensor, arrived: tuple[Tensor, Tensor], hops: list[Hop],
+                grad_channel: Channel) -> tuple[Tensor, Tensor]:  # noqa: D102
+        ctx.hops, ctx.channel = hops, grad_channel
         ctx.dtypes = (x.dtype, weights.dtype)
-        return (codec.decode(wire, x) if codec else wire), recv_weights
+        return arrived
 
     @staticmethod
     def backward(ctx, grad_rows: Tensor, grad_weights: Tensor):  # noqa: D102
@@ -88,16 +109,17 @@ class DispatchRows(torch.autograd.Function):
         for i, grad in enumerate((grad_rows, grad_weights)):
             if ctx.needs_input_grad[i]:
                 grads[i] = gather_rows(grad, ctx.hops, ctx.channel, "dispatch_backward", grad.dtype).to(ctx.dtypes[i])
-        return grads[0], grads[1], None, None, None, None, None
+        return grads[0], grads[1], None, None, None
 
 
 class CombineRows(torch.autograd.Function):
-    """Partial results of the rows that arrived here -> [T, H] sums at their source tokens."""
+    """Partial results of the rows that arrived here -> their [T, H] sums at the source tokens, computed
+    by a gather_steps run (passed in as summed); backward scatters the grads over grad_channel."""
 
     @staticmethod
-    def forward(ctx, partial: Tensor, hops: list[Hop], channel: Channel, wire_dtype: torch.dtype) -> Tensor:  # noqa: D102
-        ctx.hops, ctx.channel, ctx.dtype = hops, channel, partial.dtype
-        return gather_rows(partial, hops, channel, "combine", wire_dtype)
+    def forward(ctx, partial: Tensor, summed: Tensor, hops: list[Hop], grad_channel: Channel) -> Tensor:  # noqa: D102
+        ctx.hops, ctx.channel, ctx.dtype = hops, grad_channel, partial.dtype
+        return summed
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):  # noqa: D102

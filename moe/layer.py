@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable, Generator
 
 import torch
 from torch import Tensor, nn
 
+from dispatch.channel import run_steps
 from moe.config import ModelConfig
 from moe.experts import GroupedExperts, SwiGLU
 from moe.local_dispatch import LocalDispatcher
@@ -67,14 +67,53 @@ class MoELayer(nn.Module):
             setattr(self.experts, name, nn.Parameter(weight[block].clone(), requires_grad=weight.requires_grad))
         self.dispatcher = dispatcher
 
-    def forward(self, x: Tensor, seq_len: int | None = None) -> tuple[Tensor, MoEStats]:
-        """x [..., H] -> (out [..., H], stats); seq_len feeds the sequence-wise balance loss."""
+    @property
+    def concurrent_backward(self) -> bool:
+        """Whether a backward through this layer may run on another thread while a forward runs: its
+        dispatcher exchanges gradients on a group of their own (EPDispatcher grad_group), or does
+        not communicate at all (one process)."""
+        return getattr(self.dispatcher, "concurrent_backward", True)
+
+    def forward_steps(self, x: Tensor, seq_len: int | None = None) -> Generator[Any, None, tuple[Tensor, MoEStats]]:
+        """forward as a generator that yields while dispatch and combine exchanges are in flight (the
+        shared experts run while dispatch's first exchange is); same numbers as forward."""
         flat = x.reshape(-1, x.shape[-1])
         route = self.router(flat, seq_len)
-        recv_x, recv_info, handle = self.dispatcher.dispatch(flat, route.indices, route.weights)
+        dispatching = _steps(self.dispatcher, "dispatch", flat, route.indices, route.weights)
+        (recv_x, recv_info, handle), shared = yield from _at_first_pause(dispatching, self._shared, flat)
         y = self.experts(recv_x, recv_info.tokens_per_local_expert)
-        out = self.dispatcher.combine(y, handle)
-        if self.shared is not None:
-            out = out + self.shared(flat)
+        out = yield from _steps(self.dispatcher, "combine", y, handle)
+        if shared is not None:
+            out = out + shared
         stats = MoEStats(route.aux_loss, route.tokens_per_expert, route.dropped, route.losses)
         return out.view_as(x), stats
+
+    def forward(self, x: Tensor, seq_len: int | None = None) -> tuple[Tensor, MoEStats]:
+        """x [..., H] -> (out [..., H], stats); seq_len feeds the sequence-wise balance loss."""
+        return run_steps(self.forward_steps(x, seq_len))
+
+    def _shared(self, flat: Tensor) -> Tensor | None:
+        return self.shared(flat) if self.shared is not None else None
+
+
+def _steps(dispatcher: Any, name: str, *args: Any) -> Generator[Any, None, Any]:
+    """dispatcher's `<name>_steps(*args)` where it has one, else its plain `<name>(*args)` (no pause)."""
+    steps = getattr(dispatcher, f"{name}_steps", None)
+    if steps is None:
+        return getattr(dispatcher, name)(*args)
+    return (yield from steps(*args))
+
+
+def _at_first_pause(steps: Generator[Any, None, Any], work: Callable[..., Any], *args: Any
+                    ) -> Generator[Any, None, tuple[Any, Any]]:
+    """Yield from steps, running work(*args) at its first pause (at its end if it never pauses);
+    return (value of steps, value of work)."""
+    ran, extra = False, None
+    while True:
+        try:
+            pending = next(steps)
+        except StopIteration as stop:
+            return stop.value, (extra if ran else work(*args))
+        if not ran:
+            ran, extra = True, work(*args)
+        yield pending

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from typing import Any, Callable, Sequence
 
@@ -27,8 +28,10 @@ class PipelineRuntime(nn.Module):
     """Shared machinery: holds the rank's two stage modules and runs schedule actions on them.
 
     split_bw: weight grads in W actions (False: inside each B); overlap: F&B pairs overlap a
-    chunk's EP communication with the other chunk's compute (modules with forward_steps);
-    merge_w: chunks whose weight grads one W action computes together (1: a W per chunk as in
+    chunk's EP communication with the other chunk's compute (see pipeline.overlap): in both
+    directions when both modules of a pair declare `concurrent_backward` (the backward then runs
+    on a helper thread beside the forward), else only the forward's (modules with forward_steps);
+    False runs each pair's forward, then its backward. merge_w: chunks whose weight grads one W action computes together (1: a W per chunk as in
     DeepSeek's schedules; see schedules.merge_weight_grads).
     """
 
@@ -64,6 +67,7 @@ class PipelineRuntime(nn.Module):
         self.current_action: Action | None = None
         self._schedules: dict[tuple[int, bool, bool], Schedule] = {}
         self._channel = Channel(self.group, self._device())  # made here: it creates process groups
+        self._backward_thread: ThreadPoolExecutor | None = None  # runs the backward of concurrent pairs
 
     @property
     def transfers(self) -> TransferLog | None:
@@ -206,12 +210,14 @@ class PipelineRuntime(nn.Module):
             self._channel.send(self._outbox.pop(key), peer, _STREAM[Op.SEND_F] + phase)
             self._sent_early.add(key)
 
-    def _start_forward(self, phase: int, chunk: int) -> tuple[list[Tensor], Any]:
+    def _forward_inputs(self, phase: int, chunk: int) -> list[Tensor]:
         if self._stage(phase) == 0:
-            inputs = list(self._inputs[chunk])
-        else:
-            grad = torch.is_grad_enabled()
-            inputs = [t.detach().requires_grad_(flag and grad) for t, flag in self._fetch(Op.RECV_F, phase, chunk)]
+            return list(self._inputs[chunk])
+        grad = torch.is_grad_enabled()
+        return [t.detach().requires_grad_(flag and grad) for t, flag in self._fetch(Op.RECV_F, phase, chunk)]
+
+    def _start_forward(self, phase: int, chunk: int) -> tuple[list[Tensor], Any]:
+        inputs = self._forward_inputs(phase, chunk)
         module = self.module[phase]
         if self.overlap and hasattr(module, "forward_steps"):
             return inputs, module.forward_steps(*inputs)
@@ -234,13 +240,18 @@ class PipelineRuntime(nn.Module):
             self._saved[(phase, chunk)] = (inputs, outputs)
 
     def _backward(self, phase: int, chunk: int, split: bool) -> None:
+        self._run_backward(phase, chunk, split, self._output_grads(phase, chunk))
+
+    def _output_grads(self, phase: int, chunk: int) -> list[Tensor] | None:
+        """Grads of the stage's outputs for its backward (None on the last stage: its output is the loss)."""
+        if self._stage(phase) == self._layout.num_stages - 1:
+            return None
+        return [g for g, _ in self._fetch(Op.RECV_B, phase, chunk)]
+
+    def _run_backward(self, phase: int, chunk: int, split: bool, grads: list[Tensor] | None) -> None:
         inputs, outputs = self._saved.pop((phase, chunk))
         stage = self._stage(phase)
-        if stage == self._layout.num_stages - 1:
-            tensors, grads = list(outputs), None
-        else:
-            tensors = [t for t in outputs if t.requires_grad]
-            grads = [g for g, _ in self._fetch(Op.RECV_B, phase, chunk)]
+        tensors = list(outputs) if grads is None else [t for t in outputs if t.requires_grad]
         with self.store.capture((phase, chunk)) if split else nullcontext():
             torch.autograd.backward(tensors, grads)
         if stage > 0:
@@ -250,6 +261,9 @@ class PipelineRuntime(nn.Module):
 
     def _forward_backward(self, act: Action) -> None:
         bwd = act.backward
+        if self.overlap and all(getattr(self.module[p], "concurrent_backward", False) for p in (act.phase, bwd.phase)):
+            self._forward_beside_backward(act)
+            return
         t0 = time.perf_counter()
         inputs, started = self._start_forward(act.phase, act.chunk)
         done, out = start(started)
@@ -261,6 +275,32 @@ class PipelineRuntime(nn.Module):
         else:  # EP overlap: the backward runs while the forward's communication is in flight
             self._backward(bwd.phase, bwd.chunk, bwd.split)
             self._finish_forward(act.phase, act.chunk, inputs, complete(out))
+
+    def _forward_beside_backward(self, act: Action) -> None:
+        """An F&B pair overlapped in both directions: the backward runs on a helper thread while this
+        thread runs the forward, so each one's EP exchanges are in flight while the other computes.
+
+        Both receives are waited for first, on this thread (as DeepSeek's DualPipe does), so the
+        helper thread never touches the p2p channel, the transfer log or the wait accounting; it
+        only pops its own saved tensors and leaves its input grads for their SEND action. The
+        modules' collectives must use disjoint process groups per direction (their
+        concurrent_backward says so): each group then sees one thread, in the same order on every
+        rank. The helper's weight-grad capture is process-wide, which is safe because a forward
+        never defers a weight grad. Grad mode is per thread; a backward needs none.
+        """
+        bwd = act.backward
+        inputs = self._forward_inputs(act.phase, act.chunk)
+        grads = self._output_grads(bwd.phase, bwd.chunk)
+        if self._backward_thread is None:
+            self._backward_thread = ThreadPoolExecutor(1, thread_name_prefix="pipeline-backward")
+        backward = self._backward_thread.submit(self._run_backward, bwd.phase, bwd.chunk, bwd.split, grads)
+        try:
+            module = self.module[act.phase]
+            out = module.forward_steps(*inputs) if hasattr(module, "forward_steps") else module(*inputs)
+            self._finish_forward(act.phase, act.chunk, inputs, complete(out))
+            self._send_early(act.phase, act.chunk)
+        finally:
+            backward.result()
 
 
 class DualPipe(PipelineRuntime):
