@@ -1,0 +1,121 @@
+"""moe-plan: predict memory per GPU, bytes per link, bubble, step time and MFU of a config, or search layouts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from launch.config import load_config
+from launch.plan.memory import RECOMPUTE
+from launch.plan.planner import Machine, Options, make_plan
+from launch.plan.presets import GPU, GPUS, MLA_PRESETS, RECIPES, gpu_preset
+from launch.plan.report import render, table, to_dict
+from launch.plan.search import describe, search
+
+OVERRIDES = {"peak_tflops": "bf16_tflops", "fp8_tflops": "fp8_tflops", "memory_gb": "memory_gb",
+             "intra_node_gbps": "intra_node_gbps", "inter_node_gbps": "inter_node_gbps"}
+NEEDED_FOR_CUSTOM = ("peak_tflops", "memory_gb", "intra_node_gbps", "inter_node_gbps")
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line."""
+    p = argparse.ArgumentParser(prog="moe-plan", description=__doc__)
+    p.add_argument("config", help="TOML run config (launch.config)")
+    p.add_argument("--search", action="store_true", help="rank every layout on --gpus GPUs that fits")
+    p.add_argument("--gpus", type=int, help="GPUs (plan: must equal the config's pp x dp x tp; search: required)")
+    p.add_argument("--gpus-per-node", type=int, help="default: the config's parallel.gpus_per_node, else 8")
+    p.add_argument("--gpu", help=f"preset: {', '.join(GPUS)} (default h800 unless every figure below is given)")
+    p.add_argument("--peak-tflops", type=float, help="dense BF16 TFLOPS per GPU")
+    p.add_argument("--fp8-tflops", type=float, help="dense FP8 TFLOPS per GPU (default 2x --peak-tflops)")
+    p.add_argument("--memory-gb", type=float, help="GPU memory, GB")
+    p.add_argument("--intra-node-gbps", type=float, help="NVLink GB/s per GPU per direction")
+    p.add_argument("--inter-node-gbps", type=float, help="inter-node GB/s per GPU per direction")
+    p.add_argument("--gemm-efficiency", type=float, default=0.6, help="achieved fraction of peak (default 0.6)")
+    p.add_argument("--attention", choices=("config", *MLA_PRESETS), default="config",
+                   help="count attention as the config's GQA, or as this MLA shape (DeepSeek-V3: deepseek-v3)")
+    p.add_argument("--recompute", choices=RECOMPUTE, default="none")
+    p.add_argument("--recipe", choices=tuple(RECIPES), help="bytes per param of weights/grads/optimizer "
+                   "(default: this project's ZeRO-1 for train.dtype)")
+    p.add_argument("--sample-tokens", type=int, default=1024, help="tokens per EP rank routed for the traffic")
+    p.add_argument("--top", type=int, default=10, help="search: layouts to print")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="config override")
+    p.add_argument("--json", help="write every figure here")
+    return p
+
+
+def machine_from(args: argparse.Namespace, default_gpn: int) -> Machine:
+    """The GPU preset with flag overrides (a GPU without a preset needs every figure)."""
+    given = {name: getattr(args, name) for name in OVERRIDES if getattr(args, name) is not None}
+    for name, value in given.items():
+        if value <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} = {value} must be > 0")
+    if args.gpu is None and given:
+        missing = [f"--{n.replace('_', '-')}" for n in NEEDED_FOR_CUSTOM if n not in given]
+        if missing:
+            raise ValueError(f"no --gpu preset given, so {', '.join(missing)} must be given too "
+                             f"(or pick --gpu {'|'.join(GPUS)})")
+        base = GPU("custom", given["peak_tflops"], given.get("fp8_tflops", 2 * given["peak_tflops"]), 0, 0, 0,
+                   "command line")
+    else:
+        base = gpu_preset(args.gpu or "h800")
+    gpu = replace(base, **{OVERRIDES[n]: v for n, v in given.items()})
+    gpn = args.gpus_per_node or default_gpn
+    if gpn < 1:
+        raise ValueError(f"--gpus-per-node = {gpn} must be >= 1")
+    if not 0 < args.gemm_efficiency <= 1:
+        raise ValueError(f"--gemm-efficiency = {args.gemm_efficiency} must be in (0, 1]")
+    return Machine(gpu, gpn, args.gemm_efficiency)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Plan or search as the arguments say; print the tables, return the JSON-ready result."""
+    config = load_config(args.config, args.set)
+    par = config.parallel
+    options = Options(MLA_PRESETS.get(args.attention), args.recompute, args.recipe, args.sample_tokens)
+    if args.search:
+        if not args.gpus or args.gpus < 1:
+            raise ValueError("--search needs --gpus N (N >= 1)")
+        machine = machine_from(args, par.gpus_per_node or min(8, args.gpus))
+        result = search(config, args.gpus, machine, options)
+        rows = [[i + 1, describe(vars(p.config.parallel), p.config.chunks_per_step), p.options.recompute,
+                 p.peak_memory / 1e9, p.idle_fraction, p.step_seconds, p.tokens_per_second / args.gpus, p.mfu]
+                for i, p in enumerate(result.ranked[:args.top])]
+        print(f"{len(result.ranked)} layouts fit on {args.gpus} x {machine.gpu.name}, {len(result.cut)} cut")
+        print(table(["#", "layout", "recompute", "peak GB", "idle", "step s", "tok/s/GPU", "MFU"], rows))
+        reasons: dict[str, int] = {}
+        for _, why in result.cut:
+            key = why.split(":")[0] if why.startswith("does not fit") else why
+            reasons[key] = reasons.get(key, 0) + 1
+        print("cut:")
+        for why, count in sorted(reasons.items(), key=lambda kv: -kv[1]):
+            print(f"  {count:5d}  {why}")
+        return {"ranked": [to_dict(p) for p in result.ranked], "cut": [{"layout": l, "reason": r}
+                                                                      for l, r in result.cut]}
+    if args.gpus is not None and args.gpus != par.world_size:
+        raise ValueError(f"--gpus {args.gpus} differs from the config's layout pp x dp x tp = {par.world_size} "
+                         f"(change [parallel] or use --search)")
+    machine = machine_from(args, par.gpus_per_node or par.world_size)
+    plan = make_plan(config, machine, options)
+    print(render(plan))
+    return to_dict(plan)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of moe-plan."""
+    args = parser().parse_args(argv)
+    try:
+        result = run(args)
+    except ValueError as error:
+        print(f"moe-plan: error: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,142 @@
+"""Memory per rank: model states under ZeRO stages, activations per layer (SP, recomputation) and the
+schedule's peak of live chunks (DualPipe: 2x params, PP+1 chunks in flight)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from launch.plan.params import AttentionShape
+from launch.plan.presets import StateBytes
+from moe.config import ModelConfig
+from pipeline.schedules import Op, Schedule
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Bytes of one rank's weights, gradients and optimizer state."""
+
+    params: float
+    grads: float
+    optimizer: float
+
+    def __add__(self, other: ModelStates) -> ModelStates:
+        return ModelStates(self.params + other.params, self.grads + other.grads, self.optimizer + other.optimizer)
+
+    @property
+    def total(self) -> float:
+        """All model-state bytes."""
+        return self.params + self.grads + self.optimizer
+
+
+def zero_model_states(num_params: float, shard_group: int, stage: int, recipe: StateBytes) -> ModelStates:
+    """Model-state bytes of num_params params under ZeRO stage 0-3 sharded over shard_group ranks
+    (stage 1: optimizer sharded; 2: and grads; 3: and params)."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage = {stage!r} is not allowed; choose one of 0, 1, 2, 3")
+    if shard_group < 1:
+        raise ValueError(f"shard group size = {shard_group!r} must be >= 1")
+    split = [1 if stage < s else shard_group for s in (3, 2, 1)]
+    return ModelStates(num_params * recipe.param / split[0],
+                       num_params * (recipe.grad / split[1] + recipe.reduced_grad / shard_group),
+                       num_params * recipe.optimizer / split[2])
+
+
+@dataclass(frozen=True)
+class ActivationModel:
+    """Saved-for-backward bytes per token of each layer kind on one rank, by component formulas.
+
+    Attention is taken as a fused (flash) kernel: q, k, v, its output and the fp32 log-sum-exp
+    are saved, no scores. TP splits the head/FFN widths; SP also splits the hidden-width tensors
+    (norm inputs and outputs) that TP alone keeps whole. Recomputation: "selective" recomputes the
+    norms, SwiGLU products and (MLA) the q/kv up-projections from their latents, as DeepSeek-V3
+    does; "full" keeps only each layer's input and recomputes the layer in backward.
+    """
+
+    cfg: ModelConfig
+    attention: AttentionShape
+    itemsize: int = 2
+    tp: int = 1
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    mla_latent: int = 0  # MLA: widths of the q and kv latents (q_lora_rank + kv_lora_rank + rope dim)
+
+    def __post_init__(self) -> None:
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute = {self.recompute!r} is not allowed; choose one of "
+                             f"{', '.join(map(repr, RECOMPUTE))}")
+
+    def _hidden(self, count: int) -> float:
+        """count hidden-width tensors outside the TP regions (split by SP)."""
+        width = count * self.cfg.hidden_size * self.itemsize
+        return width / self.tp if self.sequence_parallel else width
+
+    def _attention(self) -> float:
+        a, t, att = self.itemsize, self.tp, self.attention
+        kv_heads = att.heads if att.kind == "mla" else self.cfg.num_kv_heads
+        qkv = a * (att.heads * att.qk_head_dim + kv_heads * (att.qk_head_dim + att.v_head_dim)) / t
+        out = a * att.heads * att.v_head_dim / t + 4 * att.heads / t
+        latent = a * self.mla_latent
+        if self.recompute == "selective":
+            return self._hidden(1) + latent + out + (0 if att.kind == "mla" else qkv)
+        return self._hidden(2) + latent + qkv + out
+
+    def _swiglu(self, ffn: float) -> float:
+        """Saved bytes of a SwiGLU of width ffn (its input counted by the caller)."""
+        gate_up = 2 * ffn * self.itemsize
+        return gate_up if self.recompute == "selective" else gate_up + ffn * self.itemsize
+
+    def layer(self, moe: bool) -> float:
+        """Bytes per token one layer keeps for backward (full recompute: its input only)."""
+        if self.recompute == "full":
+            return self._hidden(1)
+        cfg, a = self.cfg, self.itemsize
+        norm = self._hidden(1 if self.recompute == "selective" else 2)
+        if not moe:
+            return self._attention() + norm + self._swiglu(cfg.dense_ffn_size / self.tp)
+        k, h = cfg.top_k, cfg.hidden_size
+        # per routed slot: the expert input, its SwiGLU, the expert output (combine's weight grad);
+        # the FP8 expert linear keeps its input unquantised, so FP8 experts save the same bytes
+        experts = k * (2 * h * a + self._swiglu(cfg.expert_ffn_size)) / self.tp
+        router = 2 * 4 * cfg.num_experts  # fp32 logits and scores
+        shared = self._swiglu(cfg.num_shared_experts * cfg.expert_ffn_size / self.tp)
+        return self._attention() + norm + experts + router + shared
+
+    def transient_layer(self, moe: bool) -> float:
+        """Extra bytes per token while one layer is recomputed for its backward (full recompute)."""
+        if self.recompute != "full":
+            return 0.0
+        return ActivationModel(self.cfg, self.attention, self.itemsize, self.tp, self.sequence_parallel,
+                               "none", self.mla_latent).layer(moe)
+
+    def head(self) -> float:
+        """Final norm and LM head: bf16 logits and the fp32 copy cross-entropy keeps (vocab split by TP)."""
+        vocab = self.cfg.vocab_size / self.tp
+        return self._hidden(2) + vocab * (self.itemsize + 4)
+
+    def stage(self, layers: range, has_head: bool, tokens: int) -> float:
+        """Bytes one chunk of `tokens` tokens keeps through a stage holding `layers` (and the head)."""
+        per_token = sum(self.layer(i >= self.cfg.first_k_dense) for i in layers)
+        per_token += self.head() if has_head else 0.0
+        return per_token * tokens
+
+
+def schedule_peaks(schedule: Schedule, stage_bytes: Sequence[float]) -> list[float]:
+    """Per rank, the most activation bytes held at once: each forward adds its stage's chunk bytes
+    until that chunk's backward (weight-grad leftovers of split backwards not counted)."""
+    layout = schedule.layout
+    peaks = []
+    for rank in range(layout.num_ranks):
+        live = peak = 0.0
+        for action in schedule.compute_actions(rank):
+            for half in action.halves():
+                size = stage_bytes[layout.stage_of(rank, half.phase)]
+                if half.op is Op.F:
+                    live += size
+                    peak = max(peak, live)
+                elif half.op is Op.B:
+                    live -= size
+        peaks.append(peak)
+    return peaks

@@ -1,0 +1,142 @@
+"""Parameter counts of a ModelConfig (optionally with MLA attention): per layer, per stage, per rank, activated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from launch.plan.presets import MLA
+from moe.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Params:
+    """Parameter counts of a part of the model, split by how the layout distributes them."""
+
+    sharded: int = 0     # dense params split over TP (attention/FFN/shared-expert matrices, vocab)
+    replicated: int = 0  # dense params each TP rank holds whole (norms, router, MLA down-projections)
+    expert: int = 0      # routed-expert params (split over EP)
+    activated: int = 0   # params one token's forward uses (top_k of the routed experts; not the embedding lookup)
+
+    def __add__(self, other: Params) -> Params:
+        return Params(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def __mul__(self, times: int) -> Params:
+        return Params(*(getattr(self, f.name) * times for f in fields(self)))
+
+    @property
+    def dense(self) -> int:
+        """Non-expert params."""
+        return self.sharded + self.replicated
+
+    @property
+    def total(self) -> int:
+        """All params."""
+        return self.dense + self.expert
+
+    def on_rank(self, tp: int, ep: int) -> tuple[float, float]:
+        """(dense, expert) params one rank holds of this part under TP tp and EP ep."""
+        return self.sharded / tp + self.replicated, self.expert / ep
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What the planner counts for one attention layer: weights and the per-head widths of the core."""
+
+    sharded: int
+    replicated: int
+    norms: int  # RMSNorm scales inside attention (MLA's latent norms), replicated
+    heads: int
+    qk_head_dim: int
+    v_head_dim: int
+    kind: str
+
+
+def attention_shape(cfg: ModelConfig, mla: MLA | None = None) -> AttentionShape:
+    """GQA as moe.model.Attention builds it, or MLA (q/kv down-projections replicated over TP)."""
+    h, heads = cfg.hidden_size, cfg.num_heads
+    if mla is None:
+        head = h // heads
+        qkv = h * (heads + 2 * cfg.num_kv_heads) * head
+        return AttentionShape(qkv + h * h, 0, 0, heads, head, head, "gqa")
+    qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    down = h * mla.q_lora_rank + h * (mla.kv_lora_rank + mla.qk_rope_head_dim)
+    up = (mla.q_lora_rank * heads * qk + mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+          + heads * mla.v_head_dim * h)
+    return AttentionShape(up, down, mla.q_lora_rank + mla.kv_lora_rank, heads, qk, mla.v_head_dim, "mla")
+
+
+def swiglu(hidden: int, ffn: int) -> int:
+    """Weights of a SwiGLU MLP (gate, up, down)."""
+    return 3 * hidden * ffn
+
+
+def layer_params(cfg: ModelConfig, index: int, attention: AttentionShape) -> Params:
+    """Params of transformer block `index` (dense before first_k_dense, MoE after)."""
+    h = cfg.hidden_size
+    norms = attention.norms + 2 * h
+    attn = Params(attention.sharded, attention.replicated + norms, 0, attention.sharded + attention.replicated + norms)
+    if index < cfg.first_k_dense:
+        ffn = swiglu(h, cfg.dense_ffn_size)
+        return attn + Params(ffn, 0, 0, ffn)
+    expert = swiglu(h, cfg.expert_ffn_size)
+    shared = cfg.num_shared_experts * expert
+    router = cfg.num_experts * h
+    return attn + Params(shared, router, cfg.num_experts * expert, shared + router + cfg.top_k * expert)
+
+
+def embedding_params(cfg: ModelConfig) -> Params:
+    """Input embedding: vocab-parallel, a lookup (not counted as activated)."""
+    return Params(cfg.vocab_size * cfg.hidden_size)
+
+
+def head_params(cfg: ModelConfig) -> Params:
+    """Final norm and LM head."""
+    head = cfg.vocab_size * cfg.hidden_size
+    return Params(head, cfg.hidden_size, 0, head + cfg.hidden_size)
+
+
+def split_layers(num_layers: int, num_stages: int) -> list[range]:
+    """Layers of each pipeline stage: as even as possible, the spare layers on the middle stages first
+    (the first stage also holds the embedding, the last the LM head)."""
+    if num_layers < num_stages:
+        raise ValueError(f"model.num_layers = {num_layers} cannot fill {num_stages} pipeline stages "
+                         f"(each stage needs at least one layer)")
+    base, spare = divmod(num_layers, num_stages)
+    order = list(range(1, num_stages - 1)) + [0, num_stages - 1] if num_stages > 2 else list(range(num_stages))
+    extra = set(order[:spare])
+    bounds, start = [], 0
+    for stage in range(num_stages):
+        size = base + (stage in extra)
+        bounds.append(range(start, start + size))
+        start += size
+    return bounds
+
+
+@dataclass(frozen=True)
+class ModelParams:
+    """Counts of the whole model and of each pipeline stage."""
+
+    total: Params
+    stages: list[Params]
+    embedding: int
+    attention: AttentionShape
+
+    @property
+    def activated(self) -> int:
+        """Params one token's forward uses (input embedding lookup excluded)."""
+        return self.total.activated
+
+    @property
+    def activated_with_embedding(self) -> int:
+        """Activated params with the input embedding table counted too."""
+        return self.total.activated + self.embedding
+
+
+def count_params(cfg: ModelConfig, num_stages: int = 1, mla: MLA | None = None) -> ModelParams:
+    """Parameter counts of cfg, whole and split into num_stages pipeline stages."""
+    attention = attention_shape(cfg, mla)
+    layers = [layer_params(cfg, i, attention) for i in range(cfg.num_layers)]
+    stages = [sum((layers[i] for i in span), Params()) for span in split_layers(cfg.num_layers, num_stages)]
+    stages[0] = stages[0] + embedding_params(cfg)
+    stages[-1] = stages[-1] + head_params(cfg)
+    return ModelParams(sum(stages, Params()), stages, cfg.vocab_size * cfg.hidden_size, attention)

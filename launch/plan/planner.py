@@ -1,0 +1,276 @@
+"""A plan for one config and machine: parameters, memory, bytes per link and time of each pipeline rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dispatch import Traffic
+from launch.config import RunConfig
+from launch.plan.memory import ActivationModel, ModelStates, schedule_peaks, zero_model_states
+from launch.plan.params import ModelParams, count_params, split_layers
+from launch.plan.presets import GPU, MLA, RECIPES, StateBytes
+from launch.plan.timing import Rates, StageCost, layer_flops, model_flops_per_token, simulate_step
+from launch.plan.traffic import EPStats, ep_stats, ring_bytes, total
+from pipeline.schedules import Layout, Schedule, build, merge_weight_grads
+
+LAYOUT_KINDS = {"none": "linear", "1f1b": "linear", "zb1p": "linear", "dualpipe": "bidirectional", "dualpipev": "v"}
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The cluster: a GPU (peaks, memory, links), GPUs per node and the GEMM efficiency assumed."""
+
+    gpu: GPU
+    gpus_per_node: int
+    gemm_efficiency: float = 0.6
+
+    def rates(self, fp8_experts: bool) -> Rates:
+        """Achieved FLOP/s and link bytes/s."""
+        expert = self.gpu.fp8_tflops if fp8_experts else self.gpu.bf16_tflops
+        return Rates(self.gpu.bf16_tflops * 1e12 * self.gemm_efficiency, expert * 1e12 * self.gemm_efficiency,
+                     self.gpu.intra_node_gbps * 1e9, self.gpu.inter_node_gbps * 1e9)
+
+
+@dataclass(frozen=True)
+class Options:
+    """Planner-side choices the run config does not hold."""
+
+    mla: MLA | None = None       # count attention as this MLA shape instead of the config's GQA
+    recompute: str = "none"
+    recipe: str | None = None    # model-state bytes (presets.RECIPES); default from train.dtype
+    sample_tokens: int = 1024    # tokens per EP rank routed to estimate dispatch bytes
+
+
+@dataclass
+class RankPlan:
+    """One pipeline rank (any of its DP/TP replicas): what it holds and its memory."""
+
+    rank: int
+    stages: list[int]
+    dense_params: float
+    expert_params: float
+    states: ModelStates
+    activations: float
+    transient: float
+    bytes: dict[str, Traffic] = field(default_factory=dict)
+
+    @property
+    def peak(self) -> float:
+        """Model states plus the schedule's peak activations (and a recomputed layer's)."""
+        return self.states.total + self.activations + self.transient
+
+
+@dataclass
+class Plan:
+    """Everything predicted for one config on one machine."""
+
+    config: RunConfig
+    machine: Machine
+    options: Options
+    params: ModelParams
+    layers: list[range]
+    ranks: list[RankPlan]
+    ep: EPStats | None
+    stage_costs: list[StageCost]
+    p2p_seconds: float
+    makespan: float
+    idle_fraction: float
+    dp_sync_seconds: float
+    tokens_per_step: int
+    flops_per_token: float
+    pipeline_steps: int = 1
+
+    @property
+    def step_seconds(self) -> float:
+        """The pipeline steps of one optimizer step plus the gradient sync after them."""
+        return self.pipeline_steps * self.makespan + self.dp_sync_seconds
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Tokens trained per second by the whole cluster."""
+        return self.tokens_per_step / self.step_seconds
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs per second over the cluster's dense BF16 peak."""
+        world = self.config.parallel.world_size
+        return self.flops_per_token * self.tokens_per_second / (world * self.machine.gpu.bf16_tflops * 1e12)
+
+    @property
+    def peak_memory(self) -> float:
+        """The largest per-GPU peak of any pipeline rank."""
+        return max(r.peak for r in self.ranks)
+
+    @property
+    def fits(self) -> bool:
+        """Whether every rank's peak fits in the GPU's memory."""
+        return self.peak_memory <= self.machine.gpu.memory_gb * 1e9
+
+
+def default_recipe(config: RunConfig) -> StateBytes:
+    """This project's ZeRO-1 bytes for the config's training dtype."""
+    return RECIPES["project-bf16" if config.train.dtype == "bfloat16" else "project-fp32"]
+
+
+def make_schedule(config: RunConfig) -> Schedule | None:
+    """The pipeline schedule the runtime would run (None without pipeline parallelism)."""
+    par = config.parallel
+    if par.schedule == "none":
+        return None
+    schedule = build(par.schedule, par.pp, config.chunks_per_step, split_bw=par.split_bw)
+    return merge_weight_grads(schedule, par.merge_w) if par.merge_w > 1 else schedule
+
+
+def _layout(config: RunConfig) -> Layout:
+    par = config.parallel
+    return Layout(LAYOUT_KINDS[par.schedule], par.pp, config.chunks_per_step)
+
+
+def node_of(config: RunConfig, gpus_per_node: int, pp: int, dp: int = 0, tp: int = 0) -> int:
+    """Node of the global rank at (pp, dp, tp) (rank order: TP innermost, then DP, then PP)."""
+    par = config.parallel
+    return ((pp * par.dp + dp) * par.tp + tp) // gpus_per_node
+
+
+def _groups(config: RunConfig, gpus_per_node: int, rank: int) -> tuple[int, int, bool, bool]:
+    """(dense shard group size, expert shard group size, whether each spans nodes) for pipeline rank."""
+    par = config.parallel
+    twins = [rank, par.pp - 1 - rank] if par.schedule == "dualpipe" and par.pp - 1 - rank != rank else [rank]
+    dense = {node_of(config, gpus_per_node, p, d, 0) for p in twins for d in range(par.dp)}
+    expert = {node_of(config, gpus_per_node, p, *divmod(i, par.tp)) for p in twins
+              for i in range(0, par.dp * par.tp, par.ep)}
+    replicas = len(twins)
+    return par.dp * replicas, par.dp * par.tp // par.ep * replicas, len(dense) > 1, len(expert) > 1
+
+
+def make_plan(config: RunConfig, machine: Machine, options: Options = Options(), timed: bool = True) -> Plan:
+    """Predict memory, traffic and time of config on machine (timed=False: memory only, no traffic or time)."""
+    par, cfg, train = config.parallel, config.model, config.train
+    gpn = machine.gpus_per_node
+    if config.parallel.world_size % gpn:
+        raise ValueError(f"gpus_per_node = {gpn} must divide the world size {par.world_size}")
+    num_stages = par.num_stages
+    params = count_params(cfg, num_stages, options.mla)
+    layers = split_layers(cfg.num_layers, num_stages)
+    recipe = RECIPES[options.recipe] if options.recipe else default_recipe(config)
+    itemsize = 2 if train.dtype == "bfloat16" else 4
+    dtype = torch.bfloat16 if itemsize == 2 else torch.float32
+    chunks = config.chunks_per_step
+    tokens = train.micro_batch_size * train.seq_len  # one chunk, one pipeline rank's TP group
+    mla_latent = (options.mla.q_lora_rank + options.mla.kv_lora_rank + options.mla.qk_rope_head_dim
+                  if options.mla else 0)
+    acts = ActivationModel(cfg, params.attention, itemsize, par.tp, par.sequence_parallel, options.recompute,
+                           mla_latent)
+    stage_bytes = [acts.stage(layers[s], s == num_stages - 1, tokens) for s in range(num_stages)]
+    schedule = make_schedule(config)
+    layout = _layout(config)
+    peaks = schedule_peaks(schedule, stage_bytes) if schedule else [stage_bytes[0]]
+    moe_layers = [sum(i >= cfg.first_k_dense for i in span) for span in layers]
+    ep = (ep_stats(cfg, par.ep, gpn, tokens // par.tp, par.dispatch_backend, par.dispatch_payload, dtype,
+                   options.sample_tokens) if timed and cfg.num_layers > cfg.first_k_dense else None)
+    ep_layer = total(ep.layer) if ep else Traffic()
+    rates = machine.rates(cfg.expert_precision == "fp8")
+    costs = [_stage_cost(config, params, layers[s], s == num_stages - 1, moe_layers[s], ep, rates, gpn, options)
+             for s in range(num_stages)]
+    act_bytes = tokens * cfg.hidden_size * itemsize / (par.tp if par.sequence_parallel else 1)
+    ranks, sync = [], 0.0
+    for rank in range(par.pp):
+        held = sorted({layout.stage_of(rank, phase) for phase in range(layout.num_phases)})
+        dense = sum(params.stages[s].on_rank(par.tp, par.ep)[0] for s in held)
+        expert = sum(params.stages[s].on_rank(par.tp, par.ep)[1] for s in held)
+        dense_group, expert_group, dense_inter, expert_inter = _groups(config, gpn, rank)
+        states = zero_model_states(dense, dense_group, 1, recipe) + zero_model_states(expert, expert_group, 1, recipe)
+        transient = max(acts.transient_layer(i >= cfg.first_k_dense) for s in held for i in layers[s]) * tokens
+        plan = RankPlan(rank, held, dense, expert, states, peaks[rank], transient)
+        grad_sync = [(dense, dense_group, dense_inter), (expert, expert_group, expert_inter)]
+        ranks.append(plan)
+        if timed:
+            plan.bytes = _rank_bytes(config, layout, rank, held, moe_layers, layers, ep_layer, act_bytes, grad_sync,
+                                     itemsize, recipe, gpn)
+            sync = max(sync, rates.link_seconds(plan.bytes["dp"].intra_node, plan.bytes["dp"].inter_node))
+    p2p_inter = par.dp * par.tp >= gpn and par.pp > 1
+    p2p_seconds = act_bytes / (rates.inter_bps if p2p_inter else rates.intra_bps)
+    if not timed:
+        makespan, idle = 0.0, 0.0
+    elif schedule:
+        result = simulate_step(schedule, costs, p2p_seconds, par.overlap)
+        makespan, idle = result.makespan, max(result.idle_fractions)
+    else:
+        makespan, idle = chunks * costs[0].serial, 0.0
+    return Plan(config, machine, options, params, layers, ranks, ep, costs, p2p_seconds, makespan, idle, sync,
+                train.grad_accum_steps * tokens, model_flops_per_token(cfg, params.attention, train.seq_len),
+                train.grad_accum_steps // par.dp // chunks)
+
+
+def _add(bucket: dict[str, Traffic], kind: str, inter: bool, nbytes: float) -> None:
+    bucket.setdefault(kind, Traffic()).add(inter, "payload", round(nbytes))
+
+
+def _rank_bytes(config: RunConfig, layout: Layout, rank: int, held: list[int], moe_layers: list[int],
+                layers: list[range], ep_layer: Traffic, act_bytes: float, grad_sync: list, itemsize: int,
+                recipe: StateBytes, gpn: int) -> dict[str, Traffic]:
+    """Bytes one rank sends per optimizer step by purpose ("ep", "pp", "dp", "tp"), intra- and inter-node."""
+    par, chunks = config.parallel, config.chunks_per_step
+    steps = config.train.grad_accum_steps // par.dp // chunks  # pipeline steps per optimizer step
+    out = {kind: Traffic() for kind in ("ep", "pp", "dp", "tp")}
+    moe_calls = steps * chunks * sum(moe_layers[s] for s in held)
+    out["ep"] = Traffic(*(v * moe_calls for v in (ep_layer.intra_payload, ep_layer.inter_payload,
+                                                   ep_layer.intra_meta, ep_layer.inter_meta)))
+    me = node_of(config, gpn, rank)
+    for s in held:
+        phase = [p for p in range(layout.num_phases) if layout.stage_of(rank, p) == s][0]
+        for chunk in range(chunks):
+            if layout.locate(chunk, s) != (rank, phase):
+                continue
+            for neighbour in (s - 1, s + 1):
+                if 0 <= neighbour < layout.num_stages:
+                    peer = layout.locate(chunk, neighbour)[0]
+                    if peer != rank:
+                        _add(out, "pp", node_of(config, gpn, peer) != me, steps * act_bytes)
+    for numel, group, inter in grad_sync:
+        _add(out, "dp", inter, ring_bytes(numel, group, 4) + ring_bytes(numel, group, recipe.param))
+    if par.tp > 1:
+        tp_layers = sum(len(layers[s]) for s in held)
+        all_reduce = 2 * ring_bytes(act_bytes * par.tp / itemsize, par.tp, itemsize)
+        _add(out, "tp", par.tp > gpn, 4 * tp_layers * steps * chunks * all_reduce)
+    return out
+
+
+def _stage_cost(config: RunConfig, params: ModelParams, layers: range, has_head: bool, moe_layers: int,
+                ep: EPStats | None, rates: Rates, gpn: int, options: Options) -> StageCost:
+    """Compute and communication seconds of one chunk through one stage."""
+    cfg, par, train = config.model, config.parallel, config.train
+    tokens = train.micro_batch_size * train.seq_len
+    flops = [layer_flops(cfg, i, params.attention, train.seq_len) for i in layers]
+    dense = sum(f.dense + f.core for f in flops) + (2 * cfg.vocab_size * cfg.hidden_size if has_head else 0)
+    expert = sum(f.expert for f in flops)
+    f = tokens / par.tp * (dense / rates.dense_flops + expert / rates.expert_flops)
+    core = tokens / par.tp * sum(x.core for x in flops) / rates.dense_flops
+    recompute = {"none": 0.0, "full": f}.get(options.recompute,
+                                             _selective_recompute(config, options, len(layers), rates))
+    ep_f = ep_b = 0.0
+    if ep is not None and moe_layers:
+        forward = ep.layer["dispatch"] + ep.layer["combine"]
+        backward = ep.layer["dispatch_backward"] + ep.layer["combine_backward"]
+        ep_f = moe_layers * rates.link_seconds(forward.intra_node, forward.inter_node)
+        ep_b = moe_layers * rates.link_seconds(backward.intra_node, backward.inter_node)
+    tp = 0.0
+    if par.tp > 1:
+        itemsize = 2 if train.dtype == "bfloat16" else 4
+        ar = 2 * ring_bytes(tokens * cfg.hidden_size, par.tp, itemsize)
+        tp = 2 * len(layers) * (ar / rates.inter_bps if par.tp > gpn else ar / rates.intra_bps)
+    return StageCost(f, 2 * f + recompute, f - core, ep_f + tp, ep_b + tp)
+
+
+def _selective_recompute(config: RunConfig, options: Options, num_layers: int, rates: Rates) -> float:
+    """Seconds to recompute the MLA up-projections of a stage's layers for one chunk (norms and SwiGLU
+    products are elementwise: not counted)."""
+    if options.mla is None:
+        return 0.0
+    mla, cfg, train = options.mla, config.model, config.train
+    heads = cfg.num_heads
+    up = (mla.q_lora_rank * heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim)
+          + mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim))
+    return num_layers * 2 * up * train.micro_batch_size * train.seq_len / config.parallel.tp / rates.dense_flops

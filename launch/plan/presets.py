@@ -1,0 +1,89 @@
+"""GPU and network presets (with their sources), DeepSeek-V3's MLA shape and byte recipes of model states."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One accelerator and its links: dense peaks, memory and per-GPU one-direction bandwidths."""
+
+    name: str
+    bf16_tflops: float      # dense BF16 peak (the MFU denominator)
+    fp8_tflops: float       # dense FP8 peak (FP8 expert GEMMs run against it)
+    memory_gb: float        # HBM capacity, 1e9 bytes
+    intra_node_gbps: float  # NVLink, GB/s per GPU per direction
+    inter_node_gbps: float  # InfiniBand/RoCE NIC per GPU, GB/s per direction
+    source: str
+
+
+GPUS: dict[str, GPU] = {
+    "h800": GPU("H800 SXM", 989.0, 1979.0, 80.0, 160.0, 50.0,
+                "NVIDIA H800 SXM datasheet (Hopper compute as H100 SXM); NVLink ~160 GB/s and IB ~50 GB/s "
+                "per GPU as achieved in DeepSeek-V3 report (arXiv 2412.19437) section 3.2.2"),
+    "h100": GPU("H100 SXM", 989.0, 1979.0, 80.0, 450.0, 50.0,
+                "NVIDIA H100 SXM datasheet: 989 TFLOPS BF16 / 1979 FP8 dense, 80 GB HBM3, NVLink4 900 GB/s "
+                "bidirectional; one 400 Gb/s ConnectX-7 NDR NIC per GPU (DGX H100)"),
+    "h200": GPU("H200 SXM", 989.0, 1979.0, 141.0, 450.0, 50.0,
+                "NVIDIA H200 SXM datasheet: H100 compute, 141 GB HBM3e, NVLink4 900 GB/s bidirectional; "
+                "one 400 Gb/s NDR NIC per GPU (DGX H200)"),
+    "b200": GPU("B200", 2250.0, 4500.0, 180.0, 900.0, 50.0,
+                "NVIDIA DGX B200 datasheet: 72 PFLOPS FP8 training / 8 GPUs (dense half of sparse peaks), "
+                "1440 GB HBM3e / 8, NVLink5 1.8 TB/s bidirectional; 8x 400 Gb/s ConnectX-7 per node"),
+}
+
+
+def gpu_preset(name: str) -> GPU:
+    """The preset called name (case-insensitive); ValueError naming the allowed ones."""
+    key = name.lower()
+    if key not in GPUS:
+        raise ValueError(f"--gpu {name!r} is not a known GPU; choose one of {', '.join(GPUS)} "
+                         f"(or give --peak-tflops, --intra-node-gbps and --inter-node-gbps for another)")
+    return GPUS[key]
+
+
+@dataclass(frozen=True)
+class MLA:
+    """Multi-head latent attention shape (DeepSeek-V2/V3): low-rank q and kv projections."""
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    source: str
+
+
+MLA_PRESETS: dict[str, MLA] = {
+    "deepseek-v3": MLA(1536, 512, 128, 64, 128,
+                       "DeepSeek-V3 config.json (q_lora_rank, kv_lora_rank, qk_nope/rope_head_dim, v_head_dim) "
+                       "and report section 2.1.1"),
+}
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter of the model states: weights, gradients, optimizer (sharded by ZeRO)."""
+
+    name: str
+    param: float
+    grad: float
+    optimizer: float
+    source: str
+    reduced_grad: float = 0.0  # a sharded copy of the reduced grads (bytes per param, split over the shard group)
+
+
+RECIPES: dict[str, StateBytes] = {
+    "zero-paper": StateBytes("zero-paper", 2, 2, 12, "ZeRO (Rajbhandari et al. 2020): fp16 params and grads, "
+                             "fp32 master + Adam moments (K = 12)"),
+    "project-bf16": StateBytes("project-bf16", 2, 4, 12, "this project's ZeRO1 on bf16 weights: grads summed "
+                               "in a full fp32 flat buffer, fp32 master + AdamW moments sharded", reduced_grad=4),
+    "project-fp32": StateBytes("project-fp32", 4, 4, 12, "this project's ZeRO1 on fp32 weights (CPU runs): the "
+                               "weights are their own masters, ZeRO1.state_bytes counts 4+4+4 per sharded param",
+                               reduced_grad=4),
+    "deepseek-v3": StateBytes("deepseek-v3", 2, 4, 8, "DeepSeek-V3 report section 3.3.3: BF16 weights, FP32 grads "
+                              "and master weights, BF16 AdamW moments"),
+}

@@ -1,0 +1,110 @@
+"""Time of a step: per-stage chunk costs from FLOPs and link bandwidths, the pipeline simulator for the
+bubble, DP gradient sync after it; tokens/s and MFU."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from launch.plan.params import AttentionShape, layer_params
+from moe.config import ModelConfig
+from pipeline.schedules import Action, Op, Schedule
+from pipeline.simulator import Costs, SimResult, simulate
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Achieved rates: dense (BF16) and expert GEMM FLOP/s, link bytes/s per GPU per direction."""
+
+    dense_flops: float
+    expert_flops: float
+    intra_bps: float
+    inter_bps: float
+
+    def link_seconds(self, intra_bytes: float, inter_bytes: float) -> float:
+        """Time to move bytes over both link classes at once (they run side by side)."""
+        return max(intra_bytes / self.intra_bps, inter_bytes / self.inter_bps)
+
+
+@dataclass(frozen=True)
+class LayerFlops:
+    """Forward FLOPs per token of one layer: dense matmuls, attention core, routed experts."""
+
+    dense: float
+    core: float
+    expert: float
+
+    @property
+    def total(self) -> float:
+        """All forward FLOPs per token."""
+        return self.dense + self.core + self.expert
+
+
+def layer_flops(cfg: ModelConfig, index: int, attention: AttentionShape, seq_len: int) -> LayerFlops:
+    """2 FLOPs per activated weight and token, plus causal attention over (seq_len + 1) / 2 keys on average."""
+    routed = cfg.top_k * 3 * cfg.hidden_size * cfg.expert_ffn_size if index >= cfg.first_k_dense else 0
+    core = 2 * attention.heads * (attention.qk_head_dim + attention.v_head_dim) * (seq_len + 1) / 2
+    return LayerFlops(2 * (matmul_params(cfg, index, attention) - routed), core, 2 * routed)
+
+
+def matmul_params(cfg: ModelConfig, index: int, attention: AttentionShape) -> int:
+    """Activated weights of layer index that multiply activations in matmuls (its RMSNorm scales left out)."""
+    return layer_params(cfg, index, attention).activated - 2 * cfg.hidden_size - attention.norms
+
+
+def model_flops_per_token(cfg: ModelConfig, attention: AttentionShape, seq_len: int) -> float:
+    """Training FLOPs per token, the MFU numerator: 6 x activated weights plus attention over all
+    seq_len keys (PaLM's convention, as launch.metrics counts it for GQA; MLA with its head widths)."""
+    weights = sum(matmul_params(cfg, i, attention) for i in range(cfg.num_layers))
+    weights += cfg.vocab_size * cfg.hidden_size
+    widths = attention.heads * (attention.qk_head_dim + attention.v_head_dim)
+    return 6.0 * weights + 6.0 * cfg.num_layers * widths * seq_len
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One chunk through one stage on one rank: compute of F, B (input+weight grads), W, and the
+    communication F and B wait on (EP all-to-all, TP collectives) when nothing overlaps it."""
+
+    f: float
+    b: float
+    w: float
+    comm_f: float
+    comm_b: float
+
+    @property
+    def serial(self) -> float:
+        """F then B of one chunk with nothing overlapped (no pipeline)."""
+        return self.f + self.comm_f + self.b + self.comm_b
+
+    def of(self, op: Op, split: bool) -> float:
+        """Duration of a lone F or B (split: without its weight part) or a W, communication exposed."""
+        if op is Op.F:
+            return self.f + self.comm_f
+        if op is Op.W:
+            return self.w
+        return self.b - (self.w if split else 0.0) + self.comm_b
+
+
+def action_seconds(action: Action, stages: Sequence[StageCost], stage_of, overlap: bool) -> float:
+    """Duration of a compute action; an F&B pair with overlap hides one half's communication
+    behind the other's compute (each link and the SMs run at once)."""
+    if action.op is Op.W:
+        return stages[stage_of(action.phase)].w * len(action.chunks)
+    if action.op is not Op.FB:
+        return stages[stage_of(action.phase)].of(action.op, action.split)
+    fwd, bwd = stages[stage_of(action.phase)], stages[stage_of(action.backward.phase)]
+    compute = fwd.f + bwd.b - (bwd.w if action.backward.split else 0.0)
+    if not overlap:
+        return compute + fwd.comm_f + bwd.comm_b
+    return max(compute, fwd.comm_f + bwd.comm_b)
+
+
+def simulate_step(schedule: Schedule, stages: Sequence[StageCost], p2p_seconds: float, overlap: bool) -> SimResult:
+    """The pipeline simulator run with each rank's actions priced by its stages' costs."""
+    layout = schedule.layout
+    durations = {}
+    for rank in range(layout.num_ranks):
+        for action in schedule.compute_actions(rank):
+            durations[(rank, action)] = action_seconds(action, stages, lambda p: layout.stage_of(rank, p), overlap)
+    return simulate(schedule, Costs(0.0, 0.0, p2p=p2p_seconds), durations=durations)

@@ -1,0 +1,71 @@
+"""moe-plan parameter counts: against the model the trainer builds, DeepSeek-V3's published figures, stage splits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from launch.config import load_config
+from launch.plan.params import count_params, split_layers
+from launch.plan.presets import MLA_PRESETS
+from launch.plan.timing import model_flops_per_token
+from launch.metrics import model_flops_per_token as dashboard_flops_per_token
+from moe.layer import MoELayer
+from moe.model import MoETransformer
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def test_counts_equal_the_parameters_of_the_model_the_trainer_builds():
+    cfg = load_config(CONFIGS / "tiny.toml").model
+    with torch.device("meta"):
+        model = MoETransformer(cfg)
+    counts = count_params(cfg, num_stages=2)
+    assert counts.total.total == sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for layer in model.moe_layers() for p in layer.experts.parameters())
+    assert counts.total.expert == experts
+    first = model.embed.weight.numel() + sum(p.numel() for b in model.blocks[:2] for p in b.parameters())
+    assert counts.stages[0].total == first
+
+
+def test_activated_counts_top_k_of_the_routed_experts_only():
+    cfg = load_config(CONFIGS / "tiny.toml").model
+    with torch.device("meta"):
+        layer = MoELayer(cfg)
+    counts = count_params(cfg)
+    per_expert = layer.experts.w_gate_up[0].numel() + layer.experts.w_down[0].numel()
+    idle = (cfg.num_experts - cfg.top_k) * per_expert * cfg.num_moe_layers
+    assert counts.activated == counts.total.total - idle - cfg.vocab_size * cfg.hidden_size
+
+
+def test_deepseek_v3_has_671b_params_and_37b_activated():
+    cfg = load_config(CONFIGS / "deepseek-v3.toml").model
+    counts = count_params(cfg, mla=MLA_PRESETS["deepseek-v3"])
+    assert counts.total.total == pytest.approx(671e9, rel=0.01)
+    # README_WEIGHTS.md of DeepSeek-V3: 36.7B activated in the main model; the report rounds it to 37B
+    assert counts.activated == pytest.approx(36.7e9, rel=0.01)
+    assert round(counts.activated / 1e9) == 37
+    # the MoE part alone: 58 layers x (256 routed + 1 shared experts of 3 x 7168 x 2048) + routers
+    assert counts.total.expert == 58 * 256 * 3 * 7168 * 2048
+
+
+def test_deepseek_v3_counted_as_gqa_overcounts_attention():
+    cfg = load_config(CONFIGS / "deepseek-v3.toml").model
+    gqa, mla = count_params(cfg), count_params(cfg, mla=MLA_PRESETS["deepseek-v3"])
+    assert gqa.total.total - mla.total.total == 61 * (4 * 7168 * 7168 - 187_107_328)
+
+
+def test_flops_per_token_match_the_dashboard_for_gqa():
+    cfg = load_config(CONFIGS / "tiny.toml").model
+    attention = count_params(cfg).attention
+    assert model_flops_per_token(cfg, attention, 128) == pytest.approx(dashboard_flops_per_token(cfg, 128))
+
+
+def test_stage_split_puts_spare_layers_in_the_middle_and_refuses_empty_stages():
+    assert [len(r) for r in split_layers(61, 16)] == [3] + [4] * 13 + [3, 3]
+    assert [len(r) for r in split_layers(4, 4)] == [1, 1, 1, 1]
+    assert split_layers(10, 3) == [range(0, 3), range(3, 7), range(7, 10)]
+    with pytest.raises(ValueError, match="num_layers = 4 cannot fill 8 pipeline stages"):
+        split_layers(4, 8)
