@@ -29,23 +29,24 @@ PEAK_FLOPS = {
 
 def expert_load_summary(tokens_per_expert: list[Tensor]) -> dict[str, list]:
     """Schema 1 per-layer keys: max/mean and min/mean load, dead experts, normalised load entropy."""
-    stats = [load_statistics(load.detach().cpu().numpy()) for load in tokens_per_expert]
-    return {"expert_load_max_over_mean": [s["max_over_mean"] for s in stats],
-            "expert_load_min_over_mean": [s["min_over_mean"] for s in stats],
-            "dead_experts": [s["dead"] for s in stats],
-            "expert_load_entropy": [s["entropy"] for s in stats]}
+    stats = load_statistics(torch.stack([load.detach().cpu() for load in tokens_per_expert]).numpy())
+    return {"expert_load_max_over_mean": stats["max_over_mean"], "expert_load_min_over_mean": stats["min_over_mean"],
+            "dead_experts": stats["dead"], "expert_load_entropy": stats["entropy"]}
 
 
-def load_statistics(load: np.ndarray) -> dict[str, float | int]:
-    """Imbalance figures of one layer's per-expert token counts [E] (rounded to 4 digits)."""
-    load = np.asarray(load, dtype=np.float64)
-    total = load.sum()
-    mean = max(load.mean(), 1e-12)
-    share = load / max(total, 1e-12)
-    nonzero = share[share > 0]
-    entropy = float(-(nonzero * np.log(nonzero)).sum() / math.log(load.size)) if load.size > 1 else 1.0
-    return {"max_over_mean": round(float(load.max() / mean), 4), "min_over_mean": round(float(load.min() / mean), 4),
-            "cv": round(float(load.std() / mean), 4), "dead": int((load == 0).sum()), "entropy": round(entropy, 4)}
+def load_statistics(loads: np.ndarray) -> dict[str, list]:
+    """Per layer of token counts [layers, experts]: max/mean, min/mean, CV (population std / mean), dead
+    experts and the load entropy normalised by log(experts) (1 = uniform); figures rounded to 4 digits."""
+    loads = np.asarray(loads, dtype=np.float64)
+    experts = loads.shape[1]
+    mean = np.maximum(loads.mean(axis=1), 1e-12)
+    share = loads / np.maximum(loads.sum(axis=1, keepdims=True), 1e-12)
+    plogp = np.where(share > 0, share * np.log(np.where(share > 0, share, 1.0)), 0.0)
+    entropy = -plogp.sum(axis=1) / math.log(experts) if experts > 1 else np.ones(len(loads))
+    figures = {"max_over_mean": loads.max(axis=1) / mean, "min_over_mean": loads.min(axis=1) / mean,
+               "cv": loads.std(axis=1) / mean, "entropy": entropy}
+    return {**{name: np.round(values, 4).tolist() for name, values in figures.items()},
+            "dead": (loads == 0).sum(axis=1).tolist()}
 
 
 def encode_array(values: np.ndarray | Tensor) -> dict:
@@ -65,43 +66,42 @@ def decode_array(encoded: dict) -> np.ndarray:
     return np.frombuffer(base64.b64decode(encoded["base64"]), dtype=dtype).reshape(encoded["shape"])
 
 
-def moe_layer_metrics(loads: Sequence[Tensor], biases: Sequence[Tensor], dropped: Sequence[int],
-                      losses_by_kind: Sequence[dict[str, float]]) -> dict:
+def moe_layer_metrics(loads: Sequence[Tensor] | np.ndarray, biases: Sequence[Tensor] | np.ndarray,
+                      dropped: Sequence[int], losses_by_kind: Sequence[dict[str, float]]) -> dict:
     """The "moe" section: per MoE layer the full expert counts (summed over ranks), their statistics,
     dropped slots, the expert-bias vector and the unweighted balance losses by kind."""
-    if not len(loads) == len(biases) == len(dropped) == len(losses_by_kind):
-        raise ValueError(f"one entry per MoE layer expected: {len(loads)} loads, {len(biases)} biases, "
+    counts, bias = _stack(loads).astype(np.int64), _stack(biases).astype(np.float32)
+    if not len(counts) == len(bias) == len(dropped) == len(losses_by_kind):
+        raise ValueError(f"one entry per MoE layer expected: {len(counts)} loads, {len(bias)} biases, "
                          f"{len(dropped)} dropped counts, {len(losses_by_kind)} loss dicts")
-    counts = torch.stack([load.detach().cpu().to(torch.int64) for load in loads])
-    stats = [load_statistics(row) for row in counts.numpy()]
     kinds = sorted({kind for losses in losses_by_kind for kind in losses})
     return {"moe": {
         "num_experts": counts.shape[1],
         "load": encode_array(counts),
-        **{name: [s[name] for s in stats] for name in ("max_over_mean", "min_over_mean", "cv", "dead", "entropy")},
+        **load_statistics(counts),
         "dropped": [int(d) for d in dropped],
-        "bias": encode_array(torch.stack([b.detach().cpu().float() for b in biases])),
+        "bias": encode_array(bias),
         "losses": {kind: [_loss_value(losses.get(kind)) for losses in losses_by_kind] for kind in kinds},
     }}
+
+
+def _stack(rows: Sequence[Tensor] | np.ndarray) -> np.ndarray:
+    if isinstance(rows, np.ndarray):
+        return rows
+    return np.stack([row.detach().cpu().numpy() if isinstance(row, Tensor) else np.asarray(row) for row in rows])
 
 
 def _loss_value(value: float | Tensor | None) -> float | None:
     return None if value is None else float(value)
 
 
-def peer_bytes_row(group_ranks: Sequence[int], bytes_to_group_peer: Sequence[int], world_size: int) -> list[int]:
-    """One rank's bytes sent to each global rank, from its per-peer counts inside its EP group."""
-    if len(group_ranks) != len(bytes_to_group_peer):
-        raise ValueError(f"group_ranks has {len(group_ranks)} ranks but {len(bytes_to_group_peer)} byte counts")
-    row = [0] * world_size
-    for rank, nbytes in zip(group_ranks, bytes_to_group_peer):
-        row[rank] += int(nbytes)
-    return row
-
-
 def traffic_metrics(sent_bytes: Sequence[Sequence[int]], gpus_per_node: int = 0) -> dict:
-    """The "traffic" section from each rank's bytes sent to every rank (row r: rank r's counters, world x world):
-    rank-to-rank and node-to-node matrices and the intra/inter-node totals (self-sends excluded)."""
+    """The "traffic" section: rank-to-rank and node-to-node byte matrices and intra/inter-node totals.
+
+    sent_bytes[r][p]: bytes EP-group rank r sent to EP peer p this step (its dispatch counters per peer),
+    summed over all EP groups by position (each rank adds its row at its EP index, then one all-reduce),
+    so the record's size does not grow with pipeline stages or replicas; gpus_per_node: EP ranks per
+    node (0: one node). Self-sends count zero."""
     matrix = np.asarray(sent_bytes, dtype=np.int64)
     world = matrix.shape[0] if matrix.ndim == 2 else 0
     if matrix.shape != (world, world) or world == 0:
@@ -149,11 +149,11 @@ def throughput_metrics(tokens: int, seconds: float, flops_per_token: float, peak
 
 def rank_metrics(peak_memory_bytes: Sequence[int], pipeline_idle_fraction: Sequence[float] | None = None) -> dict:
     """The "ranks" section: each rank's peak memory and the fraction of the step its pipeline waited."""
-    section: dict[str, list] = {"peak_memory_bytes": [int(m) for m in peak_memory_bytes]}
+    section: dict[str, list] = {"peak_memory_bytes": np.asarray(peak_memory_bytes, dtype=np.int64).tolist()}
     if pipeline_idle_fraction is not None:
         if len(pipeline_idle_fraction) != len(peak_memory_bytes):
             raise ValueError(f"{len(pipeline_idle_fraction)} idle fractions for {len(peak_memory_bytes)} ranks")
-        section["pipeline_idle_fraction"] = [round(float(f), 4) for f in pipeline_idle_fraction]
+        section["pipeline_idle_fraction"] = np.round(np.asarray(pipeline_idle_fraction, dtype=np.float64), 4).tolist()
     return {"ranks": section}
 
 

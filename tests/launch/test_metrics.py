@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from launch.metrics import (SCHEMA_VERSION, JsonlWriter, TensorBoardWriter, decode_array, expert_load_summary,
-                            model_flops_per_token, moe_layer_metrics, peak_flops_for_device, peer_bytes_row,
+                            model_flops_per_token, moe_layer_metrics, peak_flops_for_device,
                             rank_metrics, read_jsonl, step_record, throughput_metrics, traffic_metrics)
 from moe.config import ModelConfig
 from moe.model import MoETransformer
@@ -75,15 +75,13 @@ def test_layer_metrics_refuse_mismatched_layer_counts():
 
 
 def test_traffic_matrices_from_per_rank_counters():
-    # 4 ranks, 2 per node; EP group = all ranks; row r = what rank r's counters say it sent to each peer
-    sent = [peer_bytes_row([0, 1, 2, 3], row, 4) for row in
-            ([5, 10, 20, 30], [1, 0, 2, 3], [4, 5, 9, 6], [7, 8, 9, 0])]
+    # EP group of 4 ranks, 2 per node; row r = what rank r's counters say it sent to each peer
+    sent = [[5, 10, 20, 30], [1, 0, 2, 3], [4, 5, 9, 6], [7, 8, 9, 0]]
     traffic = traffic_metrics(sent, gpus_per_node=2)["traffic"]
     ranks = decode_array(traffic["rank_bytes"])
     assert ranks.tolist() == [[0, 10, 20, 30], [1, 0, 2, 3], [4, 5, 0, 6], [7, 8, 9, 0]]
     assert traffic["node_bytes"] == [[0 + 10 + 1 + 0, 20 + 30 + 2 + 3], [4 + 5 + 7 + 8, 0 + 6 + 9 + 0]]
     assert traffic["inter_node_bytes"] == 55 + 24 and traffic["intra_node_bytes"] == 11 + 15
-    assert peer_bytes_row([2, 3], [7, 9], 4) == [0, 0, 7, 9]
     with pytest.raises(ValueError, match="square"):
         traffic_metrics([[1, 2, 3]])
     with pytest.raises(ValueError, match="gpus_per_node = 3"):
