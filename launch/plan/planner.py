@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -148,9 +148,10 @@ def _groups(config: RunConfig, gpus_per_node: int, rank: int) -> tuple[int, int,
 def make_plan(config: RunConfig, machine: Machine, options: Options = Options(), timed: bool = True) -> Plan:
     """Predict memory, traffic and time of config on machine (timed=False: memory only, no traffic or time)."""
     par, cfg, train = config.parallel, config.model, config.train
-    gpn = machine.gpus_per_node
-    if config.parallel.world_size % gpn:
-        raise ValueError(f"gpus_per_node = {gpn} must divide the world size {par.world_size}")
+    gpn = min(machine.gpus_per_node, par.world_size)  # a world smaller than a node sits in one
+    if par.world_size % gpn:
+        raise ValueError(f"gpus_per_node = {gpn} must divide the world size pp x dp x tp = {par.world_size}")
+    machine = replace(machine, gpus_per_node=gpn)
     num_stages = par.num_stages
     params = count_params(cfg, num_stages, options.mla)
     layers = split_layers(cfg.num_layers, num_stages)

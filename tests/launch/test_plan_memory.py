@@ -1,0 +1,91 @@
+"""moe-plan memory: ZeRO's model-state formulas, the schedules' live chunks and parameter copies, activations."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from launch.config import load_config
+from launch.plan.memory import ActivationModel, schedule_peaks, zero_model_states
+from launch.plan.params import count_params
+from launch.plan.planner import Machine, Options, make_plan
+from launch.plan.presets import GPUS, MLA_PRESETS, RECIPES
+from pipeline.schedules import build
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+@pytest.mark.parametrize("stage, gigabytes", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_stages_reproduce_the_papers_7_5b_model_on_64_gpus(stage, gigabytes):
+    # ZeRO (Rajbhandari et al. 2020), Figure 1: 7.5B params, N_d = 64, K = 12: 120 / 31.4 / 16.6 / 1.9 GB
+    states = zero_model_states(7.5e9, 64, stage, RECIPES["zero-paper"])
+    assert states.total / 1e9 == pytest.approx(gigabytes, abs=0.05)
+
+
+def test_zero_stage_bytes_split_two_two_twelve():
+    psi, n = 1000.0, 8
+    recipe = RECIPES["zero-paper"]
+    assert (recipe.param, recipe.grad, recipe.optimizer) == (2, 2, 12)
+    one, two, three = (zero_model_states(psi, n, s, recipe) for s in (1, 2, 3))
+    assert (one.params, one.grads, one.optimizer) == (2 * psi, 2 * psi, 12 * psi / n)
+    assert (two.params, two.grads, two.optimizer) == (2 * psi, 2 * psi / n, 12 * psi / n)
+    assert (three.params, three.grads, three.optimizer) == (2 * psi / n, 2 * psi / n, 12 * psi / n)
+    with pytest.raises(ValueError, match="ZeRO stage = 4 is not allowed"):
+        zero_model_states(psi, n, 4, recipe)
+
+
+@pytest.mark.parametrize("name, ranks, expected", [
+    ("1f1b", 8, [8, 7, 6, 5, 4, 3, 2, 1]),   # PP on the first rank
+    ("dualpipe", 8, [9] * 8),                # PP + 1 on every rank
+    ("dualpipev", 4, [9] * 4),               # PP + 1 with PP = 8 stages on PP/2 ranks
+])
+def test_live_chunks_follow_the_dualpipe_table(name, ranks, expected):
+    schedule = build(name, ranks, 32)
+    assert schedule_peaks(schedule, [1.0] * schedule.layout.num_stages) == expected
+
+
+def _tiny(**parallel):
+    """The tiny model on a layout given in full (the shipped tiny config's own layout may change)."""
+    layout = {"dp": 1, "tp": 1, "ep": 1, "gpus_per_node": 0, "num_chunks": 0, **parallel}
+    overrides = [f"parallel.{k}={v!r}".replace("'", '"') for k, v in layout.items()]
+    return load_config(CONFIGS / "tiny.toml", ["train.grad_accum_steps=8", "train.micro_batch_size=2", *overrides])
+
+
+def test_dualpipe_holds_two_stages_per_rank_and_dualpipev_two_half_stages():
+    machine = Machine(GPUS["h100"], 8)
+    one = make_plan(_tiny(pp=4, schedule="1f1b"), machine, timed=False)
+    dual = make_plan(_tiny(pp=4, schedule="dualpipe"), machine, timed=False)
+    vee = make_plan(_tiny(pp=2, schedule="dualpipev"), machine, timed=False)
+    assert [r.stages for r in dual.ranks] == [[0, 3], [1, 2], [1, 2], [0, 3]]
+    assert [r.stages for r in vee.ranks] == [[0, 3], [1, 2]]
+    for r in dual.ranks:
+        assert r.dense_params + r.expert_params == sum(one.ranks[s].dense_params + one.ranks[s].expert_params
+                                                       for s in r.stages)
+    # DualPipe mirrors the stage pair on two ranks: ZeRO-1 shards over both, so optimizer bytes do not double
+    assert dual.ranks[0].states.optimizer == pytest.approx((one.ranks[0].states.optimizer
+                                                            + one.ranks[3].states.optimizer) / 2)
+
+
+def test_sequence_parallel_and_recompute_shrink_activations():
+    cfg = load_config(CONFIGS / "deepseek-v3.toml").model
+    attention = count_params(cfg, mla=MLA_PRESETS["deepseek-v3"]).attention
+    sizes = {(sp, mode): ActivationModel(cfg, attention, 2, 4, sp, mode).layer(moe=True)
+             for sp in (False, True) for mode in ("none", "selective", "full")}
+    assert sizes[(True, "none")] < sizes[(False, "none")]
+    assert sizes[(False, "full")] < sizes[(False, "selective")] < sizes[(False, "none")]
+    assert sizes[(False, "full")] == 7168 * 2 and sizes[(True, "full")] == 7168 * 2 / 4
+    with pytest.raises(ValueError, match="recompute = 'most' is not allowed"):
+        ActivationModel(cfg, attention, recompute="most")
+
+
+def test_deepseek_v3_plan_holds_4_experts_per_gpu_and_reaches_at_most_4_nodes():
+    config = load_config(CONFIGS / "deepseek-v3.toml")
+    plan = make_plan(config, Machine(GPUS["h800"], 8), Options(MLA_PRESETS["deepseek-v3"], sample_tokens=256))
+    ep = plan.ep
+    assert (ep.ep, ep.nodes, ep.experts_per_gpu) == (64, 8, 4)
+    assert ep.nodes_per_token_max == 4  # 8 groups of 32 experts = 8 nodes, 4 groups kept
+    # hierarchical: one IB copy per other node (< 4 when the token's own node is chosen); flat: per rank
+    assert 3.0 < ep.inter_copies_hierarchical < 4.0 < ep.inter_copies_flat
+    assert plan.ranks[5].stages == [5, 10]
+    assert plan.ranks[5].expert_params == 8 * 4 * 3 * 7168 * 2048  # 2 stages x 4 MoE layers x 4 experts
