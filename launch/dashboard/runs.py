@@ -1,0 +1,221 @@
+"""Reading a run's metrics.jsonl into step-binned series small enough for one HTML page."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from launch.metrics import SCHEMA_VERSION, decode_array
+
+METRICS_FILE = "metrics.jsonl"
+SCALARS = ("loss", "lm_loss", "aux_loss", "eval_lm_loss", "grad_norm", "lr", "tokens_per_s", "mfu", "dropped_tokens")
+LAYER_FIGURES = ("max_over_mean", "min_over_mean", "cv", "dead", "entropy", "dropped")
+SCHEMA_ONE_KEYS = {"max_over_mean": "expert_load_max_over_mean", "min_over_mean": "expert_load_min_over_mean",
+                   "dead": "dead_experts", "entropy": "expert_load_entropy"}
+
+
+class RunError(ValueError):
+    """A run directory the dashboard cannot show (no metrics, nothing readable)."""
+
+
+class Bins:
+    """Running means of one series over fixed-width step bins."""
+
+    def __init__(self, first_step: int, width: int) -> None:
+        self.first_step, self.width = first_step, width
+        self.sums: dict[int, list] = {}
+
+    def add(self, step: int, value: float | np.ndarray) -> None:
+        """Add one step's value (a number or an array of fixed shape) to its bin."""
+        key = max(step - self.first_step, 0) // self.width
+        entry = self.sums.setdefault(key, [0.0, 0, 0])
+        entry[0] = entry[0] + np.asarray(value, dtype=np.float64)
+        entry[1] += 1
+        entry[2] += step
+
+    def series(self) -> tuple[np.ndarray, np.ndarray]:
+        """(mean step of each bin, mean value of each bin [bins, ...]) in step order."""
+        keys = sorted(self.sums)
+        steps = np.array([self.sums[k][2] / self.sums[k][1] for k in keys])
+        values = np.array([self.sums[k][0] / self.sums[k][1] for k in keys])
+        return steps, values
+
+
+@dataclass
+class Run:
+    """What the dashboard shows of one run: binned scalar and per-layer series, traffic and per-rank figures."""
+
+    name: str
+    path: Path
+    schemas: set[int] = field(default_factory=set)
+    notes: list[str] = field(default_factory=list)
+    records: int = 0
+    first_step: int = 0
+    last_step: int = 0
+    line_points: int = 2000
+    heat_bytes: int = 4_500_000
+    bias_bytes: int = 1_800_000
+    num_layers: int = 0
+    scalars: dict[str, Bins] = field(default_factory=dict)
+    layers: dict[str, Bins] = field(default_factory=dict)
+    losses: dict[str, Bins] = field(default_factory=dict)
+    load: Bins | None = None
+    bias: Bins | None = None
+    num_experts: int = 0
+    rank_bytes: np.ndarray | None = None
+    node_bytes: np.ndarray | None = None
+    ranks: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def metrics_path(run_dir: str | Path) -> Path:
+    """The metrics file of a run directory (or the file itself when given one); RunError when there is none."""
+    path = Path(run_dir)
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        raise RunError(f"{run_dir}: no such run directory")
+    if not (path / METRICS_FILE).is_file():
+        raise RunError(f"{run_dir}: no {METRICS_FILE} in this run directory (moe-train writes one per run; "
+                       f"has the run started?)")
+    return path / METRICS_FILE
+
+
+def _edge_steps(path: Path) -> tuple[int, int]:
+    """Steps of the first and last complete records, read from the file's two ends."""
+    steps = []
+    with path.open("rb") as handle:
+        steps.append(_first_step(handle.readline()))
+        size = handle.seek(0, os.SEEK_END)
+        chunk = min(size, 8 << 20)
+        handle.seek(size - chunk)
+        tail = handle.read(chunk).splitlines()
+    for line in reversed(tail):
+        step = _first_step(line)
+        if step is not None:
+            steps.append(step)
+            break
+    found = [s for s in steps if s is not None]
+    return (min(found), max(found)) if found else (0, 0)
+
+
+def _first_step(line: bytes) -> int | None:
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
+def _width(first: int, last: int, bins: int) -> int:
+    return max(1, math.ceil((last - first + 1) / max(bins, 1)))
+
+
+def load_run(run_dir: str | Path, name: str | None = None, **budget: int) -> Run:
+    """Read a run's metrics into bins (see Run for the size budget: line_points per curve, heat_bytes and
+    bias_bytes of float32 for the per-layer load and bias heatmaps, ~75 and ~30 bins at 58 layers x 256 experts)."""
+    path = metrics_path(run_dir)
+    first, last = _edge_steps(path)
+    run = Run(name or Path(run_dir).name, path, first_step=first, last_step=last, **budget)
+    bad, count = [], 0
+    with path.open("rb") as handle:
+        for line in handle:
+            if not line.strip():
+                continue
+            count += 1
+            try:
+                record = json.loads(line)
+                if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                    raise ValueError("no integer 'step'")
+            except ValueError:
+                bad.append(count)
+                continue
+            add_record(run, record)
+    _note_problems(run, bad, count)
+    if not run.records:
+        raise RunError(f"{path}: no readable metrics records yet" + (f" ({len(bad)} malformed lines)" if bad else ""))
+    return run
+
+
+def _note_problems(run: Run, bad: list[int], count: int) -> None:
+    if bad == [count]:
+        run.notes.append(f"the last line (record {count}) is incomplete (the run may still be writing): left out")
+    elif bad:
+        run.notes.append(f"{len(bad)} malformed lines left out (first: record {bad[0]})")
+    older = sorted(s for s in run.schemas if s < SCHEMA_VERSION)
+    newer = sorted(s for s in run.schemas if s > SCHEMA_VERSION)
+    if older:
+        run.notes.append(f"records of schema {', '.join(map(str, older))} (this dashboard reads {SCHEMA_VERSION}): "
+                         f"per-expert loads, bias, traffic and per-rank views are not in them")
+    if newer:
+        run.notes.append(f"records of a newer schema {', '.join(map(str, newer))}: showing the fields of schema "
+                         f"{SCHEMA_VERSION}")
+
+
+def add_record(run: Run, record: dict) -> None:
+    """Add one metrics record (any schema) to the run's bins."""
+    step, first, last = record["step"], run.first_step, run.last_step
+    line_width = _width(first, last, run.line_points)
+    schema = record.get("schema", 1)
+    run.schemas.add(schema if isinstance(schema, int) else 0)
+    run.records += 1
+    for key in SCALARS:
+        value = record.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            run.scalars.setdefault(key, Bins(first, line_width)).add(step, value)
+    moe = record.get("moe") if isinstance(record.get("moe"), dict) else {}
+    layer_values = {name: moe.get(name, record.get(SCHEMA_ONE_KEYS.get(name, ""))) for name in LAYER_FIGURES}
+    for name, values in layer_values.items():
+        if isinstance(values, list) and values:
+            run.num_layers = max(run.num_layers, len(values))
+            run.layers.setdefault(name, Bins(first, line_width)).add(step, _numbers(values))
+    for kind, values in (moe.get("losses") or {}).items():
+        if isinstance(values, list) and values:
+            run.losses.setdefault(kind, Bins(first, line_width)).add(step, _numbers(values))
+    if "load" in moe:
+        load = decode_array(moe["load"]).astype(np.float64)
+        run.num_experts = load.shape[1]
+        ratio = load / np.maximum(load.mean(axis=1, keepdims=True), 1e-12)
+        if run.load is None:
+            run.load = Bins(first, _width(first, last, run.heat_bytes // (load.size * 4)))
+        run.load.add(step, ratio)
+    if "bias" in moe:
+        bias = decode_array(moe["bias"])
+        if run.bias is None:
+            run.bias = Bins(first, _width(first, last, run.bias_bytes // (bias.size * 4)))
+        run.bias.add(step, bias)
+    _add_traffic(run, record.get("traffic"))
+    ranks = record.get("ranks")
+    if isinstance(ranks, dict):
+        _add_ranks(run, ranks)
+
+
+def _numbers(values: list) -> np.ndarray:
+    return np.array([np.nan if v is None else v for v in values], dtype=np.float64)
+
+
+def _add_traffic(run: Run, traffic: dict | None) -> None:
+    """Sum the byte matrices over the run (a layout change mid-run keeps the latest layout's sums)."""
+    if not isinstance(traffic, dict) or "rank_bytes" not in traffic:
+        return
+    ranks = decode_array(traffic["rank_bytes"]).astype(np.int64)
+    nodes = np.asarray(traffic.get("node_bytes", [[int(ranks.sum())]]), dtype=np.int64)
+    if run.rank_bytes is None or run.rank_bytes.shape != ranks.shape or run.node_bytes.shape != nodes.shape:
+        run.rank_bytes, run.node_bytes = np.zeros_like(ranks), np.zeros_like(nodes)
+    run.rank_bytes += ranks
+    run.node_bytes += nodes
+
+
+def _add_ranks(run: Run, ranks: dict) -> None:
+    """Peak memory: the largest seen per rank; pipeline idle: the latest step's fractions."""
+    memory = ranks.get("peak_memory_bytes")
+    if isinstance(memory, list):
+        memory = np.asarray(memory, dtype=np.float64)
+        seen = run.ranks.get("peak_memory_bytes")
+        run.ranks["peak_memory_bytes"] = memory if seen is None or seen.shape != memory.shape else np.maximum(seen, memory)
+    if isinstance(ranks.get("pipeline_idle_fraction"), list):
+        run.ranks["pipeline_idle_fraction"] = np.asarray(ranks["pipeline_idle_fraction"], dtype=np.float64)
