@@ -1,31 +1,42 @@
-"""`moe-bench dispatch`: flat and hierarchical EP dispatch (bf16/fp8) against the classic one-hot capacity dispatch.
+"""`moe-bench dispatch`: flat and hierarchical EP dispatch (bf16/fp8) against the standard per-expert all-to-all
+(Megatron-Core's alltoall dispatcher) and the classic one-hot capacity dispatch (GShard).
 
-All six contenders run side by side, round-robin, in the same EP processes (gloo on CPU with simulated nodes,
+All eight contenders run side by side, round-robin, in the same EP processes (gloo on CPU with simulated nodes,
 NCCL on GPUs). Each call starts after a barrier and is timed on every rank; a repeat's time is its slowest
-rank's, and the table shows the median over repeats. Experts are the identity. Byte counts are the
-dispatchers' own counters, checked against the prediction made from the routing alone.
+rank's, and the table shows the median over repeats. Experts are the identity, so every point checks
+combine(dispatch(x)) == x * kept routing weights (calc_diff). Byte counts are the dispatchers' own counters,
+checked against the prediction made from the routing alone. --sweep runs a grid of any options and plots it.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dispatch.layout import check_num_experts
-from dispatch.multiproc import run_processes
 from dispatch.predict import predict_traffic
 from dispatch.routing import ROUTINGS
 from dispatch.topology import make_topology
+from launch.bench.alltoall import per_expert_traffic
 from launch.bench.dispatch_model import V3, LinkModel, byte_fields, moved_bytes, predict_v3, projected_fields
-from launch.bench.dispatch_worker import CONTENDERS, KINDS, ONEHOT, bench_worker, rank_routing
+from launch.bench.dispatch_worker import (CONTENDERS, KINDS, ONEHOT, PER_EXPERT, bench_worker, cpu_has_native_bf16,
+                                          peer_compute_dtype, rank_routing)
 from launch.bench.onehot import dropped_slots, onehot_capacity, onehot_traffic
+from launch.bench.plot import sweep_figure, write_figure
+from launch.bench.progress import BudgetExceeded, run_ranks
+from launch.bench.report import HIGHER, LOWER, header, header_line, table, write_json
+from launch.bench.sweep import point_argv, point_label, sweep_axes, sweep_points
 
 V3_HIDDEN = 7168
+GPU_TOKENS, CPU_TOKENS = 4096, 1024
+TOLERANCE = {"bf16": 1e-4, "fp8": 2e-3}  # calc_diff of combine(dispatch(x)) against x * kept weights
+KEY = ["section", "backend", "payload", "point"]
+METRICS = {"dispatch_ms": LOWER, "combine_ms": LOWER, "algbw_gbps": HIGHER, "combine_algbw_gbps": HIGHER}
 
 
 def predicted_traffic(backend: str, payload: str, indices: list[torch.Tensor], opts: dict[str, Any]) -> list[dict]:
@@ -34,6 +45,8 @@ def predicted_traffic(backend: str, payload: str, indices: list[torch.Tensor], o
     if backend == ONEHOT:
         capacity = onehot_capacity(opts["tokens"], opts["top_k"], opts["experts"], opts["capacity_factor"])
         return onehot_traffic(topology, opts["experts"], capacity, opts["hidden"], payload)
+    if backend == PER_EXPERT:
+        return per_expert_traffic(indices, opts["experts"], topology, opts["hidden"], payload)
     return predict_traffic(indices, opts["experts"], topology, opts["hidden"], backend, payload)
 
 
@@ -47,7 +60,8 @@ def _row(rows: list[dict], backend: str, payload: str) -> dict:
 
 
 def summarise(results: list[dict], opts: dict[str, Any], link: LinkModel | None) -> list[dict[str, Any]]:
-    """One record per contender: times, algbw, bytes (measured == predicted checked), projections, ratios."""
+    """One record per contender: times, algbw, bytes (measured == predicted checked), correctness, projections,
+    ratios to both peers."""
     indices = [rank_routing(opts, r)[0] for r in range(opts["nproc"])]
     moved = moved_bytes(indices, opts["experts"], opts["hidden"])
     capacity = onehot_capacity(opts["tokens"], opts["top_k"], opts["experts"], opts["capacity_factor"])
@@ -58,21 +72,27 @@ def summarise(results: list[dict], opts: dict[str, Any], link: LinkModel | None)
         measured = {kind: [r["traffic"][key][kind] for r in results] for kind in KINDS}
         expected = predicted_traffic(*key, indices, opts)
         times = {f"{kind}_ms": _median_of_slowest(results, key, kind) for kind in KINDS}
-        rows.append({
-            "section": "measured", "backend": key[0], "payload": key[1], **times,
+        diff = max(r["calc_diff"][key] for r in results)
+        bytes_ok = all(m == e[kind] for kind in KINDS for m, e in zip(measured[kind], expected))
+        row = {
+            "section": "measured", "point": opts["point"], "contender": " ".join(key), "backend": key[0],
+            "payload": key[1], **times,
             "algbw_gbps": moved / 1e6 / times["dispatch_ms"], "combine_algbw_gbps": moved / 1e6 / times["combine_ms"],
             **byte_fields(measured["dispatch"], opts["tokens"] * opts["nproc"]),
             **byte_fields(measured["combine"], opts["tokens"] * opts["nproc"], "combine_"),
-            "bytes_match_prediction": all(m == e[kind] for kind in KINDS for m, e in zip(measured[kind], expected)),
+            "bytes_match_prediction": bytes_ok, "calc_diff": diff, "correct": bytes_ok and diff < TOLERANCE[key[1]],
             "dropped_fraction": dropped if key[0] == ONEHOT else 0.0,
             "capacity": capacity if key[0] == ONEHOT else None,
             **projected_fields(measured, key[0], link, moved),
             **{name: opts[name] for name in ("tokens", "hidden", "experts", "top_k", "nproc", "gpus_per_node",
                                              "routing", "comm", "repeats")},
-        })
+        }
+        row["bytes_per_token"] = row["inter_node_bytes_per_token"] + row["intra_node_bytes_per_token"]
+        rows.append(row)
     for row in rows:
-        peer = _row(rows, ONEHOT, row["payload"])
-        row["speedup_vs_onehot"] = (peer["dispatch_ms"] + peer["combine_ms"]) / (row["dispatch_ms"] + row["combine_ms"])
+        for peer, field in ((ONEHOT, "speedup_vs_onehot"), (PER_EXPERT, "speedup_vs_per_expert")):
+            other = _row(rows, peer, row["payload"])
+            row[field] = (other["dispatch_ms"] + other["combine_ms"]) / (row["dispatch_ms"] + row["combine_ms"])
     return rows
 
 
@@ -80,32 +100,29 @@ def _verdict(ok: bool, target: str) -> str:
     return f"   [acceptance {target}: {'met' if ok else 'not met'}]"
 
 
-def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
-    """Fixed-width table, one line per record; columns are (title, record key, format spec)."""
-    cells = [[title for title, _, _ in columns]] + [[format(r[key], spec) for _, key, spec in columns] for r in rows]
-    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
-    lines = ["  ".join(v.ljust(w) if i < 2 else v.rjust(w) for i, (v, w) in enumerate(zip(line, widths)))
-             for line in cells]
-    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
-
-
 NAMES = [("backend", "backend", ""), ("payload", "payload", "")]
 BYTES = [(part.replace("_", " ").replace("payload", "pay"), f"{part}_bytes_per_token", ".0f")
          for part in ("inter_payload", "inter_meta", "intra_payload", "intra_meta")]
 PROJECTED = [("proj disp ms", "projected_dispatch_ms", ".4f"), ("proj comb ms", "projected_combine_ms", ".4f"),
              ("proj disp GB/s", "projected_algbw_gbps", ".1f")]
-MEASURED = [*NAMES, ("disp ms", "dispatch_ms", ".1f"), ("comb ms", "combine_ms", ".1f"),
-            ("disp GB/s", "algbw_gbps", ".3f"), ("comb GB/s", "combine_algbw_gbps", ".3f"),
-            ("x 1-hot", "speedup_vs_onehot", ".1f"), *BYTES, ("bytes=pred", "bytes_match_prediction", "")]
+TIMES = [("disp ms", "dispatch_ms", ".1f"), ("comb ms", "combine_ms", ".1f"), ("disp GB/s", "algbw_gbps", ".3f"),
+         ("comb GB/s", "combine_algbw_gbps", ".3f"), ("x 1-hot", "speedup_vs_onehot", ".1f"),
+         ("x per-exp", "speedup_vs_per_expert", ".2f")]
+CHECKS = [("calc_diff", "calc_diff", ".1e"), ("bytes=pred", "bytes_match_prediction", ""), ("ok", "correct", "")]
+MEASURED = [*NAMES, *TIMES, *BYTES, *CHECKS]
+SWEEP = [("point", "point_label", ""), *NAMES, *TIMES[:4], ("bytes/token", "bytes_per_token", ".0f"), *CHECKS]
 
 
 def format_ratios(rows: list[dict]) -> str:
-    """Acceptance ratios: hierarchical vs flat inter-node bytes, fp8 vs bf16 payload bytes."""
-    flat, hier = _row(rows, "flat", "bf16"), _row(rows, "hierarchical", "bf16")
+    """Acceptance ratios: hierarchical vs flat inter-node bytes, fp8 vs bf16 payload bytes, flat vs per-expert."""
+    flat, hier, per_expert = (_row(rows, b, "bf16") for b in ("flat", "hierarchical", PER_EXPERT))
     inter = hier["inter_node_bytes"] / flat["inter_node_bytes"]
     inter_pay = hier["inter_payload_bytes"] / flat["inter_payload_bytes"]
     lines = [f"hierarchical / flat inter-node bytes (bf16): {inter:.3f} all, {inter_pay:.3f} payload only"
-             + _verdict(inter <= 0.55, "<= 0.55 at the default shape")]
+             + _verdict(inter <= 0.55, "<= 0.55 at the default shape"),
+             f"flat / per-expert payload bytes (bf16): "
+             f"{(flat['inter_payload_bytes'] + flat['intra_payload_bytes']) / (per_expert['inter_payload_bytes'] + per_expert['intra_payload_bytes']):.3f}"
+             " (a token goes once per destination rank, not once per expert)"]
     for backend in ("flat", "hierarchical"):
         bf16, fp8 = _row(rows, backend, "bf16"), _row(rows, backend, "fp8")
         pay = [r["inter_payload_bytes"] + r["intra_payload_bytes"] for r in (fp8, bf16)]
@@ -137,7 +154,7 @@ def format_v3(rows: list[dict], link: LinkModel | None) -> str:
             + _verdict(hier <= 4, "<= 4"))
 
 
-def caption(args: argparse.Namespace, peer: dict) -> str:
+def caption(args: argparse.Namespace) -> str:
     """What ran and how the measured table counts."""
     groups = f" ({args.num_groups} groups, {args.topk_groups} kept)" if args.routing == "node-limited" else ""
     device = "cuda" if args.comm == "nccl" else f"cpu, {args.threads} thread(s) each"
@@ -149,10 +166,24 @@ def caption(args: argparse.Namespace, peer: dict) -> str:
         f"{args.warmup} warmup; GB/s = received token rows per rank x hidden x 2 B / time (DeepEP's count, same "
         f"numerator for every row)",
         "bytes per token: one dispatch's sends, all ranks, / all tokens; meta = routing weights, expert ids, row "
-        "counts; x 1-hot = one-hot time / this time (dispatch+combine, same payload); bytes=pred: counters equal "
-        "the prediction from the routing",
-        f"one-hot peer: capacity factor {args.capacity_factor:g} = {peer['capacity']} slots per expert, "
-        f"{100 * peer['dropped_fraction']:.1f}% of routed slots dropped"])
+        "counts; x 1-hot, x per-exp = that peer's time / this time (dispatch+combine, same payload); calc_diff: "
+        f"combine(dispatch(x)) vs x * kept weights, ok when < {TOLERANCE['bf16']:g} (bf16) / {TOLERANCE['fp8']:g} "
+        "(fp8) and the byte counters equal the prediction from the routing (bytes=pred)",
+        f"one-hot peer: capacity factor {args.capacity_factor:g}"])
+
+
+def machine_notes(args: argparse.Namespace, tokens_given: bool) -> list[str]:
+    """What this machine changed about the run (said in the header and the JSON)."""
+    notes = []
+    if not tokens_given:
+        notes.append(f"default --tokens {args.tokens} per rank chosen for this machine "
+                     f"({GPU_TOKENS} when every rank has a GPU, {CPU_TOKENS} on CPU)")
+    if args.comm != "nccl" and peer_compute_dtype(args.comm) == torch.float32:
+        notes.append("this CPU has no native bf16 (no AVX512-BF16/AMX): the one-hot and per-expert peers compute in "
+                     "float32; rows still travel as bf16 (or fp8) and counts are unchanged")
+    elif args.comm != "nccl" and cpu_has_native_bf16():
+        notes.append("this CPU computes bf16 natively: the peers compute in bf16")
+    return notes
 
 
 def pick_comm(choice: str, nproc: int) -> str:
@@ -164,11 +195,12 @@ def pick_comm(choice: str, nproc: int) -> str:
     return "nccl" if torch.cuda.is_available() and nproc <= torch.cuda.device_count() else "gloo"
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """Options; the defaults are the acceptance shape (2 simulated nodes x 2 ranks)."""
+def build_parser() -> argparse.ArgumentParser:
+    """The suite's options; the defaults are the acceptance shape (2 simulated nodes x 2 ranks)."""
     p = argparse.ArgumentParser(prog="moe-bench dispatch", description=__doc__.splitlines()[0])
     add = p.add_argument
-    add("--tokens", type=int, default=4096, help="tokens per rank")
+    add("--tokens", type=int, default=None,
+        help=f"tokens per rank (default {GPU_TOKENS} on GPUs, {CPU_TOKENS} on CPU)")
     add("--hidden", type=int, default=1024)
     add("--experts", type=int, default=32)
     add("--top-k", type=int, default=8)
@@ -185,54 +217,134 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--comm", choices=("auto", "gloo", "nccl"), default="auto",
         help="process group backend; auto: nccl + cuda when every rank gets a GPU")
     add("--threads", type=int, default=1, help="torch threads per process")
-    add("--timeout", type=float, default=600.0, help="seconds before giving up")
+    add("--call-budget", type=float, default=60.0,
+        help="seconds one dispatch or combine call may take before the run stops naming it (0: no limit)")
+    add("--quiet", action="store_true", help="no progress lines")
     add("--inter-node-gbps", type=float, help="link model: inter-node GB/s per rank (e.g. 50 for IB)")
     add("--intra-node-gbps", type=float, help="link model: intra-node GB/s per rank (e.g. 160 for NVLink)")
     add("--predict-v3", action="store_true", help="also predict bytes at DeepSeek-V3 scale (no communication)")
     add("--v3-tokens", type=int, default=4096, help="tokens per rank of the V3 prediction")
-    add("--json", metavar="FILE", help="write one record per row")
-    args = p.parse_args(argv)
+    add("--sweep", nargs="+", metavar="NAME=V1,V2", default=[],
+        help="run every combination of these option values (e.g. tokens=512,2048 top-k=2,8); plots GB/s and bytes "
+             "per token against the first one, next to the JSON")
+    add("--json", metavar="FILE", help="write the header and one record per row (sweep default: dispatch-sweep.json)")
+    return p
+
+
+def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """p.error naming the first option out of range or a shape the routing cannot take; fills in defaults."""
+    args.tokens_given = args.tokens is not None
+    if args.tokens is None:
+        args.tokens = GPU_TOKENS if args.comm == "nccl" else CPU_TOKENS
     for name in ("tokens", "hidden", "experts", "top_k", "nproc", "gpus_per_node", "repeats", "threads", "v3_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     for name in ("capacity_factor", "inter_node_gbps", "intra_node_gbps"):
         if getattr(args, name) is not None and not getattr(args, name) > 0:
             p.error(f"--{name.replace('_', '-')} must be > 0")
-    if args.warmup < 0:
-        p.error("--warmup must be >= 0")
+    if args.warmup < 0 or args.call_budget < 0:
+        p.error("--warmup and --call-budget must be >= 0")
     if (args.inter_node_gbps is None) != (args.intra_node_gbps is None):
         p.error("the link model needs both --inter-node-gbps and --intra-node-gbps")
     try:
         topology = make_topology(args.nproc, args.gpus_per_node)
         args.num_groups = args.num_groups or topology.num_nodes
         check_num_experts(args.experts, args.nproc)
-        rank_routing(vars(args), 0)
+        rank_routing({**vars(args), "tokens": 1}, 0)
+    except ValueError as err:
+        p.error(str(err))
+
+
+def _parse_one(p: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    args = p.parse_args(argv)
+    args.comm_choice = args.comm
+    try:
         args.comm = pick_comm(args.comm, args.nproc)
     except ValueError as err:
         p.error(str(err))
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run every contender side by side, print the tables and ratios, optionally write JSON."""
-    args = parse_args(argv)
-    opts = vars(args)
-    link = LinkModel(args.inter_node_gbps, args.intra_node_gbps) if args.inter_node_gbps else None
-    results = run_processes(bench_worker, args.nproc, opts, backend=args.comm, threads=args.threads,
-                            timeout_s=args.timeout)
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Options, checked (with --sweep: every point, before anything runs); defaults filled in for this machine.
+
+    With --sweep, args.points holds the parsed options of every point, in order."""
+    p = build_parser()
+    args = _parse_one(p, argv)
+    args.axes = sweep_axes(p, args.sweep)
+    args.points = [(point, _parse_one(p, point_argv(argv, point))) for point in sweep_points(args.axes) if point]
+    if not args.points:
+        _check(p, args)
+        return args
+    for _, one in args.points:
+        _check(p, one)
+    args.tokens, args.tokens_given = args.points[0][1].tokens, all(one.tokens_given for _, one in args.points)
+    return args
+
+
+def run_point(args: argparse.Namespace, point: dict[str, str], link: LinkModel | None) -> list[dict]:
+    """Every contender at one point of the sweep (the only point without one)."""
+    opts = {**vars(args), "point": point, "progress": not args.quiet}
+    hint = ("run a smaller shape (--tokens, --hidden, --top-k) or raise --call-budget; the one-hot peer's cost "
+            "grows with tokens^2 x top-k")
+    results = run_ranks(bench_worker, args.nproc, opts, hint, backend=args.comm, threads=args.threads)
     rows = summarise(results, opts, link)
-    print(caption(args, _row(rows, ONEHOT, "bf16")))
-    print(table(rows, MEASURED))
-    print(format_ratios(rows))
-    if link:
-        print(format_projection(rows, link))
+    for row in rows:
+        row["point_label"] = point_label(point)
+    return rows
+
+
+def run_sweep(args: argparse.Namespace, link: LinkModel | None) -> list[dict]:
+    """Every point of the sweep, a table row per (point, contender); plots next to the JSON."""
+    rows = []
+    for i, (point, point_args) in enumerate(args.points, start=1):
+        print(f"sweep point {i}/{len(args.points)}: {point_label(point)}", flush=True)
+        rows += run_point(point_args, point, link)
+    print(table(rows, SWEEP, left=3))
+    base = Path(args.json).with_suffix("")
+    fig = sweep_figure(rows, next(iter(args.axes)), [("algbw_gbps", "dispatch GB/s"),
+                                                     ("combine_algbw_gbps", "combine GB/s"),
+                                                     ("bytes_per_token", "dispatch bytes per token")],
+                       f"moe-bench dispatch sweep: {' x '.join(args.axes)}")
+    html, png, why_not = write_figure(fig, base)
+    print(f"plots: {html}" + (f", {png}" if png else f" ({why_not})"))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every contender side by side (at every sweep point), print the tables, write JSON (+ plots)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.sweep and not args.json:
+        args.json = "dispatch-sweep.json"
+    link = LinkModel(args.inter_node_gbps, args.intra_node_gbps) if args.inter_node_gbps else None
+    head = header("dispatch", argv, machine_notes(args, args.tokens_given))
+    print(header_line(head))
+    print("\n".join(f"note: {note}" for note in head["notes"]))
+    try:
+        if args.sweep:
+            rows = run_sweep(args, link)
+        else:
+            rows = run_point(args, {}, link)
+            print(caption(args))
+            print(table(rows, MEASURED))
+            print(format_ratios(rows))
+            if link:
+                print(format_projection(rows, link))
+    except BudgetExceeded as err:
+        print(f"moe-bench dispatch: stopped: {err}", file=sys.stderr)
+        return 3
     if args.predict_v3:
         v3 = predict_v3(args.v3_tokens, V3_HIDDEN, link, args.seed)
         print(format_v3(v3, link))
         rows += v3
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
-    return 0
+        write_json(args.json, head, rows, KEY, METRICS)
+        print(f"wrote {args.json}")
+    bad = [f"{r.get('point_label', '')} {r['contender']}".strip() for r in rows if r.get("correct") is False]
+    if bad:
+        print(f"moe-bench dispatch: correctness check failed for {', '.join(bad)}", file=sys.stderr)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -13,11 +14,31 @@ from dispatch.dispatcher import PAYLOADS, EPDispatcher
 from dispatch.routes import BACKENDS
 from dispatch.routing import synthetic_routing
 from dispatch.traffic import Traffic
+from kernels.metrics import calc_diff
+from launch.bench.alltoall import PerExpertDispatcher
 from launch.bench.onehot import OneHotDispatcher
+from launch.bench.progress import Progress, call_budget
+from launch.bench.sweep import point_label
 
-ONEHOT = "one-hot"
-CONTENDERS = tuple((backend, payload) for backend in (ONEHOT, *BACKENDS) for payload in PAYLOADS)
+ONEHOT, PER_EXPERT = "one-hot", "per-expert"
+PEERS = (ONEHOT, PER_EXPERT)
+CONTENDERS = tuple((backend, payload) for backend in (*PEERS, *BACKENDS) for payload in PAYLOADS)
 KINDS = ("dispatch", "combine")
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX); without, torch emulates it slowly."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(flag in flags for flag in NATIVE_BF16_FLAGS)
+
+
+def peer_compute_dtype(comm: str) -> torch.dtype:
+    """The dtype the peers' arithmetic runs in: bf16 on GPUs and bf16-capable CPUs, float32 otherwise."""
+    return torch.bfloat16 if comm == "nccl" or cpu_has_native_bf16() else torch.float32
 
 
 def rank_routing(opts: dict[str, Any], rank: int) -> tuple[Tensor, Tensor]:
@@ -27,12 +48,21 @@ def rank_routing(opts: dict[str, Any], rank: int) -> tuple[Tensor, Tensor]:
                              generator=torch.Generator().manual_seed(opts["seed"] + rank))
 
 
-def make_dispatcher(backend: str, payload: str, opts: dict[str, Any]) -> EPDispatcher | OneHotDispatcher:
+def make_dispatcher(backend: str, payload: str, opts: dict[str, Any]) -> Any:
     """The contender (backend, payload) over the whole world."""
+    dtype = peer_compute_dtype(opts["comm"])
     if backend == ONEHOT:
         return OneHotDispatcher(opts["experts"], gpus_per_node=opts["gpus_per_node"],
-                                capacity_factor=opts["capacity_factor"], payload=payload)
+                                capacity_factor=opts["capacity_factor"], payload=payload, compute_dtype=dtype)
+    if backend == PER_EXPERT:
+        return PerExpertDispatcher(opts["experts"], gpus_per_node=opts["gpus_per_node"], payload=payload,
+                                   compute_dtype=dtype)
     return EPDispatcher(opts["experts"], gpus_per_node=opts["gpus_per_node"], backend=backend, payload=payload)
+
+
+def kept_weight(backend: str, weights: Tensor, handle: Any) -> Tensor:
+    """[T] sum of the routing weights a contender keeps: the one-hot peer drops slots past capacity."""
+    return handle.sum((1, 2)) if backend == ONEHOT else weights.sum(1)
 
 
 def _sync(device: torch.device) -> None:
@@ -51,10 +81,10 @@ def timed(call: Callable[..., Any], device: torch.device, *args: Any) -> tuple[A
 
 
 def bench_worker(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
-    """Per contender: this rank's dispatch/combine seconds per timed repeat and the traffic of its last calls.
+    """Per contender: this rank's dispatch/combine seconds per timed repeat, the traffic of its last calls and
+    calc_diff of its last combine against x * kept weights (experts are the identity).
 
-    Experts are the identity: combine gets the dispatched rows back unchanged. Both dispatchers
-    return (rows, ..., what combine needs), so one loop drives them all.
+    Every call runs under the per-call budget (opts["call_budget"]); rank 0 prints a line per repeat.
     """
     device = torch.device("cuda", torch.cuda.current_device()) if opts["comm"] == "nccl" else torch.device("cpu")
     indices, weights = (t.to(device) for t in rank_routing(opts, rank))
@@ -62,16 +92,27 @@ def bench_worker(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, 
     x = torch.randn(opts["tokens"], opts["hidden"], generator=gen).to(device, torch.bfloat16)
     dispatchers = {key: make_dispatcher(*key, opts) for key in CONTENDERS}
     seconds: dict[tuple[str, str], dict[str, list[float]]] = {key: {k: [] for k in KINDS} for key in CONTENDERS}
-    for rep in range(opts["warmup"] + opts["repeats"]):
+    diffs: dict[tuple[str, str], float] = {}
+    progress = Progress(f"dispatch {point_label(opts['point'])}".strip(), rank == 0 and opts["progress"])
+    total = opts["warmup"] + opts["repeats"]
+    for rep in range(total):
         shift = rep % len(CONTENDERS)
+        spent = []
         for key in CONTENDERS[shift:] + CONTENDERS[:shift]:
-            dispatcher = dispatchers[key]
-            sent, dispatch_s = timed(dispatcher.dispatch, device, x, indices, weights)
-            _, combine_s = timed(dispatcher.combine, device, sent[0], sent[-1])
+            dispatcher, name = dispatchers[key], " ".join(key)
+            with call_budget(opts["call_budget"], f"contender {name!r} dispatch", opts):
+                sent, dispatch_s = timed(dispatcher.dispatch, device, x, indices, weights)
+            with call_budget(opts["call_budget"], f"contender {name!r} combine", opts):
+                out, combine_s = timed(dispatcher.combine, device, sent[0], sent[-1])
             if rep >= opts["warmup"]:
                 seconds[key]["dispatch"].append(dispatch_s)
                 seconds[key]["combine"].append(combine_s)
-            del sent
+            if rep == total - 1:
+                diffs[key] = calc_diff(out, x.double() * kept_weight(key[0], weights, sent[-1]).double().unsqueeze(1))
+            spent.append(f"{name} {dispatch_s + combine_s:.2f}")
+            del sent, out
+        progress(f"repeat {rep + 1}/{total}{' (warmup)' if rep < opts['warmup'] else ''}, seconds per "
+                 f"dispatch+combine: " + ", ".join(spent))
     traffic: dict[tuple[str, str], dict[str, Traffic]] = {
         key: {kind: d.last_bytes[kind] for kind in KINDS} for key, d in dispatchers.items()}
-    return {"seconds": seconds, "traffic": traffic}
+    return {"seconds": seconds, "traffic": traffic, "calc_diff": diffs}

@@ -4,7 +4,6 @@ torch._scaled_grouped_mm (fp8 rowwise) at DeepSeek-V3 expert shapes; correctness
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -16,6 +15,8 @@ from torch import Tensor
 from kernels.metrics import calc_diff
 from kernels.ops import run
 from kernels.quant_ref import FP8_DTYPE, FP8_MAX
+from launch.bench.progress import Progress, call_budget
+from launch.bench.report import HIGHER, header, header_line, table, write_json
 
 OPS = ("forward", "dgrad", "wgrad")
 PEERS = ("torch._grouped_mm bf16", "torch._scaled_grouped_mm fp8 rowwise")
@@ -43,6 +44,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-total-rows", type=int, default=65536, help="skip cases with more rows in all")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=20, help="timed repeats; the median is reported")
+    p.add_argument("--call-budget", type=float, default=60.0,
+                   help="seconds one case's timing may take before the run stops naming it (0: no limit)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
     return p.parse_args(argv)
 
@@ -147,9 +151,10 @@ def _peers(op: str, x: Tensor, w: Tensor, dy: Tensor, offs: Tensor,
             PEERS[1]: lambda: torch._scaled_grouped_mm(*fp8_args, offs=offs, out_dtype=torch.bfloat16)}
 
 
-def _tflops(flops: float, fn: Callable[[], object], args: argparse.Namespace) -> float | None:
+def _tflops(flops: float, fn: Callable[[], object], args: argparse.Namespace, what: str) -> float | None:
     try:
-        return flops / _median_ms(fn, args.warmup, args.repeats) / 1e9
+        with call_budget(args.call_budget, what):
+            return flops / _median_ms(fn, args.warmup, args.repeats) / 1e9
     except (RuntimeError, NotImplementedError, TypeError) as err:
         print(f"  (skipped: {type(err).__name__}: {str(err).splitlines()[0][:100]})", file=sys.stderr)
         return None
@@ -158,6 +163,7 @@ def _tflops(flops: float, fn: Callable[[], object], args: argparse.Namespace) ->
 def gpu_rows(args: argparse.Namespace, device: str = "cuda") -> list[dict]:
     """Times ours and the peers side by side at every requested shape."""
     rows = []
+    progress = Progress("kernels", not args.quiet)
     for k, n in args.shapes:
         for groups in args.groups:
             for per_group in args.rows:
@@ -166,13 +172,14 @@ def gpu_rows(args: argparse.Namespace, device: str = "cuda") -> list[dict]:
                 sizes = [per_group] * groups
                 x, w, dy, offs = _inputs(sizes, k, n, device, torch.bfloat16)
                 shape = {"groups": groups, "rows_per_group": per_group, "N": n, "K": k}
+                progress(_shape_text(shape))
                 flops = 2.0 * sum(sizes) * n * k
                 for op in OPS:
                     ours = _ours(op, None, x, w, dy, offs)
                     diff = calc_diff(ours(), _exact(op, x, w, dy, _group_bounds(sizes)))
-                    tflops = _tflops(flops, ours, args)
+                    tflops = _tflops(flops, ours, args, f"ours {op} at {_shape_text(shape)}")
                     for peer, fn in _peers(op, x, w, dy, offs, _group_bounds(sizes)).items():
-                        peer_tflops = _tflops(flops, fn, args)
+                        peer_tflops = _tflops(flops, fn, args, f"{peer} {op} at {_shape_text(shape)}")
                         ratio = tflops / peer_tflops if tflops and peer_tflops else None
                         rows.append({"op": op, "shape": shape, "backend": "triton", "calc_diff": diff,
                                      "tflops": tflops, "peer": peer, "peer_tflops": peer_tflops, "ratio": ratio})
@@ -181,23 +188,12 @@ def gpu_rows(args: argparse.Namespace, device: str = "cuda") -> list[dict]:
     return rows
 
 
-def _fmt(v: float | None, spec: str) -> str:
-    return "-" if v is None else format(v, spec)
-
-
 def _shape_text(shape: dict) -> str:
     return " ".join(f"{key}={','.join(map(str, val)) if isinstance(val, list) else val}" for key, val in shape.items())
 
 
-def print_table(rows: list[dict]) -> None:
-    """One line per (op, shape, backend, peer)."""
-    width = max(len(_shape_text(r["shape"])) for r in rows) + 2
-    print(f"{'op':<8}{'shape':<{width}}{'backend':<8}{'calc_diff':>10}{'TFLOPS':>9}  {'peer':<38}{'peer TF':>8}"
-          f"{'ratio':>7}")
-    for r in rows:
-        print(f"{r['op']:<8}{_shape_text(r['shape']):<{width}}{r['backend']:<8}{_fmt(r['calc_diff'], '.2e'):>10}"
-              f"{_fmt(r['tflops'], '.1f'):>9}  {r['peer'] or '-':<38}{_fmt(r['peer_tflops'], '.1f'):>8}"
-              f"{_fmt(r.get('ratio'), '.2f'):>7}")
+COLUMNS = [("op", "op", ""), ("shape", "shape_text", ""), ("backend", "backend", ""), ("calc_diff", "calc_diff", ".2e"),
+           ("TFLOPS", "tflops", ".1f"), ("peer", "peer", ""), ("peer TF", "peer_tflops", ".1f"), ("ratio", "ratio", ".2f")]
 
 
 ACCEPTANCE = {"op": "forward", "shape": {"groups": 8, "rows_per_group": 4096, "N": 4096, "K": 7168},
@@ -214,17 +210,20 @@ def print_acceptance(rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the suite; exit status 1 if any op misses calc_diff < 1e-3."""
-    args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    if torch.cuda.is_available():
-        rows = gpu_rows(args)
-    else:
-        rows = cpu_rows()
-        print("no CUDA device: correctness check only; timings need a GPU (tflops are null)")
-    print_table(rows)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    notes = [] if torch.cuda.is_available() else ["no CUDA device: correctness check only at a small shape; "
+                                                  "timings need a GPU (tflops are null)"]
+    head = header("kernels", argv, notes)
+    print(header_line(head))
+    print("\n".join(f"note: {note}" for note in notes))
+    rows = gpu_rows(args) if torch.cuda.is_available() else cpu_rows()
+    for row in rows:
+        row["shape_text"] = _shape_text(row["shape"])
+    print(table(rows, COLUMNS, left=3))
     print_acceptance(rows)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(args.json, head, rows, ["op", "shape", "backend", "peer"], {"tflops": HIGHER, "peer_tflops": HIGHER})
     return 0 if all(r["calc_diff"] < 1e-3 for r in rows) else 1
 
 

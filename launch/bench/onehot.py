@@ -67,16 +67,18 @@ class OneHotDispatcher:
 
     C = ceil(capacity_factor * T * k / E) with T the largest token count in the group (agreed by one
     all-reduce of a scalar, which GShard's static shapes make free), so every rank's buffers match.
+    compute_dtype: the dtype the einsums run in (the CPU's native one; rows travel in x's dtype or fp8).
     """
 
     def __init__(self, num_experts: int, group: dist.ProcessGroup | None = None, gpus_per_node: int | None = None,
-                 capacity_factor: float = 1.0, payload: str = "bf16") -> None:
+                 capacity_factor: float = 1.0, payload: str = "bf16", compute_dtype: torch.dtype | None = None) -> None:
         check_choice("payload", payload, PAYLOADS)
         if isinstance(capacity_factor, bool) or not 0 < capacity_factor < math.inf:
             raise ValueError(f"capacity_factor = {capacity_factor!r} must be a finite number > 0")
         self.group = group if group is not None else dist.group.WORLD
         self.world_size = dist.get_world_size(self.group)
         self.num_experts, self.capacity_factor, self.payload = num_experts, capacity_factor, payload
+        self.compute_dtype = compute_dtype
         self.experts_per_rank = check_num_experts(num_experts, self.world_size)
         self.meter = TrafficMeter()
         self.channel = Channel(self.group, make_topology(self.world_size, gpus_per_node), self.meter)
@@ -93,8 +95,9 @@ class OneHotDispatcher:
         dist.all_reduce(tokens, dist.ReduceOp.MAX, group=self.group)
         capacity = onehot_capacity(int(tokens), indices.shape[1], self.num_experts, self.capacity_factor)
         self.meter.start("dispatch")
-        mask, combine = onehot_masks(indices, weights, self.num_experts, capacity, x.dtype)
-        buffer = torch.einsum("tec,th->ech", mask, x).reshape(-1, x.shape[1])
+        dtype = self.compute_dtype or x.dtype
+        mask, combine = onehot_masks(indices, weights, self.num_experts, capacity, dtype)
+        buffer = torch.einsum("tec,th->ech", mask, x.to(dtype)).reshape(-1, x.shape[1]).to(x.dtype)
         wire = encode_fp8(buffer) if self.payload == "fp8" else buffer
         received = self._even_exchange(wire, "dispatch")
         rows = decode_fp8(received, x.shape[1], x.dtype) if self.payload == "fp8" else received
@@ -108,7 +111,8 @@ class OneHotDispatcher:
         capacity = combine.shape[2]
         rows = y.reshape(self.experts_per_rank, self.world_size, capacity, -1).transpose(0, 1).reshape(-1, y.shape[-1])
         back = self._even_exchange(rows, "combine")
-        return torch.einsum("tec,ech->th", combine, back.view(self.num_experts, capacity, -1))
+        back = back.view(self.num_experts, capacity, -1).to(combine.dtype)
+        return torch.einsum("tec,ech->th", combine, back).to(y.dtype)
 
     def _even_exchange(self, rows: Tensor, kind: str) -> Tensor:
         splits = [rows.shape[0] // self.world_size] * self.world_size

@@ -17,8 +17,8 @@ the part inside optimizer.step()); each contender runs in its best configuration
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import time
 from contextlib import nullcontext
 from typing import Any, Callable
@@ -28,7 +28,8 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from dispatch.multiproc import run_processes
+from launch.bench.progress import BudgetExceeded, Progress, call_budget, run_ranks
+from launch.bench.report import LOWER, header, header_line, table, write_json
 from optim.memory import optimizer_state_bytes
 from optim.zero1 import COLLECTIVES, ZeRO1
 
@@ -81,11 +82,18 @@ def _worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, dict[str, 
     x = torch.randn(args["batch"], args["hidden"], generator=torch.Generator().manual_seed(rank))
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in setups}
     names = list(setups)
-    for it in range(args["warmup"] + args["steps"]):
+    progress = Progress("optim", rank == 0 and not args["quiet"])
+    total = args["warmup"] + args["steps"]
+    for it in range(total):
+        spent = []
         for name in names[it % len(names):] + names[:it % len(names)]:
-            t = _iteration(*setups[name], x)
+            with call_budget(args["call_budget"], f"contender {name!r} training iteration", args):
+                t = _iteration(*setups[name], x)
+            spent.append(f"{name} {1e3 * t[0]:.0f}")
             if it >= args["warmup"]:
                 times[name].append(t)
+        if it == 0 or (it + 1) % 10 == 0 or it + 1 == total:
+            progress(f"iteration {it + 1}/{total}, ms: " + ", ".join(spent))
     return {name: {"step_ms": 1e3 * statistics.median(t for t, _ in ts),
                    "opt_ms": 1e3 * statistics.median(o for _, o in ts),
                    "optimizer_state_bytes": optimizer_state_bytes(setups[name][1])}
@@ -94,8 +102,8 @@ def _worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, dict[str, 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Spawn the gloo processes, return one row per optimizer (max over ranks of the medians)."""
-    per_rank = run_processes(_worker, args.world_size, vars(args), threads=args.threads,
-                             timeout_s=args.timeout)
+    per_rank = run_ranks(_worker, args.world_size, vars(args), "run a smaller model (--layers, --hidden) or raise "
+                         "--call-budget", threads=args.threads)
     params = args.layers * (args.hidden * args.hidden + args.hidden)
     rows = []
     for name in per_rank[0]:
@@ -105,27 +113,21 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                      "optimizer_state_bytes": max(r[name]["optimizer_state_bytes"]
                                                   for r in per_rank),
                      "params": params})
+        rows[-1]["bytes_per_param"] = rows[-1]["optimizer_state_bytes"] / params
     peer_ms = next(r["step_ms"] for r in rows if r["optimizer"] == PEER)
     for row in rows:
         row["vs_zero_redundancy"] = row["step_ms"] / peer_ms
     return rows
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
-    """A plain-text table of the benchmark rows."""
-    head = f"{'optimizer':<16} {'world':>5} {'step_ms':>9} {'opt_ms':>8} {'vs ZeRO-R':>9} " \
-           f"{'opt bytes/rank':>15} {'bytes/param':>11}"
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r['optimizer']:<16} {r['world_size']:>5} {r['step_ms']:>9.1f} "
-                     f"{r['opt_ms']:>8.1f} {r['vs_zero_redundancy']:>9.2f} "
-                     f"{r['optimizer_state_bytes']:>15,} "
-                     f"{r['optimizer_state_bytes'] / r['params']:>11.2f}")
-    return "\n".join(lines)
+COLUMNS = [("optimizer", "optimizer", ""), ("world", "world_size", "d"), ("step_ms", "step_ms", ".1f"),
+           ("opt_ms", "opt_ms", ".1f"), ("vs ZeRO-R", "vs_zero_redundancy", ".2f"),
+           ("opt bytes/rank", "optimizer_state_bytes", ",d"), ("bytes/param", "bytes_per_param", ".2f")]
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse options, run the benchmark, print the table, optionally write JSON."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="moe-bench optim", description=__doc__.splitlines()[0])
     p.add_argument("--world-size", type=int, default=2, help="gloo processes (2 or 4)")
     p.add_argument("--layers", type=int, default=8, help="Linear layers in the MLP")
@@ -140,17 +142,27 @@ def main(argv: list[str] | None = None) -> int:
                    help="AdamW implementation, the same for all three")
     p.add_argument("--collectives", choices=COLLECTIVES, default="auto",
                    help="ZeRO1 collectives (auto: p2p on gloo)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up")
+    p.add_argument("--call-budget", type=float, default=60.0,
+                   help="seconds one training iteration may take before the run stops naming it (0: no limit)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
     args = p.parse_args(argv)
     for name in ("world_size", "layers", "hidden", "batch", "steps", "threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    rows = run(args)
-    print(format_table(rows))
+    head = header("optim", argv)
+    print(header_line(head))
+    try:
+        rows = run(args)
+    except BudgetExceeded as err:
+        print(f"moe-bench optim: stopped: {err}", file=sys.stderr)
+        return 3
+    print(f"optim benchmark: {args.layers} x Linear({args.hidden}, {args.hidden}), {args.batch} rows per rank, "
+          f"{args.world_size} gloo processes x {args.threads} thread, AdamW {args.adamw}, median of {args.steps} "
+          "iterations (max over ranks)")
+    print(table(rows, COLUMNS, left=1))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+        write_json(args.json, head, rows, ["optimizer", "world_size"], {"step_ms": LOWER, "opt_ms": LOWER})
     return 0
 
 

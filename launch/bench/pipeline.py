@@ -19,16 +19,17 @@ chunks (a slow chunk on one rank makes the other wait) and how it is correlated 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-from dispatch.multiproc import run_processes
 from launch.bench.pipeline_models import build_layers
 from launch.bench.pipeline_runners import OURS, PER_CHUNK_W, TORCH, Runner, our_runner, single_process, torch_runner
+from launch.bench.progress import BudgetExceeded, Progress, call_budget, run_ranks
+from launch.bench.report import LOWER, header, header_line, table, write_json
 from pipeline import schedules
 from pipeline.costs import (CostSamples, action_window, hop_latencies, measured_wait, median_wait, occupied_durations,
                             replayed_wait, sampled_wait)
@@ -77,25 +78,32 @@ def _data(opts: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _time_round_robin(runners: dict[str, Runner], opts: dict) -> dict[str, dict]:
-    """Step every runner in turn, warmup + steps times, then once more under the memory meter."""
+    """Step every runner in turn, warmup + steps times, then once more under the memory meter; every step runs
+    under the per-call budget, rank 0 prints progress."""
     x, target = _data(opts)
     stats = {name: {"step_s": [], "idle": [], "durations": [], "shares": [], "bounds": [], "transfers": [], "peak": 0}
              for name in runners}
-    for i in range(opts["warmup"] + opts["steps"] + 1):
+    progress = Progress("pipeline", dist.get_rank() == 0 and not opts["quiet"])
+    total = opts["warmup"] + opts["steps"] + 1
+    for i in range(total):
+        if i == 0 or (i + 1) % 5 == 0 or i + 1 == total:
+            progress(f"step {i + 1}/{total} of {len(runners)} schedules"
+                     + (" (memory)" if i + 1 == total else " (warmup)" if i < opts["warmup"] else ""))
         for name, run in runners.items():
             for m in run.modules:
                 m.zero_grad(set_to_none=True)
             st = stats[name]
             if i == opts["warmup"] + opts["steps"]:
                 meter = SavedTensorMeter(run.extra_bytes)
-                with meter.hooks():
+                with meter.hooks(), call_budget(opts["call_budget"], f"schedule {name!r} step", opts):
                     run.step(x, target)
                 st["peak"] = meter.peak
                 continue
             compute0 = run.compute_seconds() if run.pipe is None else 0.0
             dist.barrier()
             t0 = time.perf_counter()
-            run.step(x, target)
+            with call_budget(opts["call_budget"], f"schedule {name!r} step", opts):
+                run.step(x, target)
             elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if i >= opts["warmup"]:
@@ -174,21 +182,25 @@ def summarise(results: list[list[dict]], opts: dict) -> list[dict]:
     return rows
 
 
-def format_table(rows: list[dict]) -> str:
-    """The rows as a fixed-width table."""
-    def per_rank(row: dict, key: str, fmt: str = "{:.3f}") -> str:
-        return " ".join("-" if x is None else fmt.format(x) for x in row.get(key, [])) or "-"
+def _per_rank(values: list | None, fmt: str = "{:.3f}") -> str:
+    return " ".join("-" if x is None else fmt.format(x) for x in values) if values else "-"
 
-    width = max(22, *(len(r["schedule"]) for r in rows))
-    lines = [f"{'schedule':{width}} {'step ms':>8} {'x torch DPV':>11} {'idle/rank':>11} {'wait/rank':>11} "
-             f"{'sim wait':>11} {'sim vs wait':>11} {'sampled':>11} {'median':>11} {'peak MiB':>8}"]
-    for r in rows:
-        ratio = f"{r['vs_torch_dualpipev']:.2f}" if r.get("vs_torch_dualpipev") else "-"
-        lines.append(f"{r['schedule']:{width}} {r['step_ms']:8.1f} {ratio:>11} {per_rank(r, 'idle_fraction'):>11} "
-                     f"{per_rank(r, 'wait_fraction'):>11} {per_rank(r, 'sim_wait_fraction'):>11} "
-                     f"{per_rank(r, 'sim_rel_diff', '{:+.0%}'):>11} {per_rank(r, 'sampled_wait_fraction'):>11} "
-                     f"{per_rank(r, 'median_wait_fraction'):>11} {r['peak_mem_bytes'] / 2**20:8.2f}")
-    return "\n".join(lines)
+
+COLUMNS = [("schedule", "schedule", ""), ("step ms", "step_ms", ".1f"), ("x torch DPV", "vs_torch_dualpipev", ".2f"),
+           *((title, f"{key}_text", "") for title, key in (
+               ("idle/rank", "idle_fraction"), ("wait/rank", "wait_fraction"), ("sim wait", "sim_wait_fraction"),
+               ("sim vs wait", "sim_rel_diff"), ("sampled", "sampled_wait_fraction"),
+               ("median", "median_wait_fraction"))),
+           ("peak MiB", "peak_mib", ".2f")]
+
+
+def format_table(rows: list[dict]) -> str:
+    """The rows as a fixed-width table (per-rank lists as space-separated values)."""
+    shown = [{**r, "peak_mib": r["peak_mem_bytes"] / 2**20,
+              **{f"{key}_text": _per_rank(r.get(key), "{:+.0%}" if key == "sim_rel_diff" else "{:.3f}")
+                 for key in ("idle_fraction", "wait_fraction", "sim_wait_fraction", "sim_rel_diff",
+                             "sampled_wait_fraction", "median_wait_fraction")}} for r in rows]
+    return table(shown, COLUMNS, left=1)
 
 
 def format_wait_summary(rows: list[dict]) -> str:
@@ -219,8 +231,9 @@ def _ep_overlap_worker(rank: int, world: int, opts: dict) -> list[dict]:
              "peak": st["peak"]} for name, st in _time_round_robin(runners, opts).items()]
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Parse options, run every schedule side by side, print the table, write --json."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="moe-bench pipeline", description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=2, help="processes (2 or 4)")
     p.add_argument("--model", choices=("mlp", "moe"), default="mlp")
@@ -238,6 +251,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--ep-overlap", action="store_true",
                    help="measure the EP overlap switch: --world ranks, each a 1-rank DualPipeV of MoE blocks, one EP group")
     p.add_argument("--only", nargs="*", help="run only these schedules (names as printed)")
+    p.add_argument("--call-budget", type=float, default=60.0,
+                   help="seconds one pipeline step may take before the run stops naming its schedule (0: no limit)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
     if args.batch % args.chunks:
@@ -254,7 +270,14 @@ def main(argv: list[str]) -> int:
     names = [n for n in names if not args.only or n in args.only]
     opts = {**vars(args), "schedules": names}
     worker = _ep_overlap_worker if args.ep_overlap else _bench_worker
-    results = run_processes(worker, args.world, opts, threads=args.threads, timeout_s=900)
+    head = header("pipeline", argv)
+    print(header_line(head))
+    try:
+        results = run_ranks(worker, args.world, opts, "run a smaller model (--layers, --hidden, --batch) or raise "
+                            "--call-budget", threads=args.threads)
+    except BudgetExceeded as err:
+        print(f"moe-bench pipeline: stopped: {err}", file=sys.stderr)
+        return 3
     rows = summarise(results, opts)
     model = "expert-parallel MoE blocks" if args.ep_overlap else args.model
     latency = "" if args.ep_overlap else f"; idle ping-pong p2p latency {1e3 * results[0][0]['p2p_s']:.2f} ms"
@@ -267,6 +290,5 @@ def main(argv: list[str]) -> int:
         print(format_wait_summary(rows))
         print(WAIT_CAPTION)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=2)
+        write_json(args.json, head, rows, ["schedule", "world_size", "num_chunks"], {"step_ms": LOWER})
     return 0

@@ -1,4 +1,5 @@
-"""`moe-bench dispatch` at a tiny size: every row in the JSON, and its bytes equal a naive per-token count."""
+"""`moe-bench dispatch` at a tiny size: every row in the JSON, its bytes equal a naive per-token count for all four
+dispatches (one-hot, per-expert, flat, hierarchical), every contender passes the correctness check."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from dispatch.routing import synthetic_routing
 WORLD, GPN, TOKENS, HIDDEN, EXPERTS, TOP_K, SEED = 4, 2, 48, 256, 8, 3, 7
 ROW = {"bf16": HIDDEN * 2, "fp8": HIDDEN + 4 * math.ceil(HIDDEN / 128)}
 META, COUNT = TOP_K * 8, 8  # per row: fp32 weight + int32 id per slot; per peer and hop: one int64 row count
-KEYS = {"backend", "payload", "dispatch_ms", "combine_ms", "algbw_gbps", "inter_node_bytes", "intra_node_bytes"}
+KEYS = {"backend", "payload", "dispatch_ms", "combine_ms", "algbw_gbps", "inter_node_bytes", "intra_node_bytes",
+        "calc_diff", "correct"}
+BACKENDS = ("one-hot", "per-expert", "flat", "hierarchical")
 
 
 def _routing(rank: int) -> list[list[int]]:
@@ -52,6 +55,16 @@ def naive_bytes(backend: str, payload: str) -> dict[str, int]:
                 out[f"{_where(src, dst)}_payload"] += rows * ROW[payload]
                 out[f"comb_{_where(src, dst)}"] += rows * HIDDEN * 2
         return out
+    if backend == "per-expert":  # a row per routed expert, however many share a rank; no routing metadata
+        for src in range(WORLD):
+            for experts in routings[src]:
+                for e in experts:
+                    if e >= 0 and _owner(e) != src:
+                        out[f"{_where(src, _owner(e))}_payload"] += ROW[payload]
+                        out[f"comb_{_where(src, _owner(e))}"] += HIDDEN * 2
+            for dst in set(range(WORLD)) - {src}:  # E_local int64 counts to every peer
+                out[f"{_where(src, dst)}_meta"] += EXPERTS // WORLD * COUNT
+        return out
     for src in range(WORLD):
         for experts in routings[src]:
             owners = {_owner(e) for e in experts}
@@ -77,18 +90,19 @@ def rows(tmp_path_factory) -> list[dict]:
     assert main(["--nproc", str(WORLD), "--gpus-per-node", str(GPN), "--tokens", str(TOKENS), "--hidden", str(HIDDEN),
                  "--experts", str(EXPERTS), "--top-k", str(TOP_K), "--routing", "uniform", "--seed", str(SEED),
                  "--repeats", "2", "--warmup", "0", "--comm", "gloo", "--inter-node-gbps", "50",
-                 "--intra-node-gbps", "160", "--predict-v3", "--v3-tokens", "16", "--json", str(path)]) == 0
-    return json.loads(path.read_text())
+                 "--intra-node-gbps", "160", "--predict-v3", "--v3-tokens", "16", "--quiet", "--json", str(path)]) == 0
+    return json.loads(path.read_text())["rows"]
 
 
-def test_every_contender_has_a_row_with_the_required_keys_and_positive_times(rows):
+def test_every_contender_has_a_correct_row_with_the_required_keys_and_positive_times(rows):
     measured = [r for r in rows if r["section"] == "measured"]
     assert sorted((r["backend"], r["payload"]) for r in measured) == sorted(
-        (b, p) for b in ("one-hot", "flat", "hierarchical") for p in ("bf16", "fp8"))
+        (b, p) for b in BACKENDS for p in ("bf16", "fp8"))
     for r in measured:
         assert KEYS <= set(r)
         assert r["dispatch_ms"] > 0 and r["combine_ms"] > 0 and r["algbw_gbps"] > 0
         assert r["projected_dispatch_ms"] > 0 and r["bytes_match_prediction"] is True
+        assert r["correct"] is True and 0 <= r["calc_diff"] < (1e-4 if r["payload"] == "bf16" else 2e-3)
 
 
 def test_bytes_equal_a_naive_per_token_count(rows):
@@ -121,3 +135,19 @@ def test_bad_options_are_refused_before_launching():
         main(["--nproc", "4", "--gpus-per-node", "3"])
     with pytest.raises(SystemExit):
         main(["--inter-node-gbps", "50"])
+
+
+def test_a_bad_sweep_is_refused_naming_the_sweepable_options():
+    with pytest.raises(SystemExit):
+        main(["--sweep", "tokenz=8,16"])
+    with pytest.raises(SystemExit):
+        main(["--sweep", "tokens=8,"])
+
+
+def test_a_call_over_the_budget_stops_the_run_naming_the_contender(capsys):
+    assert main(["--nproc", "2", "--gpus-per-node", "1", "--tokens", "8", "--hidden", "128", "--experts", "4",
+                 "--top-k", "2", "--warmup", "0", "--repeats", "1", "--comm", "gloo", "--call-budget", "1e-6",
+                 "--quiet"]) == 3
+    err = capsys.readouterr().err
+    assert "stopped: contender 'one-hot bf16' dispatch was still running after the per-call budget of 1e-06 s" in err
+    assert "raise --call-budget" in err

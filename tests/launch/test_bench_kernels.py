@@ -10,7 +10,7 @@ def test_cpu_run_checks_correctness_and_writes_null_timings(tmp_path, capsys):
     path = tmp_path / "kernels.json"
     assert moe_bench(["kernels", "--json", str(path)]) == 0
     assert "timings need a GPU" in capsys.readouterr().out
-    rows = json.loads(path.read_text())
+    rows = json.loads(path.read_text())["rows"]
     assert {(r["op"], r["backend"]) for r in rows} == {(op, b) for op in ("forward", "dgrad", "wgrad")
                                                        for b in ("torch", "triton")}
     for row in rows:

@@ -16,7 +16,7 @@ def test_rows_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     out = tmp_path / "optim.json"
     assert bench.main(["--layers", "2", "--hidden", "32", "--steps", "2", "--warmup", "1",
                        "--adamw", "for-loop", "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())
+    rows = json.loads(out.read_text())["rows"]
     assert [r["optimizer"] for r in rows] == ["zero1", bench.PEER, "ddp_adamw"]
     params = 2 * (32 * 32 + 32)
     for row in rows:

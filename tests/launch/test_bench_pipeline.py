@@ -16,7 +16,7 @@ def test_bench_writes_a_row_per_schedule(tmp_path, capsys) -> None:
     out = tmp_path / "rows.json"
     assert main(["--layers", "4", "--hidden", "32", "--batch", "16", "--chunks", "4", "--steps", "1",
                  "--warmup", "0", "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())
+    rows = json.loads(out.read_text())["rows"]
     names = [r["schedule"] for r in rows]
     assert names == ["1 process", "ours DualPipeV", "ours DualPipeV, W per chunk", "ours DualPipe", "torch DualPipeV",
                      "torch ZBVZeroBubble", "torch 1F1B", "torch Interleaved1F1B"]

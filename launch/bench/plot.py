@@ -1,0 +1,50 @@
+"""Sweep plots: one metric per row of panels against the first swept option, a line per contender (plotly HTML,
+and a PNG through kaleido when a Chrome or Chromium is installed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from launch.bench.sweep import point_label
+
+
+def sweep_figure(rows: list[dict], x_axis: str, metrics: list[tuple[str, str]], title: str) -> go.Figure:
+    """Rows carry "point" (the swept values), "contender" and the metrics; x_axis is the first swept option.
+
+    One column of panels per combination of the other swept options, one row per (metric key, axis title).
+    """
+    others = sorted({point_label({k: v for k, v in r["point"].items() if k != x_axis}) for r in rows})
+    fig = make_subplots(rows=len(metrics), cols=len(others), shared_xaxes=True, column_titles=others,
+                        vertical_spacing=0.08)
+    contenders = list(dict.fromkeys(r["contender"] for r in rows))
+    for col, other in enumerate(others, start=1):
+        for row, (key, axis_title) in enumerate(metrics, start=1):
+            for i, name in enumerate(contenders):
+                mine = [r for r in rows if r["contender"] == name
+                        and point_label({k: v for k, v in r["point"].items() if k != x_axis}) == other]
+                mine.sort(key=lambda r: float(r["point"][x_axis]))
+                fig.add_trace(go.Scatter(x=[r["point"][x_axis] for r in mine], y=[r[key] for r in mine],
+                                         mode="lines+markers", name=name, legendgroup=name,
+                                         line={"color": f"hsl({int(360 * i / len(contenders))},70%,45%)"},
+                                         showlegend=row == 1 and col == 1), row=row, col=col)
+            fig.update_yaxes(title_text=axis_title if col == 1 else None, row=row, col=col)
+        fig.update_xaxes(title_text=x_axis, type="category", row=len(metrics), col=col)
+    fig.update_layout(title=title, height=320 * len(metrics) + 80, width=max(700, 480 * len(others)),
+                      template="plotly_white")
+    return fig
+
+
+def write_figure(fig: go.Figure, base: Path) -> tuple[Path, Path | None, str | None]:
+    """(HTML path, PNG path or None, why no PNG): base.html always (plotly.js inlined: opens offline), base.png
+    through kaleido, which needs a Chrome or Chromium on the machine (Debian: apt-get install chromium)."""
+    html, png = base.with_suffix(".html"), base.with_suffix(".png")
+    fig.write_html(html, include_plotlyjs=True)
+    try:
+        fig.write_image(png, scale=1)
+    except Exception as err:  # noqa: BLE001 - kaleido raises several types when no browser is found
+        return html, None, f"no PNG ({type(err).__name__}: {str(err).splitlines()[0][:160]}); " \
+                           "install a browser (Debian: apt-get install chromium) for the static export"
+    return html, png, None

@@ -1,0 +1,74 @@
+"""Progress lines and the per-call time budget of the suites; run_ranks spawns through dispatch.multiproc."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from dispatch.multiproc import WorkerError, run_processes
+
+EXIT_OVER_BUDGET = 75
+BUDGET_FILE = "budget_report"  # key of the workers' opts: where an over-budget call is reported
+
+
+class BudgetExceeded(RuntimeError):
+    """A timed call ran past the per-call budget; the message names the contender and the call."""
+
+
+class Progress:
+    """Prints '[moe-bench SUITE  12.3 s] text' on stderr at once (silent when not enabled)."""
+
+    def __init__(self, suite: str, enabled: bool = True) -> None:
+        self.suite, self.enabled, self.start = suite, enabled, time.perf_counter()
+
+    def __call__(self, text: str) -> None:
+        """One progress line."""
+        if self.enabled:
+            print(f"[moe-bench {self.suite} {time.perf_counter() - self.start:6.1f} s] {text}", file=sys.stderr,
+                  flush=True)
+
+
+def _over_budget(seconds: float, what: str, report: str | None) -> None:
+    message = f"{what} was still running after the per-call budget of {seconds:g} s"
+    if report:
+        with open(report, "a") as fh:
+            fh.write(message + "\n")
+    print(f"moe-bench: {message}; stopping", file=sys.stderr, flush=True)
+    os._exit(EXIT_OVER_BUDGET)  # the main thread may be inside a collective that never returns
+
+
+@contextmanager
+def call_budget(seconds: float | None, what: str, opts: dict[str, Any] | None = None) -> Iterator[None]:
+    """Ends this process, reporting `what` (e.g. "one-hot bf16 combine") to run_ranks, if the block runs
+    longer than seconds (None or 0: no budget)."""
+    if not seconds:
+        yield
+        return
+    timer = threading.Timer(seconds, _over_budget, (seconds, what, (opts or {}).get(BUDGET_FILE)))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, opts: dict[str, Any], hint: str, *, backend: str = "gloo",
+              threads: int = 1, timeout_s: float = 3600.0) -> list[Any]:
+    """run_processes(fn, world_size, opts) where fn(rank, world, opts) may use call_budget(..., opts):
+    a call over budget raises BudgetExceeded naming it, followed by hint (how to make the run smaller)."""
+    with tempfile.TemporaryDirectory(prefix="moe-bench-") as tmp:
+        report = Path(tmp) / "over_budget.txt"
+        try:
+            return run_processes(fn, world_size, {**opts, BUDGET_FILE: str(report)}, backend=backend,
+                                 threads=threads, timeout_s=timeout_s)
+        except WorkerError:
+            if report.exists():
+                raise BudgetExceeded(f"{report.read_text().splitlines()[0]}; {hint}") from None
+            raise
