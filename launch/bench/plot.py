@@ -1,14 +1,16 @@
 """Sweep plots: one metric per row of panels against the first swept option, a line per contender (plotly HTML,
-and a PNG through kaleido when a Chrome or Chromium is installed)."""
+and a PNG of that page through the project's headless Chromium when one is installed)."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from launch.bench.sweep import point_label
+from launch.dashboard.browser import screenshot
 
 
 def sweep_figure(rows: list[dict], x_axis: str, metrics: list[tuple[str, str]], title: str) -> go.Figure:
@@ -39,12 +41,11 @@ def sweep_figure(rows: list[dict], x_axis: str, metrics: list[tuple[str, str]], 
 
 def write_figure(fig: go.Figure, base: Path) -> tuple[Path, Path | None, str | None]:
     """(HTML path, PNG path or None, why no PNG): base.html always (plotly.js inlined: opens offline), base.png
-    through kaleido, which needs a Chrome or Chromium on the machine (Debian: apt-get install chromium)."""
+    rendered from it by headless Chromium (Debian: apt-get install chromium; or set $MOE_CHROMIUM)."""
     html, png = base.with_suffix(".html"), base.with_suffix(".png")
-    fig.write_html(html, include_plotlyjs=True)
+    fig.write_html(html, include_plotlyjs=True, config={"responsive": False})
     try:
-        fig.write_image(png, scale=1)
-    except Exception as err:  # noqa: BLE001 - kaleido raises several types when no browser is found
-        return html, None, f"no PNG ({type(err).__name__}: {str(err).splitlines()[0][:160]}); " \
-                           "install a browser (Debian: apt-get install chromium) for the static export"
+        screenshot(html.resolve().as_uri(), png, width=int(fig.layout.width) + 40, height=int(fig.layout.height) + 40)
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as err:
+        return html, None, f"no PNG ({str(err).splitlines()[0][:200]})"
     return html, png, None

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import shutil
-
 import pytest
 
 from launch.bench.dispatch import main
+from launch.dashboard.browser import find_chromium
 
 CONTENDERS = 8
 
@@ -27,7 +26,9 @@ def test_sweep_over_two_options_writes_json_html_and_png(tmp_path, capsys):
         assert r["correct"] is True and r["algbw_gbps"] > 0 and r["bytes_per_token"] > 0
     html = (tmp_path / "sweep.html").read_text().replace("\\u002f", "/")  # plotly's JSON escapes '/'
     assert "dispatch GB/s" in html and "bytes per token" in html and "per-expert bf16" in html
-    if shutil.which("chromium") is None and shutil.which("google-chrome") is None:
-        pytest.skip("no browser for the static PNG export (apt-get install chromium)")
+    try:
+        find_chromium()
+    except RuntimeError as err:
+        pytest.skip(f"no PNG export here: {err}")
     assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert str(tmp_path / "sweep.png") in capsys.readouterr().out
