@@ -26,3 +26,23 @@ def save_checkpoint(path: str | Path, state: dict) -> None:
 def load_checkpoint(path: str | Path) -> dict:
     """Read a checkpoint written by save_checkpoint."""
     return torch.load(Path(path), map_location="cpu", weights_only=False)
+
+
+def consolidate(folder: str | Path) -> dict[str, torch.Tensor]:
+    """The single-process MoETransformer state dict assembled from a trainer checkpoint's rank files
+    (stages placed by name, expert blocks put back in place; replicas are identical, the first wins)."""
+    folder = Path(folder)
+    marker = load_checkpoint(folder / "complete.pt")
+    full: dict[str, torch.Tensor] = {}
+    for rank in range(marker["world_size"]):
+        state = load_checkpoint(folder / f"rank{rank:05d}.pt")
+        ep_rank, ep_size = state["expert_block"]
+        for stage in state["stages"]:
+            for name, value in stage.items():
+                if ".experts." not in name:
+                    full.setdefault(name, value)
+                    continue
+                count = value.shape[0]
+                whole = full.setdefault(name, value.new_zeros((count * ep_size, *value.shape[1:])))
+                whole[ep_rank * count:(ep_rank + 1) * count] = value
+    return full

@@ -8,9 +8,10 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launch.mesh import Layout
 from moe.config import ModelConfig, check_choice, check_positive
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16", "float64")
 
 
 @dataclass
@@ -162,6 +163,21 @@ class RunConfig:
                              f"{par.pp}: it needs >= {minimum}{even} chunks per pipeline step (raise "
                              f"train.grad_accum_steps or parallel.num_chunks)")
 
+        if par.tp != 1:
+            raise ValueError(f"parallel.tp = {par.tp}: tensor parallelism is not wired into moe-train yet; allowed: 1")
+        layout = self.layout
+        nodes = layout.ep_nodes()
+        if nodes > 1 and layout.ep_gpus_per_node() and model.topk_groups < model.num_groups and model.num_groups % nodes:
+            raise ValueError(f"model.num_groups = {model.num_groups} with model.topk_groups = {model.topk_groups}: the EP "
+                             f"group spans {nodes} nodes, so node-limited routing needs each expert group inside one "
+                             f"node: num_groups must be a multiple of {nodes} (e.g. {nodes}, one group per node)")
+
+    @property
+    def layout(self) -> Layout:
+        """The rank layout of [parallel] (no communication)."""
+        par = self.parallel
+        return Layout(par.pp, par.dp, par.tp, par.ep, par.gpus_per_node, mirrored=par.schedule == "dualpipe")
+
     @property
     def chunks_per_step(self) -> int:
         """Micro-batches one DP rank runs in one pipeline step."""
@@ -216,13 +232,33 @@ def parse_override(text: str) -> tuple[str, str, object]:
     return section, key, parsed
 
 
-def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
-    """Read a TOML file, apply "section.key=value" overrides, validate and build the RunConfig."""
+def read_toml(path: str | Path, seen: tuple[Path, ...] = ()) -> dict:
+    """A TOML config as a dict; a top-level `base = "other.toml"` (relative to this file) is read
+    first and this file's keys override its keys section by section."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"config file {str(path)!r} does not exist")
+    if path.resolve() in seen:
+        raise ValueError(f"config file {str(path)!r} names itself as a base (through {', '.join(map(str, seen))})")
     with path.open("rb") as handle:
         raw = tomllib.load(handle)
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    if not isinstance(base, str):
+        raise ValueError(f"base = {base!r} in {str(path)!r} must be a file name (string)")
+    merged = read_toml(path.parent / base, (*seen, path.resolve()))
+    for section, values in raw.items():
+        if isinstance(values, dict) and isinstance(merged.get(section), dict):
+            merged[section].update(values)
+        else:
+            merged[section] = values
+    return merged
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
+    """Read a TOML file (and its base), apply "section.key=value" overrides, validate and build the RunConfig."""
+    raw = read_toml(path)
     for override in overrides:
         section, key, value = parse_override(override)
         raw.setdefault(section, {})[key] = value

@@ -1,71 +1,266 @@
-"""Single-process training loop: AdamW, warmup + cosine LR, clipping, accumulation, metrics, checkpoints."""
+"""The training loop, on any layout: pipeline stages x data parallel x expert parallel, ZeRO-1, one config.
+
+Read top to bottom, one step is: every DP rank takes its slice of the global batch -> the pipeline
+runtime (or, with pp = 1, a loop over micro-batches) runs forward and backward through this rank's
+stages -> ZeRO-1 sums grads over each parameter's replicas -> one global grad norm clips them ->
+AdamW updates the shards -> routing loads summed over all ranks drive the expert-bias update and
+the metrics rank 0 writes. A single process runs the same code on a 1-rank mesh.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import resource
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
-from torch import nn
+import torch.distributed as dist
+from torch import Tensor
 from tqdm import tqdm
 
+from dispatch import EPDispatcher, Traffic
 from launch.checkpoint import load_checkpoint, save_checkpoint
 from launch.config import RunConfig
 from launch.data import ByteTokenizer, PackedBatches, load_token_stream
+from launch.mesh import Mesh
 from launch.metrics import JsonlWriter, expert_load_summary
+from launch.stages import Stage, build_stages, lm_loss
 from moe.model import MoETransformer
+from optim import ZeRO1
 from optim.lr_schedule import warmup_cosine
+from pipeline import ZB1P, DualPipe, DualPipeV, OneFOneB, PipelineRuntime, build
+
+RUNTIMES = {"dualpipev": DualPipeV, "dualpipe": DualPipe, "1f1b": OneFOneB, "zb1p": ZB1P}
+LOSS_KINDS = ("load_balance", "seq_balance", "z")
+TRAFFIC_KINDS = ("dispatch", "combine", "dispatch_backward", "combine_backward")
+TRAFFIC_FIELDS = ("intra_payload", "inter_payload", "intra_meta", "inter_meta")
 
 
-def build_optimizer(model: nn.Module, cfg: RunConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices and expert stacks only (not norms or router bias)."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.train.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2))
+@contextlib.contextmanager
+def process_group() -> Iterator[None]:
+    """The launcher's process group, or a 1-rank gloo group for a single-process run."""
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def build_model(cfg: RunConfig, mesh: Mesh) -> tuple[list[Stage], PipelineRuntime | None]:
+    """This rank's stages (one per pipeline phase) cut from the seeded full model, and their runtime."""
+    par = cfg.parallel
+    torch.manual_seed(cfg.train.seed)
+    model = MoETransformer(cfg.model).to(getattr(torch, cfg.train.dtype))
+    loss_scale = 1.0 / cfg.train.grad_accum_steps  # each micro-batch's share of the step's mean loss
+    if par.pp == 1:
+        stages = build_stages(model, cfg.train.seq_len, 1, [0], loss_scale)
+    else:
+        layout = build(par.schedule, par.pp, cfg.chunks_per_step).layout
+        ids = [layout.stage_of(mesh.pp_rank, phase) for phase in range(layout.num_phases)]
+        stages = build_stages(model, cfg.train.seq_len, layout.num_stages, ids, loss_scale)
+    if par.ep > 1:
+        for stage in stages:
+            for layer in stage.moe_layers().values():
+                layer.to_expert_parallel(EPDispatcher(
+                    cfg.model.num_experts, group=mesh.ep, gpus_per_node=mesh.layout.ep_gpus_per_node(),
+                    backend=par.dispatch_backend, payload=par.dispatch_payload))
+    if par.pp == 1:
+        return stages, None
+    runtime = RUNTIMES[par.schedule](stages, process_group=mesh.pipeline, split_bw=par.split_bw,
+                                     overlap=par.overlap, merge_w=par.merge_w)
+    return stages, runtime
+
+
+def build_optimizer(stages: list[Stage], cfg: RunConfig, mesh: Mesh) -> ZeRO1:
+    """ZeRO-1 AdamW: dense params sharded over their replicas (DP, and DualPipe's twin stage copy),
+    experts over expert-DP; grads summed (each micro-batch's loss already carries its share)."""
+    groups = []
+    for stage in sorted(stages, key=lambda s: s.layer_ids[0]):  # the same order on every replica
+        named = list(stage.named_parameters())
+        for expert in (False, True):
+            for decay in (True, False):
+                params = [p for name, p in named if (".experts." in name) == expert and (p.dim() >= 2) == decay]
+                if params:
+                    groups.append({"params": params, "weight_decay": cfg.train.weight_decay if decay else 0.0,
+                                   "process_group": mesh.expert_replicas if expert else mesh.dense_replicas,
+                                   "grad_divisor": 1})
+    return ZeRO1(groups, torch.optim.AdamW, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2))
+
+
+def my_micro_batches(batches: list[tuple[Tensor, Tensor]], cfg: RunConfig, mesh: Mesh) -> list[tuple[Tensor, Tensor]]:
+    """This DP rank's contiguous slice of the global batch's micro-batches."""
+    share = len(batches) // cfg.parallel.dp
+    return batches[mesh.dp_rank * share:(mesh.dp_rank + 1) * share]
+
+
+def forward_backward(stages: list[Stage], runtime: PipelineRuntime | None, micro: list[tuple[Tensor, Tensor]],
+                     chunks: int, loss_scale: float) -> tuple[float, float]:
+    """Forward and backward over this rank's micro-batches (grads accumulate); returns (sum of the LM
+    losses computed here, each times loss_scale; seconds the pipeline spent busy, or 0 without one)."""
+    if runtime is None:
+        total = 0.0
+        for inputs, labels in micro:
+            loss = lm_loss(stages[0](inputs), labels, loss_scale)
+            if torch.is_grad_enabled():
+                loss.backward()
+            total += loss.item()
+        return total, 0.0
+    total, busy = 0.0, 0.0
+    layout = runtime.schedule(chunks).layout
+    entry, exit_ = layout.entry_chunks(runtime.rank), layout.exit_chunks(runtime.rank)
+    for first in range(0, len(micro), chunks):
+        step = micro[first:first + chunks]
+        inputs = torch.cat([step[c][0] for c in entry]) if entry else None
+        labels = torch.cat([step[c][1] for c in exit_]) if exit_ else None
+        runtime.timeline = []
+        losses, _ = runtime.step(*([inputs] if entry else []), num_chunks=chunks,
+                                 criterion=lambda logits, y: lm_loss(logits, y, loss_scale),
+                                 labels=(labels,) if exit_ else ())
+        busy += sum(b for *_, b in runtime.timeline)
+        runtime.timeline = None
+        if losses is not None:
+            total += losses.sum().item()
+    return total, busy
+
+
+def gather_step_stats(stages: list[Stage], cfg: RunConfig, lm_part: float) -> dict:
+    """Sum the step's losses and per-layer routing statistics over every rank (each layer counted once
+    per micro-batch, DualPipe's twin copies seeing disjoint chunks)."""
+    first_moe = cfg.model.first_k_dense
+    layers, experts = cfg.model.num_moe_layers, cfg.model.num_experts
+    loads = torch.zeros(layers, experts, dtype=torch.float64)
+    extra = torch.zeros(layers, 2 + len(LOSS_KINDS), dtype=torch.float64)  # dropped, aux, losses by kind
+    for stage in stages:
+        for i, tally in stage.tallies.items():
+            loads[i - first_moe] += tally.tokens_per_expert.double()
+            extra[i - first_moe] += torch.stack([tally.dropped.double(), tally.aux_loss, *(
+                torch.as_tensor(tally.losses.get(k, 0.0), dtype=torch.float64) for k in LOSS_KINDS)])
+        stage.reset_tallies()
+    flat = torch.cat([torch.tensor([lm_part], dtype=torch.float64), loads.flatten(), extra.flatten()])
+    dist.all_reduce(flat)
+    loads = flat[1:1 + loads.numel()].view_as(loads)
+    extra = flat[1 + loads.numel():].view_as(extra)
+    return {"lm_loss": flat[0].item(), "loads": [row.long() for row in loads], "dropped": extra[:, 0],
+            "aux_loss": extra[:, 1].sum().item(), "losses": extra[:, 2:]}
+
+
+def update_expert_bias(stages: list[Stage], cfg: RunConfig, loads: list[Tensor]) -> None:
+    """Aux-loss-free balancing of this rank's MoE layers from their global loads."""
+    if cfg.model.bias_update_rate:
+        for stage in stages:
+            for i, layer in stage.moe_layers().items():
+                layer.router.update_bias(loads[i - cfg.model.first_k_dense])
+
+
+def rank_figures(idle: float) -> list[list[float]]:
+    """[peak memory MiB, pipeline idle fraction] of every rank (a collective)."""
+    if torch.cuda.is_available():
+        peak = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    table = torch.zeros(dist.get_world_size(), 2, dtype=torch.float64)
+    table[dist.get_rank()] = torch.tensor([peak, idle], dtype=torch.float64)
+    dist.all_reduce(table)
+    return [[round(v, 4) for v in row] for row in table.tolist()]
+
+
+def step_traffic(stages: list[Stage]) -> dict[str, list[list[int]]]:
+    """Bytes each rank's EP dispatchers sent this step, by call kind: per rank [intra payload, inter
+    payload, intra meta, inter meta] (a collective; Stage.reset_tallies restarts the counters)."""
+    table = torch.zeros(dist.get_world_size(), len(TRAFFIC_KINDS), len(TRAFFIC_FIELDS), dtype=torch.float64)
+    for stage in stages:
+        for layer in stage.moe_layers().values():
+            meter = getattr(layer.dispatcher, "meter", None)
+            if meter is None:
+                continue
+            for k, kind in enumerate(TRAFFIC_KINDS):
+                counts = meter.total.get(kind, Traffic())
+                table[dist.get_rank(), k] += torch.tensor([getattr(counts, f) for f in TRAFFIC_FIELDS],
+                                                          dtype=torch.float64)
+    dist.all_reduce(table)
+    return {kind: table[:, k].long().tolist() for k, kind in enumerate(TRAFFIC_KINDS)}
 
 
 @torch.no_grad()
-def evaluate(model: MoETransformer, batches: PackedBatches, num_batches: int) -> float:
-    """Mean LM loss over the first num_batches held-out batches (always the same ones)."""
-    model.eval()
-    losses = [model(inputs, labels).lm_loss.item() for inputs, labels in batches.in_order(num_batches)]
-    model.train()
-    return sum(losses) / len(losses)
+def evaluate(stages: list[Stage], runtime: PipelineRuntime | None, batches: PackedBatches, cfg: RunConfig,
+             mesh: Mesh) -> float:
+    """Mean LM loss over the first held-out micro-batches (train.eval_batches, rounded up to fill
+    every DP rank's pipeline steps), the same ones every time."""
+    unit = cfg.parallel.dp * (cfg.chunks_per_step if runtime is not None else 1)
+    count = -(-cfg.train.eval_batches // unit) * unit
+    held_out = batches.in_order(count)
+    if len(held_out) < count:
+        raise ValueError(f"the held-out data has {len(held_out)} micro-batches, fewer than the {count} evaluation "
+                         f"needs: raise data.eval_fraction or lower train.eval_batches")
+    for stage in stages:
+        stage.eval()
+    total, _ = forward_backward(stages, runtime, my_micro_batches(held_out, cfg, mesh), cfg.chunks_per_step, 1 / count)
+    for stage in stages:
+        stage.train()
+        stage.reset_tallies()
+    result = torch.tensor([total], dtype=torch.float64)
+    dist.all_reduce(result)
+    return result.item()
 
 
-def _accumulate_step(model: MoETransformer, batches: PackedBatches, accum: int) -> dict:
-    """Forward/backward over accum micro-batches; returns summed losses and expert loads."""
-    totals = {"loss": 0.0, "lm_loss": 0.0, "aux_loss": 0.0, "dropped_tokens": 0, "tokens": 0}
-    loads = [torch.zeros_like(layer.router.expert_bias, dtype=torch.long) for layer in model.moe_layers()]
-    for _ in range(accum):
-        inputs, labels = batches.next_batch()
-        out = model(inputs, labels)
-        (out.loss / accum).backward()
-        totals["loss"] += out.loss.item() / accum
-        totals["lm_loss"] += out.lm_loss.item() / accum
-        totals["aux_loss"] += out.aux_loss.item() / accum
-        totals["tokens"] += inputs.numel()
-        for load, stats in zip(loads, out.moe_stats):
-            load += stats.tokens_per_expert
-            totals["dropped_tokens"] += int(stats.dropped)
-    totals["loads"] = loads
-    return totals
+def checkpoint_dir(cfg: RunConfig) -> Path:
+    """Folder of the run's checkpoint: one file per rank, then a marker written last."""
+    return Path(cfg.train.run_dir) / "checkpoint"
+
+
+def save(cfg: RunConfig, mesh: Mesh, step: int, stages: list[Stage], optimizer: ZeRO1, scheduler,
+         data: PackedBatches) -> None:
+    """Every rank saves its stages and optimizer state atomically; rank 0 then marks the step complete."""
+    folder = checkpoint_dir(cfg)
+    state = {"stages": [s.state_dict() for s in stages], "optimizer": optimizer.state_dict(),
+             "scheduler": scheduler.state_dict(), "data": data.state_dict(), "step": step,
+             "expert_block": (dist.get_rank(mesh.ep), cfg.parallel.ep), "config": dataclasses.asdict(cfg)}
+    save_checkpoint(folder / f"rank{dist.get_rank():05d}.pt", state)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        save_checkpoint(folder / "complete.pt", {"step": step, "world_size": dist.get_world_size()})
+    dist.barrier()
+
+
+def load(cfg: RunConfig, stages: list[Stage], optimizer: ZeRO1, scheduler, data: PackedBatches) -> int:
+    """Restore this rank's state from a complete checkpoint of the same layout; returns its step (0: none)."""
+    folder = checkpoint_dir(cfg)
+    if not (folder / "complete.pt").exists():
+        return 0
+    marker = load_checkpoint(folder / "complete.pt")
+    if marker["world_size"] != dist.get_world_size():
+        raise ValueError(f"the checkpoint in {folder} was written by {marker['world_size']} ranks, this run has "
+                         f"{dist.get_world_size()}: resume with the same [parallel] layout")
+    state = load_checkpoint(folder / f"rank{dist.get_rank():05d}.pt")
+    for stage, saved in zip(stages, state["stages"]):
+        stage.load_state_dict(saved)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    data.load_state_dict(state["data"])
+    return state["step"]
 
 
 def train(cfg: RunConfig, metrics_out: str | Path | None = None, resume: bool = False,
           progress: bool = True) -> list[dict]:
-    """Train cfg's model on cfg's corpus; returns the per-step metric records (also written as JSONL)."""
-    run_dir = Path(cfg.train.run_dir)
-    metrics_path = Path(metrics_out) if metrics_out else run_dir / "metrics.jsonl"
-    checkpoint_path = run_dir / "checkpoint.pt"
-    torch.manual_seed(cfg.train.seed)
-    dtype = getattr(torch, cfg.train.dtype)
-    model = MoETransformer(cfg.model).to(dtype)
-    optimizer = build_optimizer(model, cfg)
-    settings = cfg.train
+    """Train cfg's model on cfg's corpus with cfg's layout; returns the metric records on rank 0 ([] elsewhere)."""
+    with process_group():
+        return _train(cfg, metrics_out, resume, progress)
+
+
+def _train(cfg: RunConfig, metrics_out: str | Path | None, resume: bool, progress: bool) -> list[dict]:
+    settings, par = cfg.train, cfg.parallel
+    mesh = Mesh(cfg.layout)
+    lead = mesh.rank == 0
+    if lead and mesh.layout.world_size > 1:
+        print(mesh.layout.describe(), flush=True)
+    stages, runtime = build_model(cfg, mesh)
+    optimizer = build_optimizer(stages, cfg, mesh)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: warmup_cosine(s, settings.warmup_steps, settings.steps, settings.min_lr_ratio))
     stream = load_token_stream(cfg.data.corpus, cfg.data.max_bytes, ByteTokenizer())
@@ -75,47 +270,43 @@ def train(cfg: RunConfig, metrics_out: str | Path | None = None, resume: bool = 
     eval_batches = (PackedBatches(stream[stream.numel() - eval_tokens:], settings.seq_len,
                                   settings.micro_batch_size, settings.seed)
                     if eval_tokens and settings.eval_batches else None)
-    start = 0
-    if resume and checkpoint_path.exists():
-        state = load_checkpoint(checkpoint_path)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        batches.load_state_dict(state["data"])
-        start = state["step"]
-    writer = JsonlWriter(metrics_path, append=start > 0)
+    start = load(cfg, stages, optimizer, scheduler, batches) if resume else 0
+    writer = JsonlWriter(Path(metrics_out) if metrics_out else Path(settings.run_dir) / "metrics.jsonl",
+                         append=start > 0) if lead else None
     records = []
-
-    def checkpoint(step: int) -> None:
-        save_checkpoint(checkpoint_path, {
-            "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(), "data": batches.state_dict(), "step": step,
-            "config": dataclasses.asdict(cfg)})
-
-    bar = tqdm(range(start, settings.steps), disable=not progress, desc="train", unit="step")
+    global_tokens = settings.grad_accum_steps * settings.micro_batch_size * settings.seq_len
+    bar = tqdm(range(start, settings.steps), disable=not (progress and lead), desc="train", unit="step")
     for step in bar:
         began = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        totals = _accumulate_step(model, batches, settings.grad_accum_steps)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
+        micro = my_micro_batches([batches.next_batch() for _ in range(settings.grad_accum_steps)], cfg, mesh)
+        lm_part, busy = forward_backward(stages, runtime, micro, cfg.chunks_per_step, 1 / settings.grad_accum_steps)
+        compute_s = time.perf_counter() - began
+        grad_norm = optimizer.clip_grad_norm_(settings.grad_clip, group=mesh.world)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
-        if cfg.model.bias_update_rate:
-            model.update_expert_bias(totals["loads"])
+        traffic = step_traffic(stages)
+        stats = gather_step_stats(stages, cfg, lm_part)
+        update_expert_bias(stages, cfg, stats["loads"])
+        figures = rank_figures(1 - busy / compute_s if runtime is not None else 0.0)
         elapsed = time.perf_counter() - began
-        record = {"step": step, "loss": totals["loss"], "lm_loss": totals["lm_loss"],
-                  "aux_loss": totals["aux_loss"], "grad_norm": grad_norm.item(), "lr": lr,
-                  "tokens_per_s": totals["tokens"] / elapsed, "dropped_tokens": totals["dropped_tokens"],
-                  **expert_load_summary(totals["loads"])}
+        record = {"step": step, "loss": stats["lm_loss"] + stats["aux_loss"], "lm_loss": stats["lm_loss"],
+                  "aux_loss": stats["aux_loss"], "grad_norm": grad_norm.item(), "lr": lr,
+                  "tokens_per_s": global_tokens / elapsed, "dropped_tokens": int(stats["dropped"].sum()),
+                  **expert_load_summary(stats["loads"]),
+                  "peak_memory_mib": [row[0] for row in figures], "pipeline_idle": [row[1] for row in figures],
+                  "traffic_bytes": traffic}
         last = step + 1 == settings.steps
         if eval_batches is not None and (last or (settings.eval_every and step % settings.eval_every == 0)):
-            record["eval_lm_loss"] = evaluate(model, eval_batches, settings.eval_batches)
-        writer.write(record)
-        records.append(record)
-        bar.set_postfix(loss=f"{record['lm_loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            record["eval_lm_loss"] = evaluate(stages, runtime, eval_batches, cfg, mesh)
+        if lead:
+            writer.write(record)
+            records.append(record)
+            bar.set_postfix(loss=f"{record['lm_loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
         if settings.checkpoint_every and (step + 1) % settings.checkpoint_every == 0:
-            checkpoint(step + 1)
-    writer.close()
-    checkpoint(settings.steps)
+            save(cfg, mesh, step + 1, stages, optimizer, scheduler, batches)
+    if lead:
+        writer.close()
+    save(cfg, mesh, settings.steps, stages, optimizer, scheduler, batches)
     return records

@@ -17,7 +17,8 @@ P2P_TAG = 0x2E01  # ZeRO1's own tag: other p2p traffic on the group cannot match
 
 
 class ShardedParams:
-    """Model params of one group re-pointed into a flat buffer, with this rank's fp32 master shard.
+    """Model params of one group re-pointed into a flat buffer, with this rank's fp32 master shard
+    (fp64 for fp64 params: masters, grad sums and reductions are never narrower than fp32 or the params).
 
     The model params become views of one flat buffer (their dtype), so the all-gather of the
     updated shards writes straight into them. fp32 params are their own masters: a bucket's
@@ -54,24 +55,25 @@ class ShardedParams:
         self.peers = [r for r in range(world) if r != rank]
         self.layout = FlatLayout.build([p.shape for p in self.params], world, rank, bucket_cap)
         dtype = self.params[0].dtype
+        self.master_dtype = torch.promote_types(dtype, torch.float32)
         with torch.no_grad():
             self.param_flat = self.layout.flatten([p.detach() for p in self.params], dtype)
             for p, view in zip(self.params, self.layout.views(self.param_flat)):
                 p.data = view
             owned = [self.param_flat[b.owned] for b in self.layout.buckets]
-            self.masters = owned if dtype == torch.float32 else [o.float() for o in owned]
-        self.grad = torch.zeros(self.layout.shard_numel, dtype=torch.float32,
+            self.masters = owned if dtype == self.master_dtype else [o.to(self.master_dtype) for o in owned]
+        self.grad = torch.zeros(self.layout.shard_numel, dtype=self.master_dtype,
                                 device=self.param_flat.device)
         self.bucket_chunks = [self._chunks(m, self.grad[b.shard])
                               for m, b in zip(self.masters, self.layout.buckets)]
         self.optims: list[torch.optim.Optimizer] = []
-        self.grad_flat = torch.zeros(self.layout.total, dtype=torch.float32,
+        self.grad_flat = torch.zeros(self.layout.total, dtype=self.master_dtype,
                                      device=self.param_flat.device)
         self.grad_views = self.layout.views(self.grad_flat)
-        self.binds_grads = dtype == torch.float32
+        self.binds_grads = dtype == self.master_dtype
         self.zero_grad(set_to_none=False)
         scratch_rows = max(world - 2, 0) if collectives == "p2p" else 0  # only p2p receives into it
-        self._scratch = torch.empty(scratch_rows, self.layout.shard_numel, dtype=torch.float32,
+        self._scratch = torch.empty(scratch_rows, self.layout.shard_numel, dtype=self.master_dtype,
                                     device=self.grad.device)
         self._armed, self._next, self._waiting = False, -1, []
         self._works: dict[int, list[dist.Work]] = {}
@@ -219,14 +221,14 @@ class ShardedParams:
         _wait(works)
 
     def gather_full(self, shard: torch.Tensor) -> torch.Tensor:
-        """A new fp32 flat buffer holding every rank's piece of a shard-shaped tensor."""
-        out = torch.empty(self.layout.total, dtype=torch.float32, device=shard.device)
+        """A new flat buffer (the shard's dtype) holding every rank's piece of a shard-shaped tensor."""
+        out = torch.empty(self.layout.total, dtype=shard.dtype, device=shard.device)
         started = [self._gather_bucket(out, shard[b.shard], b) for b in self.layout.buckets]
         _wait([w for works, _ in started for w in works])
         return out
 
     def set_params(self, full: torch.Tensor) -> None:
-        """Set the model params and this rank's masters from a full fp32 flat buffer."""
+        """Set the model params and this rank's masters from a full flat buffer."""
         self.param_flat.copy_(full)
         for master, b in zip(self.masters, self.layout.buckets):
             master.copy_(full[b.owned])

@@ -159,17 +159,23 @@ class ZeRO1(torch.optim.Optimizer):
             self._reduced = True
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, group: ProcessGroup | None = None) -> torch.Tensor:
         """Scale the reduced grad shards so their global L2 norm is <= max_norm; return the norm.
 
         The norm covers every shard of every group, summed over each group's process_group and
-        norm_groups, so each parameter counts once. Clip factor as torch.nn.utils.clip_grad_norm_.
+        norm_groups, so each parameter counts once. With `group`, all shards' squares are summed
+        over that one group instead: right when every element lies in exactly one shard across it
+        (each param group sharded over all ranks holding copies of its params, as the trainer does).
+        Clip factor as torch.nn.utils.clip_grad_norm_.
         """
         if not max_norm > 0:
             raise ValueError(f"max_norm must be > 0, got {max_norm}")
         self.reduce_gradients()
-        parts = [(s.sq_norm(), (g["process_group"], *g["norm_groups"]))
-                 for s, g in zip(self._shards, self.param_groups)]
+        if group is not None:
+            parts = [(sum(s.sq_norm() for s in self._shards), (group,))]
+        else:
+            parts = [(s.sq_norm(), (g["process_group"], *g["norm_groups"]))
+                     for s, g in zip(self._shards, self.param_groups)]
         norm = global_sq_norm(parts).sqrt()
         coef = max_norm / (float(norm) + 1e-6)
         if coef < 1.0:
@@ -255,7 +261,7 @@ class ZeRO1(torch.optim.Optimizer):
                     keys: list[str]) -> None:
         """Set one group's master shard, model params and optimizer state from full per-param entries."""
         layout = shard.layout
-        shard.set_params(layout.flatten([e[MASTER_KEY] for e in entries], torch.float32))
+        shard.set_params(layout.flatten([e[MASTER_KEY] for e in entries], shard.master_dtype))
         elementwise = {k: layout.shard_of(layout.flatten([e[k] for e in entries],
                                                          entries[0][k].dtype)) for k in keys}
         scalars = {k: v for k, v in entries[0].items() if k != MASTER_KEY and k not in keys}

@@ -19,4 +19,4 @@ def test_tiny_config_cuts_lm_loss_by_40_percent_in_200_steps(tmp_path):
     records = read_jsonl(metrics)
     assert [r["step"] for r in records] == list(range(200))
     assert records[-1]["lm_loss"] <= 0.6 * records[0]["lm_loss"]
-    assert (tmp_path / "run" / "checkpoint.pt").is_file()
+    assert (tmp_path / "run" / "checkpoint" / "complete.pt").is_file()

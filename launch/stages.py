@@ -1,0 +1,156 @@
+"""Splitting MoETransformer into pipeline stages balanced by a per-layer cost estimate, and the stage module."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Generator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moe.config import ModelConfig
+from moe.layer import MoELayer, MoEStats
+from moe.model import MoETransformer, rope_tables
+from pipeline.overlap import complete
+
+
+def layer_flops(cfg: ModelConfig, seq_len: int) -> list[float]:
+    """Forward FLOPs per token of each transformer layer (matmuls and causal attention scores)."""
+    head_dim = cfg.hidden_size // cfg.num_heads
+    attention = 2 * cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * head_dim  # qkv
+    attention += 2 * cfg.hidden_size * cfg.hidden_size + 2 * seq_len * cfg.hidden_size  # out, causal QK^T and AV
+    dense = 6 * cfg.hidden_size * cfg.dense_ffn_size
+    moe = 6 * cfg.hidden_size * cfg.expert_ffn_size * (cfg.top_k + cfg.num_shared_experts)
+    moe += 2 * cfg.hidden_size * cfg.num_experts  # router
+    return [attention + (dense if i < cfg.first_k_dense else moe) for i in range(cfg.num_layers)]
+
+
+def split_layers(costs: list[float], num_stages: int, head_cost: float = 0.0) -> list[range]:
+    """Contiguous layer ranges, one per stage (each non-empty), minimising the costliest stage;
+    head_cost is added to the last stage. Ties keep earlier stages no heavier than later ones."""
+    n = len(costs)
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"{n} layers cannot fill {num_stages} pipeline stages (need 1 <= stages <= layers)")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[s][i]: minimal max-cost splitting the first i layers into s stages; cut[s][i]: start of the last one
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, num_stages + 1):
+        for i in range(s, n + 1):
+            extra = head_cost if (s == num_stages and i == n) else 0.0
+            for j in range(s - 1, i):
+                value = max(best[s - 1][j], prefix[i] - prefix[j] + extra)
+                if value < best[s][i] or (value == best[s][i] and j > cut[s][i]):
+                    best[s][i], cut[s][i] = value, j
+    bounds, end = [], n
+    for s in range(num_stages, 0, -1):
+        start = cut[s][end]
+        bounds.append(range(start, end))
+        end = start
+    return bounds[::-1]
+
+
+class AuxLossGrad(torch.autograd.Function):
+    """Identity on x whose backward also sends gradient 1 into aux_loss: a router loss raised inside a
+    pipeline stage reaches backward although it never joins the loss the last stage computes."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, aux_loss: Tensor) -> Tensor:  # noqa: D102
+        ctx.aux_shape, ctx.aux_dtype = aux_loss.shape, aux_loss.dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor]:  # noqa: D102
+        return grad, torch.ones(ctx.aux_shape, dtype=ctx.aux_dtype, device=grad.device)
+
+
+@dataclass
+class LayerTally:
+    """One MoE layer's routing statistics summed over the micro-batches of a step (this rank's tokens);
+    aux_loss and losses are each call's values times its loss scale (their share of the step's loss)."""
+
+    tokens_per_expert: Tensor
+    dropped: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.long))
+    aux_loss: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
+    losses: dict[str, Tensor] = field(default_factory=dict)
+
+    def add(self, stats: MoEStats, scale: float) -> None:
+        """Count one call's statistics (no host sync: values stay tensors)."""
+        self.tokens_per_expert = self.tokens_per_expert + stats.tokens_per_expert.detach().cpu()
+        self.dropped = self.dropped + stats.dropped.detach().cpu()
+        self.aux_loss = self.aux_loss + stats.aux_loss.detach().double().cpu() * scale
+        for kind, value in stats.losses.items():
+            self.losses[kind] = self.losses.get(kind, 0.0) + value.detach().double().cpu() * scale
+
+
+class Stage(nn.Module):
+    """A contiguous run of an MoETransformer's layers: the first stage embeds tokens, the last applies
+    the final norm and LM head (its output is logits). Router losses are scaled by loss_scale (the
+    micro-batch's share of the step's loss) and injected into backward here; statistics are tallied."""
+
+    def __init__(self, model: MoETransformer, layers: range, first: bool, last: bool, loss_scale: float) -> None:
+        super().__init__()
+        self.cfg = model.cfg
+        self.layer_ids = list(layers)
+        self.embed = model.embed if first else None
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
+        self.norm = model.norm if last else None
+        self.lm_head = model.lm_head if last else None
+        self.loss_scale = loss_scale
+        self.tallies: dict[int, LayerTally] = {}
+        self.reset_tallies()
+
+    def moe_layers(self) -> dict[int, MoELayer]:
+        """This stage's MoE layers by model layer index."""
+        return {int(i): b.ffn for i, b in self.blocks.items() if isinstance(b.ffn, MoELayer)}
+
+    def reset_tallies(self) -> None:
+        """Start a new step's routing statistics and EP traffic counters."""
+        self.tallies = {i: LayerTally(torch.zeros(self.cfg.num_experts, dtype=torch.long))
+                        for i in self.moe_layers()}
+        for layer in self.moe_layers().values():
+            meter = getattr(layer.dispatcher, "meter", None)
+            if meter is not None:
+                meter.total.clear()
+
+    def forward_steps(self, x: Tensor) -> Generator[Any, None, Tensor]:
+        """tokens [B, S] (first stage) or hidden [B, S, H] -> hidden, or logits on the last stage;
+        pauses while an MoE layer's communication is in flight (pipeline.overlap)."""
+        if self.embed is not None:
+            x = self.embed(x)
+        cos, sin = rope_tables(x.shape[1], self.cfg.hidden_size // self.cfg.num_heads, self.cfg.rope_theta, x.device)
+        for i, block in self.blocks.items():
+            x, stats = yield from block.forward_steps(x, cos, sin)
+            if stats is not None:
+                self.tallies[int(i)].add(stats, self.loss_scale)
+                x = AuxLossGrad.apply(x, stats.aux_loss * self.loss_scale)
+        if self.lm_head is not None:
+            x = self.lm_head(self.norm(x))
+        return x
+
+    def forward(self, x: Tensor) -> Tensor:
+        """forward_steps run without pausing."""
+        return complete(self.forward_steps(x))
+
+
+def lm_loss(logits: Tensor, labels: Tensor, scale: float) -> Tensor:
+    """Mean next-token cross-entropy of one micro-batch times its share of the step's loss."""
+    logits = logits.flatten(0, 1)
+    return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels.flatten()) * scale
+
+
+def stage_ranges(cfg: ModelConfig, seq_len: int, num_stages: int) -> list[range]:
+    """The layers of each stage, balanced by FLOPs (the LM head counted in the last stage)."""
+    return split_layers(layer_flops(cfg, seq_len), num_stages, head_cost=2 * cfg.hidden_size * cfg.vocab_size)
+
+
+def build_stages(model: MoETransformer, seq_len: int, num_stages: int, stage_ids: list[int],
+                 loss_scale: float) -> list[Stage]:
+    """The Stage modules stage_ids (positions along the pipeline) of model split into num_stages."""
+    ranges = stage_ranges(model.cfg, seq_len, num_stages)
+    return [Stage(model, ranges[s], s == 0, s == num_stages - 1, loss_scale) for s in stage_ids]

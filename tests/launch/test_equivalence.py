@@ -1,0 +1,112 @@
+"""The trainer on every layout equals the single-process run of the same config (float64, 5 steps).
+
+Each layout trains the same tiny model on the same global batches, once dropless and once with a
+capacity factor that drops slots; per-step losses must agree to 1e-10 (relative) and the final
+parameters, consolidated from the per-rank checkpoints, to calc_diff < 1e-12.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dispatch.multiproc import run_processes
+from launch.checkpoint import consolidate
+from launch.config import build_config
+from launch.train import train
+
+STEPS = 5
+LAYOUTS = {
+    "pp2 dualpipev": {"pp": 2, "schedule": "dualpipev"},
+    "pp2 dualpipe": {"pp": 2, "schedule": "dualpipe"},
+    "pp2 1f1b": {"pp": 2, "schedule": "1f1b"},
+    "dp2 zero1": {"dp": 2},
+    "dp2 ep2 flat": {"dp": 2, "ep": 2},
+    "dp2 ep2 hierarchical": {"dp": 2, "ep": 2, "dispatch_backend": "hierarchical", "gpus_per_node": 1},
+    "dp4 ep4 hierarchical 2x2": {"dp": 4, "ep": 4, "dispatch_backend": "hierarchical", "gpus_per_node": 2},
+    "pp2 dp2 ep2 dualpipev, EP across nodes": {"pp": 2, "dp": 2, "ep": 2, "schedule": "dualpipev",
+                                               "dispatch_backend": "hierarchical", "gpus_per_node": 1},
+}
+ROUTING = {"dropless": None, "capacity 1.0": 1.0}
+
+
+def raw_config(run_dir: str, corpus: str, parallel: dict, capacity_factor: float | None) -> dict:
+    """A 4-layer (1 dense + 3 MoE) float64 model, 8 micro-batches of 2 x 16 tokens per step."""
+    model = {"vocab_size": 256, "hidden_size": 32, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
+             "max_seq_len": 16, "first_k_dense": 1, "dense_ffn_size": 48, "num_experts": 8,
+             "expert_ffn_size": 16, "top_k": 2, "num_shared_experts": 1, "score_func": "sigmoid",
+             "num_groups": 2, "topk_groups": 1, "aux_loss_coeff": 0.01, "seq_aux_loss_coeff": 0.001,
+             "bias_update_rate": 0.01, "drop_policy": "probs"}
+    if capacity_factor is not None:
+        model["capacity_factor"] = capacity_factor
+    settings = {"steps": STEPS, "micro_batch_size": 2, "grad_accum_steps": 8, "seq_len": 16, "lr": 0.01,
+                "warmup_steps": 1, "dtype": "float64", "eval_batches": 0, "run_dir": run_dir}
+    return {"model": model, "train": settings, "data": {"corpus": corpus, "max_bytes": 40_000},
+            "parallel": parallel}
+
+
+def _train_both(rank: int, world: int, raws: list[dict]) -> list[list[dict]]:
+    return [train(build_config(raw), progress=False) for raw in raws]
+
+
+def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    x, y = x.double(), y.double()
+    return (1 - 2 * (x * y).sum() / (x * x + y * y).sum()).item()
+
+
+def check_node_limit(records: list[dict], raw: dict) -> None:
+    """Node-limited routing (topk_groups of the EP nodes' groups) bounds the inter-node copies: each
+    routed token crosses to at most topk_groups other nodes, counted by the dispatchers' byte counters."""
+    model, settings = raw["model"], raw["train"]
+    row_bytes = model["hidden_size"] * 8  # float64 payload rows
+    routed = settings["grad_accum_steps"] * settings["micro_batch_size"] * settings["seq_len"]
+    bound = routed * (model["num_layers"] - model["first_k_dense"]) * model["topk_groups"] * row_bytes
+    for record in records:
+        inter = sum(rank[1] for rank in record["traffic_bytes"]["dispatch"])
+        assert 0 < inter <= bound, (record["step"], inter, bound)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("corpus") / "text.txt"
+    lines = [f"def function_{i}(x):\n    return x * {i} + {i % 7}  # line {i}\n" for i in range(800)]
+    path.write_text("".join(lines))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory) -> dict:
+    out = {}
+    for name, capacity in ROUTING.items():
+        run_dir = tmp_path_factory.mktemp("ref")
+        records = train(build_config(raw_config(str(run_dir), corpus, {}, capacity)), progress=False)
+        out[name] = (records, consolidate(run_dir / "checkpoint"))
+    return out
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_equals_single_process(layout, corpus, reference, tmp_path):
+    parallel = LAYOUTS[layout]
+    raws = [raw_config(str(tmp_path / name.replace(" ", "_")), corpus, parallel, capacity)
+            for name, capacity in ROUTING.items()]
+    world = build_config(raws[0]).parallel.world_size
+    results = run_processes(_train_both, world, raws, timeout_s=300)[0]
+    for (name, _), raw, records in zip(ROUTING.items(), raws, results):
+        want_records, want_state = reference[name]
+        assert [r["step"] for r in records] == list(range(STEPS))
+        for got, want in zip(records, want_records):
+            for key in ("loss", "lm_loss", "aux_loss"):
+                assert got[key] == pytest.approx(want[key], rel=1e-10, abs=1e-14), (name, got["step"], key)
+            assert got["dropped_tokens"] == want["dropped_tokens"], (name, got["step"])
+            assert got["expert_load_max_over_mean"] == want["expert_load_max_over_mean"], (name, got["step"])
+        if ROUTING[name] is not None:
+            assert sum(r["dropped_tokens"] for r in records) > 0
+        if parallel.get("dispatch_backend") == "hierarchical":
+            check_node_limit(records, raw)
+        state = consolidate(f"{raw['train']['run_dir']}/checkpoint")
+        assert set(state) == set(want_state)
+        for key, want in want_state.items():
+            if want.is_floating_point() and want.abs().sum() > 0:
+                assert calc_diff(state[key], want) < 1e-12, (name, key)
+            else:
+                assert torch.equal(state[key], want), (name, key)
