@@ -13,8 +13,8 @@ from torch import Tensor, nn
 from moe.config import ModelConfig
 from moe.experts import SwiGLU
 from moe.layer import MoELayer, MoEStats
-from moe.tp import (check_tp_shapes, gather_sequence, parallelize_block, parallelize_embedding, parallelize_head,
-                    scatter_sequence, vocab_parallel_cross_entropy, TPRegion)
+from moe.tp import (TPRegion, check_tp_shapes, parallelize_block, parallelize_embedding, parallelize_head,
+                    vocab_parallel_cross_entropy)
 from moe.tp.comm import Group
 from moe.tp.layout import mark_replicated
 
@@ -81,7 +81,7 @@ class Block(nn.Module):
         self.ffn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.ffn = (MoELayer(cfg) if moe
                     else SwiGLU(cfg.hidden_size, cfg.dense_ffn_size, init_std=cfg.init_std, out_std=out_std))
-        self.moe_token_group: Group | None = None  # TP without SP: the MoE layer routes this rank's S/tp tokens
+        self.moe_tokens: TPRegion | None = None  # TP without SP: the MoE layer routes this rank's S/tp tokens
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, MoEStats | None]:
         """x [B, S, H] -> (x [B, S, H], MoE stats or None for a dense block); with TP+SP x is [B, S/tp, H]."""
@@ -89,11 +89,11 @@ class Block(nn.Module):
         h = self.ffn_norm(x)
         if not isinstance(self.ffn, MoELayer):
             return x + self.ffn(h), None
-        if self.moe_token_group is not None:
-            h = scatter_sequence(h, self.moe_token_group)
+        if self.moe_tokens is not None:
+            h = self.moe_tokens.scatter(h)
         out, stats = self.ffn(h, seq_len=h.shape[1])
-        if self.moe_token_group is not None:
-            out = gather_sequence(out, self.moe_token_group)
+        if self.moe_tokens is not None:
+            out = self.moe_tokens.gather(out)
         return x + out, stats
 
     def forward_steps(self, x: Tensor, cos: Tensor, sin: Tensor) -> Generator[Any, None, tuple[Tensor, MoEStats | None]]:
@@ -157,6 +157,8 @@ class MoETransformer(nn.Module):
         seq = tokens.shape[1]
         if seq > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len = {self.cfg.max_seq_len}")
+        if self.tp is not None:
+            check_tp_shapes(self.cfg, seq, self.tp.size, self.tp.sequence_parallel)
         cos, sin = rope_tables(seq, self.cfg.hidden_size // self.cfg.num_heads, self.cfg.rope_theta, tokens.device)
         x = self.embed(tokens)
         stats = []

@@ -158,6 +158,10 @@ class TPRegion:
     sequence_parallel: bool
     dim: int = 1  # sequence dim of the activations; token-wise layers may gather along 0 instead
 
+    def __deepcopy__(self, memo: dict) -> TPRegion:
+        """Copies of a converted module share the process group (it cannot be copied)."""
+        return self
+
     @property
     def size(self) -> int:
         """Ranks in the TP group."""
@@ -179,3 +183,11 @@ class TPRegion:
         if self.sequence_parallel:
             return reduce_scatter_from_region(x, self.dim, self.group)
         return reduce_from_region(x, self.group)
+
+    def scatter(self, x: Tensor) -> Tensor:
+        """This rank's sequence shard of replicated x (backward all-gathers)."""
+        return scatter_sequence(x, self.group, self.dim)
+
+    def gather(self, x: Tensor) -> Tensor:
+        """Replicated x from sequence shards, for replicated consumers (backward keeps the own shard)."""
+        return gather_sequence(x, self.group, self.dim)

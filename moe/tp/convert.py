@@ -69,18 +69,18 @@ class TensorParallelRouter(TopKRouter):
     """A TopKRouter over this TP rank's tokens whose balance losses use statistics summed over the TP group.
 
     Each TP rank routes only its own sequence shard; the load-balance, sequence-wise and z losses
-    are computed from per-expert (and per-sequence) sums all-reduced over tp_group in one call,
+    are computed from per-expert (and per-sequence) sums all-reduced over the TP group in one call,
     so they equal the single-process losses over the full sequences and are the same on every TP
     rank (their backward reaches each rank's own tokens). seq_len passed in is the local shard's.
     tokens_per_expert and dropped stay this rank's: sum them over the TP (and DP) ranks for the
     global load fed to update_bias. With capacity_factor, capacity applies per shard (tokens/tp).
     """
 
-    tp_group: Group
+    tp: TPRegion
 
     def _balance_losses(self, logits: Tensor, scores: Tensor, indices: Tensor,
                         seq_len: int | None) -> dict[str, Tensor]:
-        size = dist.get_world_size(self.tp_group)
+        size = self.tp.size
         tokens, experts, k = scores.shape[0] * size, self.num_experts, self.top_k
         probs = scores / scores.sum(-1, keepdim=True)
         chosen = torch.zeros_like(scores).scatter_(1, indices, 1.0)
@@ -91,7 +91,7 @@ class TensorParallelRouter(TopKRouter):
                                  f"got {seq_len}")
             parts += [chosen.view(-1, seq_len, experts).sum(1).flatten(), probs.view(-1, seq_len, experts).sum(1).flatten()]
         sizes = [p.numel() for p in parts]
-        summed = reduce_from_region(torch.cat(parts), self.tp_group).split(sizes)
+        summed = reduce_from_region(torch.cat(parts), self.tp.group).split(sizes)
         losses = {"load_balance": experts * (summed[0].detach() / (tokens * k) * summed[1] / tokens).sum(),
                   "z": summed[2][0] / tokens}
         if self.seq_aux_loss_coeff:
@@ -109,7 +109,7 @@ def parallelize_moe(layer: MoELayer, region: TPRegion) -> None:
     split by `layer.to_expert_parallel(EPDispatcher(..., group=ep_group))`, before or after this.
     """
     layer.router.__class__ = TensorParallelRouter
-    layer.router.tp_group = region.group
+    layer.router.tp = region
     mark_replicated(layer.router, "partial")
     if isinstance(layer.dispatcher, LocalDispatcher):  # to_expert_parallel later makes fresh, spec-less params
         mark_replicated(layer.experts, "partial")
@@ -131,7 +131,7 @@ def parallelize_block(block: nn.Module, tp_group: Group, sequence_parallel: bool
     mark_replicated(block.ffn_norm, norms)
     if isinstance(block.ffn, MoELayer):
         parallelize_moe(block.ffn, region)
-        block.moe_token_group = None if sequence_parallel else tp_group
+        block.moe_tokens = None if sequence_parallel else region
     else:
         parallelize_swiglu(block.ffn, region)
 

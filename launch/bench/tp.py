@@ -1,0 +1,327 @@
+"""`moe-bench tp`: our tensor parallelism without SP and with SP against torch DTensor TP + SequenceParallel.
+
+All three run the same stack of dense transformer blocks (RMSNorm, GQA attention with RoPE,
+SwiGLU), built from the same single-process weights, in the same gloo processes (one thread
+each), round-robin step by step so load changes on a shared machine hit all alike. The peer is
+torch.distributed.tensor.parallel over a 1-D DeviceMesh (ColwiseParallel q/k/v and gate/up,
+RowwiseParallel out/down with Shard(1) outputs, SequenceParallel norms, PrepareModuleInput
+gathers; torch's plan needs separate q/k/v and gate/up Linears, ours keeps them fused). A step is
+the forward and backward of the stack for one batch (no optimizer). Per contender and rank:
+- step_ms: median step time;
+- act_bytes: bytes of distinct storages saved for backward by one forward (saved-tensor hooks;
+  DTensors counted by their local shard), and norm_bytes, the part saved inside the norms
+  (the sequence-parallel region: residual adds save nothing);
+- comm_bytes: bytes this rank sends per step in torch functional collectives, counted on the
+  collectives issued (ring model: all-gather (g-1) x input, reduce-scatter and all-to-all
+  (g-1)/g x input, all-reduce 2(g-1)/g x input). Partial grads of replicated params (norms)
+  are summed by the optimizer's grad sync, outside the step, for all three alike.
+The outputs of the three are checked against the single-process stack (exit 1 if they differ).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from contextlib import ExitStack, contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed._tensor import DTensor
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from launch.bench.progress import Progress, run_ranks
+from launch.bench.report import LOWER, header, header_line, table, write_json
+from moe.config import ModelConfig
+from moe.model import Block, apply_rope, rope_tables
+from moe.tp import gather_sequence, parallelize_block
+
+OURS, OURS_SP, PEER = "ours TP", "ours TP+SP", "torch DTensor TP+SP"
+CONTENDERS = (OURS, OURS_SP, PEER)
+
+
+class CommMeter(TorchDispatchMode):
+    """Bytes this rank sends in torch functional collectives while active (ring model per collective)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+        self.calls: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        if func.namespace == "_c10d_functional":
+            self._count(func.__name__.split(".")[0], args)
+        return func(*args, **(kwargs or {}))
+
+    def _count(self, name: str, args: tuple) -> None:
+        if name not in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"):
+            return
+        size = _resolve_process_group(args[-1]).size()
+        nbytes = args[0].numel() * args[0].element_size()
+        share = {"all_reduce": 2 * (size - 1) / size, "all_gather_into_tensor": size - 1}.get(name, (size - 1) / size)
+        self.bytes += round(nbytes * share)
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+
+class ActivationMeter:
+    """Bytes of distinct storages saved for backward while active, in total and inside the modules of `regions`."""
+
+    def __init__(self, regions: list[nn.Module]) -> None:
+        self.regions, self.seen = regions, set()
+        self.bytes = self.region_bytes = 0
+        self._depth = 0
+
+    def _pack(self, t: Tensor) -> Tensor:
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        storage = local.untyped_storage()
+        if storage.data_ptr() not in self.seen:
+            self.seen.add(storage.data_ptr())
+            self.bytes += storage.nbytes()
+            self.region_bytes += storage.nbytes() if self._depth else 0
+        return t
+
+    def _enter(self, *_: Any) -> None:
+        self._depth += 1
+
+    def _leave(self, *_: Any) -> None:
+        self._depth -= 1
+
+    @contextmanager
+    def active(self) -> Iterator[ActivationMeter]:
+        """Count saved tensors within this block."""
+        with ExitStack() as stack:
+            for m in self.regions:
+                stack.callback(m.register_forward_pre_hook(self._enter).remove)
+                stack.callback(m.register_forward_hook(self._leave).remove)
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t))
+            yield self
+
+
+class PeerAttention(nn.Module):
+    """Our attention's math with separate q/k/v Linears, as torch's TP plan needs; heads inferred from widths."""
+
+    def __init__(self, attn: nn.Module) -> None:
+        super().__init__()
+        self.head_dim, q, kv = attn.head_dim, attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+        self.wq, self.wk, self.wv = (_linear_from(attn.qkv.weight[rows]) for rows in
+                                     (slice(0, q), slice(q, q + kv), slice(q + kv, q + 2 * kv)))
+        self.wo = _linear_from(attn.out.weight)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x [B, S, H] (local tensor) -> this rank's partial output."""
+        batch, seq, _ = x.shape
+        q, k, v = (w(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        repeat = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(attn.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class PeerFFN(nn.Module):
+    """Our SwiGLU with separate gate and up Linears."""
+
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        gate, up = mlp.gate_up.weight.chunk(2)
+        self.w_gate, self.w_up, self.w_down = _linear_from(gate), _linear_from(up), _linear_from(mlp.down.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x [..., H] -> [..., H]."""
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class PeerBlock(nn.Module):
+    """A copy of one of our dense blocks laid out for torch's TP plan."""
+
+    def __init__(self, block: Block) -> None:
+        super().__init__()
+        self.attn_norm, self.ffn_norm = copy.deepcopy(block.attn_norm), copy.deepcopy(block.ffn_norm)
+        self.attn, self.ffn = PeerAttention(block.attn), PeerFFN(block.ffn)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, None]:
+        """Same contract as Block: (x, None)."""
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.ffn(self.ffn_norm(x)), None
+
+
+def _linear_from(weight: Tensor) -> nn.Linear:
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    linear.weight = nn.Parameter(weight.detach().clone())
+    return linear
+
+
+PEER_PLAN = {
+    "attn_norm": SequenceParallel(),
+    "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)),
+    "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+    "attn.wo": RowwiseParallel(output_layouts=Shard(1)),
+    "ffn_norm": SequenceParallel(),
+    "ffn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+    "ffn.w_gate": ColwiseParallel(), "ffn.w_up": ColwiseParallel(),
+    "ffn.w_down": RowwiseParallel(output_layouts=Shard(1)),
+}
+
+
+def bench_config(opts: dict[str, Any]) -> ModelConfig:
+    """The dense block shape the options describe."""
+    return ModelConfig(vocab_size=256, hidden_size=opts["hidden"], num_layers=opts["layers"], num_heads=opts["heads"],
+                       num_kv_heads=opts["kv_heads"], max_seq_len=opts["seq"], dense_ffn_size=opts["ffn"],
+                       first_k_dense=opts["layers"])
+
+
+def build_stacks(cfg: ModelConfig, group: dist.ProcessGroup) -> dict[str, nn.ModuleList]:
+    """The single-process stack ('full') and each contender's TP copy of it."""
+    torch.manual_seed(0)
+    full = nn.ModuleList(Block(cfg, moe=False) for _ in range(cfg.num_layers))
+    stacks = {"full": full, OURS: copy.deepcopy(full), OURS_SP: copy.deepcopy(full),
+              PEER: nn.ModuleList(PeerBlock(b) for b in full)}
+    for name, sp in ((OURS, False), (OURS_SP, True)):
+        for block in stacks[name]:
+            parallelize_block(block, group, sp)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(group),))
+    for block in stacks[PEER]:
+        parallelize_module(block, mesh, PEER_PLAN)
+    return stacks
+
+
+def sequence_parallel(name: str) -> bool:
+    """Whether the contender's residual stream is sequence-sharded."""
+    return name != OURS
+
+
+def run_stack(stack: nn.ModuleList, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """The stack's output for x."""
+    for block in stack:
+        x, _ = block(x, cos, sin)
+    return x
+
+
+def step_fn(stack: nn.ModuleList, x: Tensor, dy: Tensor, cos: Tensor, sin: Tensor) -> Callable[[], Tensor]:
+    """One forward + backward of the stack; returns the output."""
+    def step() -> Tensor:
+        inp = x.detach().requires_grad_()
+        out = run_stack(stack, inp, cos, sin)
+        out.backward(dy)
+        return out.detach()
+    return step
+
+
+def _norms(stack: nn.ModuleList) -> list[nn.Module]:
+    return [m for block in stack for m in (block.attn_norm, block.ffn_norm)]
+
+
+def worker(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
+    """Measure every contender on this rank; return its figures and the output check."""
+    torch.manual_seed(1)
+    group = dist.group.WORLD
+    cfg = bench_config(opts)
+    stacks = build_stacks(cfg, group)
+    cos, sin = rope_tables(opts["seq"], cfg.hidden_size // cfg.num_heads, cfg.rope_theta)
+    x = torch.randn(opts["batch"], opts["seq"], cfg.hidden_size)
+    dy = torch.randn_like(x)
+    shard = list(range(rank * opts["seq"] // world, (rank + 1) * opts["seq"] // world))
+    steps = {name: step_fn(stacks[name], x[:, shard] if sequence_parallel(name) else x,
+                           dy[:, shard] if sequence_parallel(name) else dy, cos, sin) for name in CONTENDERS}
+    want = run_stack(stacks["full"], x, cos, sin).detach()
+    out: dict[str, Any] = {"max_diff": {}}
+    for name, step in steps.items():
+        got = step()
+        got = gather_sequence(got, group) if sequence_parallel(name) else got
+        out["max_diff"][name] = (got - want).abs().max().item()
+        meter = ActivationMeter(_norms(stacks[name]))
+        with meter.active():
+            y = run_stack(stacks[name], x[:, shard] if sequence_parallel(name) else x, cos, sin)
+        del y
+        comm = CommMeter()
+        with comm:
+            step()
+        out[name] = {"act_bytes": meter.bytes, "norm_bytes": meter.region_bytes, "comm_bytes": comm.bytes,
+                     "collectives": comm.calls, "times": []}
+    order = list(CONTENDERS)
+    for i in range(opts["warmup"] + opts["steps"]):
+        for name in order[i % 3:] + order[:i % 3]:
+            dist.barrier(group)
+            t0 = time.perf_counter()
+            steps[name]()
+            if i >= opts["warmup"]:
+                out[name]["times"].append(time.perf_counter() - t0)
+    return out
+
+
+def rows_from(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per contender: the slowest rank's median step time, the largest rank's bytes."""
+    rows = []
+    for name in CONTENDERS:
+        per_rank = [r[name] for r in results]
+        rows.append({"contender": name,
+                     "step_ms": max(statistics.median(p["times"]) for p in per_rank) * 1e3,
+                     "act_mib": max(p["act_bytes"] for p in per_rank) / 2**20,
+                     "norm_mib": max(p["norm_bytes"] for p in per_rank) / 2**20,
+                     "comm_mib": max(p["comm_bytes"] for p in per_rank) / 2**20,
+                     "collectives": per_rank[0]["collectives"],
+                     "max_diff": max(r["max_diff"][name] for r in results)})
+    base = rows[-1]
+    for row in rows:
+        row["vs_peer_time"] = row["step_ms"] / base["step_ms"]
+        row["vs_peer_act"] = row["act_mib"] / base["act_mib"]
+    return rows
+
+
+COLUMNS = [("contender", "contender", ""), ("step ms", "step_ms", ".1f"), ("x peer", "vs_peer_time", ".2f"),
+           ("act MiB", "act_mib", ".2f"), ("x peer", "vs_peer_act", ".2f"), ("norm MiB", "norm_mib", ".3f"),
+           ("comm MiB", "comm_mib", ".2f"), ("max |diff|", "max_diff", ".1e")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse options, run the benchmark, print the table, optionally write JSON."""
+    p = argparse.ArgumentParser(prog="moe-bench tp", description=__doc__.splitlines()[0])
+    p.add_argument("--tp", type=int, default=2, help="TP ranks (gloo processes): 2 or 4")
+    p.add_argument("--layers", type=int, default=4, help="dense transformer blocks in the stack")
+    p.add_argument("--hidden", type=int, default=256, help="hidden size")
+    p.add_argument("--heads", type=int, default=8, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=4, help="KV heads (torch's plan needs them divisible by --tp)")
+    p.add_argument("--ffn", type=int, default=768, help="SwiGLU width")
+    p.add_argument("--seq", type=int, default=512, help="sequence length")
+    p.add_argument("--batch", type=int, default=2, help="sequences per step")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per contender")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per contender")
+    p.add_argument("--tolerance", type=float, default=1e-4, help="max |output - single process| allowed (fp32)")
+    p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
+    args = p.parse_args(argv)
+    for name in ("tp", "layers", "hidden", "heads", "kv_heads", "ffn", "seq", "batch", "steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("heads", "kv_heads", "ffn", "seq"):
+        if getattr(args, name) % args.tp:
+            p.error(f"--{name.replace('_', '-')} = {getattr(args, name)} must be divisible by --tp = {args.tp}")
+    opts = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "seq", "batch", "steps",
+                                          "warmup")}
+    progress = Progress("tp")
+    progress(f"{args.tp} gloo ranks, {args.layers} blocks, hidden {args.hidden}, seq {args.seq}, batch {args.batch}")
+    results = run_ranks(worker, args.tp, opts, "try fewer --layers, a shorter --seq or fewer --steps")
+    rows = rows_from(results)
+    head = header("tp", list(argv or []), notes=[__doc__])
+    print(header_line(head))
+    print(table(rows, COLUMNS, left=1))
+    if args.json:
+        write_json(args.json, head, rows, key=["contender"],
+                   metrics={"step_ms": LOWER, "act_mib": LOWER, "comm_mib": LOWER})
+    bad = [r["contender"] for r in rows if r["max_diff"] > args.tolerance]
+    if bad:
+        print(f"moe-bench tp: outputs differ from the single-process stack: {', '.join(bad)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

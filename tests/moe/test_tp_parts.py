@@ -1,0 +1,170 @@
+"""TP parts on 2 gloo ranks: SP's byte claims on counters, the vocab-parallel loss, deferred weight grads, group checks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dispatch.multiproc import run_processes
+from launch.bench.tp import ActivationMeter, CommMeter, run_stack
+from moe.config import ModelConfig
+from moe.model import Block, MoETransformer, rope_tables
+from moe.tp import parallelize_block, parallelize_embedding, vocab_parallel_cross_entropy
+from pipeline.wgrad import WeightGradStore, install_split_linear
+from tests.dispatch.cases import calc_diff
+
+WORLD, BATCH, SEQ, VOCAB, TOKENS = 2, 2, 8, 64, 12
+CFG = dict(vocab_size=VOCAB, hidden_size=32, num_heads=4, num_kv_heads=2, max_seq_len=SEQ, dense_ffn_size=32,
+           num_experts=4, expert_ffn_size=8, num_shared_experts=1, top_k=2)
+
+
+class LargestTensor(TorchDispatchMode):
+    """Largest element count of any tensor an op returns while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+def _stack_figures(sp: bool, moe: bool) -> dict:
+    """Comm bytes and norm-region saved bytes of a dense (or MoE) two-block stack on this rank."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(num_layers=2, first_k_dense=0 if moe else 2, **CFG)
+    stack = torch.nn.ModuleList(Block(cfg, moe=moe) for _ in range(2)).double()
+    for block in stack:
+        parallelize_block(block, dist.group.WORLD, sp)
+    cos, sin = rope_tables(SEQ, 8, cfg.rope_theta)
+    x = torch.randn(BATCH, SEQ // WORLD if sp else SEQ, 32, dtype=torch.float64, requires_grad=True)
+    meter, comm = ActivationMeter([m for b in stack for m in (b.attn_norm, b.ffn_norm)]), CommMeter()
+    with comm, meter.active():
+        out = run_stack(stack, x, cos, sin)
+        out.sum().backward()
+    return {"comm": comm.bytes, "calls": comm.calls, "norm_bytes": meter.region_bytes}
+
+
+def _loss_case(rank: int) -> dict:
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(TOKENS, VOCAB, generator=gen, dtype=torch.float64) * 3
+    labels = torch.randint(0, VOCAB, (TOKENS,), generator=gen)
+    labels[2] = -100
+    block = slice(rank * VOCAB // WORLD, (rank + 1) * VOCAB // WORLD)
+    mine = logits[:, block].clone().requires_grad_()
+    largest = LargestTensor()
+    with largest:
+        loss = vocab_parallel_cross_entropy(mine, labels, dist.group.WORLD)
+        loss.backward()
+    full = logits.clone().requires_grad_()
+    want = F.cross_entropy(full, labels)
+    want.backward()
+    return {"loss": (loss.item(), want.item()), "grad": calc_diff(mine.grad, full.grad[:, block]),
+            "largest": largest.numel}
+
+
+def _deferred_grads(rank: int) -> dict:
+    """A TP+SP dense block and a vocab-parallel embedding under a B/W split: weight grads wait for W."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(num_layers=1, first_k_dense=1, **CFG)
+    block, embed = Block(cfg, moe=False).double(), torch.nn.Embedding(VOCAB, 32).double()
+    parallelize_block(block, dist.group.WORLD, True)
+    embed = parallelize_embedding(embed, dist.group.WORLD, True)
+    cos, sin = rope_tables(SEQ, 8, cfg.rope_theta)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(5))
+    split = copy.deepcopy((block, embed))
+    linears = install_split_linear([split[0]])
+    plain_out = block(embed(tokens), cos, sin)[0]
+    plain_out.square().sum().backward()
+    store = WeightGradStore()
+    out = split[0](split[1](tokens), cos, sin)[0]
+    with store.capture("chunk"):
+        out.square().sum().backward()
+    weights = [split[0].attn.qkv.weight, split[0].attn.out.weight, split[0].ffn.gate_up.weight,
+               split[0].ffn.down.weight, split[1].weight]
+    waiting = [w.grad is None for w in weights]
+    ran = store.run("chunk")
+    mine = dict(split[0].named_parameters()) | {"embed": split[1].weight}
+    ref = dict(block.named_parameters()) | {"embed": embed.weight}
+    return {"linears": len(linears), "waiting": waiting, "ran": ran,
+            "diffs": {name: calc_diff(p.grad, ref[name].grad) for name, p in mine.items()}}
+
+
+def _bad_groups(rank: int) -> list[str]:
+    """Converting a model whose shapes do not split over the group fails, naming the field."""
+    errors = []
+    for overrides in ({"num_heads": 3, "hidden_size": 36, "num_kv_heads": 1}, {"vocab_size": 63}):
+        model = MoETransformer(ModelConfig(num_layers=2, **(CFG | overrides)))
+        try:
+            model.to_tensor_parallel(dist.group.WORLD, sequence_parallel=True)
+        except ValueError as err:
+            errors.append(str(err))
+    model = MoETransformer(ModelConfig(num_layers=2, **CFG))
+    model.to_tensor_parallel(dist.group.WORLD, sequence_parallel=True)
+    try:
+        model(torch.zeros(1, 7, dtype=torch.long))
+    except ValueError as err:
+        errors.append(str(err))
+    return errors
+
+
+def _parts(rank: int, world_size: int) -> dict:
+    return {"stacks": {(sp, moe): _stack_figures(sp, moe) for sp in (False, True) for moe in (False, True)},
+            "loss": _loss_case(rank), "deferred": _deferred_grads(rank), "errors": _bad_groups(rank)}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_processes(_parts, WORLD, timeout_s=240)
+
+
+def test_sequence_parallel_moves_the_same_bytes_as_plain_tp(results):
+    for res in results:
+        plain, sp = res["stacks"][False, False], res["stacks"][True, False]
+        assert plain["comm"] == sp["comm"] > 0
+        assert set(plain["calls"]) == {"all_reduce"} and set(sp["calls"]) == {"all_gather_into_tensor",
+                                                                             "reduce_scatter_tensor"}
+
+
+def test_moe_blocks_with_sp_move_no_more_than_without(results):
+    for res in results:
+        assert 0 < res["stacks"][True, True]["comm"] <= res["stacks"][False, True]["comm"]
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_norm_activations_per_rank_fall_by_the_tp_degree_with_sp(results, moe):
+    for res in results:
+        plain, sp = res["stacks"][False, moe]["norm_bytes"], res["stacks"][True, moe]["norm_bytes"]
+        assert plain > 0 and abs(sp * WORLD / plain - 1) <= 0.05
+
+
+def test_vocab_parallel_loss_equals_cross_entropy_without_full_logits(results):
+    for res in results:
+        got, want = res["loss"]["loss"]
+        assert abs(got - want) <= 1e-12 * abs(want)
+        assert res["loss"]["grad"] < 1e-14
+        assert res["loss"]["largest"] == TOKENS * VOCAB // WORLD  # never [tokens, vocab]
+
+
+def test_tp_weight_grads_wait_for_the_w_action(results):
+    for res in results:
+        deferred = res["deferred"]
+        assert deferred["linears"] == 4 and all(deferred["waiting"]) and deferred["ran"] == 5
+        for name, diff in deferred["diffs"].items():
+            assert diff < 1e-14, name
+
+
+def test_group_that_does_not_fit_the_config_is_refused(results):
+    heads, vocab, seq = results[0]["errors"]
+    assert "model.num_heads = 3" in heads and "parallel.tp = 2" in heads and "[1, 3]" in heads
+    assert "model.vocab_size = 63" in vocab and "[1, 3, 7, 9, 21, 63]" in vocab
+    assert "train.seq_len = 7" in seq and "parallel.tp = 2" in seq
