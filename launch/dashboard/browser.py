@@ -40,6 +40,11 @@ def dump_dom(url: str, timeout: float = 120.0) -> tuple[str, str]:
     return result.stdout, result.stderr
 
 
+def console_lines(log: str) -> list[str]:
+    """The page's console messages (logs, warnings, errors, uncaught exceptions) in a Chromium log."""
+    return [line for line in log.splitlines() if ":CONSOLE" in line]
+
+
 def screenshot(url: str, out: str | Path, width: int = 1400, height: int = 2000, timeout: float = 120.0) -> Path:
     """Save a PNG of url rendered at width x height pixels."""
     out = Path(out).resolve()

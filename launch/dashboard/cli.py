@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from launch.dashboard.page import build_html, view_ids
@@ -16,13 +17,15 @@ def load_runs(run_dirs: list[str]) -> list:
     return [load_run(d, name=n if names.count(n) == 1 else str(Path(d))) for d, n in zip(run_dirs, names)]
 
 
-def export_png(html_file: Path, out_dir: Path, views: list[str]) -> list[Path]:
-    """One PNG per view, rendered by headless Chromium from the page itself (#view=ID shows that chart alone)."""
+def export_png(html_file: Path, out_dir: Path, views: list[str], workers: int = 4) -> list[Path]:
+    """One PNG per view, rendered by headless Chromium from the page itself (#view=ID shows that chart alone),
+    several browsers at once (each mostly waits on its own start-up)."""
     from launch.dashboard.browser import screenshot
 
     url = html_file.resolve().as_uri()
-    return [screenshot(f"{url}#view={view}", out_dir / f"{view}.png", width=1200,
-                       height=560 if view == "curves" else 480) for view in views]
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(lambda view: screenshot(f"{url}#view={view}", out_dir / f"{view}.png", width=1200,
+                                                     height=560 if view == "curves" else 480), views))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,18 +68,18 @@ def imbalance_figure(run: Run) -> dict:
         if name not in run.layers:
             continue
         steps, values = run.layers[name].series()
-        figure.add_trace(go.Heatmap(z=values.T.astype(np.float32), x=steps.astype(np.float32), colorscale=scale,
+        figure.add_trace(go.Heatmap(z=values.T.astype(np.float32), x=steps.astype(np.float32), colorscale=scale, zmin=0,
                                     colorbar={"len": 0.45, "y": 0.78 if row == 1 else 0.22},
                                     hovertemplate="step %{x:.0f}<br>MoE layer %{y}<br>%{z:.3f}<extra></extra>"),
                          row=row, col=1)
-        figure.update_yaxes(title_text="MoE layer", row=row, col=1)
+        figure.update_yaxes(title_text="MoE layer", dtick=_dtick(run.num_layers), row=row, col=1)
     figure.update_layout(**BASE_LAYOUT, title=f"{run.name}: imbalance and dead experts", height=460)
     return as_dict(figure)
 
 
 def balance_figure(run: Run) -> dict:
     """Balance losses by kind (mean over layers, unweighted) and dropped slots (sum over layers) over steps."""
-    dropped = run.layers.get("dropped") or (None if "dropped_tokens" not in run.scalars else run.scalars["dropped_tokens"])
+    dropped = run.layers.get("dropped") or run.scalars.get("dropped_tokens")
     if not run.losses and dropped is None:
         return empty_figure(f"{run.name}: balance losses", "no balance losses or dropped slots in this run's metrics")
     figure = make_subplots(rows=1, cols=2, subplot_titles=("balance losses (unweighted, mean over layers)",

@@ -1,8 +1,8 @@
 // Renders the dashboard from the JSON blob in #dashboard-data; status and timings land on <body data-*>.
 (function () {
   const data = JSON.parse(document.getElementById("dashboard-data").textContent);
-  const config = {responsive: true, displaylogo: false};
   const view = new URLSearchParams(location.hash.slice(1)).get("view");
+  const config = {responsive: true, displaylogo: false, displayModeBar: view ? false : "hover"};
 
   function floats(spec) {
     const text = atob(spec.bdata);

@@ -27,7 +27,10 @@ function dashboardError(text) {
 window.addEventListener("error", e => dashboardError("error: " + (e.message || e)));
 window.addEventListener("unhandledrejection", e => dashboardError("unhandled rejection: " + e.reason));
 const consoleError = console.error;
-console.error = function (...args) { dashboardError("console.error: " + args.join(" ")); consoleError.apply(console, args); };
+console.error = function (...args) {
+  dashboardError("console.error: " + args.join(" "));
+  consoleError.apply(console, args);
+};
 """
 
 STYLE = """
@@ -38,7 +41,9 @@ body { font-family: sans-serif; margin: 12px 20px; color: #222; }
 h2 { font-size: 15px; margin: 18px 0 6px; }
 #dashboard-errors:empty { display: none; }
 #dashboard-errors { color: #a00; }
-body.single-view h1, body.single-view h2, body.single-view .notes, body.single-view .controls { display: none; }
+body.single-view h1, body.single-view h2, body.single-view .notes, body.single-view .controls,
+body.single-view .summary { display: none; }
+body.single-view .runs { grid-template-columns: 1fr !important; }
 """
 
 
@@ -81,7 +86,7 @@ def build_html(runs: list[Run], live_seconds: float = 0, version: str = "") -> s
 <style>{STYLE}</style></head>
 <body data-status="loading">
 <h1>MoE dashboard: {names}</h1>
-<div>{summary}</div>
+<div class="summary">{summary}</div>
 {notes}
 <pre id="dashboard-errors"></pre>
 <div class="chart" id="curves"></div>

@@ -216,6 +216,7 @@ def _add_ranks(run: Run, ranks: dict) -> None:
     if isinstance(memory, list):
         memory = np.asarray(memory, dtype=np.float64)
         seen = run.ranks.get("peak_memory_bytes")
-        run.ranks["peak_memory_bytes"] = memory if seen is None or seen.shape != memory.shape else np.maximum(seen, memory)
+        same_layout = seen is not None and seen.shape == memory.shape
+        run.ranks["peak_memory_bytes"] = np.maximum(seen, memory) if same_layout else memory
     if isinstance(ranks.get("pipeline_idle_fraction"), list):
         run.ranks["pipeline_idle_fraction"] = np.asarray(ranks["pipeline_idle_fraction"], dtype=np.float64)

@@ -37,8 +37,9 @@ def recorded_step():
 def test_layer_metrics_match_an_independent_count_of_the_routing_indices():
     model, out, indices = recorded_step()
     stats = out.moe_stats
-    metrics = moe_layer_metrics([s.tokens_per_expert for s in stats], [l.router.expert_bias for l in model.moe_layers()],
-                                [int(s.dropped) for s in stats], [{k: v.item() for k, v in s.losses.items()} for s in stats])
+    metrics = moe_layer_metrics([s.tokens_per_expert for s in stats],
+                                [layer.router.expert_bias for layer in model.moe_layers()], [int(s.dropped) for s in stats],
+                                [{k: v.item() for k, v in s.losses.items()} for s in stats])
     moe = json.loads(json.dumps(metrics))["moe"]  # what a reader of the JSONL sees
     load = decode_array(moe["load"])
     assert load.shape == (2, 8) and moe["num_experts"] == 8
