@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
-from launch.config import load_config
-from launch.plan.memory import RECOMPUTE
+from launch.config import RunConfig, load_config
+from launch.plan.memory import KERNELS, RECOMPUTE
+from launch.plan.measure import compare, cpu_machine, measure
 from launch.plan.planner import Machine, Options, make_plan
 from launch.plan.presets import GPU, GPUS, MLA_PRESETS, RECIPES, gpu_preset
 from launch.plan.report import render, table, to_dict
@@ -40,6 +41,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--recipe", choices=tuple(RECIPES), help="bytes per param of weights/grads/optimizer "
                    "(default: this project's ZeRO-1 for train.dtype)")
     p.add_argument("--sample-tokens", type=int, default=1024, help="tokens per EP rank routed for the traffic")
+    p.add_argument("--kernels", choices=KERNELS, default="project",
+                   help="activation bytes of this project's ops or of fused kernels (DeepSeek-V3's)")
+    p.add_argument("--measure", action="store_true", help="also run the layout here (gloo ranks, the trainer's model, "
+                   "runtime and ZeRO-1) and print each rank's measured figures beside the plan's")
+    p.add_argument("--steps", type=int, default=2, help="measure: optimizer steps (the last one is measured)")
     p.add_argument("--top", type=int, default=10, help="search: layouts to print")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="config override")
     p.add_argument("--json", help="write every figure here")
@@ -74,7 +80,7 @@ def run(args: argparse.Namespace) -> dict:
     """Plan or search as the arguments say; print the tables, return the JSON-ready result."""
     config = load_config(args.config, args.set)
     par = config.parallel
-    options = Options(MLA_PRESETS.get(args.attention), args.recompute, args.recipe, args.sample_tokens)
+    options = Options(MLA_PRESETS.get(args.attention), args.recompute, args.kernels, args.recipe, args.sample_tokens)
     if args.search:
         if not args.gpus or args.gpus < 1:
             raise ValueError("--search needs --gpus N (N >= 1)")
@@ -97,10 +103,34 @@ def run(args: argparse.Namespace) -> dict:
     if args.gpus is not None and args.gpus != par.world_size:
         raise ValueError(f"--gpus {args.gpus} differs from the config's layout pp x dp x tp = {par.world_size} "
                          f"(change [parallel] or use --search)")
+    if args.measure:
+        return run_measured(args, config, options)
     machine = machine_from(args, par.gpus_per_node or par.world_size)
     plan = make_plan(config, machine, options)
     print(render(plan))
     return to_dict(plan)
+
+
+def run_measured(args: argparse.Namespace, config: RunConfig, options: Options) -> dict:
+    """Plan config on this CPU (or the machine the flags give), run it, print measured beside predicted."""
+    if args.steps < 1:
+        raise ValueError(f"--steps = {args.steps} must be >= 1")
+    given = args.gpu or any(getattr(args, name) is not None for name in OVERRIDES)
+    machine = machine_from(args, config.parallel.gpus_per_node or config.parallel.world_size) if given \
+        else cpu_machine(config)
+    plan = make_plan(config, machine, options)
+    checks = compare(plan, measure(config, args.steps))
+    print(f"{describe(vars(config.parallel), config.chunks_per_step)}: measured (last of {args.steps} steps) "
+          f"beside predicted on {machine.gpu.name} ({machine.gpu.source})")
+    print(table(["rank", "figure", "predicted", "measured", "error", "tolerance", "ok"],
+                [[c.rank, c.figure, _figure(c.predicted), _figure(c.measured), f"{c.error:+.1%}",
+                  "-" if c.tolerance is None else ("exact" if c.tolerance == 0 else f"{c.tolerance:.0%}"),
+                  {None: "-", True: "yes", False: "NO"}[c.ok]] for c in checks]))
+    return {"plan": to_dict(plan), "checks": [{**asdict(c), "error": c.error, "ok": c.ok} for c in checks]}
+
+
+def _figure(value: float) -> str:
+    return f"{value:,.0f}" if value == int(value) or abs(value) >= 1 else f"{value:.3f}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,7 @@ schedule's peak of live chunks (DualPipe: 2x params, PP+1 chunks in flight)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from launch.plan.params import AttentionShape
 from launch.plan.presets import StateBytes
@@ -12,6 +12,8 @@ from moe.config import ModelConfig
 from pipeline.schedules import Op, Schedule
 
 RECOMPUTE = ("none", "selective", "full")
+KERNELS = ("project", "fused", "fused-fp8")
+FP8_CACHED = 1 + 4 / 128  # bytes per element of an e4m3 tensor with one fp32 scale per 128 (1x128 tiles)
 
 
 @dataclass(frozen=True)
@@ -48,11 +50,17 @@ def zero_model_states(num_params: float, shard_group: int, stage: int, recipe: S
 class ActivationModel:
     """Saved-for-backward bytes per token of each layer kind on one rank, by component formulas.
 
-    Attention is taken as a fused (flash) kernel: q, k, v, its output and the fp32 log-sum-exp
-    are saved, no scores. TP splits the head/FFN widths; SP also splits the hidden-width tensors
-    (norm inputs and outputs) that TP alone keeps whole. Recomputation: "selective" recomputes the
-    norms, SwiGLU products and (MLA) the q/kv up-projections from their latents, as DeepSeek-V3
-    does; "full" keeps only each layer's input and recomputes the layer in backward.
+    kernels="project" counts what this project's model (moe.model, moe.layer) saves op by op: an
+    RMSNorm keeps its input, the normalised tensor and an fp32 rstd, its consumer the output; k and v
+    are expanded to every query head before attention (q, k, v, output and the fp32 log-sum-exp kept,
+    no scores), the output projection keeps its own copy of the attention output; a SwiGLU keeps
+    gate|up, silu(gate) and the product; combine keeps each slot's expert output, its fp32 weighted
+    copy and the weight. kernels="fused" counts fused kernels (norm into its consumer, SwiGLU, combine;
+    GQA heads unexpanded); "fused-fp8" also caches the expert inputs and the SwiGLU inputs in FP8 (1x128
+    tiles), DeepSeek-V3's low-precision activation storage (report section 3.3.2). TP splits the head/FFN widths; SP also splits the
+    hidden-width tensors (norm inputs and outputs) that TP alone keeps whole. Recomputation:
+    "selective" recomputes the norms, SwiGLU products and (MLA) the q/kv up-projections from their
+    latents, as DeepSeek-V3 does; "full" keeps only each layer's input and recomputes the layer.
     """
 
     cfg: ModelConfig
@@ -62,59 +70,87 @@ class ActivationModel:
     sequence_parallel: bool = False
     recompute: str = "none"
     mla_latent: int = 0  # MLA: widths of the q and kv latents (q_lora_rank + kv_lora_rank + rope dim)
+    kernels: str = "project"
 
     def __post_init__(self) -> None:
-        if self.recompute not in RECOMPUTE:
-            raise ValueError(f"recompute = {self.recompute!r} is not allowed; choose one of "
-                             f"{', '.join(map(repr, RECOMPUTE))}")
+        for name, allowed in (("recompute", RECOMPUTE), ("kernels", KERNELS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} = {getattr(self, name)!r} is not allowed; choose one of "
+                                 f"{', '.join(map(repr, allowed))}")
 
-    def _hidden(self, count: int) -> float:
+    @property
+    def _project(self) -> bool:
+        return self.kernels == "project"
+
+    def _hidden(self, count: float) -> float:
         """count hidden-width tensors outside the TP regions (split by SP)."""
         width = count * self.cfg.hidden_size * self.itemsize
         return width / self.tp if self.sequence_parallel else width
 
+    def _norm(self) -> float:
+        """An RMSNorm and its consumer: the norm's input and output (project: also the normalised
+        tensor and the fp32 rstd); selective recompute keeps the input only."""
+        if self.recompute == "selective":
+            return self._hidden(1)
+        if not self._project:
+            return self._hidden(2)
+        return self._hidden(3) + 4 / (self.tp if self.sequence_parallel else 1)
+
     def _attention(self) -> float:
         a, t, att = self.itemsize, self.tp, self.attention
-        kv_heads = att.heads if att.kind == "mla" else self.cfg.num_kv_heads
+        kv_heads = att.heads if att.kind == "mla" or self._project else self.cfg.num_kv_heads
         qkv = a * (att.heads * att.qk_head_dim + kv_heads * (att.qk_head_dim + att.v_head_dim)) / t
-        out = a * att.heads * att.v_head_dim / t + 4 * att.heads / t
+        out = a * att.heads * att.v_head_dim / t * (2 if self._project else 1) + 4 * att.heads / t
         latent = a * self.mla_latent
         if self.recompute == "selective":
-            return self._hidden(1) + latent + out + (0 if att.kind == "mla" else qkv)
-        return self._hidden(2) + latent + qkv + out
+            return self._norm() + latent + out + (0 if att.kind == "mla" else qkv)
+        return self._norm() + latent + qkv + out
 
     def _swiglu(self, ffn: float) -> float:
         """Saved bytes of a SwiGLU of width ffn (its input counted by the caller)."""
-        gate_up = 2 * ffn * self.itemsize
-        return gate_up if self.recompute == "selective" else gate_up + ffn * self.itemsize
+        gate_up = 2 * ffn * (FP8_CACHED if self.kernels == "fused-fp8" else self.itemsize)
+        if self.recompute == "selective":
+            return gate_up
+        return gate_up + (2 if self._project else 1) * ffn * self.itemsize
+
+    def _router(self) -> float:
+        """Router: fp32 logits and scores (project: also its fp32 input copy, chosen ids and weights)."""
+        cfg = self.cfg
+        if not self._project:
+            return 2 * 4 * cfg.num_experts
+        copy = 4 * cfg.hidden_size if self.itemsize != 4 else 0
+        return copy + 2 * 4 * cfg.num_experts + cfg.top_k * (8 + 4 + 1) + 3 * 4
+
+    def _slot(self) -> float:
+        """One routed slot: the expert input, its SwiGLU, the expert output kept for combine's weight
+        grad (project: also the fp32 weighted output, the weight and two int64 row ids); the FP8 expert
+        linear keeps its input unquantised (fused-fp8: cached in FP8), so FP8 experts save the same bytes."""
+        h, a = self.cfg.hidden_size, self.itemsize
+        combine = h * a + (h * max(a, 4) + 4 + 16 if self._project else 0)
+        return h * (FP8_CACHED if self.kernels == "fused-fp8" else a) + self._swiglu(self.cfg.expert_ffn_size) + combine
 
     def layer(self, moe: bool) -> float:
         """Bytes per token one layer keeps for backward (full recompute: its input only)."""
         if self.recompute == "full":
             return self._hidden(1)
-        cfg, a = self.cfg, self.itemsize
-        norm = self._hidden(1 if self.recompute == "selective" else 2)
+        cfg = self.cfg
         if not moe:
-            return self._attention() + norm + self._swiglu(cfg.dense_ffn_size / self.tp)
-        k, h = cfg.top_k, cfg.hidden_size
-        # per routed slot: the expert input, its SwiGLU, the expert output (combine's weight grad);
-        # the FP8 expert linear keeps its input unquantised, so FP8 experts save the same bytes
-        experts = k * (2 * h * a + self._swiglu(cfg.expert_ffn_size)) / self.tp
-        router = 2 * 4 * cfg.num_experts  # fp32 logits and scores
+            return self._attention() + self._norm() + self._swiglu(cfg.dense_ffn_size / self.tp)
+        experts = cfg.top_k * self._slot() / self.tp
         shared = self._swiglu(cfg.num_shared_experts * cfg.expert_ffn_size / self.tp)
-        return self._attention() + norm + experts + router + shared
+        return self._attention() + self._norm() + experts + self._router() + shared
 
     def transient_layer(self, moe: bool) -> float:
         """Extra bytes per token while one layer is recomputed for its backward (full recompute)."""
         if self.recompute != "full":
             return 0.0
-        return ActivationModel(self.cfg, self.attention, self.itemsize, self.tp, self.sequence_parallel,
-                               "none", self.mla_latent).layer(moe)
+        return replace(self, recompute="none").layer(moe)
 
     def head(self) -> float:
-        """Final norm and LM head: bf16 logits and the fp32 copy cross-entropy keeps (vocab split by TP)."""
+        """Final norm and LM head: the fp32 log-probabilities cross-entropy keeps (fused: also the
+        logits in the training dtype), vocab split by TP."""
         vocab = self.cfg.vocab_size / self.tp
-        return self._hidden(2) + vocab * (self.itemsize + 4)
+        return self._norm() + vocab * (4 if self._project else self.itemsize + 4)
 
     def stage(self, layers: range, has_head: bool, tokens: int) -> float:
         """Bytes one chunk of `tokens` tokens keeps through a stage holding `layers` (and the head)."""

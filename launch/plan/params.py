@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 from launch.plan.presets import MLA
@@ -95,23 +96,6 @@ def head_params(cfg: ModelConfig) -> Params:
     return Params(head, cfg.hidden_size, 0, head + cfg.hidden_size)
 
 
-def split_layers(num_layers: int, num_stages: int) -> list[range]:
-    """Layers of each pipeline stage: as even as possible, the spare layers on the middle stages first
-    (the first stage also holds the embedding, the last the LM head)."""
-    if num_layers < num_stages:
-        raise ValueError(f"model.num_layers = {num_layers} cannot fill {num_stages} pipeline stages "
-                         f"(each stage needs at least one layer)")
-    base, spare = divmod(num_layers, num_stages)
-    order = list(range(1, num_stages - 1)) + [0, num_stages - 1] if num_stages > 2 else list(range(num_stages))
-    extra = set(order[:spare])
-    bounds, start = [], 0
-    for stage in range(num_stages):
-        size = base + (stage in extra)
-        bounds.append(range(start, start + size))
-        start += size
-    return bounds
-
-
 @dataclass(frozen=True)
 class ModelParams:
     """Counts of the whole model and of each pipeline stage."""
@@ -132,11 +116,11 @@ class ModelParams:
         return self.total.activated + self.embedding
 
 
-def count_params(cfg: ModelConfig, num_stages: int = 1, mla: MLA | None = None) -> ModelParams:
-    """Parameter counts of cfg, whole and split into num_stages pipeline stages."""
+def count_params(cfg: ModelConfig, stages: Sequence[range] | None = None, mla: MLA | None = None) -> ModelParams:
+    """Parameter counts of cfg, whole and per pipeline stage (stages: each one's layers; default one stage)."""
     attention = attention_shape(cfg, mla)
     layers = [layer_params(cfg, i, attention) for i in range(cfg.num_layers)]
-    stages = [sum((layers[i] for i in span), Params()) for span in split_layers(cfg.num_layers, num_stages)]
-    stages[0] = stages[0] + embedding_params(cfg)
-    stages[-1] = stages[-1] + head_params(cfg)
-    return ModelParams(sum(stages, Params()), stages, cfg.vocab_size * cfg.hidden_size, attention)
+    counts = [sum((layers[i] for i in span), Params()) for span in (stages or [range(cfg.num_layers)])]
+    counts[0] = counts[0] + embedding_params(cfg)
+    counts[-1] = counts[-1] + head_params(cfg)
+    return ModelParams(sum(counts, Params()), counts, cfg.vocab_size * cfg.hidden_size, attention)

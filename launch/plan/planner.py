@@ -9,10 +9,11 @@ import torch
 from dispatch import Traffic
 from launch.config import RunConfig
 from launch.plan.memory import ActivationModel, ModelStates, schedule_peaks, zero_model_states
-from launch.plan.params import ModelParams, count_params, split_layers
+from launch.plan.params import ModelParams, count_params
 from launch.plan.presets import GPU, MLA, RECIPES, StateBytes
 from launch.plan.timing import Rates, StageCost, layer_flops, model_flops_per_token, simulate_step
 from launch.plan.traffic import EPStats, ep_stats, ring_bytes, total
+from launch.stages import stage_ranges
 from pipeline.schedules import Layout, Schedule, build, merge_weight_grads
 
 LAYOUT_KINDS = {"none": "linear", "1f1b": "linear", "zb1p": "linear", "dualpipe": "bidirectional", "dualpipev": "v"}
@@ -39,6 +40,7 @@ class Options:
 
     mla: MLA | None = None       # count attention as this MLA shape instead of the config's GQA
     recompute: str = "none"
+    kernels: str = "project"     # activation bytes of this project's ops, or of fused kernels (memory.KERNELS)
     recipe: str | None = None    # model-state bytes (presets.RECIPES); default from train.dtype
     sample_tokens: int = 1024    # tokens per EP rank routed to estimate dispatch bytes
 
@@ -81,6 +83,7 @@ class Plan:
     tokens_per_step: int
     flops_per_token: float
     pipeline_steps: int = 1
+    idle_fractions: list[float] = field(default_factory=list)  # per pipeline rank, from the simulator
 
     @property
     def step_seconds(self) -> float:
@@ -153,17 +156,17 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
         raise ValueError(f"gpus_per_node = {gpn} must divide the world size pp x dp x tp = {par.world_size}")
     machine = replace(machine, gpus_per_node=gpn)
     num_stages = par.num_stages
-    params = count_params(cfg, num_stages, options.mla)
-    layers = split_layers(cfg.num_layers, num_stages)
+    layers = stage_ranges(cfg, train.seq_len, num_stages)  # the trainer's own split
+    params = count_params(cfg, layers, options.mla)
     recipe = RECIPES[options.recipe] if options.recipe else default_recipe(config)
-    itemsize = 2 if train.dtype == "bfloat16" else 4
-    dtype = torch.bfloat16 if itemsize == 2 else torch.float32
+    dtype = getattr(torch, train.dtype)
+    itemsize = dtype.itemsize
     chunks = config.chunks_per_step
     tokens = train.micro_batch_size * train.seq_len  # one chunk, one pipeline rank's TP group
     mla_latent = (options.mla.q_lora_rank + options.mla.kv_lora_rank + options.mla.qk_rope_head_dim
                   if options.mla else 0)
     acts = ActivationModel(cfg, params.attention, itemsize, par.tp, par.sequence_parallel, options.recompute,
-                           mla_latent)
+                           mla_latent, options.kernels)
     stage_bytes = [acts.stage(layers[s], s == num_stages - 1, tokens) for s in range(num_stages)]
     schedule = make_schedule(config)
     layout = _layout(config)
@@ -194,15 +197,15 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
     p2p_inter = par.dp * par.tp >= gpn and par.pp > 1
     p2p_seconds = act_bytes / (rates.inter_bps if p2p_inter else rates.intra_bps)
     if not timed:
-        makespan, idle = 0.0, 0.0
+        makespan, idles = 0.0, [0.0] * par.pp
     elif schedule:
         result = simulate_step(schedule, costs, p2p_seconds, par.overlap)
-        makespan, idle = result.makespan, max(result.idle_fractions)
+        makespan, idles = result.makespan, result.idle_fractions
     else:
-        makespan, idle = chunks * costs[0].serial, 0.0
-    return Plan(config, machine, options, params, layers, ranks, ep, costs, p2p_seconds, makespan, idle, sync,
+        makespan, idles = chunks * costs[0].serial, [0.0]
+    return Plan(config, machine, options, params, layers, ranks, ep, costs, p2p_seconds, makespan, max(idles), sync,
                 train.grad_accum_steps * tokens, model_flops_per_token(cfg, params.attention, train.seq_len),
-                train.grad_accum_steps // par.dp // chunks)
+                train.grad_accum_steps // par.dp // chunks, list(idles))
 
 
 def _add(bucket: dict[str, Traffic], kind: str, inter: bool, nbytes: float) -> None:
@@ -259,8 +262,7 @@ def _stage_cost(config: RunConfig, params: ModelParams, layers: range, has_head:
         ep_b = moe_layers * rates.link_seconds(backward.intra_node, backward.inter_node)
     tp = 0.0
     if par.tp > 1:
-        itemsize = 2 if train.dtype == "bfloat16" else 4
-        ar = 2 * ring_bytes(tokens * cfg.hidden_size, par.tp, itemsize)
+        ar = 2 * ring_bytes(tokens * cfg.hidden_size, par.tp, getattr(torch, train.dtype).itemsize)
         tp = 2 * len(layers) * (ar / rates.inter_bps if par.tp > gpn else ar / rates.intra_bps)
     return StageCost(f, 2 * f + recompute, f - core, ep_f + tp, ep_b + tp)
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
+
+import torch
 
 from launch.plan.memory import RECOMPUTE, ActivationModel, schedule_peaks
 from launch.plan.planner import Plan, make_schedule
@@ -37,14 +39,14 @@ def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
 def activation_variants(plan: Plan) -> list[tuple[bool, str, float]]:
     """(sequence parallel, recompute, peak activation GB of the busiest rank) for every combination."""
     cfg, par, train = plan.config.model, plan.config.parallel, plan.config.train
-    base = ActivationModel(cfg, plan.params.attention, 2 if train.dtype == "bfloat16" else 4, par.tp, False,
-                           "none", _latent(plan))
+    base = ActivationModel(cfg, plan.params.attention, getattr(torch, train.dtype).itemsize, par.tp, False,
+                           "none", _latent(plan), plan.options.kernels)
     schedule = make_schedule(plan.config)
     tokens = train.micro_batch_size * train.seq_len
     out = []
     for sp in (False, True):
         for mode in RECOMPUTE:
-            model = ActivationModel(base.cfg, base.attention, base.itemsize, base.tp, sp, mode, base.mla_latent)
+            model = replace(base, sequence_parallel=sp, recompute=mode)
             stage = [model.stage(span, s == len(plan.layers) - 1, tokens) for s, span in enumerate(plan.layers)]
             peaks = schedule_peaks(schedule, stage) if schedule else [stage[0]]
             extra = max(model.transient_layer(i >= cfg.first_k_dense) for i in range(cfg.num_layers)) * tokens

@@ -8,11 +8,14 @@ import pytest
 import torch
 
 from launch.config import load_config
-from launch.plan.params import count_params, split_layers
+from launch.plan.params import count_params
+from launch.plan.planner import Machine, make_plan
+from launch.plan.presets import GPUS
 from launch.plan.presets import MLA_PRESETS
 from launch.plan.timing import model_flops_per_token
 from launch.metrics import model_flops_per_token as dashboard_flops_per_token
 from moe.layer import MoELayer
+from launch.stages import build_stages
 from moe.model import MoETransformer
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -22,7 +25,7 @@ def test_counts_equal_the_parameters_of_the_model_the_trainer_builds():
     cfg = load_config(CONFIGS / "tiny.toml").model
     with torch.device("meta"):
         model = MoETransformer(cfg)
-    counts = count_params(cfg, num_stages=2)
+    counts = count_params(cfg, [range(0, 2), range(2, 4)])
     assert counts.total.total == sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for layer in model.moe_layers() for p in layer.experts.parameters())
     assert counts.total.expert == experts
@@ -63,9 +66,16 @@ def test_flops_per_token_match_the_dashboard_for_gqa():
     assert model_flops_per_token(cfg, attention, 128) == pytest.approx(dashboard_flops_per_token(cfg, 128))
 
 
-def test_stage_split_puts_spare_layers_in_the_middle_and_refuses_empty_stages():
-    assert [len(r) for r in split_layers(61, 16)] == [3] + [4] * 13 + [3, 3]
-    assert [len(r) for r in split_layers(4, 4)] == [1, 1, 1, 1]
-    assert split_layers(10, 3) == [range(0, 3), range(3, 7), range(7, 10)]
-    with pytest.raises(ValueError, match="num_layers = 4 cannot fill 8 pipeline stages"):
-        split_layers(4, 8)
+@pytest.mark.parametrize("pp, schedule", [(2, "1f1b"), (3, "1f1b"), (2, "dualpipev"), (4, "dualpipe")])
+def test_each_rank_holds_the_params_of_the_stages_the_trainer_builds(pp, schedule):
+    config = load_config(CONFIGS / "tiny.toml", [f"parallel.pp={pp}", "parallel.dp=1", "parallel.ep=1",
+                                                  f'parallel.schedule="{schedule}"', "train.grad_accum_steps=8"])
+    plan = make_plan(config, Machine(GPUS["h100"], 8), timed=False)
+    with torch.device("meta"):
+        model = MoETransformer(config.model)
+    num_stages = config.parallel.num_stages
+    for rank in plan.ranks:
+        stages = build_stages(model, config.train.seq_len, num_stages, rank.stages, 1.0)
+        named = [(n, p) for stage in stages for n, p in stage.named_parameters()]
+        assert rank.expert_params == sum(p.numel() for n, p in named if ".experts." in n)
+        assert rank.dense_params == sum(p.numel() for n, p in named if ".experts." not in n)

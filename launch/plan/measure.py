@@ -1,0 +1,247 @@
+"""Measured figures of a config's layout: the trainer's own model, runtime and ZeRO-1 run a few optimizer
+steps on gloo ranks while counters and hooks record what the plan predicts (parameters, optimizer bytes,
+activations saved for backward, pipeline idle, EP and p2p bytes)."""
+
+from __future__ import annotations
+
+import os
+import time
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from dispatch import Traffic, make_topology
+from dispatch.multiproc import run_processes
+from launch.config import RunConfig
+from launch.mesh import Mesh
+from launch.plan.planner import Machine, Plan
+from launch.plan.presets import GPU
+from launch.plan.traffic import moe_layer_traffic
+from launch.train import build_model, build_optimizer, forward_backward, my_micro_batches
+
+
+LOCAL_LINK_GBPS = 1.0  # gloo over loopback between local processes, the order of magnitude assumed
+
+
+def cpu_machine(config: RunConfig, repeats: int = 20) -> Machine:
+    """This machine's CPU as the plan's device: one thread's FP32 matmul rate at the model's shapes (the
+    ranks share the cores), loopback links, every rank on the config's simulated nodes."""
+    train, cfg = config.train, config.model
+    world = config.parallel.world_size
+    a = torch.randn(train.micro_batch_size * train.seq_len, cfg.hidden_size)
+    b = torch.randn(cfg.hidden_size, cfg.dense_ffn_size)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a @ b
+        began = time.perf_counter()
+        for _ in range(repeats):
+            a @ b
+        seconds = (time.perf_counter() - began) / repeats
+    finally:
+        torch.set_num_threads(threads)
+    cores = os.cpu_count() or 1
+    tflops = 2 * a.shape[0] * a.shape[1] * b.shape[1] / seconds / 1e12 * min(1.0, cores / world)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    gpu = GPU("CPU", tflops, tflops, memory, LOCAL_LINK_GBPS, LOCAL_LINK_GBPS,
+              f"calibrated here: one thread's fp32 matmul {list(a.shape)} x {list(b.shape)}, {world} ranks on "
+              f"{cores} cores; gloo loopback ~{LOCAL_LINK_GBPS:g} GB/s assumed")
+    return Machine(gpu, config.parallel.gpus_per_node or world, gemm_efficiency=1.0)
+
+
+class SavedBytes:
+    """Bytes of the tensors autograd saves for backward that are alive at once (the peak over a run);
+    storages of the given parameters are left out, a storage shared by several saved tensors counts once."""
+
+    def __init__(self, params: Iterable[Tensor]) -> None:
+        self._params = {p.untyped_storage().data_ptr() for p in params}
+        self._live: dict[int, tuple[list[weakref.ref], int]] = {}
+        self.peak = 0
+
+    def _pack(self, tensor: Tensor) -> Tensor:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self._params and storage.nbytes():
+            self._live = {k: v for k, v in self._live.items() if any(r() is not None for r in v[0])}
+            refs = self._live.setdefault(key, ([], storage.nbytes()))[0]
+            refs.append(weakref.ref(tensor))
+            self.peak = max(self.peak, sum(size for _, size in self._live.values()))
+        return tensor
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """The context that records every tensor saved for backward inside it."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+
+
+@dataclass
+class RankMeasure:
+    """What one rank measured over its last optimizer step."""
+
+    rank: int
+    pp_rank: int
+    dense_params: int
+    expert_params: int
+    optimizer_bytes: int
+    activation_peak: int
+    idle: float
+    ep: dict[str, dict[str, int]]          # EPDispatcher counters summed over the rank's MoE layers, by kind
+    routes: dict[int, list[Tensor]]        # router indices of each MoE layer, in call order
+    p2p: dict[str, int] = field(default_factory=dict)  # pipeline payload bytes sent: intra_node, inter_node
+
+
+def _count_p2p(runtime, layout, totals: dict[str, int]) -> None:
+    """Wrap the runtime channel's send so the payload bytes it sends add to totals by link class."""
+    channel = runtime._channel
+    send, group, me = channel.send, runtime.group, dist.get_rank()
+
+    def counted(tensors: list[Tensor], peer: int, stream: int) -> None:
+        inter = layout.node(dist.get_global_rank(group, peer)) != layout.node(me)
+        totals["inter_node" if inter else "intra_node"] += sum(t.nbytes for t in tensors)
+        send(tensors, peer, stream)
+
+    channel.send = counted
+
+
+def _random_batches(config: RunConfig, step: int) -> list[tuple[Tensor, Tensor]]:
+    """The global batch's micro-batches of random tokens (the same on every rank)."""
+    train, generator = config.train, torch.Generator().manual_seed(step)
+    out = []
+    for _ in range(train.grad_accum_steps):
+        tokens = torch.randint(0, config.model.vocab_size, (train.micro_batch_size, train.seq_len + 1),
+                               generator=generator)
+        out.append((tokens[:, :-1], tokens[:, 1:]))
+    return out
+
+
+def measure_rank(rank: int, world: int, config: RunConfig, steps: int) -> RankMeasure:
+    """Run `steps` optimizer steps of config on this rank; return the last step's figures."""
+    mesh = Mesh(config.layout)
+    stages, runtime = build_model(config, mesh)
+    optimizer = build_optimizer(stages, config, mesh)
+    params = [p for stage in stages for p in stage.parameters()]
+    named = [(n, p) for stage in stages for n, p in stage.named_parameters()]
+    expert = sum(p.numel() for n, p in named if ".experts." in n)
+    routes: dict[int, list[Tensor]] = {}
+    for stage in stages:
+        for i, layer in stage.moe_layers().items():
+            layer.router.register_forward_hook(
+                lambda _m, _a, result, i=i: routes.setdefault(i, []).append(result.indices.clone()))
+    p2p = {"intra_node": 0, "inter_node": 0}
+    if runtime is not None:
+        _count_p2p(runtime, config.layout, p2p)
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        for stage in stages:
+            stage.reset_tallies()
+        routes.clear()
+        p2p.update(intra_node=0, inter_node=0)
+        micro = my_micro_batches(_random_batches(config, step), config, mesh)
+        saved = SavedBytes(params)
+        began = time.perf_counter()
+        with saved.hooks():
+            _, busy = forward_backward(stages, runtime, micro, config.chunks_per_step,
+                                       1 / config.train.grad_accum_steps)
+        compute = time.perf_counter() - began
+        optimizer.step()
+    ep: dict[str, Traffic] = {}
+    for stage in stages:
+        for layer in stage.moe_layers().values():
+            meter = getattr(layer.dispatcher, "meter", None)
+            for kind, traffic in (meter.total.items() if meter else ()):
+                ep[kind] = ep.get(kind, Traffic()) + traffic
+    return RankMeasure(rank, mesh.pp_rank, sum(p.numel() for p in params) - expert, expert,
+                       optimizer.state_bytes()["total"], saved.peak,
+                       1 - busy / compute if runtime is not None else 0.0,
+                       {k: v.as_dict() for k, v in ep.items()}, routes, dict(p2p))
+
+
+def measure(config: RunConfig, steps: int = 2, timeout_s: float = 300.0) -> list[RankMeasure]:
+    """Every rank's figures of config's layout (world = pp x dp x tp local gloo processes)."""
+    return run_processes(measure_rank, config.parallel.world_size, config, steps, timeout_s=timeout_s)
+
+
+def routed_traffic(config: RunConfig, measured: list[RankMeasure]) -> list[dict[str, Traffic]]:
+    """Per rank, dispatch.predict's bytes for the routings the ranks' routers actually chose (each EP
+    group's calls of one layer lined up in order), summed over layers and calls: what the counters must say."""
+    layout, cfg = config.layout, config.model
+    dtype = getattr(torch, config.train.dtype)
+    out: list[dict[str, Traffic]] = [{} for _ in measured]
+    if config.parallel.ep == 1:
+        return out
+    topology = make_topology(config.parallel.ep, layout.ep_gpus_per_node())
+    for group in layout.ep_groups():
+        for layer, calls in measured[group[0]].routes.items():
+            for call in range(len(calls)):
+                indices = [measured[r].routes[layer][call] for r in group]
+                predicted = moe_layer_traffic(indices, cfg.num_experts, topology, cfg.hidden_size,
+                                              config.parallel.dispatch_backend, config.parallel.dispatch_payload,
+                                              dtype)
+                for r, traffic in zip(group, predicted):
+                    for kind, t in traffic.items():
+                        out[r][kind] = out[r].get(kind, Traffic()) + t
+    return out
+
+
+@dataclass(frozen=True)
+class Check:
+    """One predicted figure beside its measurement; tolerance is relative (0: must be equal)."""
+
+    rank: int
+    figure: str
+    predicted: float
+    measured: float
+    tolerance: float | None  # None: shown for information, not checked
+
+    @property
+    def error(self) -> float:
+        """(predicted - measured) / measured (0 when both are 0)."""
+        if self.measured == 0:
+            return 0.0 if self.predicted == 0 else float("inf")
+        return (self.predicted - self.measured) / self.measured
+
+    @property
+    def ok(self) -> bool | None:
+        """Whether the prediction is within tolerance (None when not checked)."""
+        if self.tolerance is None:
+            return None
+        return self.predicted == self.measured if self.tolerance == 0 else abs(self.error) <= self.tolerance
+
+
+def _links(traffic: dict, kinds: Iterable[str]) -> tuple[int, int]:
+    """(intra-node, inter-node) bytes summed over kinds of a {kind: Traffic or its dict} map."""
+    sums = [0, 0]
+    for kind in kinds:
+        t = traffic.get(kind)
+        t = t.as_dict() if isinstance(t, Traffic) else (t or {})
+        sums[0] += t.get("intra_node", 0)
+        sums[1] += t.get("inter_node", 0)
+    return sums[0], sums[1]
+
+
+def compare(plan: Plan, measured: list[RankMeasure]) -> list[Check]:
+    """Every rank's measured figures beside the plan's (plan: launch.plan.planner.Plan of the same config)."""
+    routed = routed_traffic(plan.config, measured)
+    checks = []
+    for m, seen in zip(measured, routed):
+        r = plan.ranks[m.pp_rank]
+        kinds = sorted(set(m.ep) | set(seen))
+        ep_pred, ep_meas = _links(seen, kinds), _links(m.ep, kinds)
+        ep_plan = (r.bytes["ep"].intra_node, r.bytes["ep"].inter_node) if r.bytes else (0, 0)
+        pp_plan = (r.bytes["pp"].intra_node, r.bytes["pp"].inter_node) if r.bytes else (0, 0)
+        rows = [("dense params", r.dense_params, m.dense_params, 0.01),
+                ("expert params", r.expert_params, m.expert_params, 0.01),
+                ("optimizer bytes", r.states.optimizer, m.optimizer_bytes, 0.01),
+                ("activation peak bytes", r.activations, m.activation_peak, 0.10),
+                ("pipeline idle fraction", plan.idle_fractions[m.pp_rank], m.idle, 0.15),
+                ("EP bytes intra (routing seen)", ep_pred[0], ep_meas[0], 0),
+                ("EP bytes inter (routing seen)", ep_pred[1], ep_meas[1], 0),
+                ("EP bytes intra (plan's routing)", ep_plan[0], ep_meas[0], None),
+                ("EP bytes inter (plan's routing)", ep_plan[1], ep_meas[1], None),
+                ("PP p2p bytes intra", pp_plan[0], m.p2p.get("intra_node", 0), 0),
+                ("PP p2p bytes inter", pp_plan[1], m.p2p.get("inter_node", 0), 0)]
+        checks += [Check(m.rank, *row) for row in rows]
+    return checks
