@@ -13,24 +13,33 @@ from launch.bench.sweep import point_label
 from launch.dashboard.browser import screenshot
 
 
+def _line_styles(contenders: list[str]) -> dict[str, dict[str, str]]:
+    """Plotly line style per contender: colour by family (all words but the last), dash by variant (the last)."""
+    families = list(dict.fromkeys(name.rsplit(" ", 1)[0] for name in contenders))
+    variants = list(dict.fromkeys(name.rsplit(" ", 1)[-1] for name in contenders))
+    dashes = ("solid", "dash", "dot", "dashdot")
+    return {name: {"color": f"hsl({360 * families.index(name.rsplit(' ', 1)[0]) // len(families)},70%,42%)",
+                   "dash": dashes[variants.index(name.rsplit(" ", 1)[-1]) % len(dashes)]} for name in contenders}
+
+
 def sweep_figure(rows: list[dict], x_axis: str, metrics: list[tuple[str, str]], title: str) -> go.Figure:
-    """Rows carry "point" (the swept values), "contender" and the metrics; x_axis is the first swept option.
+    """Rows carry "point" (the swept values, in sweep order), "contender" and the metrics; x_axis is the first
+    swept option, its values in the order given.
 
     One column of panels per combination of the other swept options, one row per (metric key, axis title).
+    A contender named "FAMILY VARIANT" (e.g. "flat fp8") gets its family's colour and its variant's dash.
     """
     others = sorted({point_label({k: v for k, v in r["point"].items() if k != x_axis}) for r in rows})
     fig = make_subplots(rows=len(metrics), cols=len(others), shared_xaxes=True, column_titles=others,
                         vertical_spacing=0.08)
-    contenders = list(dict.fromkeys(r["contender"] for r in rows))
+    styles = _line_styles(list(dict.fromkeys(r["contender"] for r in rows)))
     for col, other in enumerate(others, start=1):
         for row, (key, axis_title) in enumerate(metrics, start=1):
-            for i, name in enumerate(contenders):
+            for name, line in styles.items():
                 mine = [r for r in rows if r["contender"] == name
                         and point_label({k: v for k, v in r["point"].items() if k != x_axis}) == other]
-                mine.sort(key=lambda r: float(r["point"][x_axis]))
                 fig.add_trace(go.Scatter(x=[r["point"][x_axis] for r in mine], y=[r[key] for r in mine],
-                                         mode="lines+markers", name=name, legendgroup=name,
-                                         line={"color": f"hsl({int(360 * i / len(contenders))},70%,45%)"},
+                                         mode="lines+markers", name=name, legendgroup=name, line=line,
                                          showlegend=row == 1 and col == 1), row=row, col=col)
             fig.update_yaxes(title_text=axis_title if col == 1 else None, row=row, col=col)
         fig.update_xaxes(title_text=x_axis, type="category", row=len(metrics), col=col)
