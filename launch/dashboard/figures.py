@@ -64,12 +64,13 @@ def imbalance_figure(run: Run) -> dict:
         return empty_figure(f"{run.name}: imbalance", "no per-layer expert-load figures in this run's metrics")
     figure = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
                            subplot_titles=("max/mean expert load", "dead experts"))
-    for row, (name, scale) in enumerate((("max_over_mean", "Reds"), ("dead", "Greys")), 1):
+    for row, (name, scale, floor) in enumerate((("max_over_mean", "Reds", 1.0), ("dead", "Greys", 0.0)), 1):
         if name not in run.layers:
             continue
         steps, values = run.layers[name].series()
-        figure.add_trace(go.Heatmap(z=values.T.astype(np.float32), x=steps.astype(np.float32), colorscale=scale, zmin=0,
-                                    colorbar={"len": 0.45, "y": 0.78 if row == 1 else 0.22},
+        top = max(float(np.nanmax(values, initial=floor)), floor + 1.0)  # a flat series keeps a readable scale
+        figure.add_trace(go.Heatmap(z=values.T.astype(np.float32), x=steps.astype(np.float32), colorscale=scale,
+                                    zmin=floor, zmax=top, colorbar={"len": 0.45, "y": 0.78 if row == 1 else 0.22},
                                     hovertemplate="step %{x:.0f}<br>MoE layer %{y}<br>%{z:.3f}<extra></extra>"),
                          row=row, col=1)
         figure.update_yaxes(title_text="MoE layer", dtick=_dtick(run.num_layers), row=row, col=1)

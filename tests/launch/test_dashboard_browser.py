@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from launch.config import build_config
 from launch.dashboard.browser import console_lines, dump_dom, find_chromium, screenshot
 from launch.dashboard.cli import load_runs, main
 from launch.dashboard.page import build_html, view_ids
+from launch.dashboard.serve import make_server
 from launch.dashboard.synthetic import SyntheticShape, synthetic_records
 from launch.metrics import JsonlWriter
 from launch.train import train
@@ -130,3 +132,16 @@ def test_png_export_of_every_view(run_dirs, tmp_path, capsys):
     assert files == sorted(f"{view}.png" for view in view_ids(load_runs([run_dirs[0]])))
     assert all((out / name).read_bytes()[:4] == b"\x89PNG" for name in files)
     assert f"wrote {len(files)} PNGs" in capsys.readouterr().out
+
+
+def test_served_page_renders_and_polls_for_updates(run_dirs):
+    server = make_server(list(run_dirs), 0, 0.2, load_runs)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        dom, log = dump_dom(f"http://127.0.0.1:{server.server_port}/")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert console_lines(log) == [] and 'data-status="rendered"' in dom
+    assert '"live":0.2' in dom  # the page polls /version every 0.2 s and reloads when a run grew
