@@ -22,7 +22,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from dispatch import EPDispatcher, Traffic
-from launch.checkpoint import load_checkpoint, save_checkpoint
+from launch.checkpoint import Checkpointer, TrainState
 from launch.config import RunConfig
 from launch.data import ByteTokenizer, PackedBatches, load_token_stream
 from launch.mesh import Mesh
@@ -210,40 +210,8 @@ def evaluate(stages: list[Stage], runtime: PipelineRuntime | None, batches: Pack
 
 
 def checkpoint_dir(cfg: RunConfig) -> Path:
-    """Folder of the run's checkpoint: one file per rank, then a marker written last."""
+    """Root of the run's checkpoints: one sharded DCP folder per saved step (launch.checkpoint)."""
     return Path(cfg.train.run_dir) / "checkpoint"
-
-
-def save(cfg: RunConfig, mesh: Mesh, step: int, stages: list[Stage], optimizer: ZeRO1, scheduler,
-         data: PackedBatches) -> None:
-    """Every rank saves its stages and optimizer state atomically; rank 0 then marks the step complete."""
-    folder = checkpoint_dir(cfg)
-    state = {"stages": [s.state_dict() for s in stages], "optimizer": optimizer.state_dict(),
-             "scheduler": scheduler.state_dict(), "data": data.state_dict(), "step": step,
-             "expert_block": (dist.get_rank(mesh.ep), cfg.parallel.ep), "config": dataclasses.asdict(cfg)}
-    save_checkpoint(folder / f"rank{dist.get_rank():05d}.pt", state)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        save_checkpoint(folder / "complete.pt", {"step": step, "world_size": dist.get_world_size()})
-    dist.barrier()
-
-
-def load(cfg: RunConfig, stages: list[Stage], optimizer: ZeRO1, scheduler, data: PackedBatches) -> int:
-    """Restore this rank's state from a complete checkpoint of the same layout; returns its step (0: none)."""
-    folder = checkpoint_dir(cfg)
-    if not (folder / "complete.pt").exists():
-        return 0
-    marker = load_checkpoint(folder / "complete.pt")
-    if marker["world_size"] != dist.get_world_size():
-        raise ValueError(f"the checkpoint in {folder} was written by {marker['world_size']} ranks, this run has "
-                         f"{dist.get_world_size()}: resume with the same [parallel] layout")
-    state = load_checkpoint(folder / f"rank{dist.get_rank():05d}.pt")
-    for stage, saved in zip(stages, state["stages"]):
-        stage.load_state_dict(saved)
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    data.load_state_dict(state["data"])
-    return state["step"]
 
 
 def train(cfg: RunConfig, metrics_out: str | Path | None = None, resume: bool = False,
@@ -270,7 +238,9 @@ def _train(cfg: RunConfig, metrics_out: str | Path | None, resume: bool, progres
     eval_batches = (PackedBatches(stream[stream.numel() - eval_tokens:], settings.seq_len,
                                   settings.micro_batch_size, settings.seed)
                     if eval_tokens and settings.eval_batches else None)
-    start = load(cfg, stages, optimizer, scheduler, batches) if resume else 0
+    checkpointer = Checkpointer(checkpoint_dir(cfg))
+    state = TrainState(stages, optimizer, scheduler, batches)
+    start = checkpointer.load(state) if resume else 0
     writer = JsonlWriter(Path(metrics_out) if metrics_out else Path(settings.run_dir) / "metrics.jsonl",
                          append=start > 0) if lead else None
     records = []
@@ -305,8 +275,10 @@ def _train(cfg: RunConfig, metrics_out: str | Path | None, resume: bool, progres
             records.append(record)
             bar.set_postfix(loss=f"{record['lm_loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
         if settings.checkpoint_every and (step + 1) % settings.checkpoint_every == 0:
-            save(cfg, mesh, step + 1, stages, optimizer, scheduler, batches)
+            checkpointer.save(state, step + 1, dataclasses.asdict(cfg))
     if lead:
         writer.close()
-    save(cfg, mesh, settings.steps, stages, optimizer, scheduler, batches)
+    if not (settings.checkpoint_every and settings.steps % settings.checkpoint_every == 0):
+        checkpointer.save(state, settings.steps, dataclasses.asdict(cfg))
+    checkpointer.finish()
     return records
