@@ -32,9 +32,10 @@ def run_headless(url: str, *args: str, timeout: float = 120.0) -> subprocess.Com
         return subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
 
 
-def dump_dom(url: str, timeout: float = 120.0) -> tuple[str, str]:
-    """(the DOM after the page's load event, Chromium's log with the page's console lines)."""
-    result = run_headless(url, "--dump-dom", timeout=timeout)
+def dump_dom(url: str, *args: str, timeout: float = 120.0) -> tuple[str, str]:
+    """(the DOM after the page's load event, or after --virtual-time-budget=MS of page time when given in args,
+    Chromium's log with the page's console lines)."""
+    result = run_headless(url, "--dump-dom", *args, timeout=timeout)
     if result.returncode:
         raise RuntimeError(f"chromium --dump-dom exited with {result.returncode}: {result.stderr[-2000:]}")
     return result.stdout, result.stderr

@@ -134,14 +134,28 @@ def test_png_export_of_every_view(run_dirs, tmp_path, capsys):
     assert f"wrote {len(files)} PNGs" in capsys.readouterr().out
 
 
-def test_served_page_renders_and_polls_for_updates(run_dirs):
-    server = make_server(list(run_dirs), 0, 0.2, load_runs)
+def test_served_page_reloads_itself_when_the_run_grows(run_dirs, tmp_path):
+    lines = (Path(run_dirs[0]) / "metrics.jsonl").read_text().splitlines(keepends=True)
+    live = tmp_path / "metrics.jsonl"
+    live.write_text("".join(lines[:3]))
+    built = []
+
+    def load_and_grow(dirs: list[str]) -> list:
+        """The first page shows 3 records; then the run writes a fourth."""
+        runs = load_runs(dirs)
+        built.append(runs[0].records)
+        if len(built) == 1:
+            with live.open("a") as handle:
+                handle.write(lines[3])
+        return runs
+
+    server = make_server([str(tmp_path)], 0, 0.2, load_and_grow)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    try:
-        dom, log = dump_dom(f"http://127.0.0.1:{server.server_port}/")
+    try:  # 5 s of page time: the page polls /version every 0.2 s, sees the change and reloads
+        dom, log = dump_dom(f"http://127.0.0.1:{server.server_port}/", "--virtual-time-budget=5000")
     finally:
         server.shutdown()
         server.server_close()
-    assert console_lines(log) == [] and 'data-status="rendered"' in dom
-    assert '"live":0.2' in dom  # the page polls /version every 0.2 s and reloads when a run grew
+    assert built == [3, 4] and console_lines(log) == []
+    assert re.search(r'<div class="summary">[^<]*: 4 records, steps 0\.\.3', dom) and 'data-status="rendered"' in dom
