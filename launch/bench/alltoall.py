@@ -11,16 +11,14 @@ the rows come back (combine), so only the rows and the count exchange travel.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from dispatch.channel import Channel
-from dispatch.dispatcher import PAYLOADS, check_choice
 from dispatch.fp8 import decode_fp8, encode_fp8
 from dispatch.layout import check_num_experts, check_routing, expert_owner
 from dispatch.predict import COUNT_BYTES, payload_row_bytes
-from dispatch.topology import Topology, make_topology
-from dispatch.traffic import Traffic, TrafficMeter
+from dispatch.topology import Topology
+from dispatch.traffic import Traffic
+from launch.bench.peer_base import PeerDispatcher
 
 
 def per_expert_traffic(indices_per_rank: list[Tensor], num_experts: int, topology: Topology, hidden: int,
@@ -43,25 +41,10 @@ def per_expert_traffic(indices_per_rank: list[Tensor], num_experts: int, topolog
     return traffic
 
 
-class PerExpertDispatcher:
+class PerExpertDispatcher(PeerDispatcher):
     """dispatch(x, indices, weights) -> (rows [N, H] grouped by local expert, rows per local expert, handle);
     combine(y, handle) -> [T, H] = sum_k weights[t, k] * y(t, k). compute_dtype: the dtype the weighted sum
     runs in (the CPU's native one; the rows travel in x's dtype or fp8)."""
-
-    def __init__(self, num_experts: int, group: dist.ProcessGroup | None = None, gpus_per_node: int | None = None,
-                 payload: str = "bf16", compute_dtype: torch.dtype | None = None) -> None:
-        check_choice("payload", payload, PAYLOADS)
-        self.group = group if group is not None else dist.group.WORLD
-        self.world_size = dist.get_world_size(self.group)
-        self.num_experts, self.payload, self.compute_dtype = num_experts, payload, compute_dtype
-        self.experts_per_rank = check_num_experts(num_experts, self.world_size)
-        self.meter = TrafficMeter()
-        self.channel = Channel(self.group, make_topology(self.world_size, gpus_per_node), self.meter)
-
-    @property
-    def last_bytes(self) -> dict[str, Traffic]:
-        """Traffic of the latest dispatch and combine."""
-        return self.meter.last
 
     def dispatch(self, x: Tensor, indices: Tensor, weights: Tensor) -> tuple[Tensor, Tensor, tuple]:
         """Permute one row per kept slot by expert, exchange counts, then rows; group them by local expert."""

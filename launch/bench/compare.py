@@ -7,7 +7,7 @@ import argparse
 import json
 from typing import Any
 
-from launch.bench.report import HIGHER, LOWER, read_json, table
+from launch.bench.report import LOWER, read_json, table
 
 
 def row_id(row: dict[str, Any], key: list[str]) -> str:

@@ -9,13 +9,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from dispatch.channel import Channel
-from dispatch.dispatcher import PAYLOADS, check_choice
 from dispatch.fp8 import decode_fp8, encode_fp8
 from dispatch.layout import check_num_experts, check_routing
 from dispatch.predict import payload_row_bytes
-from dispatch.topology import Topology, make_topology
-from dispatch.traffic import Traffic, TrafficMeter
+from dispatch.topology import Topology
+from dispatch.traffic import Traffic
+from launch.bench.peer_base import PeerDispatcher
 
 
 def onehot_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -62,7 +61,7 @@ def onehot_traffic(topology: Topology, num_experts: int, capacity: int, hidden: 
     return traffic
 
 
-class OneHotDispatcher:
+class OneHotDispatcher(PeerDispatcher):
     """Every rank sends E_local x C rows to every rank, however few tokens are routed (padding included).
 
     C = ceil(capacity_factor * T * k / E) with T the largest token count in the group (agreed by one
@@ -72,21 +71,10 @@ class OneHotDispatcher:
 
     def __init__(self, num_experts: int, group: dist.ProcessGroup | None = None, gpus_per_node: int | None = None,
                  capacity_factor: float = 1.0, payload: str = "bf16", compute_dtype: torch.dtype | None = None) -> None:
-        check_choice("payload", payload, PAYLOADS)
         if isinstance(capacity_factor, bool) or not 0 < capacity_factor < math.inf:
             raise ValueError(f"capacity_factor = {capacity_factor!r} must be a finite number > 0")
-        self.group = group if group is not None else dist.group.WORLD
-        self.world_size = dist.get_world_size(self.group)
-        self.num_experts, self.capacity_factor, self.payload = num_experts, capacity_factor, payload
-        self.compute_dtype = compute_dtype
-        self.experts_per_rank = check_num_experts(num_experts, self.world_size)
-        self.meter = TrafficMeter()
-        self.channel = Channel(self.group, make_topology(self.world_size, gpus_per_node), self.meter)
-
-    @property
-    def last_bytes(self) -> dict[str, Traffic]:
-        """Traffic of the latest dispatch and combine."""
-        return self.meter.last
+        super().__init__(num_experts, group, gpus_per_node, payload, compute_dtype)
+        self.capacity_factor = capacity_factor
 
     def dispatch(self, x: Tensor, indices: Tensor, weights: Tensor) -> tuple[Tensor, int, Tensor]:
         """(expert input [E_local, R*C, H], capacity C, combine weights [T, E, C])."""

@@ -21,7 +21,7 @@ import statistics
 import sys
 import time
 from contextlib import nullcontext
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
