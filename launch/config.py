@@ -8,6 +8,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launch.faults import OpsSettings
 from launch.mesh import Layout
 from moe.config import ModelConfig, check_choice, check_positive
 
@@ -131,12 +132,13 @@ class ParallelSettings:
 
 @dataclass
 class RunConfig:
-    """A whole run: model shape, training loop and data."""
+    """A whole run: model shape, training loop, data, layout and operations (checkpoints, faults)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainSettings = field(default_factory=TrainSettings)
     data: DataSettings = field(default_factory=DataSettings)
     parallel: ParallelSettings = field(default_factory=ParallelSettings)
+    ops: OpsSettings = field(default_factory=OpsSettings)
 
     def __post_init__(self) -> None:
         if self.train.seq_len > self.model.max_seq_len:
@@ -184,7 +186,8 @@ class RunConfig:
         return self.parallel.num_chunks or self.train.grad_accum_steps // self.parallel.dp
 
 
-SECTIONS = {"model": ModelConfig, "train": TrainSettings, "data": DataSettings, "parallel": ParallelSettings}
+SECTIONS = {"model": ModelConfig, "train": TrainSettings, "data": DataSettings, "parallel": ParallelSettings,
+            "ops": OpsSettings}
 
 
 def _accepted_types(hint: object) -> tuple[type, ...]:
