@@ -133,6 +133,7 @@ class Mesh:
         self.dp = self._mine(layout.dp_groups())
         self.tp = self._mine(layout.tp_groups())
         self.ep = self._mine(layout.ep_groups())
+        self.ep_grad = self._mine(layout.ep_groups())  # EP gradient exchanges, in flight beside the forward's
         self.expert_dp = self._mine(layout.expert_dp_groups())
         self.dense_replicas = self._mine(layout.dense_replica_groups())
         self.expert_replicas = self._mine(layout.expert_replica_groups())

@@ -109,6 +109,12 @@ class Stage(nn.Module):
         """This stage's MoE layers by model layer index."""
         return {int(i): b.ffn for i, b in self.blocks.items() if isinstance(b.ffn, MoELayer)}
 
+    @property
+    def concurrent_backward(self) -> bool:
+        """Whether this stage's backward may run beside another chunk's forward (pipeline.overlap): true
+        when every MoE layer exchanges gradients on a group of its own."""
+        return all(layer.concurrent_backward for layer in self.moe_layers().values())
+
     def reset_tallies(self) -> None:
         """Start a new step's routing statistics and EP traffic counters."""
         self.tallies = {i: LayerTally(torch.zeros(self.cfg.num_experts, dtype=torch.long))
