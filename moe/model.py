@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dispatch.channel import run_steps
 from moe.config import ModelConfig
 from moe.experts import SwiGLU
 from moe.layer import MoELayer, MoEStats
@@ -85,24 +86,20 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, MoEStats | None]:
         """x [B, S, H] -> (x [B, S, H], MoE stats or None for a dense block); with TP+SP x is [B, S/tp, H]."""
+        return run_steps(self.forward_steps(x, cos, sin))
+
+    def forward_steps(self, x: Tensor, cos: Tensor, sin: Tensor) -> Generator[Any, None, tuple[Tensor, MoEStats | None]]:
+        """forward as a generator that pauses while the MoE layer's communication is in flight
+        (see pipeline.overlap); a dense block never pauses."""
         x = x + self.attn(self.attn_norm(x), cos, sin)
         h = self.ffn_norm(x)
         if not isinstance(self.ffn, MoELayer):
             return x + self.ffn(h), None
         if self.moe_tokens is not None:
             h = self.moe_tokens.scatter(h)
-        out, stats = self.ffn(h, seq_len=h.shape[1])
+        out, stats = yield from self.ffn.forward_steps(h, seq_len=h.shape[1])
         if self.moe_tokens is not None:
             out = self.moe_tokens.gather(out)
-        return x + out, stats
-
-    def forward_steps(self, x: Tensor, cos: Tensor, sin: Tensor) -> Generator[Any, None, tuple[Tensor, MoEStats | None]]:
-        """forward as a generator that pauses while the MoE layer's communication is in flight
-        (see pipeline.overlap); a block without such a layer never pauses."""
-        if not hasattr(self.ffn, "forward_steps"):
-            return self(x, cos, sin)
-        x = x + self.attn(self.attn_norm(x), cos, sin)
-        out, stats = yield from self.ffn.forward_steps(self.ffn_norm(x), seq_len=x.shape[1])
         return x + out, stats
 
 
@@ -132,21 +129,22 @@ class MoETransformer(nn.Module):
         nn.init.normal_(self.lm_head.weight, std=cfg.init_std)
         self.tp: TPRegion | None = None
 
-    def to_tensor_parallel(self, tp_group: Group, sequence_parallel: bool) -> None:
+    def to_tensor_parallel(self, tp_group: Group, sequence_parallel: bool, grad_group: Group | None = None) -> None:
         """Keep this TP rank's shard of every layer in place (vocab rows, heads, FFN columns; see moe.tp).
 
         Load a single-process state dict before converting; moe.tp.gather_full rebuilds it after.
         The loss is then the same on every TP rank and logits are this rank's vocab block.
+        grad_group: a second group over tp_group's ranks for backward collectives (see moe.tp.TPRegion).
         """
         if self.tp is not None:
             raise ValueError("the model is already tensor-parallel: convert the full model once")
         check_tp_shapes(self.cfg, None, torch.distributed.get_world_size(tp_group), sequence_parallel)
-        self.embed = parallelize_embedding(self.embed, tp_group, sequence_parallel)
+        self.embed = parallelize_embedding(self.embed, tp_group, sequence_parallel, grad_group)
         for block in self.blocks:
-            parallelize_block(block, tp_group, sequence_parallel)
+            parallelize_block(block, tp_group, sequence_parallel, grad_group)
         mark_replicated(self.norm, "partial" if sequence_parallel else "identical")
         parallelize_head(self.lm_head, tp_group)
-        self.tp = TPRegion(tp_group, sequence_parallel, dim=1)
+        self.tp = TPRegion(tp_group, sequence_parallel, 1, grad_group)
 
     def moe_layers(self) -> list[MoELayer]:
         """The MoE layers in depth order."""
@@ -166,13 +164,22 @@ class MoETransformer(nn.Module):
             x, layer_stats = block(x, cos, sin)
             if layer_stats is not None:
                 stats.append(layer_stats)
-        h = self.norm(x)
-        logits = self.lm_head(h if self.tp is None else self.tp.enter(h))
+        logits = self.head(x)
         if labels is None:
             return ModelOutput(logits, moe_stats=stats)
         lm_loss = self.cross_entropy(logits.flatten(0, 1), labels.flatten())
         aux_loss = sum((s.aux_loss for s in stats), lm_loss.new_zeros(()))
         return ModelOutput(logits, lm_loss + aux_loss, lm_loss, aux_loss, stats)
+
+    def head(self, x: Tensor) -> Tensor:
+        """Final norm and LM head on the residual stream x -> logits (under TP: gathered over the group's
+        sequence shards with SP; logits [B, S, vocab/tp] are this rank's vocab block)."""
+        h = self.norm(x)
+        return self.lm_head(h if self.tp is None else self.tp.enter(h))
+
+    def sequence_length(self, x: Tensor) -> int:
+        """Full sequence length of a residual stream x [B, S, H] (under TP+SP x holds S/tp positions)."""
+        return x.shape[1] * (self.tp.size if self.tp is not None and self.tp.sequence_parallel else 1)
 
     def cross_entropy(self, logits: Tensor, labels: Tensor) -> Tensor:
         """Mean LM loss of logits [N, vocab] (under TP: this rank's vocab block) against labels [N], in >= float32."""

@@ -39,7 +39,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                parallelize_module)
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from launch.bench.progress import Progress, run_ranks
+from launch.bench.progress import Progress, call_budget, run_ranks
 from launch.bench.report import LOWER, header, header_line, table, write_json
 from moe.config import ModelConfig
 from moe.model import Block, apply_rope, rope_tables
@@ -252,7 +252,8 @@ def worker(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
         for name in order[i % 3:] + order[:i % 3]:
             dist.barrier(group)
             t0 = time.perf_counter()
-            steps[name]()
+            with call_budget(opts["call_budget"], f"a {name} step", opts):
+                steps[name]()
             if i >= opts["warmup"]:
                 out[name]["times"].append(time.perf_counter() - t0)
     return out
@@ -296,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10, help="timed steps per contender")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per contender")
     p.add_argument("--tolerance", type=float, default=1e-4, help="max |output - single process| allowed (fp32)")
+    p.add_argument("--call-budget", type=float, default=120.0,
+                   help="seconds one timed step may take before the run stops naming it (0: no budget)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
     args = p.parse_args(argv)
     for name in ("tp", "layers", "hidden", "heads", "kv_heads", "ffn", "seq", "batch", "steps"):
@@ -305,8 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) % args.tp:
             p.error(f"--{name.replace('_', '-')} = {getattr(args, name)} must be divisible by --tp = {args.tp}")
     opts = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "seq", "batch", "steps",
-                                          "warmup")}
-    progress = Progress("tp")
+                                          "warmup", "call_budget")}
+    progress = Progress("tp", enabled=not args.quiet)
     progress(f"{args.tp} gloo ranks, {args.layers} blocks, hidden {args.hidden}, seq {args.seq}, batch {args.batch}")
     results = run_ranks(worker, args.tp, opts, "try fewer --layers, a shorter --seq or fewer --steps")
     rows = rows_from(results)

@@ -57,8 +57,8 @@ def own_chunk(x: Tensor, dim: int, group: Group) -> Tensor:
 
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, group: Group) -> Tensor:  # noqa: D102
-        ctx.group = group
+    def forward(ctx, x: Tensor, grad_group: Group) -> Tensor:  # noqa: D102
+        ctx.group = grad_group
         return x.view_as(x)
 
     @staticmethod
@@ -78,46 +78,46 @@ class _ReduceFromRegion(torch.autograd.Function):
 
 class _GatherForRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, dim: int, group: Group) -> Tensor:  # noqa: D102
-        ctx.dim, ctx.group = dim, group
+    def forward(ctx, x: Tensor, dim: int, group: Group, grad_group: Group) -> Tensor:  # noqa: D102
+        ctx.dim, ctx.group = dim, grad_group
         return all_gather(x, dim, group)
 
     @staticmethod
     def backward(ctx, dy: Tensor):  # noqa: D102
-        return reduce_scatter(dy, ctx.dim, ctx.group), None, None
+        return reduce_scatter(dy, ctx.dim, ctx.group), None, None, None
 
 
 class _ReduceScatterFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, dim: int, group: Group) -> Tensor:  # noqa: D102
-        ctx.dim, ctx.group = dim, group
+    def forward(ctx, x: Tensor, dim: int, group: Group, grad_group: Group) -> Tensor:  # noqa: D102
+        ctx.dim, ctx.group = dim, grad_group
         return reduce_scatter(x, dim, group)
 
     @staticmethod
     def backward(ctx, dy: Tensor):  # noqa: D102
-        return all_gather(dy, ctx.dim, ctx.group), None, None
+        return all_gather(dy, ctx.dim, ctx.group), None, None, None
 
 
 class _ScatterSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, dim: int, group: Group) -> Tensor:  # noqa: D102
-        ctx.dim, ctx.group = dim, group
+    def forward(ctx, x: Tensor, dim: int, group: Group, grad_group: Group) -> Tensor:  # noqa: D102
+        ctx.dim, ctx.group = dim, grad_group
         return own_chunk(x, dim, group)
 
     @staticmethod
     def backward(ctx, dy: Tensor):  # noqa: D102
-        return all_gather(dy, ctx.dim, ctx.group), None, None
+        return all_gather(dy, ctx.dim, ctx.group), None, None, None
 
 
 class _GatherSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, dim: int, group: Group) -> Tensor:  # noqa: D102
-        ctx.dim, ctx.group = dim, group
+    def forward(ctx, x: Tensor, dim: int, group: Group, grad_group: Group) -> Tensor:  # noqa: D102
+        ctx.dim, ctx.group = dim, grad_group
         return all_gather(x, dim, group)
 
     @staticmethod
     def backward(ctx, dy: Tensor):  # noqa: D102
-        return own_chunk(dy, ctx.dim, ctx.group), None, None
+        return own_chunk(dy, ctx.dim, ctx.group), None, None, None
 
 
 def copy_to_region(x: Tensor, group: Group) -> Tensor:
@@ -130,33 +130,55 @@ def reduce_from_region(x: Tensor, group: Group) -> Tensor:
     return _ReduceFromRegion.apply(x, group)
 
 
-def gather_for_region(x: Tensor, dim: int, group: Group) -> Tensor:
+def gather_for_region(x: Tensor, dim: int, group: Group, grad_group: Group | None = None) -> Tensor:
     """All-gather along dim forward, reduce-scatter backward (entering a TP region with SP)."""
-    return _GatherForRegion.apply(x, dim, group)
+    return _GatherForRegion.apply(x, dim, group, grad_group or group)
 
 
-def reduce_scatter_from_region(x: Tensor, dim: int, group: Group) -> Tensor:
+def reduce_scatter_from_region(x: Tensor, dim: int, group: Group, grad_group: Group | None = None) -> Tensor:
     """Reduce-scatter along dim forward, all-gather backward (leaving a TP region with SP)."""
-    return _ReduceScatterFromRegion.apply(x, dim, group)
+    return _ReduceScatterFromRegion.apply(x, dim, group, grad_group or group)
 
 
-def scatter_sequence(x: Tensor, tp_group: Group, dim: int = 1) -> Tensor:
+def scatter_sequence(x: Tensor, tp_group: Group, dim: int = 1, grad_group: Group | None = None) -> Tensor:
     """Replicated x [B, S, H] -> this rank's sequence shard [B, S/tp, H]; backward all-gathers."""
-    return _ScatterSequence.apply(x, dim, tp_group)
+    return _ScatterSequence.apply(x, dim, tp_group, grad_group or tp_group)
 
 
-def gather_sequence(x: Tensor, tp_group: Group, dim: int = 1) -> Tensor:
+def gather_sequence(x: Tensor, tp_group: Group, dim: int = 1, grad_group: Group | None = None) -> Tensor:
     """Sequence shards [B, S/tp, H] -> replicated [B, S, H] (for replicated consumers); backward keeps the own shard."""
-    return _GatherSequence.apply(x, dim, tp_group)
+    return _GatherSequence.apply(x, dim, tp_group, grad_group or tp_group)
 
 
 @dataclass(frozen=True)
 class TPRegion:
-    """How one module enters and leaves its tensor-parallel region: group, SP on/off, and the dim SP gathers."""
+    """How one module enters and leaves its tensor-parallel region: group, SP on/off, and the dim SP gathers.
+
+    grad_group: a second group over the same ranks (made by every one of them with dist.new_group)
+    for the collectives of the backward; with it a backward may run on another thread while a
+    forward runs (the pipeline runtime's F&B pairs), each group seeing its collectives in the same
+    order on every rank. None: both directions use group.
+    """
 
     group: Group
     sequence_parallel: bool
     dim: int = 1  # sequence dim of the activations; token-wise layers may gather along 0 instead
+    grad_group: Group | None = None
+
+    def __post_init__(self) -> None:
+        if self.grad_group is not None and dist.get_process_group_ranks(self.grad_group) != \
+                dist.get_process_group_ranks(self.group):
+            raise ValueError(f"grad_group must hold the TP group's ranks {dist.get_process_group_ranks(self.group)}, "
+                             f"got {dist.get_process_group_ranks(self.grad_group)}")
+
+    def along(self, dim: int) -> TPRegion:
+        """The same groups, with SP, gathering along dim (token-wise layers on flattened tokens use 0)."""
+        return TPRegion(self.group, True, dim, self.grad_group)
+
+    @property
+    def concurrent_backward(self) -> bool:
+        """Whether backward collectives run on a group of their own (grad_group)."""
+        return self.grad_group is not None
 
     def __deepcopy__(self, memo: dict) -> TPRegion:
         """Copies of a converted module share the process group (it cannot be copied)."""
@@ -175,19 +197,19 @@ class TPRegion:
     def enter(self, x: Tensor) -> Tensor:
         """Input of the column-parallel linears: replicated (no SP) or gathered from sequence shards (SP)."""
         if self.sequence_parallel:
-            return gather_for_region(x, self.dim, self.group)
-        return copy_to_region(x, self.group)
+            return gather_for_region(x, self.dim, self.group, self.grad_group)
+        return copy_to_region(x, self.grad_group or self.group)
 
     def leave(self, x: Tensor) -> Tensor:
         """Partial sums out of the row-parallel linears: all-reduced (no SP) or reduce-scattered to shards (SP)."""
         if self.sequence_parallel:
-            return reduce_scatter_from_region(x, self.dim, self.group)
+            return reduce_scatter_from_region(x, self.dim, self.group, self.grad_group)
         return reduce_from_region(x, self.group)
 
     def scatter(self, x: Tensor) -> Tensor:
         """This rank's sequence shard of replicated x (backward all-gathers)."""
-        return scatter_sequence(x, self.group, self.dim)
+        return scatter_sequence(x, self.group, self.dim, self.grad_group)
 
     def gather(self, x: Tensor) -> Tensor:
         """Replicated x from sequence shards, for replicated consumers (backward keeps the own shard)."""
-        return gather_sequence(x, self.group, self.dim)
+        return gather_sequence(x, self.group, self.dim, self.grad_group)

@@ -114,17 +114,18 @@ def parallelize_moe(layer: MoELayer, region: TPRegion) -> None:
     if isinstance(layer.dispatcher, LocalDispatcher):  # to_expert_parallel later makes fresh, spec-less params
         mark_replicated(layer.experts, "partial")
     if layer.shared is not None:
-        parallelize_swiglu(layer.shared, TPRegion(region.group, True, dim=0))
+        parallelize_swiglu(layer.shared, region.along(0))
 
 
-def parallelize_block(block: nn.Module, tp_group: Group, sequence_parallel: bool) -> None:
+def parallelize_block(block: nn.Module, tp_group: Group, sequence_parallel: bool,
+                      grad_group: Group | None = None) -> None:
     """Convert a moe.model.Block in place to this TP rank's shard.
 
     Input and output: [B, S, H] replicated over tp_group without SP; the rank's sequence shard
     [B, S/tp, H] with SP. An MoE block routes only this rank's S/tp tokens either way (without SP
-    it slices them from the replicated input and all-gathers its output).
+    it slices them from the replicated input and all-gathers its output). grad_group: see TPRegion.
     """
-    region = TPRegion(tp_group, sequence_parallel, dim=1)
+    region = TPRegion(tp_group, sequence_parallel, 1, grad_group)
     parallelize_attention(block.attn, region)
     norms = "partial" if sequence_parallel else "identical"
     mark_replicated(block.attn_norm, norms)
@@ -135,3 +136,10 @@ def parallelize_block(block: nn.Module, tp_group: Group, sequence_parallel: bool
     else:
         parallelize_swiglu(block.ffn, region)
 
+
+
+def concurrent_backward(module: nn.Module) -> bool:
+    """Whether every TP region inside module runs its backward collectives on a grad_group of its own,
+    so that module's backward may run on another thread beside a forward (true without TP regions)."""
+    return all(value.concurrent_backward for m in module.modules() for value in vars(m).values()
+               if isinstance(value, TPRegion))

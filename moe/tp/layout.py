@@ -134,6 +134,14 @@ def check_kv_heads(num_kv_heads: int, tp: int) -> None:
                          f"or a multiple of {num_kv_heads}")
 
 
+def check_tp_group(tp_group: Group, tp: int) -> None:
+    """Raise ValueError unless tp_group has parallel.tp ranks (the mesh's TP group of this rank)."""
+    size = dist.get_world_size(tp_group)
+    if size != tp:
+        raise ValueError(f"the TP process group has {size} ranks but parallel.tp = {tp}; pass the group of the "
+                         f"{tp} ranks that share this rank's pipeline stage and DP index (allowed: {tp} ranks)")
+
+
 def check_tp_shapes(cfg: ModelConfig, seq_len: int | None, tp: int, sequence_parallel: bool) -> None:
     """Raise ValueError naming the field and the allowed values unless cfg (and seq_len) split over tp ranks.
 

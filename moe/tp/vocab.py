@@ -55,9 +55,10 @@ class VocabParallelEmbedding(nn.Module):
         return self.region.leave(out)
 
 
-def parallelize_embedding(embed: nn.Embedding, tp_group: Group, sequence_parallel: bool) -> VocabParallelEmbedding:
-    """A vocab-parallel embedding holding this rank's rows of embed (state key stays `weight`)."""
-    return VocabParallelEmbedding(embed, TPRegion(tp_group, sequence_parallel, dim=1))
+def parallelize_embedding(embed: nn.Embedding, tp_group: Group, sequence_parallel: bool,
+                          grad_group: Group | None = None) -> VocabParallelEmbedding:
+    """A vocab-parallel embedding holding this rank's rows of embed (state key stays `weight`); grad_group: see TPRegion."""
+    return VocabParallelEmbedding(embed, TPRegion(tp_group, sequence_parallel, 1, grad_group))
 
 
 def parallelize_head(lm_head: nn.Linear, tp_group: Group) -> nn.Linear:

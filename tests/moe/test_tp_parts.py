@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from dispatch.multiproc import run_processes
 from launch.bench.tp import ActivationMeter, CommMeter, run_stack
 from moe.config import ModelConfig
 from moe.model import Block, MoETransformer, rope_tables
-from moe.tp import parallelize_block, parallelize_embedding, vocab_parallel_cross_entropy
+from moe.tp import TPRegion, check_tp_group, concurrent_backward, parallelize_block, vocab_parallel_cross_entropy
 from pipeline.wgrad import WeightGradStore, install_split_linear
 from tests.dispatch.cases import calc_diff
 
@@ -73,30 +75,24 @@ def _loss_case(rank: int) -> dict:
 
 
 def _deferred_grads(rank: int) -> dict:
-    """A TP+SP dense block and a vocab-parallel embedding under a B/W split: weight grads wait for W."""
+    """A TP+SP model (KV heads replicated, shared experts, vocab-parallel embedding and head) under a B/W split:
+    every weight of a linear, the embedding and the experts waits for W, then equals the unsplit grads."""
     torch.manual_seed(0)
-    cfg = ModelConfig(num_layers=1, first_k_dense=1, **CFG)
-    block, embed = Block(cfg, moe=False).double(), torch.nn.Embedding(VOCAB, 32).double()
-    parallelize_block(block, dist.group.WORLD, True)
-    embed = parallelize_embedding(embed, dist.group.WORLD, True)
-    cos, sin = rope_tables(SEQ, 8, cfg.rope_theta)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(5))
-    split = copy.deepcopy((block, embed))
-    linears = install_split_linear([split[0]])
-    plain_out = block(embed(tokens), cos, sin)[0]
-    plain_out.square().sum().backward()
+    model = MoETransformer(ModelConfig(num_layers=2, first_k_dense=1, **(CFG | {"num_kv_heads": 1}))).double()
+    model.to_tensor_parallel(dist.group.WORLD, sequence_parallel=True)
+    split = copy.deepcopy(model)
+    linears = install_split_linear([split])
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(5))
+    model(tokens[:, :-1], tokens[:, 1:]).loss.backward()
     store = WeightGradStore()
-    out = split[0](split[1](tokens), cos, sin)[0]
+    loss = split(tokens[:, :-1], tokens[:, 1:]).loss
     with store.capture("chunk"):
-        out.square().sum().backward()
-    weights = [split[0].attn.qkv.weight, split[0].attn.out.weight, split[0].ffn.gate_up.weight,
-               split[0].ffn.down.weight, split[1].weight]
-    waiting = [w.grad is None for w in weights]
+        loss.backward()
+    deferred = [name for name, p in split.named_parameters() if p.grad is None]
     ran = store.run("chunk")
-    mine = dict(split[0].named_parameters()) | {"embed": split[1].weight}
-    ref = dict(block.named_parameters()) | {"embed": embed.weight}
-    return {"linears": len(linears), "waiting": waiting, "ran": ran,
-            "diffs": {name: calc_diff(p.grad, ref[name].grad) for name, p in mine.items()}}
+    ref = dict(model.named_parameters())
+    return {"linears": sorted(name for name, m in split.named_modules() if m in linears), "deferred": sorted(deferred),
+            "ran": ran, "diffs": {name: calc_diff(p.grad, ref[name].grad) for name, p in split.named_parameters()}}
 
 
 def _bad_groups(rank: int) -> list[str]:
@@ -110,16 +106,56 @@ def _bad_groups(rank: int) -> list[str]:
             errors.append(str(err))
     model = MoETransformer(ModelConfig(num_layers=2, **CFG))
     model.to_tensor_parallel(dist.group.WORLD, sequence_parallel=True)
-    try:
-        model(torch.zeros(1, 7, dtype=torch.long))
-    except ValueError as err:
-        errors.append(str(err))
+    alone = dist.new_group([0])
+    for bad in (lambda: model(torch.zeros(1, 7, dtype=torch.long)), lambda: check_tp_group(dist.group.WORLD, 4),
+                lambda: TPRegion(dist.group.WORLD, True, grad_group=alone)):
+        try:
+            bad()
+        except ValueError as err:
+            errors.append(str(err))
     return errors
+
+
+def _concurrent_backward(rank: int) -> dict:
+    """Backward of micro-batch A on a helper thread beside the forward of B (a DualPipe F&B pair), TP+SP
+    collectives of the backward on a grad_group: outputs and grads bitwise equal to running them in turn."""
+    grad_group = dist.new_group(list(range(WORLD)))
+    torch.manual_seed(0)
+    first = MoETransformer(ModelConfig(num_layers=2, first_k_dense=1, **CFG)).double()
+    second = copy.deepcopy(first)
+    for model in (first, second):
+        model.to_tensor_parallel(dist.group.WORLD, sequence_parallel=True, grad_group=grad_group)
+    tokens = torch.randint(0, VOCAB, (2, BATCH, SEQ + 1), generator=torch.Generator().manual_seed(7))
+    batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
+    in_turn = [first(*b).loss for b in batches[:1]]
+    in_turn[0].backward()
+    in_turn.append(first(*batches[1]).loss)
+    in_turn[1].backward()
+    loss_a = second(*batches[0]).loss
+    start = threading.Barrier(2)
+
+    def backward_a() -> None:
+        start.wait()
+        loss_a.backward()
+
+    with ThreadPoolExecutor(1) as pool:
+        done = pool.submit(backward_a)
+        start.wait()
+        loss_b = second(*batches[1]).loss
+        done.result(timeout=120)
+    loss_b.backward()
+    grads = dict(first.named_parameters())
+    shared_group = MoETransformer(second.cfg)
+    shared_group.to_tensor_parallel(dist.group.WORLD, sequence_parallel=False)
+    return {"concurrent": concurrent_backward(second), "shared": concurrent_backward(shared_group),
+            "losses": [loss_a.item(), loss_b.item()] == [x.item() for x in in_turn],
+            "grads": all(torch.equal(p.grad, grads[name].grad) for name, p in second.named_parameters())}
 
 
 def _parts(rank: int, world_size: int) -> dict:
     return {"stacks": {(sp, moe): _stack_figures(sp, moe) for sp in (False, True) for moe in (False, True)},
-            "loss": _loss_case(rank), "deferred": _deferred_grads(rank), "errors": _bad_groups(rank)}
+            "loss": _loss_case(rank), "deferred": _deferred_grads(rank), "errors": _bad_groups(rank),
+            "concurrent": _concurrent_backward(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -156,15 +192,28 @@ def test_vocab_parallel_loss_equals_cross_entropy_without_full_logits(results):
 
 
 def test_tp_weight_grads_wait_for_the_w_action(results):
+    linears = ["blocks.0.attn.kv", "blocks.0.attn.out", "blocks.0.attn.qkv", "blocks.0.ffn.down", "blocks.0.ffn.gate_up",
+               "blocks.1.attn.kv", "blocks.1.attn.out", "blocks.1.attn.qkv", "blocks.1.ffn.shared.down",
+               "blocks.1.ffn.shared.gate_up", "lm_head"]
+    experts = ["blocks.1.ffn.experts.w_down", "blocks.1.ffn.experts.w_gate_up"]
     for res in results:
         deferred = res["deferred"]
-        assert deferred["linears"] == 4 and all(deferred["waiting"]) and deferred["ran"] == 5
+        assert deferred["linears"] == linears
+        assert deferred["deferred"] == sorted([name + ".weight" for name in linears] + experts + ["embed.weight"])
+        assert deferred["ran"] >= len(deferred["deferred"])
         for name, diff in deferred["diffs"].items():
             assert diff < 1e-14, name
 
 
 def test_group_that_does_not_fit_the_config_is_refused(results):
-    heads, vocab, seq = results[0]["errors"]
+    heads, vocab, seq, group, grad_group = results[0]["errors"]
     assert "model.num_heads = 3" in heads and "parallel.tp = 2" in heads and "[1, 3]" in heads
     assert "model.vocab_size = 63" in vocab and "[1, 3, 7, 9, 21, 63]" in vocab
     assert "train.seq_len = 7" in seq and "parallel.tp = 2" in seq
+    assert "has 2 ranks but parallel.tp = 4" in group
+    assert "grad_group must hold the TP group's ranks [0, 1], got [0]" in grad_group
+
+
+def test_backward_on_a_grad_group_runs_beside_a_forward(results):
+    for res in results:
+        assert res["concurrent"] == {"concurrent": True, "shared": False, "losses": True, "grads": True}
