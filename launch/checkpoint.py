@@ -302,6 +302,7 @@ class Checkpointer:
 
     def load(self, state: TrainState, restore_data: bool = True) -> int:
         """Restore state from the latest valid checkpoint (any layout); returns its step, 0 when none."""
+        self.finish()
         choice = [str(latest_valid(self.root)) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(choice, src=0, group=self.group)
         if choice[0] == "None":

@@ -25,6 +25,7 @@ from dispatch import EPDispatcher, Traffic
 from launch.checkpoint import Checkpointer, TrainState
 from launch.config import RunConfig
 from launch.data import ByteTokenizer, PackedBatches, load_token_stream
+from launch.faults import Preemption, StepGuard, Watchdog
 from launch.mesh import Mesh
 from launch.metrics import JsonlWriter, expert_load_summary
 from launch.stages import Stage, build_stages, lm_loss
@@ -238,27 +239,49 @@ def _train(cfg: RunConfig, metrics_out: str | Path | None, resume: bool, progres
     eval_batches = (PackedBatches(stream[stream.numel() - eval_tokens:], settings.seq_len,
                                   settings.micro_batch_size, settings.seed)
                     if eval_tokens and settings.eval_batches else None)
-    checkpointer = Checkpointer(checkpoint_dir(cfg))
+    checkpointer = Checkpointer(checkpoint_dir(cfg), cfg.ops.keep_checkpoints, cfg.ops.async_checkpoint)
     state = TrainState(stages, optimizer, scheduler, batches)
     start = checkpointer.load(state) if resume else 0
+    with Preemption() as preemption, Watchdog(Path(settings.run_dir) / "heartbeat", mesh.rank,
+                                              mesh.layout.world_size, cfg.ops.heartbeat_timeout_s):
+        records = _loop(cfg, mesh, stages, runtime, state, checkpointer, eval_batches, start, metrics_out,
+                        progress, preemption)
+    checkpointer.finish()
+    return records
+
+
+def _loop(cfg: RunConfig, mesh: Mesh, stages: list[Stage], runtime: PipelineRuntime | None, state: TrainState,
+          checkpointer: Checkpointer, eval_batches: PackedBatches | None, start: int, metrics_out: str | Path | None,
+          progress: bool, preemption: Preemption) -> list[dict]:
+    """Steps start..train.steps (a spike may roll back, SIGTERM ends early); saves the last step reached."""
+    settings, optimizer, scheduler, batches = cfg.train, state.optimizer, state.scheduler, state.data
+    lead = mesh.rank == 0
+    guard = StepGuard(cfg.ops)
+    skipped = 0
     writer = JsonlWriter(Path(metrics_out) if metrics_out else Path(settings.run_dir) / "metrics.jsonl",
                          append=start > 0) if lead else None
     records = []
     global_tokens = settings.grad_accum_steps * settings.micro_batch_size * settings.seq_len
-    bar = tqdm(range(start, settings.steps), disable=not (progress and lead), desc="train", unit="step")
-    for step in bar:
+    bar = tqdm(total=settings.steps, initial=start, disable=not (progress and lead), desc="train", unit="step")
+    step, saved = start, start
+    while step < settings.steps:
         began = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         micro = my_micro_batches([batches.next_batch() for _ in range(settings.grad_accum_steps)], cfg, mesh)
-        lm_part, busy = forward_backward(stages, runtime, micro, cfg.chunks_per_step, 1 / settings.grad_accum_steps)
+        lm_part, busy = forward_backward(stages, runtime, micro, cfg.chunks_per_step,
+                                         guard.loss_scale(step, 1 / settings.grad_accum_steps))
         compute_s = time.perf_counter() - began
         grad_norm = optimizer.clip_grad_norm_(settings.grad_clip, group=mesh.world)
         lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
         traffic = step_traffic(stages)
         stats = gather_step_stats(stages, cfg, lm_part)
-        update_expert_bias(stages, cfg, stats["loads"])
+        status = guard.verdict(step, stats["lm_loss"] + stats["aux_loss"], grad_norm.item())
+        if status == "ok":
+            optimizer.step()
+            scheduler.step()
+            update_expert_bias(stages, cfg, stats["loads"])
+        else:
+            skipped += 1
         figures = rank_figures(1 - busy / compute_s if runtime is not None else 0.0)
         elapsed = time.perf_counter() - began
         record = {"step": step, "loss": stats["lm_loss"] + stats["aux_loss"], "lm_loss": stats["lm_loss"],
@@ -266,7 +289,11 @@ def _train(cfg: RunConfig, metrics_out: str | Path | None, resume: bool, progres
                   "tokens_per_s": global_tokens / elapsed, "dropped_tokens": int(stats["dropped"].sum()),
                   **expert_load_summary(stats["loads"]),
                   "peak_memory_mib": [row[0] for row in figures], "pipeline_idle": [row[1] for row in figures],
-                  "traffic_bytes": traffic}
+                  "traffic_bytes": traffic, "step_status": status, "skipped_steps": skipped}
+        if status == "spike" and cfg.ops.spike_policy == "rollback":
+            back = checkpointer.load(state, restore_data=False)  # 0: no checkpoint yet, the spike is only skipped
+            if back:
+                saved = record["rolled_back_to"] = back
         last = step + 1 == settings.steps
         if eval_batches is not None and (last or (settings.eval_every and step % settings.eval_every == 0)):
             record["eval_lm_loss"] = evaluate(stages, runtime, eval_batches, cfg, mesh)
@@ -274,11 +301,15 @@ def _train(cfg: RunConfig, metrics_out: str | Path | None, resume: bool, progres
             writer.write(record)
             records.append(record)
             bar.set_postfix(loss=f"{record['lm_loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
-        if settings.checkpoint_every and (step + 1) % settings.checkpoint_every == 0:
-            checkpointer.save(state, step + 1, dataclasses.asdict(cfg))
+            bar.update()
+        step = record.get("rolled_back_to", step + 1)
+        if settings.checkpoint_every and step % settings.checkpoint_every == 0 and step != saved:
+            checkpointer.save(state, step, dataclasses.asdict(cfg))
+            saved = step
+        if preemption.agreed():
+            break
     if lead:
         writer.close()
-    if not (settings.checkpoint_every and settings.steps % settings.checkpoint_every == 0):
-        checkpointer.save(state, settings.steps, dataclasses.asdict(cfg))
-    checkpointer.finish()
+    if step != saved:
+        checkpointer.save(state, step, dataclasses.asdict(cfg))
     return records
