@@ -17,7 +17,8 @@ from launch.plan.report import render, table, to_dict
 from launch.plan.search import describe, search
 
 OVERRIDES = {"peak_tflops": "bf16_tflops", "fp8_tflops": "fp8_tflops", "memory_gb": "memory_gb",
-             "intra_node_gbps": "intra_node_gbps", "inter_node_gbps": "inter_node_gbps"}
+             "intra_node_gbps": "intra_node_gbps", "inter_node_gbps": "inter_node_gbps",
+             "exchange_latency_us": "exchange_latency_us"}
 NEEDED_FOR_CUSTOM = ("peak_tflops", "memory_gb", "intra_node_gbps", "inter_node_gbps")
 
 
@@ -34,6 +35,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-gb", type=float, help="GPU memory, GB")
     p.add_argument("--intra-node-gbps", type=float, help="NVLink GB/s per GPU per direction")
     p.add_argument("--inter-node-gbps", type=float, help="inter-node GB/s per GPU per direction")
+    p.add_argument("--exchange-latency-us", type=float, help="fixed cost of one EP all-to-all exchange (default 0)")
     p.add_argument("--gemm-efficiency", type=float, default=0.6, help="achieved fraction of peak (default 0.6)")
     p.add_argument("--attention", choices=("config", *MLA_PRESETS), default="config",
                    help="count attention as the config's GQA, or as this MLA shape (DeepSeek-V3: deepseek-v3)")
@@ -56,8 +58,9 @@ def machine_from(args: argparse.Namespace, default_gpn: int) -> Machine:
     """The GPU preset with flag overrides (a GPU without a preset needs every figure)."""
     given = {name: getattr(args, name) for name in OVERRIDES if getattr(args, name) is not None}
     for name, value in given.items():
-        if value <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} = {value} must be > 0")
+        if value < 0 or (value == 0 and name != "exchange_latency_us"):
+            raise ValueError(f"--{name.replace('_', '-')} = {value} must be > 0"
+                             + (" or 0" if name == "exchange_latency_us" else ""))
     if args.gpu is None and given:
         missing = [f"--{n.replace('_', '-')}" for n in NEEDED_FOR_CUSTOM if n not in given]
         if missing:

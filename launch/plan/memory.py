@@ -124,10 +124,14 @@ class ActivationModel:
     def _slot(self) -> float:
         """One routed slot: the expert input, its SwiGLU, the expert output kept for combine's weight
         grad (project: also the fp32 weighted output, the weight and two int64 row ids); the FP8 expert
-        linear keeps its input unquantised (fused-fp8: cached in FP8), so FP8 experts save the same bytes."""
+        linear keeps its input unquantised, so FP8 experts save the same bytes. fused-fp8: the input
+        cached in FP8 and no expert output (the routing weight scales the SwiGLU output before the down
+        projection, whose input grad and input give the weight's grad)."""
         h, a = self.cfg.hidden_size, self.itemsize
+        if self.kernels == "fused-fp8":
+            return h * FP8_CACHED + self._swiglu(self.cfg.expert_ffn_size)
         combine = h * a + (h * max(a, 4) + 4 + 16 if self._project else 0)
-        return h * (FP8_CACHED if self.kernels == "fused-fp8" else a) + self._swiglu(self.cfg.expert_ffn_size) + combine
+        return h * a + self._swiglu(self.cfg.expert_ffn_size) + combine
 
     def layer(self, moe: bool) -> float:
         """Bytes per token one layer keeps for backward (full recompute: its input only)."""

@@ -31,7 +31,8 @@ class Machine:
         """Achieved FLOP/s and link bytes/s."""
         expert = self.gpu.fp8_tflops if fp8_experts else self.gpu.bf16_tflops
         return Rates(self.gpu.bf16_tflops * 1e12 * self.gemm_efficiency, expert * 1e12 * self.gemm_efficiency,
-                     self.gpu.intra_node_gbps * 1e9, self.gpu.inter_node_gbps * 1e9)
+                     self.gpu.intra_node_gbps * 1e9, self.gpu.inter_node_gbps * 1e9,
+                     self.gpu.exchange_latency_us * 1e-6)
 
 
 @dataclass(frozen=True)
@@ -258,8 +259,10 @@ def _stage_cost(config: RunConfig, params: ModelParams, layers: range, has_head:
     if ep is not None and moe_layers:
         forward = ep.layer["dispatch"] + ep.layer["combine"]
         backward = ep.layer["dispatch_backward"] + ep.layer["combine_backward"]
-        ep_f = moe_layers * rates.link_seconds(forward.intra_node, forward.inter_node)
-        ep_b = moe_layers * rates.link_seconds(backward.intra_node, backward.inter_node)
+        # exchanges per hop: dispatch sends counts then rows, combine rows; backward one each way
+        hops = 2 if par.dispatch_backend == "hierarchical" and 1 < ep.nodes < ep.ep else 1
+        ep_f = moe_layers * (rates.link_seconds(forward.intra_node, forward.inter_node) + 3 * hops * rates.exchange_s)
+        ep_b = moe_layers * (rates.link_seconds(backward.intra_node, backward.inter_node) + 2 * hops * rates.exchange_s)
     tp = 0.0
     if par.tp > 1:
         ar = 2 * ring_bytes(tokens * cfg.hidden_size, par.tp, getattr(torch, train.dtype).itemsize)

@@ -18,6 +18,7 @@ class GPU:
     intra_node_gbps: float  # NVLink, GB/s per GPU per direction
     inter_node_gbps: float  # InfiniBand/RoCE NIC per GPU, GB/s per direction
     source: str
+    exchange_latency_us: float = 0.0  # fixed cost of one all-to-all exchange of an EP hop, on top of its bytes
 
 
 GPUS: dict[str, GPU] = {

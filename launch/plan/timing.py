@@ -20,6 +20,7 @@ class Rates:
     expert_flops: float
     intra_bps: float
     inter_bps: float
+    exchange_s: float = 0.0  # fixed seconds of one all-to-all exchange
 
     def link_seconds(self, intra_bytes: float, inter_bytes: float) -> float:
         """Time to move bytes over both link classes at once (they run side by side)."""

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from launch.config import load_config
 from launch.plan.cli import main
-from launch.plan.planner import Machine
+from launch.plan.planner import Machine, make_plan
 from launch.plan.presets import GPUS
 from launch.plan.search import search
 
@@ -22,6 +23,7 @@ TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.toml")
     (["--gpu", "a100"], "--gpu 'a100' is not a known GPU; choose one of h800, h100, h200, b200"),
     (["--peak-tflops", "100"], "--memory-gb, --intra-node-gbps, --inter-node-gbps must be given"),
     (["--gpu", "h100", "--inter-node-gbps", "0"], "--inter-node-gbps = 0.0 must be > 0"),
+    (["--gpu", "h100", "--exchange-latency-us", "-1"], "--exchange-latency-us = -1.0 must be > 0 or 0"),
     (["--gpus", "8"], "--gpus 8 differs from the config's layout pp x dp x tp = 4"),
     (["--search"], "--search needs --gpus N"),
     (["--measure", "--steps", "0"], "--steps = 0 must be >= 1"),
@@ -40,3 +42,14 @@ def test_search_ranks_fitting_layouts_by_step_time_and_gives_reasons_for_the_res
     assert {(p.config.parallel.pp, p.config.parallel.dp) for p in result.ranked} >= {(1, 4), (2, 2), (4, 1)}
     assert all(p.fits for p in result.ranked)
     assert any("tensor parallelism" in why for _, why in result.cut)  # tp > 1: the trainer refuses it
+
+
+def test_exchange_latency_prices_three_exchanges_forward_and_two_backward_per_moe_layer():
+    config = load_config(TINY)  # pp=2 DualPipeV: 4 stages of one layer each, layers 1-3 are MoE, EP over 2 nodes
+    plain = make_plan(config, Machine(GPUS["h100"], 1))
+    slow = make_plan(config, Machine(replace(GPUS["h100"], exchange_latency_us=100.0), 1))
+    for stage, (a, b) in enumerate(zip(plain.stage_costs, slow.stage_costs)):
+        moe = stage > 0
+        assert b.comm_f - a.comm_f == pytest.approx(3 * 100e-6 * moe)
+        assert b.comm_b - a.comm_b == pytest.approx(2 * 100e-6 * moe)
+        assert (b.f, b.b, b.w) == (a.f, a.b, a.w)
