@@ -10,14 +10,20 @@ from typing import Any
 from launch.bench.report import LOWER, read_json, table
 
 
+def _text(value: Any) -> str:
+    return json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else str(value)
+
+
 def row_id(row: dict[str, Any], key: list[str]) -> str:
-    """The row's identity: its key fields that are set, as text."""
-    parts = []
-    for name in key:
-        value = row.get(name)
-        if value not in (None, "", {}, []):
-            parts.append(json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else str(value))
-    return " ".join(parts)
+    """The row's identity: all its key fields."""
+    return json.dumps([row.get(name) for name in key], sort_keys=True, default=str)
+
+
+def row_labels(rows: list[dict[str, Any]], key: list[str]) -> dict[str, str]:
+    """{row_id: the values of the key fields that differ between rows (all set ones when none differ)}."""
+    varying = [name for name in key if len({_text(r.get(name)) for r in rows}) > 1] or key
+    return {row_id(r, key): " ".join(_text(r[name]) for name in varying if r.get(name) not in (None, "", {}, []))
+            for r in rows}
 
 
 def slowdown(old: float, new: float, direction: str) -> float:
@@ -30,9 +36,12 @@ def compare(old: dict[str, Any], new: dict[str, Any], threshold: float) -> tuple
     suites = (old["header"].get("suite"), new["header"].get("suite"))
     if suites[0] != suites[1]:
         raise ValueError(f"the files hold different suites: {suites[0]!r} and {suites[1]!r}")
+    if old["key"] != new["key"]:
+        raise ValueError(f"the files identify rows differently: key {old['key']} and {new['key']}")
     metrics = {name: way for name, way in new["metrics"].items() if old["metrics"].get(name) == way}
     before = {row_id(r, old["key"]): r for r in old["rows"]}
     after = {row_id(r, new["key"]): r for r in new["rows"]}
+    label = row_labels(old["rows"] + new["rows"], new["key"])
     records = []
     for rid, row in after.items():
         if rid not in before:
@@ -41,13 +50,30 @@ def compare(old: dict[str, Any], new: dict[str, Any], threshold: float) -> tuple
             a, b = before[rid].get(name), row.get(name)
             if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a > 0 and b > 0:
                 factor = slowdown(a, b, way)
-                records.append({"row": rid, "metric": name, "better": way, "old": a, "new": b, "ratio": b / a,
-                                "slowdown": factor, "flag": "SLOWER" if factor > 1 + threshold else ""})
-    notes = [f"only in OLD: {rid}" for rid in before if rid not in after]
-    notes += [f"only in NEW: {rid}" for rid in after if rid not in before]
+                records.append({"row": label[rid], "metric": name, "better": way, "old": a, "new": b,
+                                "ratio": b / a, "slowdown": factor, "flag": "SLOWER" if factor > 1 + threshold else ""})
+    notes = [f"only in OLD: {label[rid]}" for rid in before if rid not in after]
+    notes += [f"only in NEW: {label[rid]}" for rid in after if rid not in before]
     notes += [f"metric not compared (missing or direction differs): {name}"
               for name in sorted(set(old["metrics"]) ^ set(metrics) | set(new["metrics"]) - set(metrics))]
     return records, notes
+
+
+def header_notes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Warnings about the two runs' conditions: other machine, other options, a much busier machine."""
+    (a, b), notes = (old["header"], new["header"]), []
+    if a.get("machine", {}).get("cpu") != b.get("machine", {}).get("cpu") or \
+            a.get("machine", {}).get("gpus") != b.get("machine", {}).get("gpus"):
+        notes.append("note: the two runs come from different machines")
+    options = [" ".join(arg for arg in h.get("command", "").split() if not arg.endswith(".json")) for h in (a, b)]
+    if options[0] != options[1]:
+        notes.append(f"note: the options differ: OLD {options[0]!r}, NEW {options[1]!r}")
+    loads = [h.get("machine", {}).get("load_average", [0.0])[0] for h in (a, b)]
+    cores = b.get("machine", {}).get("cores") or 1
+    if max(loads) > cores and max(loads) > 1.5 * min(loads):
+        notes.append(f"note: 1-minute load average {loads[0]:.1f} (OLD) vs {loads[1]:.1f} (NEW) on {cores} cores: "
+                     "the busier run's timings are not comparable")
+    return notes
 
 
 def _describe(doc: dict[str, Any], label: str) -> str:
@@ -79,10 +105,9 @@ def main(argv: list[str]) -> int:
         return 2
     print(_describe(old, "OLD"))
     print(_describe(new, "NEW"))
-    if old["header"].get("machine", {}).get("cpu") != new["header"].get("machine", {}).get("cpu"):
-        print("note: the two runs come from different machines")
-    print(table(records, COLUMNS, left=3) if records else "no row and metric in common")
-    print("\n".join(notes))
+    for line in header_notes(old, new) + [table(records, COLUMNS, left=3) if records else "no row and metric in common",
+                                          *notes]:
+        print(line)
     flagged = [r for r in records if r["flag"]]
     print(f"{len(flagged)} of {len(records)} (row, metric) pairs more than {args.threshold:.0%} slower")
     return 1 if flagged else 0

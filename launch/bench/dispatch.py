@@ -35,7 +35,8 @@ from launch.bench.sweep import point_argv, point_label, sweep_axes, sweep_points
 V3_HIDDEN = 7168
 GPU_TOKENS, CPU_TOKENS = 4096, 1024
 TOLERANCE = {"bf16": 1e-4, "fp8": 2e-3}  # calc_diff of combine(dispatch(x)) against x * kept weights
-KEY = ["section", "backend", "payload", "point"]
+SHAPE = ("tokens", "hidden", "experts", "top_k", "nproc", "gpus_per_node", "routing")
+KEY = ["section", "backend", "payload", "point", *SHAPE]  # rows of runs at other shapes do not match
 METRICS = {"dispatch_ms": LOWER, "combine_ms": LOWER, "algbw_gbps": HIGHER, "combine_algbw_gbps": HIGHER}
 
 
@@ -84,8 +85,7 @@ def summarise(results: list[dict], opts: dict[str, Any], link: LinkModel | None)
             "dropped_fraction": dropped if key[0] == ONEHOT else 0.0,
             "capacity": capacity if key[0] == ONEHOT else None,
             **projected_fields(measured, key[0], link, moved),
-            **{name: opts[name] for name in ("tokens", "hidden", "experts", "top_k", "nproc", "gpus_per_node",
-                                             "routing", "comm", "repeats")},
+            **{name: opts[name] for name in (*SHAPE, "comm", "repeats")},
         }
         row["bytes_per_token"] = row["inter_node_bytes_per_token"] + row["intra_node_bytes_per_token"]
         rows.append(row)

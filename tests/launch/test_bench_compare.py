@@ -14,9 +14,8 @@ ROWS = [{"optimizer": "zero1", "world_size": 2, "step_ms": 10.0, "gbps": 4.0},
         {"optimizer": "ddp_adamw", "world_size": 2, "step_ms": 20.0, "gbps": 2.0}]
 
 
-def _write(path, rows, suite="optim"):
-    write_json(path, header(suite, ["--steps", "3"]), rows, ["optimizer", "world_size"],
-               {"step_ms": LOWER, "gbps": HIGHER})
+def _write(path, rows, suite="optim", argv=("--steps", "3")):
+    write_json(path, header(suite, list(argv)), rows, ["optimizer", "world_size"], {"step_ms": LOWER, "gbps": HIGHER})
     return str(path)
 
 
@@ -26,7 +25,7 @@ def test_an_injected_20_percent_slowdown_is_flagged_and_5_percent_is_not(tmp_pat
     new[1]["step_ms"] *= 1.05
     assert main([_write(tmp_path / "old.json", ROWS), _write(tmp_path / "new.json", new)]) == 1
     lines = [line for line in capsys.readouterr().out.splitlines() if line.endswith("SLOWER")]
-    assert len(lines) == 1 and lines[0].startswith("zero1 2") and "step_ms" in lines[0] and "1.200" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("zero1 ") and "step_ms" in lines[0] and "1.200" in lines[0]
 
 
 def test_a_drop_of_a_higher_is_better_metric_counts_as_slower(tmp_path, capsys):
@@ -34,7 +33,7 @@ def test_a_drop_of_a_higher_is_better_metric_counts_as_slower(tmp_path, capsys):
     new[1]["gbps"] = 2.0 / 1.2
     assert main([_write(tmp_path / "old.json", ROWS), _write(tmp_path / "new.json", new), "--threshold", "0.1"]) == 1
     flagged = [line for line in capsys.readouterr().out.splitlines() if line.endswith("SLOWER")]
-    assert len(flagged) == 1 and flagged[0].startswith("ddp_adamw 2") and "gbps" in flagged[0]
+    assert len(flagged) == 1 and flagged[0].startswith("ddp_adamw ") and "gbps" in flagged[0]
     assert main([_write(tmp_path / "old.json", ROWS), _write(tmp_path / "new.json", new), "--threshold", "0.25"]) == 0
 
 
@@ -63,3 +62,14 @@ def test_files_of_different_suites_or_without_a_header_are_refused(tmp_path, cap
     assert "different suites" in out and "not a moe-bench result file" in out
     with pytest.raises(SystemExit):
         main([str(tmp_path / "a.json"), str(tmp_path / "a.json"), "--threshold", "-1"])
+
+
+def test_rows_match_by_every_key_field_and_other_options_are_noted(tmp_path, capsys):
+    """A row at another world size is not compared with this one; differing command lines are said."""
+    new = copy.deepcopy(ROWS)
+    new[0]["world_size"] = 4
+    new[0]["step_ms"] *= 2
+    assert main([_write(tmp_path / "old.json", ROWS), _write(tmp_path / "new.json", new, argv=("--steps", "5"))]) == 0
+    out = capsys.readouterr().out
+    assert "only in OLD: zero1 2" in out and "only in NEW: zero1 4" in out and "SLOWER" not in out
+    assert "note: the options differ: OLD 'moe-bench optim --steps 3', NEW 'moe-bench optim --steps 5'" in out
