@@ -114,6 +114,16 @@ def gather_full(module: nn.Module, tp_group: Group, grads: bool = False) -> dict
     return out
 
 
+def full_state_dict(module: nn.Module, tp_group: Group) -> dict[str, Tensor]:
+    """module's state dict with every TP param replaced by the single-process one (gather_full); loads into
+    the unconverted module. Params without a TPSpec (routed experts under EP) stay this rank's. Collective."""
+    state = module.state_dict()
+    for name, _, spec in tp_specs(module):
+        if spec.source is not None:
+            del state[name]
+    return state | gather_full(module, tp_group)
+
+
 def divisors(n: int) -> list[int]:
     """The positive divisors of n."""
     return [d for d in range(1, n + 1) if n % d == 0]

@@ -16,7 +16,8 @@ from dispatch.multiproc import run_processes
 from launch.bench.tp import ActivationMeter, CommMeter, run_stack
 from moe.config import ModelConfig
 from moe.model import Block, MoETransformer, rope_tables
-from moe.tp import TPRegion, check_tp_group, concurrent_backward, parallelize_block, vocab_parallel_cross_entropy
+from moe.tp import (TPRegion, check_tp_group, concurrent_backward, full_state_dict, parallelize_block,
+                    vocab_parallel_cross_entropy)
 from pipeline.wgrad import WeightGradStore, install_split_linear
 from tests.dispatch.cases import calc_diff
 
@@ -116,6 +117,27 @@ def _bad_groups(rank: int) -> list[str]:
     return errors
 
 
+def _state_round_trip(rank: int) -> dict:
+    """A single-process state dict loads into a model that is then converted (KV heads replicated, so attn.kv
+    appears), and full_state_dict of the TP model loads back, strictly, into a fresh single-process model."""
+    cfg = ModelConfig(num_layers=2, first_k_dense=1, **(CFG | {"num_kv_heads": 1}))
+    torch.manual_seed(0)
+    source = MoETransformer(cfg)
+    source.moe_layers()[0].router.expert_bias.normal_()
+    torch.manual_seed(1)
+    model = MoETransformer(cfg)
+    model.load_state_dict(source.state_dict())
+    model.to_tensor_parallel(dist.group.WORLD, sequence_parallel=True)
+    local_shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    torch.manual_seed(2)
+    back = MoETransformer(cfg)
+    back.load_state_dict(full_state_dict(model, dist.group.WORLD))
+    want = source.state_dict()
+    return {"equal": all(torch.equal(t, want[name]) for name, t in back.state_dict().items()),
+            "kv": local_shapes["blocks.0.attn.kv.weight"], "qkv": local_shapes["blocks.0.attn.qkv.weight"],
+            "head": local_shapes["lm_head.weight"]}
+
+
 def _concurrent_backward(rank: int) -> dict:
     """Backward of micro-batch A on a helper thread beside the forward of B (a DualPipe F&B pair), TP+SP
     collectives of the backward on a grad_group: outputs and grads bitwise equal to running them in turn."""
@@ -155,7 +177,7 @@ def _concurrent_backward(rank: int) -> dict:
 def _parts(rank: int, world_size: int) -> dict:
     return {"stacks": {(sp, moe): _stack_figures(sp, moe) for sp in (False, True) for moe in (False, True)},
             "loss": _loss_case(rank), "deferred": _deferred_grads(rank), "errors": _bad_groups(rank),
-            "concurrent": _concurrent_backward(rank)}
+            "concurrent": _concurrent_backward(rank), "state": _state_round_trip(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -217,3 +239,8 @@ def test_group_that_does_not_fit_the_config_is_refused(results):
 def test_backward_on_a_grad_group_runs_beside_a_forward(results):
     for res in results:
         assert res["concurrent"] == {"concurrent": True, "shared": False, "losses": True, "grads": True}
+
+
+def test_single_process_state_dict_loads_into_the_tp_model_and_back(results):
+    for res in results:
+        assert res["state"] == {"equal": True, "kv": (2 * 8, 32), "qkv": (2 * 8, 32), "head": (VOCAB // WORLD, 32)}
