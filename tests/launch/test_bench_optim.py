@@ -25,3 +25,11 @@ def test_rows_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert ours == pytest.approx(6, rel=0.01) and 6 <= peer < 12
     assert ddp == pytest.approx(12, rel=0.01)
     assert "zero_redundancy" in capsys.readouterr().out
+
+
+def test_an_iteration_over_the_call_budget_stops_the_run_naming_the_contender(capsys) -> None:
+    assert bench.main(["--layers", "1", "--hidden", "8", "--steps", "1", "--warmup", "0", "--call-budget", "1e-9",
+                       "--quiet"]) == 3
+    err = capsys.readouterr().err
+    assert "stopped: contender 'zero1' training iteration was still running after the per-call budget of 1e-09 s" in err
+    assert "raise --call-budget" in err
