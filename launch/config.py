@@ -146,10 +146,13 @@ class RunConfig:
                              f"{self.model.max_seq_len}")
         par, model = self.parallel, self.model
         if model.num_experts % par.ep:
-            raise ValueError(f"parallel.ep = {par.ep} must divide model.num_experts = {model.num_experts}")
+            allowed = [d for d in range(1, par.dp * par.tp + 1) if (par.dp * par.tp) % d == 0 and model.num_experts % d == 0]
+            raise ValueError(f"parallel.ep = {par.ep} must divide model.num_experts = {model.num_experts} "
+                             f"(allowed with dp x tp = {par.dp * par.tp}: {', '.join(map(str, allowed))})")
         if model.num_layers < par.num_stages:
             raise ValueError(f"model.num_layers = {model.num_layers} is fewer than the {par.num_stages} pipeline "
-                             f"stages of parallel.pp = {par.pp} with schedule {par.schedule!r}")
+                             f"stages of parallel.pp = {par.pp} with schedule {par.schedule!r} (allowed: "
+                             f"model.num_layers >= {par.num_stages}, or a smaller parallel.pp)")
         if self.train.grad_accum_steps % par.dp:
             raise ValueError(f"train.grad_accum_steps = {self.train.grad_accum_steps} (micro-batches per step, "
                              f"global) must be a multiple of parallel.dp = {par.dp}")
