@@ -47,7 +47,8 @@ def parser() -> argparse.ArgumentParser:
                    help="activation bytes of this project's ops or of fused kernels (DeepSeek-V3's)")
     p.add_argument("--measure", action="store_true", help="also run the layout here (gloo ranks, the trainer's model, "
                    "runtime and ZeRO-1) and print each rank's measured figures beside the plan's")
-    p.add_argument("--steps", type=int, default=2, help="measure: optimizer steps (the last one is measured)")
+    p.add_argument("--steps", type=int, default=4, help="measure: optimizer steps (bytes and memory of the last; "
+                   "idle: median after the first)")
     p.add_argument("--top", type=int, default=10, help="search: layouts to print")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="config override")
     p.add_argument("--json", help="write every figure here")
@@ -123,7 +124,7 @@ def run_measured(args: argparse.Namespace, config: RunConfig, options: Options) 
         else cpu_machine(config)
     plan = make_plan(config, machine, options)
     checks = compare(plan, measure(config, args.steps))
-    print(f"{describe(vars(config.parallel), config.chunks_per_step)}: measured (last of {args.steps} steps) "
+    print(f"{describe(vars(config.parallel), config.chunks_per_step)}: measured over {args.steps} steps "
           f"beside predicted on {machine.gpu.name} ({machine.gpu.source})")
     print(table(["rank", "figure", "predicted", "measured", "error", "tolerance", "ok"],
                 [[c.rank, c.figure, _figure(c.predicted), _figure(c.measured), f"{c.error:+.1%}",

@@ -5,6 +5,7 @@ activations saved for backward, pipeline idle, EP and p2p bytes)."""
 from __future__ import annotations
 
 import os
+import statistics
 import time
 import weakref
 from collections.abc import Iterable
@@ -118,7 +119,8 @@ class SavedBytes:
 
 @dataclass
 class RankMeasure:
-    """What one rank measured over its last optimizer step."""
+    """What one rank measured: bytes, memory and parameters of its last optimizer step, the median
+    pipeline idle fraction of its steps after the first (warm-up)."""
 
     rank: int
     pp_rank: int
@@ -172,6 +174,7 @@ def measure_rank(rank: int, world: int, config: RunConfig, steps: int) -> RankMe
     p2p = {"intra_node": 0, "inter_node": 0}
     if runtime is not None:
         _count_p2p(runtime, config.layout, p2p)
+    idle = []
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
         for stage in stages:
@@ -184,7 +187,7 @@ def measure_rank(rank: int, world: int, config: RunConfig, steps: int) -> RankMe
         with saved.hooks():
             _, busy = forward_backward(stages, runtime, micro, config.chunks_per_step,
                                        1 / config.train.grad_accum_steps)
-        compute = time.perf_counter() - began
+        idle.append(1 - busy / (time.perf_counter() - began) if runtime is not None else 0.0)
         optimizer.step()
     ep: dict[str, Traffic] = {}
     for stage in stages:
@@ -193,8 +196,7 @@ def measure_rank(rank: int, world: int, config: RunConfig, steps: int) -> RankMe
             for kind, traffic in (meter.total.items() if meter else ()):
                 ep[kind] = ep.get(kind, Traffic()) + traffic
     return RankMeasure(rank, mesh.pp_rank, sum(p.numel() for p in params) - expert, expert,
-                       optimizer.state_bytes()["total"], saved.peak,
-                       1 - busy / compute if runtime is not None else 0.0,
+                       optimizer.state_bytes()["total"], saved.peak, statistics.median(idle[1:] or idle),
                        {k: v.as_dict() for k, v in ep.items()}, routes, dict(p2p))
 
 
