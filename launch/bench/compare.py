@@ -7,7 +7,7 @@ import argparse
 import json
 from typing import Any
 
-from launch.bench.report import LOWER, read_json, table
+from launch.bench.report import LOWER, commit_text, read_json, table
 
 
 def _text(value: Any) -> str:
@@ -80,7 +80,7 @@ def _describe(doc: dict[str, Any], label: str) -> str:
     head, machine = doc["header"], doc["header"].get("machine", {})
     return (f"{label}: {head.get('command')} | {machine.get('cpu')}, {machine.get('cores')} cores, "
             f"GPUs {machine.get('gpus') or 'none'} | torch {head.get('versions', {}).get('torch')} | "
-            f"commit {(head.get('git_commit') or 'unknown')[:12]} | {head.get('time_utc')}")
+            f"{commit_text(head)} | {head.get('time_utc')}")
 
 
 COLUMNS = [("row", "row", ""), ("metric", "metric", ""), ("better", "better", ""), ("old", "old", ".4g"),

@@ -53,13 +53,17 @@ def machine() -> dict[str, Any]:
             "cuda": torch.version.cuda if gpus else None}
 
 
-def versions() -> dict[str, str | None]:
-    """Python, torch and triton versions (triton's from its metadata: importing it would fix its settings)."""
+def _installed(package: str) -> str | None:
     try:
-        triton_version = metadata.version("triton")
+        return metadata.version(package)
     except metadata.PackageNotFoundError:
-        triton_version = None
-    return {"python": platform.python_version(), "torch": torch.__version__, "triton": triton_version}
+        return None
+
+
+def versions() -> dict[str, str | None]:
+    """Python, torch, triton (from its metadata: importing it would fix its settings) and this project's version."""
+    return {"python": platform.python_version(), "torch": torch.__version__, "triton": _installed("triton"),
+            "moe_pretrain": _installed("moe-pretrain")}
 
 
 def git_commit() -> str | None:
@@ -77,12 +81,20 @@ def header(suite: str, argv: list[str], notes: list[str] | None = None) -> dict[
             "git_commit": git_commit(), "notes": list(notes or [])}
 
 
+def commit_text(head: dict[str, Any]) -> str:
+    """'commit 1234abcd5678[+dirty]', or the installed project version outside a git checkout."""
+    commit = head.get("git_commit")
+    if commit is None:
+        return f"not run from a git checkout (moe-pretrain {head.get('versions', {}).get('moe_pretrain')})"
+    return f"commit {commit[:12]}{'+dirty' if commit.endswith('+dirty') else ''}"
+
+
 def header_line(head: dict[str, Any]) -> str:
     """One printed line: machine, load, versions, commit."""
     m, v = head["machine"], head["versions"]
     gpu = ", ".join(m["gpus"]) + f" (driver {m['gpu_driver']})" if m["gpus"] else "no GPU"
     return (f"machine: {m['cpu']}, {m['cores']} cores, load {m['load_average'][0]:.2f}, {gpu}; torch {v['torch']}, "
-            f"triton {v['triton']}; commit {(head['git_commit'] or 'unknown')[:12]}")
+            f"triton {v['triton']}; {commit_text(head)}")
 
 
 def table(rows: list[dict], columns: list[Column], left: int = 2) -> str:
