@@ -238,13 +238,13 @@ def published(root: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
-def latest_valid(root: Path, report=sys.stderr) -> Path | None:
-    """The newest published checkpoint that passes verify(); each refused one is reported with its reason."""
+def latest_valid(root: Path) -> Path | None:
+    """The newest published checkpoint that passes verify(); each refused one is reported on stderr with its reason."""
     for _, folder in published(root):
         reason = verify(folder)
         if reason is None:
             return folder
-        print(f"checkpoint {folder} refused: {reason}; trying the previous one", file=report, flush=True)
+        print(f"checkpoint {folder} refused: {reason}; trying the previous one", file=sys.stderr, flush=True)
     return None
 
 
@@ -360,3 +360,20 @@ def export(path: str | Path, out: str | Path) -> Path:
     torch.save(consolidate(path), tmp)
     os.replace(tmp, out)
     return out
+
+
+def export_main(argv: list[str]) -> int:
+    """`moe-train export CHECKPOINT OUT.pt`: CHECKPOINT is a step folder or a run's checkpoint root."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="moe-train export", description=export_main.__doc__)
+    parser.add_argument("checkpoint", help="RUN_DIR/checkpoint (its latest valid step) or one stepNNNNNNNN folder")
+    parser.add_argument("out", help="file for the consolidated MoETransformer state dict (torch.save)")
+    args = parser.parse_args(argv)
+    try:
+        path = export(args.checkpoint, args.out)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"moe-train export: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}")
+    return 0

@@ -11,8 +11,9 @@ import argparse
 import sys
 
 from dispatch.multiproc import WorkerError
-from launch.config import load_config
+from launch.checkpoint import export_main
 from launch.launcher import LaunchError, NodeFlags, Trainer, launch_run
+from launch.validate import check_config
 
 
 def main(argv: list[str] | None = None, trainer: Trainer | None = None) -> int:
@@ -20,14 +21,21 @@ def main(argv: list[str] | None = None, trainer: Trainer | None = None) -> int:
 
     trainer replaces launch.train.train (tests pass a small stand-in with the same call shape).
     """
-    parser = argparse.ArgumentParser(prog="moe-train", description=__doc__)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["export"]:
+        return export_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="moe-train", description=__doc__,
+                                     epilog="moe-train export CHECKPOINT OUT.pt: one consolidated state dict")
     parser.add_argument("--config", required=True, help="TOML run config (see configs/)")
     parser.add_argument("--steps", type=int, help="override train.steps")
     parser.add_argument("--metrics-out", help="JSONL metrics file (default: RUN_DIR/metrics.jsonl)")
     parser.add_argument("--run-dir", help="override train.run_dir (checkpoints, metrics)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override any config value, e.g. --set model.expert_precision=fp8")
-    parser.add_argument("--resume", action="store_true", help="continue from RUN_DIR/checkpoint.pt")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the latest valid checkpoint in RUN_DIR/checkpoint (saved in any layout)")
+    parser.add_argument("--check", action="store_true", help="validate the config (every section, the corpus, the "
+                                                             "run dir) and exit: 0 valid, 2 not")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     nodes = parser.add_argument_group("several nodes (moe-train's own spawn; torchrun, mpiexec and srun bring their own)")
     nodes.add_argument("--nnodes", type=int, help="nodes taking part (default 1, or SLURM_NNODES)")
@@ -43,10 +51,14 @@ def main(argv: list[str] | None = None, trainer: Trainer | None = None) -> int:
     if args.run_dir is not None:
         overrides.append(f"train.run_dir={args.run_dir!r}")
     try:
-        cfg = load_config(args.config, overrides)
+        cfg = check_config(args.config, overrides)
     except ValueError as error:
         print(f"moe-train: invalid config: {error}", file=sys.stderr)
         return 2
+    if args.check:
+        world = cfg.parallel.world_size
+        print(f"config OK: {args.config} runs on {world} process{'es' if world > 1 else ''}")
+        return 0
     flags = NodeFlags(args.nnodes, args.node_rank, args.master_addr, args.master_port)
     try:
         records = launch_run(cfg, flags, trainer=trainer, metrics_out=args.metrics_out, resume=args.resume,
