@@ -1,4 +1,5 @@
-"""TP parts on 2 gloo ranks: SP's byte claims on counters, the vocab-parallel loss, deferred weight grads, group checks."""
+"""TP parts on 2 gloo ranks: SP byte claims on counters, vocab-parallel loss, deferred weight grads, group checks,
+state dict round trip, backward beside a forward on a grad_group."""
 
 from __future__ import annotations
 
