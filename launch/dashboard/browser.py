@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -44,6 +45,17 @@ def dump_dom(url: str, *args: str, timeout: float = 120.0) -> tuple[str, str]:
 def console_lines(log: str) -> list[str]:
     """The page's console messages (logs, warnings, errors, uncaught exceptions) in a Chromium log."""
     return [line for line in log.splitlines() if ":CONSOLE" in line]
+
+
+def render_report(page: str | Path, timeout: float = 120.0) -> dict:
+    """Open a dashboard file in headless Chromium: its status ("rendered" or "error"), milliseconds from
+    navigation to the first and to the last chart, the number of plotly charts drawn, the console lines."""
+    dom, log = dump_dom(Path(page).resolve().as_uri(), timeout=timeout)
+    body = re.search(r"<body([^>]*)>", dom)
+    attributes = dict(re.findall(r'data-([\w-]+)="([^"]*)"', body.group(1))) if body else {}
+    return {"status": attributes.get("status", "missing"), "first_chart_ms": attributes.get("first-chart-ms"),
+            "rendered_ms": attributes.get("rendered-ms"), "charts": dom.count('class="chart js-plotly-plot"'),
+            "console": console_lines(log)}
 
 
 def screenshot(url: str, out: str | Path, width: int = 1400, height: int = 2000, timeout: float = 120.0) -> Path:

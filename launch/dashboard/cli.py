@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8050, help="port for --serve (default 8050)")
     parser.add_argument("--refresh", type=float, default=10.0, help="seconds between --serve update checks")
     parser.add_argument("--png", metavar="DIR", help="also save a PNG of every view into DIR (headless Chromium)")
+    parser.add_argument("--check", action="store_true", help="open the written page in headless Chromium and "
+                        "print its render times and console messages (exit 1 if it shows errors)")
     args = parser.parse_args(argv)
     if args.refresh <= 0:
         parser.error(f"--refresh = {args.refresh} must be > 0")
@@ -48,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         runs = load_runs(args.run_dirs)
     except RunError as error:
         print(f"moe-dashboard: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:
+        print(f"moe-dashboard: cannot serve on port {args.port}: {error}", file=sys.stderr)
         return 2
     out = Path(args.out)
     out.write_text(build_html(runs))
@@ -62,7 +67,23 @@ def main(argv: list[str] | None = None) -> int:
             print(f"moe-dashboard: PNG export failed: {error}", file=sys.stderr)
             return 1
         print(f"wrote {len(files)} PNGs to {args.png}")
-    return 0
+    return check_page(out) if args.check else 0
+
+
+def check_page(page: Path) -> int:
+    """Print how headless Chromium rendered the page; 1 when it reported errors or no browser is installed."""
+    from launch.dashboard.browser import render_report
+
+    try:
+        report = render_report(page)
+    except RuntimeError as error:
+        print(f"moe-dashboard: --check failed: {error}", file=sys.stderr)
+        return 1
+    print(f"headless Chromium: {report['status']}, {report['charts']} charts, first chart at "
+          f"{report['first_chart_ms']} ms, all at {report['rendered_ms']} ms after navigation start")
+    for line in report["console"]:
+        print(f"console: {line}")
+    return 0 if report["status"] == "rendered" and not report["console"] else 1
 
 
 if __name__ == "__main__":

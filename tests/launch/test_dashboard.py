@@ -4,6 +4,7 @@ size at DeepSeek-V3 scale, and --serve rebuilding the page while a run writes.""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import urllib.request
 from html.parser import HTMLParser
@@ -95,6 +96,10 @@ def test_bad_input_gives_a_message_or_a_partial_view(tmp_path, capsys):
     (tmp_path / "new").mkdir()
     run = load_run(write_run(tmp_path / "new", [{**r, "schema": 3} for r in records(2)]))
     assert run.records == 2 and any("newer schema 3" in note for note in run.notes)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        assert main([live, "--serve", "--port", str(taken.getsockname()[1])]) == 2
+    assert "cannot serve on port" in capsys.readouterr().err
 
 
 class ResourceTags(HTMLParser):

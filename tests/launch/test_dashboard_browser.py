@@ -125,13 +125,14 @@ def test_a_missing_chart_or_a_throwing_page_fails_the_check(run_dirs, tmp_path):
     assert any("null" in line for line in problems)
 
 
-def test_png_export_of_every_view(run_dirs, tmp_path, capsys):
+def test_png_export_of_every_view_and_the_check(run_dirs, tmp_path, capsys):
     out = tmp_path / "png"
-    assert main([run_dirs[0], "--out", str(tmp_path / "tiny.html"), "--png", str(out)]) == 0
+    assert main([run_dirs[0], "--out", str(tmp_path / "tiny.html"), "--png", str(out), "--check"]) == 0
     files = sorted(p.name for p in out.iterdir())
     assert files == sorted(f"{view}.png" for view in view_ids(load_runs([run_dirs[0]])))
     assert all((out / name).read_bytes()[:4] == b"\x89PNG" for name in files)
-    assert f"wrote {len(files)} PNGs" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"wrote {len(files)} PNGs" in printed and f"headless Chromium: rendered, {len(files)} charts" in printed
 
 
 def test_served_page_reloads_itself_when_the_run_grows(run_dirs, tmp_path):
