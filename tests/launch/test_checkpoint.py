@@ -1,0 +1,159 @@
+"""Sharded DCP checkpoints: resume in another layout continues the 1-process run, atomic publication,
+refused damaged checkpoints, a rank killed mid-save, keep-last-N, async saves, export.
+
+Model and data are test_equivalence's tiny float64 config; every resumed run is compared with one
+uninterrupted single-process run of 6 steps (losses to 1e-10 relative, final parameters by calc_diff).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import shutil
+
+import pytest
+import torch
+
+from dispatch.multiproc import WorkerError, run_processes
+from launch.checkpoint import consolidate, export, latest_valid, published, verify
+from launch.config import build_config
+from launch.train import train
+from moe.model import MoETransformer
+from tests.launch.test_equivalence import calc_diff, raw_config
+
+STEPS = 6
+HALF = 3
+PP2_EP2 = {"pp": 2, "dp": 2, "ep": 2, "schedule": "dualpipev"}
+PP2_DP2 = {"pp": 2, "dp": 2, "schedule": "dualpipev"}
+DP2_EP2 = {"dp": 2, "ep": 2}
+
+
+def config(run_dir, corpus: str, parallel: dict, steps: int = STEPS, every: int = 0, **ops) -> dict:
+    raw = raw_config(str(run_dir), corpus, parallel, None)
+    raw["train"].update(steps=steps, checkpoint_every=every)
+    raw["ops"] = ops
+    return raw
+
+
+def _runs(rank: int, world: int, runs: list[tuple[dict, bool]]) -> list[list[dict]]:
+    return [train(build_config(raw), resume=resume, progress=False) for raw, resume in runs]
+
+
+def assert_continues(records: list[dict], reference: list[dict], first: int) -> None:
+    assert [r["step"] for r in records] == list(range(first, STEPS))
+    for got, want in zip(records, reference[first:]):
+        for key in ("loss", "lm_loss", "grad_norm"):
+            assert got[key] == pytest.approx(want[key], rel=1e-10), (got["step"], key)
+
+
+def assert_same_model(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    for key, value in want.items():
+        if value.is_floating_point() and value.abs().sum() > 0:
+            assert calc_diff(got[key], value) < 1e-12, key
+        else:
+            assert torch.equal(got[key], value), key
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("corpus") / "text.txt"
+    path.write_text("".join(f"def function_{i}(x):\n    return x * {i} + {i % 7}  # line {i}\n" for i in range(800)))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory) -> tuple[list[dict], dict]:
+    run_dir = tmp_path_factory.mktemp("reference")
+    records = train(build_config(config(run_dir, corpus, {}, every=2, keep_checkpoints=5)), progress=False)
+    return records, run_dir
+
+
+def test_reshard_between_layouts_continues_the_single_process_run(corpus, reference, tmp_path):
+    """pp2 x ep2 (4 ranks) -> 1 process; pp2 dp2 -> pp2 dp2 ep2 (4 ranks); 1 process -> dp2 ep2 (2 ranks)."""
+    want, ref_dir = reference
+    a, b, c = tmp_path / "pp2ep2", tmp_path / "pp2dp2", tmp_path / "one"
+    saved_a, saved_b, resumed_b = run_processes(_runs, 4, [
+        (config(a, corpus, PP2_EP2, steps=HALF), False), (config(b, corpus, PP2_DP2, steps=HALF), False),
+        (config(b, corpus, PP2_EP2), True)], timeout_s=300)[0]
+    resumed_a = train(build_config(config(a, corpus, {})), resume=True, progress=False)
+    train(build_config(config(c, corpus, {}, steps=HALF)), progress=False)
+    resumed_c = run_processes(_runs, 2, [(config(c, corpus, DP2_EP2), True)], timeout_s=300)[0][0]
+    assert_continues(saved_a + resumed_a, want, 0)
+    assert_continues(saved_b + resumed_b, want, 0)
+    assert_continues(resumed_c, want, HALF)
+    final = consolidate(ref_dir / "checkpoint")
+    for run in (a, b, c):
+        assert [s for s, _ in published(run / "checkpoint")] == [STEPS, HALF]
+        assert_same_model(consolidate(run / "checkpoint"), final)
+
+
+def test_damaged_checkpoints_are_refused_and_the_previous_one_used(corpus, reference, tmp_path, capfd):
+    """Keep 2 of saves at 2, 4, 6; truncate then corrupt step 6: both refused by name, the run resumes at 4."""
+    want, _ = reference
+    run = tmp_path / "run"
+    train(build_config(config(run, corpus, {}, every=2, keep_checkpoints=2)), progress=False)
+    root = run / "checkpoint"
+    assert [s for s, _ in published(root)] == [6, 4]
+    assert not list(root.glob(".*tmp"))
+    newest = root / "step00000006"
+    shard = sorted(newest.glob("*.distcp"))[0]
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-100])
+    assert "truncated" in verify(newest)
+    shard.write_bytes(data[:50] + bytes([data[50] ^ 0xFF]) + data[51:])
+    assert "CRC-32" in verify(newest)
+    assert latest_valid(root) == root / "step00000004"
+    capfd.readouterr()
+    resumed = train(build_config(config(run, corpus, {}, every=2, keep_checkpoints=2)), resume=True, progress=False)
+    err = capfd.readouterr().err
+    assert "step00000006 refused" in err and "CRC-32" in err
+    assert_continues(resumed, want, 4)
+
+
+def _die_while_saving(rank: int, world: int, raw: dict) -> list[dict]:
+    """Rank 1 truncates its step-4 shard file and kills itself before the checkpoint is published."""
+    import launch.checkpoint as checkpoint
+
+    table = checkpoint._file_table
+
+    def dying(folder, names):
+        if rank == 1 and folder.name == ".step00000004.tmp":
+            for name in names:
+                path = folder / name
+                path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+            os.kill(os.getpid(), signal.SIGKILL)
+        return table(folder, names)
+
+    checkpoint._file_table = dying
+    return train(build_config(raw), progress=False)
+
+
+def test_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable(corpus, reference, tmp_path):
+    want, _ = reference
+    run = tmp_path / "run"
+    with pytest.raises(WorkerError, match="rank 1 died"):
+        run_processes(_die_while_saving, 2, config(run, corpus, DP2_EP2, every=2), timeout_s=60)
+    root = run / "checkpoint"
+    assert (root / ".step00000004.tmp").is_dir()
+    assert latest_valid(root) == root / "step00000002"
+    resumed = train(build_config(config(run, corpus, {})), resume=True, progress=False)
+    assert_continues(resumed, want, 2)
+
+
+def test_async_saves_hold_the_same_numbers_and_export_loads(corpus, reference, tmp_path):
+    """Async (DCP helper thread) checkpoints equal the synchronous run's bitwise; export feeds MoETransformer."""
+    _, ref_dir = reference
+    run = tmp_path / "run"
+    train(build_config(config(run, corpus, {}, every=2, keep_checkpoints=5, async_checkpoint=True)), progress=False)
+    assert [s for s, _ in published(run / "checkpoint")] == [6, 4, 2]
+    for step in (2, 4, 6):
+        got = consolidate(run / "checkpoint" / f"step{step:08d}")
+        want = consolidate(ref_dir / "checkpoint" / f"step{step:08d}")
+        assert all(torch.equal(got[k], want[k]) for k in want) and set(got) == set(want), step
+    path = export(run / "checkpoint", tmp_path / "model.pt")
+    cfg = build_config(config(run, corpus, {}))
+    model = MoETransformer(cfg.model).double()
+    model.load_state_dict(torch.load(path))
+    want = consolidate(ref_dir / "checkpoint")
+    assert all(torch.equal(value, want[key]) for key, value in model.state_dict().items())
