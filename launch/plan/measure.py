@@ -74,10 +74,10 @@ def cpu_machine(config: RunConfig, repeats: int = 5) -> Machine:
         tokens = x.shape[0] * x.shape[1]
         first, last = layer_flops(cfg, 0, attention, train.seq_len), layer_flops(cfg, cfg.num_layers - 1, attention,
                                                                                  train.seq_len)
-        dense = tokens * (first.total if cfg.first_k_dense else last.dense + last.core) / _forward_seconds(
-            model.blocks[0], x, cos, sin, repeats)
-        moe = _forward_seconds(model.blocks[-1], x, cos, sin, repeats) - tokens * (last.dense + last.core) / dense
-        expert = tokens * last.expert / moe if moe > 0 and last.expert else dense
+        dense = tokens * (first.total - first.expert) / _forward_seconds(model.blocks[0], x, cos, sin, repeats)
+        experts_s = (_forward_seconds(model.blocks[-1], x, cos, sin, repeats)
+                     - tokens * (last.dense + last.core) / dense)
+        expert = tokens * last.expert / experts_s if experts_s > 0 and last.expert else dense
     finally:
         torch.set_num_threads(threads)
     cores = os.cpu_count() or 1
@@ -119,8 +119,8 @@ class SavedBytes:
 
 @dataclass
 class RankMeasure:
-    """What one rank measured: bytes, memory and parameters of its last optimizer step, the median
-    pipeline idle fraction of its steps after the first (warm-up)."""
+    """What one rank measured: bytes and memory of its last step, parameters, optimizer state bytes, the
+    median pipeline idle fraction of its steps after the first (warm-up)."""
 
     rank: int
     pp_rank: int
@@ -159,7 +159,8 @@ def _random_batches(config: RunConfig, step: int) -> list[tuple[Tensor, Tensor]]
 
 
 def measure_rank(rank: int, world: int, config: RunConfig, steps: int) -> RankMeasure:
-    """Run `steps` optimizer steps of config on this rank; return the last step's figures."""
+    """Run `steps` forward-backward steps of config's global batch on this rank from the initial weights
+    (the routing the plan assumes), then one optimizer step; return the figures."""
     mesh = Mesh(config.layout)
     stages, runtime = build_model(config, mesh)
     optimizer = build_optimizer(stages, config, mesh)
@@ -188,7 +189,7 @@ def measure_rank(rank: int, world: int, config: RunConfig, steps: int) -> RankMe
             _, busy = forward_backward(stages, runtime, micro, config.chunks_per_step,
                                        1 / config.train.grad_accum_steps)
         idle.append(1 - busy / (time.perf_counter() - began) if runtime is not None else 0.0)
-        optimizer.step()
+    optimizer.step()  # once, for its state bytes: the measured steps keep the initial (balanced) routing
     ep: dict[str, Traffic] = {}
     for stage in stages:
         for layer in stage.moe_layers().values():

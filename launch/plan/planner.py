@@ -220,14 +220,14 @@ def _rank_bytes(config: RunConfig, layout: Layout, rank: int, held: list[int], m
     par, chunks = config.parallel, config.chunks_per_step
     steps = config.train.grad_accum_steps // par.dp // chunks  # pipeline steps per optimizer step
     out = {kind: Traffic() for kind in ("ep", "pp", "dp", "tp")}
-    moe_calls = steps * chunks * sum(moe_layers[s] for s in held)
+    visits = {s: sum(layout.locate(chunk, s)[0] == rank for chunk in range(chunks)) for s in held}  # DualPipe: half
+    moe_calls = steps * sum(moe_layers[s] * visits[s] for s in held)
     out["ep"] = Traffic(*(v * moe_calls for v in (ep_layer.intra_payload, ep_layer.inter_payload,
                                                    ep_layer.intra_meta, ep_layer.inter_meta)))
     me = node_of(config, gpn, rank)
     for s in held:
-        phase = [p for p in range(layout.num_phases) if layout.stage_of(rank, p) == s][0]
         for chunk in range(chunks):
-            if layout.locate(chunk, s) != (rank, phase):
+            if layout.locate(chunk, s)[0] != rank:
                 continue
             for neighbour in (s - 1, s + 1):
                 if 0 <= neighbour < layout.num_stages:
@@ -237,9 +237,9 @@ def _rank_bytes(config: RunConfig, layout: Layout, rank: int, held: list[int], m
     for numel, group, inter in grad_sync:
         _add(out, "dp", inter, ring_bytes(numel, group, 4) + ring_bytes(numel, group, recipe.param))
     if par.tp > 1:
-        tp_layers = sum(len(layers[s]) for s in held)
+        tp_layers = sum(len(layers[s]) * visits[s] for s in held)
         all_reduce = 2 * ring_bytes(act_bytes * par.tp / itemsize, par.tp, itemsize)
-        _add(out, "tp", par.tp > gpn, 4 * tp_layers * steps * chunks * all_reduce)
+        _add(out, "tp", par.tp > gpn, 4 * tp_layers * steps * all_reduce)
     return out
 
 
