@@ -136,7 +136,7 @@ def _state_round_trip(rank: int) -> dict:
     want = source.state_dict()
     return {"equal": all(torch.equal(t, want[name]) for name, t in back.state_dict().items()),
             "kv": local_shapes["blocks.0.attn.kv.weight"], "qkv": local_shapes["blocks.0.attn.qkv.weight"],
-            "head": local_shapes["lm_head.weight"]}
+            "head": local_shapes["lm_head.weight"], "seq": model.sequence_length(torch.zeros(1, SEQ // WORLD, 32))}
 
 
 def _concurrent_backward(rank: int) -> dict:
@@ -244,4 +244,5 @@ def test_backward_on_a_grad_group_runs_beside_a_forward(results):
 
 def test_single_process_state_dict_loads_into_the_tp_model_and_back(results):
     for res in results:
-        assert res["state"] == {"equal": True, "kv": (2 * 8, 32), "qkv": (2 * 8, 32), "head": (VOCAB // WORLD, 32)}
+        assert res["state"] == {"equal": True, "kv": (2 * 8, 32), "qkv": (2 * 8, 32), "head": (VOCAB // WORLD, 32),
+                                "seq": SEQ}
