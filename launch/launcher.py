@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import math
 import os
+import contextlib
 import re
 import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -23,6 +25,7 @@ from dispatch.multiproc import run_processes
 from launch.config import RunConfig
 
 COLLECTIVE_TIMEOUT_S = 300.0  # rendezvous and every collective; a hung rank ends the run after this
+REFUSAL_WAIT_S = 30.0  # a rank refusing its launcher's world waits at most this long for the others to refuse too
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 MPI_VARS = (("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),  # MPICH, Intel MPI
             ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
@@ -34,7 +37,14 @@ Trainer = Callable[..., list[dict]]
 
 
 class LaunchError(ValueError):
-    """The launch does not fit the config or the launcher's environment; the message says which and how to fix it."""
+    """The launch does not fit the config or the launcher's environment; the message says which and how to fix it.
+
+    launch: the refused launch (from check_launch), whose every rank refuses alike (see wait_for_every_refusal).
+    """
+
+    def __init__(self, message: str, launch: Launch | None = None) -> None:
+        super().__init__(message)
+        self.launch = launch
 
 
 @dataclass(frozen=True)
@@ -154,12 +164,36 @@ def check_launch(cfg: RunConfig, launch: Launch) -> None:
         hint = _HOW_TO_START[launch.launcher].format(world=par.world_size)
         raise LaunchError(f"{launch.launcher} started {launch.world_size} processes (this is rank {launch.rank}), but "
                           f"the config's layout needs {layout}: start {hint}, change [parallel], or run plain "
-                          f"`moe-train --config ...`, which spawns the layout's ranks itself")
+                          f"`moe-train --config ...`, which spawns the layout's ranks itself", launch)
     if launch.nnodes > 1 and par.gpus_per_node != launch.local_ranks:
         raise LaunchError(f"parallel.gpus_per_node = {par.gpus_per_node} but {launch.launcher} puts "
                           f"{launch.local_ranks} ranks on each of {launch.nnodes} nodes: set parallel.gpus_per_node = "
                           f"{launch.local_ranks} (e.g. --set parallel.gpus_per_node={launch.local_ranks}) so the "
-                          f"layout's nodes are the real ones")
+                          f"layout's nodes are the real ones", launch)
+
+
+def wait_for_every_refusal(launch: Launch, env: Mapping[str, str] | None = None) -> None:
+    """Return once every rank of a torchrun or mpiexec world has refused it too (at most REFUSAL_WAIT_S).
+
+    Both launchers stop all ranks as soon as one exits; a rank that printed its error and waits
+    here lets the slower ones print theirs before any exits. Other launchers return at once.
+    """
+    env = os.environ if env is None else env
+    deadline = time.monotonic() + REFUSAL_WAIT_S
+    if launch.launcher == "mpiexec":
+        from mpi4py import MPI
+
+        request = MPI.COMM_WORLD.Ibarrier()
+        while not request.Test() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    elif launch.launcher == "torchrun":  # torchrun's own store, which every rank of this attempt reaches
+        key = f"moe-train/refused/{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        with contextlib.suppress(RuntimeError):  # no store to meet at (or it went away): nothing to wait for
+            store = dist.TCPStore(launch.master_addr, launch.master_port, is_master=False,
+                                  timeout=timedelta(seconds=REFUSAL_WAIT_S))
+            store.add(key, 1)
+            while store.add(key, 0) < launch.world_size and time.monotonic() < deadline:
+                time.sleep(0.05)
 
 
 def resolve_backend(comm_backend: str, local_ranks: int) -> str:

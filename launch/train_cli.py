@@ -12,7 +12,7 @@ import sys
 
 from dispatch.multiproc import WorkerError
 from launch.checkpoint import export_main
-from launch.launcher import LaunchError, NodeFlags, Trainer, launch_run
+from launch.launcher import LaunchError, NodeFlags, Trainer, launch_run, wait_for_every_refusal
 from launch.validate import check_config
 
 
@@ -64,7 +64,9 @@ def main(argv: list[str] | None = None, trainer: Trainer | None = None) -> int:
         records = launch_run(cfg, flags, trainer=trainer, metrics_out=args.metrics_out, resume=args.resume,
                              progress=not args.no_progress)
     except LaunchError as error:
-        print(f"moe-train: {error}", file=sys.stderr)
+        print(f"moe-train: {error}", file=sys.stderr, flush=True)
+        if error.launch is not None:  # torchrun or mpiexec must not stop another rank before it said why
+            wait_for_every_refusal(error.launch)
         return 2
     except WorkerError as error:
         print(f"moe-train: the run failed and its other ranks were stopped: {error}", file=sys.stderr)

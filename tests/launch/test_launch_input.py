@@ -3,13 +3,14 @@ the allowed values; torchrun, mpiexec, srun and moe-train's node flags are read 
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
-from launch import launcher
-from launch.launcher import Launch, LaunchError, NodeFlags, detect_launch, first_slurm_host
+from launch import launcher, train_cli
+from launch.launcher import Launch, LaunchError, NodeFlags, detect_launch, first_slurm_host, wait_for_every_refusal
 from launch.train_cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,7 +25,10 @@ LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER
 
 @pytest.fixture
 def nothing_may_start(monkeypatch, tmp_path):
-    """A plain environment in which spawning ranks, opening a store or forming a group fails the test."""
+    """A plain environment in which spawning ranks, opening a store or forming a group fails the test.
+
+    Returns (a run folder, the launches whose refusal would have waited for their other ranks).
+    """
     for name in LAUNCHER_VARS:
         monkeypatch.delenv(name, raising=False)
 
@@ -34,11 +38,14 @@ def nothing_may_start(monkeypatch, tmp_path):
     monkeypatch.setattr(launcher, "run_processes", started)
     monkeypatch.setattr(dist, "TCPStore", started)
     monkeypatch.setattr(dist, "init_process_group", started)
-    return tmp_path
+    refused: list[Launch] = []
+    monkeypatch.setattr(train_cli, "wait_for_every_refusal", refused.append)
+    return tmp_path, refused
 
 
-def refusal(argv: list[str], run_dir: Path, capsys) -> str:
+def refusal(argv: list[str], fixture: tuple[Path, list[Launch]], capsys) -> str:
     """moe-train's exit code must be 2 with nothing written; its error message."""
+    run_dir = fixture[0]
     code = main([*argv, "--run-dir", str(run_dir / "run"), "--no-progress"], trainer=_no_training)
     err = capsys.readouterr().err
     assert code == 2, err
@@ -86,6 +93,8 @@ def test_every_rank_of_a_launcher_world_unlike_the_layout_refuses(nothing_may_st
     err = refusal(["--config", TINY], nothing_may_start, capsys)
     assert f"{name} started 2 processes (this is rank {rank}), but the config's layout needs parallel.pp x dp x tp = " \
            f"2 x 2 x 1 = 4: {hint}" in err
+    [refused] = nothing_may_start[1]  # after printing, this rank waits for its launcher's other ranks to refuse
+    assert (refused.launcher, refused.world_size, refused.rank) == (name, 2, rank)
 
 
 @pytest.mark.parametrize("flags, expected", [
@@ -129,3 +138,17 @@ def test_slurm_one_task_per_node_spawns_that_nodes_ranks_and_srun_per_rank_joins
                                              ("host", "host")])
 def test_first_slurm_host(nodelist, first):
     assert first_slurm_host(nodelist) == first
+
+
+def test_a_refusing_torchrun_rank_returns_once_every_rank_refused(monkeypatch):
+    monkeypatch.setattr(launcher, "REFUSAL_WAIT_S", 120.0)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {"TORCHELASTIC_RUN_ID": "run", "TORCHELASTIC_RESTART_COUNT": "0"}
+    ranks = [Launch("torchrun", 2, 2, rank=r, master_addr="127.0.0.1", master_port=store.port) for r in (0, 1)]
+    first = threading.Thread(target=wait_for_every_refusal, args=(ranks[0], env))
+    first.start()
+    first.join(timeout=1.0)
+    assert first.is_alive()  # alone, rank 0 waits for rank 1
+    wait_for_every_refusal(ranks[1], env)
+    first.join(timeout=60)
+    assert not first.is_alive()
