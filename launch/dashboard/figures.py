@@ -101,7 +101,9 @@ def balance_figure(run: Run) -> dict:
 def traffic_figure(run: Run) -> dict:
     """Bytes sent node to node and rank to rank, summed over the run (heatmaps, sender rows)."""
     if run.rank_bytes is None:
-        return empty_figure(f"{run.name}: traffic", "no dispatch traffic in this run's metrics (single process?)")
+        return empty_figure(f"{run.name}: traffic", "no dispatch traffic in this run's metrics")
+    if len(run.rank_bytes) == 1:
+        return empty_figure(f"{run.name}: traffic", "one EP rank: no dispatch traffic between ranks")
     figure = make_subplots(rows=1, cols=2, subplot_titles=("node to node (bytes)", "rank to rank (bytes)"))
     for col, matrix in enumerate((run.node_bytes, run.rank_bytes), 1):
         figure.add_trace(go.Heatmap(z=matrix.astype(np.float64), colorscale="Blues", showscale=col == 2,

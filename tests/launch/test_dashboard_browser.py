@@ -6,6 +6,7 @@ MOE_REQUIRE_BROWSER=1, which turns a missing browser into a failure)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import threading
@@ -106,9 +107,16 @@ def test_two_runs_render_every_chart_without_console_output(run_dirs, tmp_path):
     assert problems == [] and status == "rendered"
     assert set(charts) == set(CHART_IDS) and all(c["svg"] >= 1 for c in charts.values()), charts
     assert charts["curves"]["scatter"] >= 9  # tiny: loss, eval loss, lr, grad norm, tokens/s; synthetic: 4 of them
-    for chart in ("imbalance-0", "imbalance-1", "load-1", "traffic-1"):  # the tiny run has no schema-2 sections
-        assert charts[chart]["heatmap"] >= 1, chart
-    assert charts["bias-1"]["scatter"] == 16 and charts["ranks-1"]["bars"] == 2
+    for index, run_dir in enumerate(run_dirs):  # a view with data in the run's last record has its plot
+        last = json.loads((Path(run_dir) / "metrics.jsonl").read_text().splitlines()[-1])
+        moe, traffic = last.get("moe", {}), last.get("traffic", {})
+        assert charts[f"imbalance-{index}"]["heatmap"] == 2
+        assert charts[f"load-{index}"]["heatmap"] == ("load" in moe)
+        assert charts[f"bias-{index}"]["scatter"] == (moe["num_experts"] if "bias" in moe else 0)
+        ep_ranks = traffic["rank_bytes"]["shape"][0] if "rank_bytes" in traffic else 0
+        assert charts[f"traffic-{index}"]["heatmap"] == (2 if ep_ranks > 1 else 0)  # node and rank matrices
+        assert charts[f"ranks-{index}"]["bars"] == len(last.get("ranks", {}))
+    assert charts["load-1"]["heatmap"] and charts["traffic-1"]["heatmap"] and charts["ranks-1"]["bars"] == 2
     artifacts = Path(os.environ.get("MOE_TEST_ARTIFACTS", tmp_path))
     shot = screenshot(page.resolve().as_uri(), artifacts / "dashboard-two-runs.png", width=1400, height=2600)
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 50_000
