@@ -24,11 +24,11 @@ from dispatch.routing import ROUTINGS
 from dispatch.topology import make_topology
 from launch.bench.alltoall import per_expert_traffic
 from launch.bench.dispatch_model import V3, LinkModel, byte_fields, moved_bytes, predict_v3, projected_fields
-from launch.bench.dispatch_worker import (CONTENDERS, KINDS, ONEHOT, PER_EXPERT, bench_worker, cpu_has_native_bf16,
-                                          peer_compute_dtype, rank_routing)
+from launch.bench.dispatch_worker import (CONTENDERS, KINDS, ONEHOT, PER_EXPERT, cpu_has_native_bf16,
+                                          peer_compute_dtype, points_worker, rank_routing)
 from launch.bench.onehot import dropped_slots, onehot_capacity, onehot_traffic
 from launch.bench.plot import sweep_figure, write_figure
-from launch.bench.progress import BudgetExceeded, run_ranks
+from launch.bench.progress import BudgetExceeded, Progress, run_ranks
 from launch.bench.report import HIGHER, LOWER, header, header_line, table, write_json
 from launch.bench.sweep import point_argv, point_label, sweep_axes, sweep_points
 
@@ -282,24 +282,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def run_point(args: argparse.Namespace, point: dict[str, str], link: LinkModel | None) -> list[dict]:
-    """Every contender at one point of the sweep (the only point without one)."""
-    opts = {**vars(args), "point": point, "progress": not args.quiet}
-    hint = ("run a smaller shape (--tokens, --hidden, --top-k) or raise --call-budget; the one-hot peer's cost "
-            "grows with tokens^2 x top-k")
-    results = run_ranks(bench_worker, args.nproc, opts, hint, backend=args.comm, threads=args.threads)
-    rows = summarise(results, opts, link)
-    for row in rows:
-        row["point_label"] = point_label(point)
-    return rows
+HINT = ("run a smaller shape (--tokens, --hidden, --top-k) or raise --call-budget; the one-hot peer's cost grows "
+        "with tokens^2 x top-k")
+
+
+def run_points(points: list[tuple[dict[str, str], argparse.Namespace]], link: LinkModel | None) -> list[dict]:
+    """Every contender at every point (the run without --sweep is one point, {}), rows in the points' order.
+
+    Points that need the same processes (--nproc, --comm, --threads) run in one launch, one after the other."""
+    launches: dict[tuple, list[int]] = {}
+    for i, (_, args) in enumerate(points):
+        launches.setdefault((args.nproc, args.comm, args.threads), []).append(i)
+    per_point: list[list[dict]] = [[] for _ in points]
+    for (nproc, comm, threads), members in launches.items():
+        opts = [{**{k: v for k, v in vars(points[i][1]).items() if k != "points"}, "point": points[i][0]}
+                for i in members]
+        quiet = points[members[0]][1].quiet
+        results = run_ranks(points_worker, nproc, {"points": opts, "quiet": quiet}, HINT, backend=comm,
+                            threads=threads, progress=Progress("dispatch", not quiet))
+        for j, i in enumerate(members):
+            per_point[i] = summarise([rank[j] for rank in results], opts[j], link)
+            for row in per_point[i]:
+                row["point_label"] = point_label(points[i][0])
+    return [row for rows in per_point for row in rows]
 
 
 def run_sweep(args: argparse.Namespace, link: LinkModel | None) -> list[dict]:
     """Every point of the sweep, a table row per (point, contender); plots next to the JSON."""
-    rows = []
-    for i, (point, point_args) in enumerate(args.points, start=1):
-        print(f"sweep point {i}/{len(args.points)}: {point_label(point)}", flush=True)
-        rows += run_point(point_args, point, link)
+    rows = run_points(args.points, link)
     print(table(rows, SWEEP, left=3))
     base = Path(args.json).with_suffix("")
     fig = sweep_figure(rows, next(iter(args.axes)), [("algbw_gbps", "dispatch GB/s"),
@@ -325,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.sweep:
             rows = run_sweep(args, link)
         else:
-            rows = run_point(args, {}, link)
+            rows = run_points([({}, args)], link)
             print(caption(args))
             print(table(rows, MEASURED))
             print(format_ratios(rows))

@@ -17,7 +17,7 @@ from dispatch.traffic import Traffic
 from kernels.metrics import calc_diff
 from launch.bench.alltoall import PerExpertDispatcher
 from launch.bench.onehot import OneHotDispatcher
-from launch.bench.progress import Progress, call_budget
+from launch.bench.progress import call_budget, worker_progress
 from launch.bench.sweep import point_label
 
 ONEHOT, PER_EXPERT = "one-hot", "per-expert"
@@ -93,8 +93,9 @@ def bench_worker(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, 
     dispatchers = {key: make_dispatcher(*key, opts) for key in CONTENDERS}
     seconds: dict[tuple[str, str], dict[str, list[float]]] = {key: {k: [] for k in KINDS} for key in CONTENDERS}
     diffs: dict[tuple[str, str], float] = {}
-    progress = Progress(f"dispatch {point_label(opts['point'])}".strip(), rank == 0 and opts["progress"])
+    progress = worker_progress(f"dispatch {point_label(opts['point'])}".strip(), rank, opts)
     total = opts["warmup"] + opts["repeats"]
+    progress(f"{world_size} ranks up; {len(CONTENDERS)} contenders x {total} repeats, round-robin")
     for rep in range(total):
         shift = rep % len(CONTENDERS)
         spent = []
@@ -116,3 +117,8 @@ def bench_worker(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, 
     traffic: dict[tuple[str, str], dict[str, Traffic]] = {
         key: {kind: d.last_bytes[kind] for kind in KINDS} for key, d in dispatchers.items()}
     return {"seconds": seconds, "traffic": traffic, "calc_diff": diffs}
+
+
+def points_worker(rank: int, world_size: int, opts: dict[str, Any]) -> list[dict[str, Any]]:
+    """bench_worker at every point of opts["points"] (each a full set of the suite's options), in one launch."""
+    return [bench_worker(rank, world_size, {**opts, **point}) for point in opts["points"]]

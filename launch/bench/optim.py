@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from launch.bench.progress import BudgetExceeded, Progress, call_budget, run_ranks
+from launch.bench.progress import BudgetExceeded, Progress, call_budget, run_ranks, worker_progress
 from launch.bench.report import LOWER, header, header_line, table, write_json
 from optim.memory import optimizer_state_bytes
 from optim.zero1 import COLLECTIVES, ZeRO1
@@ -82,7 +82,7 @@ def _worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, dict[str, 
     x = torch.randn(args["batch"], args["hidden"], generator=torch.Generator().manual_seed(rank))
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in setups}
     names = list(setups)
-    progress = Progress("optim", rank == 0 and not args["quiet"])
+    progress = worker_progress("optim", rank, args)
     total = args["warmup"] + args["steps"]
     for it in range(total):
         spent = []
@@ -103,7 +103,7 @@ def _worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, dict[str, 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Spawn the gloo processes, return one row per optimizer (max over ranks of the medians)."""
     per_rank = run_ranks(_worker, args.world_size, vars(args), "run a smaller model (--layers, --hidden) or raise "
-                         "--call-budget", threads=args.threads)
+                         "--call-budget", threads=args.threads, progress=Progress("optim", not args.quiet))
     params = args.layers * (args.hidden * args.hidden + args.hidden)
     rows = []
     for name in per_rank[0]:

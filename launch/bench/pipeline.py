@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from launch.bench.pipeline_models import build_layers
 from launch.bench.pipeline_runners import OURS, PER_CHUNK_W, TORCH, Runner, our_runner, single_process, torch_runner
-from launch.bench.progress import BudgetExceeded, Progress, call_budget, run_ranks
+from launch.bench.progress import BudgetExceeded, Progress, call_budget, run_ranks, worker_progress
 from launch.bench.report import LOWER, header, header_line, table, write_json
 from pipeline import schedules
 from pipeline.costs import (CostSamples, action_window, hop_latencies, measured_wait, median_wait, occupied_durations,
@@ -83,7 +83,7 @@ def _time_round_robin(runners: dict[str, Runner], opts: dict) -> dict[str, dict]
     x, target = _data(opts)
     stats = {name: {"step_s": [], "idle": [], "durations": [], "shares": [], "bounds": [], "transfers": [], "peak": 0}
              for name in runners}
-    progress = Progress("pipeline", dist.get_rank() == 0 and not opts["quiet"])
+    progress = worker_progress("pipeline", dist.get_rank(), opts)
     total = opts["warmup"] + opts["steps"] + 1
     for i in range(total):
         if i == 0 or (i + 1) % 5 == 0 or i + 1 == total:
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     print(header_line(head))
     try:
         results = run_ranks(worker, args.world, opts, "run a smaller model (--layers, --hidden, --batch) or raise "
-                            "--call-budget", threads=args.threads)
+                            "--call-budget", threads=args.threads, progress=Progress("pipeline", not args.quiet))
     except BudgetExceeded as err:
         print(f"moe-bench pipeline: stopped: {err}", file=sys.stderr)
         return 3

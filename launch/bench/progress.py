@@ -15,6 +15,7 @@ from dispatch.multiproc import WorkerError, run_processes
 
 EXIT_OVER_BUDGET = 75
 BUDGET_FILE = "budget_report"  # key of the workers' opts: where an over-budget call is reported
+PROGRESS_START = "progress_start"  # key of the workers' opts: the launcher's Progress.start
 
 
 class BudgetExceeded(RuntimeError):
@@ -22,16 +23,16 @@ class BudgetExceeded(RuntimeError):
 
 
 class Progress:
-    """Prints '[moe-bench SUITE  12.3 s] text' on stderr at once (silent when not enabled)."""
+    """Prints '[moe-bench SUITE  12.3 s] text' on stderr at once (silent when not enabled); seconds since start
+    (a time.time() value, e.g. the launching process's Progress.start, so workers count from the same moment)."""
 
-    def __init__(self, suite: str, enabled: bool = True) -> None:
-        self.suite, self.enabled, self.start = suite, enabled, time.perf_counter()
+    def __init__(self, suite: str, enabled: bool = True, start: float | None = None) -> None:
+        self.suite, self.enabled, self.start = suite, enabled, time.time() if start is None else start
 
     def __call__(self, text: str) -> None:
         """One progress line."""
         if self.enabled:
-            print(f"[moe-bench {self.suite} {time.perf_counter() - self.start:6.1f} s] {text}", file=sys.stderr,
-                  flush=True)
+            print(f"[moe-bench {self.suite} {time.time() - self.start:6.1f} s] {text}", file=sys.stderr, flush=True)
 
 
 def _over_budget(seconds: float, what: str, report: str | None) -> None:
@@ -59,10 +60,19 @@ def call_budget(seconds: float | None, what: str, opts: dict[str, Any] | None = 
         timer.cancel()
 
 
+def worker_progress(suite: str, rank: int, opts: dict[str, Any]) -> Progress:
+    """Rank 0's progress lines in a worker (unless opts["quiet"]), timed from the launcher's start."""
+    return Progress(suite, rank == 0 and not opts.get("quiet"), opts.get(PROGRESS_START))
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, opts: dict[str, Any], hint: str, *, backend: str = "gloo",
-              threads: int = 1, timeout_s: float = 3600.0) -> list[Any]:
+              threads: int = 1, timeout_s: float = 3600.0, progress: Progress | None = None) -> list[Any]:
     """run_processes(fn, world_size, opts) where fn(rank, world, opts) may use call_budget(..., opts):
-    a call over budget raises BudgetExceeded naming it, followed by hint (how to make the run smaller)."""
+    a call over budget raises BudgetExceeded naming it, followed by hint (how to make the run smaller).
+    With progress: says that the processes start, and workers' worker_progress counts from its start."""
+    if progress is not None:
+        progress(f"starting {world_size} {backend} processes")
+        opts = {**opts, PROGRESS_START: progress.start}
     with tempfile.TemporaryDirectory(prefix="moe-bench-") as tmp:
         report = Path(tmp) / "over_budget.txt"
         try:
