@@ -131,10 +131,9 @@ def load_run(run_dir: str | Path, name: str | None = None, **budget: int) -> Run
                 record = json.loads(line)
                 if not isinstance(record, dict) or not isinstance(record.get("step"), int):
                     raise ValueError("no integer 'step'")
-            except ValueError:
+                add_record(run, record)
+            except (ValueError, KeyError, TypeError):  # not JSON, or fields of unexpected types or shapes
                 bad.append(count)
-                continue
-            add_record(run, record)
     _note_problems(run, bad, count)
     if not run.records:
         raise RunError(f"{path}: no readable metrics records yet" + (f" ({len(bad)} malformed lines)" if bad else ""))
@@ -157,53 +156,63 @@ def _note_problems(run: Run, bad: list[int], count: int) -> None:
 
 
 def add_record(run: Run, record: dict) -> None:
-    """Add one metrics record (any schema) to the run's bins."""
+    """Add one metrics record (any schema) to the run's bins. Every field is read before anything is added:
+    a field of an unexpected type or shape raises ValueError, KeyError or TypeError and leaves the run as it was."""
     step, first, last = record["step"], run.first_step, run.last_step
-    line_width = _width(first, last, run.line_points)
+    moe = record.get("moe") if isinstance(record.get("moe"), dict) else {}
+    scalars = {key: record[key] for key in SCALARS if isinstance(record.get(key), (int, float))
+               and not isinstance(record[key], bool) and math.isfinite(record[key])}
+    layers = {name: _numbers(values) for name in LAYER_FIGURES
+              if isinstance(values := moe.get(name, record.get(SCHEMA_ONE_KEYS.get(name, ""))), list) and values}
+    losses = {kind: _numbers(values) for kind, values in (moe.get("losses") or {}).items()
+              if isinstance(values, list) and values}
+    load = _matrix(moe["load"]) if "load" in moe else None
+    bias = _matrix(moe["bias"]) if "bias" in moe else None
+    traffic = record.get("traffic") if isinstance(record.get("traffic"), dict) else {}
+    rank_bytes = _matrix(traffic["rank_bytes"]).astype(np.int64) if "rank_bytes" in traffic else None
+    total = 0 if rank_bytes is None else rank_bytes.sum()
+    node_bytes = np.asarray(traffic.get("node_bytes", [[total]]), dtype=np.int64)
+
     schema = record.get("schema", 1)
     run.schemas.add(schema if isinstance(schema, int) else 0)
     run.records += 1
-    for key in SCALARS:
-        value = record.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            run.scalars.setdefault(key, Bins(first, line_width)).add(step, value)
-    moe = record.get("moe") if isinstance(record.get("moe"), dict) else {}
-    layer_values = {name: moe.get(name, record.get(SCHEMA_ONE_KEYS.get(name, ""))) for name in LAYER_FIGURES}
-    for name, values in layer_values.items():
-        if isinstance(values, list) and values:
-            run.num_layers = max(run.num_layers, len(values))
-            run.layers.setdefault(name, Bins(first, line_width)).add(step, _numbers(values))
-    for kind, values in (moe.get("losses") or {}).items():
-        if isinstance(values, list) and values:
-            run.losses.setdefault(kind, Bins(first, line_width)).add(step, _numbers(values))
-    if "load" in moe:
-        load = decode_array(moe["load"]).astype(np.float64)
+    line_width = _width(first, last, run.line_points)
+    for key, value in scalars.items():
+        run.scalars.setdefault(key, Bins(first, line_width)).add(step, value)
+    for name, values in layers.items():
+        run.num_layers = max(run.num_layers, len(values))
+        run.layers.setdefault(name, Bins(first, line_width)).add(step, values)
+    for kind, values in losses.items():
+        run.losses.setdefault(kind, Bins(first, line_width)).add(step, values)
+    if load is not None:
         run.num_experts = load.shape[1]
-        ratio = load / np.maximum(load.mean(axis=1, keepdims=True), 1e-12)
         if run.load is None:
             run.load = Bins(first, _width(first, last, run.heat_bytes // (load.size * 4)))
-        run.load.add(step, ratio)
-    if "bias" in moe:
-        bias = decode_array(moe["bias"])
+        run.load.add(step, load / np.maximum(load.mean(axis=1, keepdims=True), 1e-12))
+    if bias is not None:
         if run.bias is None:
             run.bias = Bins(first, _width(first, last, run.bias_bytes // (bias.size * 4)))
         run.bias.add(step, bias)
-    _add_traffic(run, record.get("traffic"))
-    ranks = record.get("ranks")
-    if isinstance(ranks, dict):
-        _add_ranks(run, ranks)
+    if rank_bytes is not None:
+        _add_traffic(run, rank_bytes, node_bytes)
+    if isinstance(record.get("ranks"), dict):
+        _add_ranks(run, record["ranks"])
 
 
 def _numbers(values: list) -> np.ndarray:
     return np.array([np.nan if v is None else v for v in values], dtype=np.float64)
 
 
-def _add_traffic(run: Run, traffic: dict | None) -> None:
+def _matrix(encoded: dict) -> np.ndarray:
+    """A [rows, columns] array from its encode_array form; ValueError for another shape."""
+    array = decode_array(encoded).astype(np.float64)
+    if array.ndim != 2:
+        raise ValueError(f"expected a 2-d array, got shape {list(array.shape)}")
+    return array
+
+
+def _add_traffic(run: Run, ranks: np.ndarray, nodes: np.ndarray) -> None:
     """Sum the byte matrices over the run (a layout change mid-run keeps the latest layout's sums)."""
-    if not isinstance(traffic, dict) or "rank_bytes" not in traffic:
-        return
-    ranks = decode_array(traffic["rank_bytes"]).astype(np.int64)
-    nodes = np.asarray(traffic.get("node_bytes", [[int(ranks.sum())]]), dtype=np.int64)
     if run.rank_bytes is None or run.rank_bytes.shape != ranks.shape or run.node_bytes.shape != nodes.shape:
         run.rank_bytes, run.node_bytes = np.zeros_like(ranks), np.zeros_like(nodes)
     run.rank_bytes += ranks

@@ -93,6 +93,12 @@ def test_bad_input_gives_a_message_or_a_partial_view(tmp_path, capsys):
     charts = {chart["id"]: chart["figure"] for chart in data["charts"]}
     assert charts["imbalance-0"]["data"] and not charts["traffic-0"]["data"]  # traffic: a 'missing' chart
     assert "no dispatch traffic" in charts["traffic-0"]["layout"]["annotations"][0]["text"]
+    (tmp_path / "odd").mkdir()
+    odd = [*records(2), {"schema": 2, "step": 2, "moe": {"load": {"dtype": "int32", "shape": [3], "base64": "AA"}}},
+           {"schema": 2, "step": 3, "loss": 9.0, "moe": {"max_over_mean": ["high"]}}, *records(5)[4:]]
+    run = load_run(write_run(tmp_path / "odd", odd))
+    assert run.records == 3 and "2 malformed lines left out (first: record 3)" in run.notes
+    assert run.scalars["loss"].series()[1].tolist() == [5.0, 4.9, 4.6]  # nothing of the bad records kept
     (tmp_path / "new").mkdir()
     run = load_run(write_run(tmp_path / "new", [{**r, "schema": 3} for r in records(2)]))
     assert run.records == 2 and any("newer schema 3" in note for note in run.notes)
