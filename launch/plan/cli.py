@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -95,13 +96,12 @@ def run(args: argparse.Namespace) -> dict:
                 for i, p in enumerate(result.ranked[:args.top])]
         print(f"{len(result.ranked)} layouts fit on {args.gpus} x {machine.gpu.name}, {len(result.cut)} cut")
         print(table(["#", "layout", "recompute", "peak GB", "idle", "step s", "tok/s/GPU", "MFU"], rows))
-        reasons: dict[str, int] = {}
+        kinds: dict[str, list[str]] = {}  # reasons that differ only in their numbers, one example each
         for _, why in result.cut:
-            key = why.split(":")[0] if why.startswith("does not fit") else why
-            reasons[key] = reasons.get(key, 0) + 1
-        print("cut:")
-        for why, count in sorted(reasons.items(), key=lambda kv: -kv[1]):
-            print(f"  {count:5d}  {why}")
+            kinds.setdefault(re.sub(r"\d+(\.\d+)?", "#", why), []).append(why)
+        print("cut (count, one example of each kind of reason):")
+        for examples in sorted(kinds.values(), key=len, reverse=True):
+            print(f"  {len(examples):5d}  {examples[0]}")
         return {"ranked": [to_dict(p) for p in result.ranked], "cut": [{"layout": l, "reason": r}
                                                                       for l, r in result.cut]}
     if args.gpus is not None and args.gpus != par.world_size:
