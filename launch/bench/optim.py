@@ -34,6 +34,7 @@ from optim.memory import optimizer_state_bytes
 from optim.zero1 import COLLECTIVES, ZeRO1
 
 PEER = "zero_redundancy"
+SHAPE = ("layers", "hidden", "batch")  # with world_size and the optimizer, what identifies a row
 
 
 def _mlp(layers: int, hidden: int) -> nn.Module:
@@ -112,7 +113,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                      "opt_ms": max(r[name]["opt_ms"] for r in per_rank),
                      "optimizer_state_bytes": max(r[name]["optimizer_state_bytes"]
                                                   for r in per_rank),
-                     "params": params})
+                     "params": params, **{name: getattr(args, name) for name in SHAPE}})
         rows[-1]["bytes_per_param"] = rows[-1]["optimizer_state_bytes"] / params
     peer_ms = next(r["step_ms"] for r in rows if r["optimizer"] == PEER)
     for row in rows:
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
           "iterations (max over ranks)")
     print(table(rows, COLUMNS, left=1))
     if args.json:
-        write_json(args.json, head, rows, ["optimizer", "world_size"], {"step_ms": LOWER, "opt_ms": LOWER})
+        write_json(args.json, head, rows, ["optimizer", "world_size", *SHAPE], {"step_ms": LOWER, "opt_ms": LOWER})
     return 0
 
 

@@ -290,5 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         print(format_wait_summary(rows))
         print(WAIT_CAPTION)
     if args.json:
-        write_json(args.json, head, rows, ["schedule", "world_size", "num_chunks"], {"step_ms": LOWER})
+        shape = {name: getattr(args, name) for name in ("model", "layers", "hidden", "batch", "ep_overlap")}
+        write_json(args.json, head, [{**row, **shape} for row in rows], ["schedule", "world_size", "num_chunks", *shape],
+                   {"step_ms": LOWER})
     return 0
