@@ -14,8 +14,8 @@ from launch.dashboard.runs import Run
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
 BASE_LAYOUT = {"template": go.layout.Template(), "margin": {"l": 60, "r": 20, "t": 40, "b": 40},
                "font": {"size": 11}}
-CURVES = (("lm_loss", "loss"), ("eval_lm_loss", "loss"), ("lr", "learning rate"), ("grad_norm", "grad norm"),
-          ("tokens_per_s", "tokens/s"))
+CURVE_CELLS = {"lm_loss": (1, 1), "eval_lm_loss": (1, 1), "lr": (1, 2), "grad_norm": (2, 1), "tokens_per_s": (2, 2)}
+"""Subplot (row, column) of each scalar in the training-curves view."""
 
 
 def as_dict(figure: go.Figure) -> dict:
@@ -42,14 +42,12 @@ def curves_figure(runs: list[Run]) -> dict:
     """Loss (with eval), LR, grad norm and tokens/s over steps, every run overlaid."""
     figure = make_subplots(rows=2, cols=2, subplot_titles=("LM loss (dashed: eval)", "learning rate",
                                                            "grad norm", "tokens/s"), vertical_spacing=0.14)
-    cells = {"lm_loss": (1, 1), "eval_lm_loss": (1, 1), "lr": (1, 2), "grad_norm": (2, 1), "tokens_per_s": (2, 2)}
     for index, run in enumerate(runs):
         color = COLORS[index % len(COLORS)]
-        for key, _ in CURVES:
+        for key, (row, col) in CURVE_CELLS.items():
             if key not in run.scalars:
                 continue
             steps, values = run.scalars[key].series()
-            row, col = cells[key]
             figure.add_trace(go.Scatter(x=steps.astype(np.float32), y=values.astype(np.float32), mode="lines",
                                         name=f"{run.name}: {key}", legendgroup=run.name,
                                         line={"color": color, "dash": "dash" if key.startswith("eval") else "solid"}),
