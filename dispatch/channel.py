@@ -57,7 +57,7 @@ class Channel:
         row_bytes = rows.element_size() * math.prod(rows.shape[1:])
         for peer, count in enumerate(send_splits):
             if peer != self.rank and count:
-                self.meter.add(kind, not self.topology.same_node(self.rank, peer), part, count * row_bytes)
+                self.meter.add(kind, not self.topology.same_node(self.rank, peer), part, count * row_bytes, peer)
         out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
         work = dist.all_to_all_single(out, rows, recv_splits, send_splits, group=self.group, async_op=True)
         return Pending(work, lambda: out, keep=rows)

@@ -38,18 +38,27 @@ class Traffic:
 
 
 class TrafficMeter:
-    """Per-call (`last`) and cumulative (`total`) traffic by call kind ("dispatch", "combine_backward", ...)."""
+    """Per-call (`last`) and cumulative (`total`) traffic by call kind ("dispatch", "combine_backward", ...),
+    and cumulative bytes by destination rank of the group over all kinds (`sent_to`)."""
 
     def __init__(self) -> None:
         self.last: dict[str, Traffic] = {}
         self.total: dict[str, Traffic] = {}
+        self.sent_to: dict[int, int] = {}
 
     def start(self, kind: str) -> None:
         """Begin a new call of kind: its `last` counter restarts at zero."""
         self.last[kind] = Traffic()
         self.total.setdefault(kind, Traffic())
 
-    def add(self, kind: str, inter: bool, part: str, nbytes: int) -> None:
-        """Count bytes of the current call of kind."""
+    def add(self, kind: str, inter: bool, part: str, nbytes: int, peer: int | None = None) -> None:
+        """Count bytes of the current call of kind (sent to group rank peer, when given)."""
         self.last[kind].add(inter, part, nbytes)
         self.total[kind].add(inter, part, nbytes)
+        if peer is not None:
+            self.sent_to[peer] = self.sent_to.get(peer, 0) + nbytes
+
+    def clear(self) -> None:
+        """Restart every cumulative counter (a new training step)."""
+        self.total.clear()
+        self.sent_to.clear()

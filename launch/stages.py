@@ -122,7 +122,7 @@ class Stage(nn.Module):
         for layer in self.moe_layers().values():
             meter = getattr(layer.dispatcher, "meter", None)
             if meter is not None:
-                meter.total.clear()
+                meter.clear()
 
     def forward_steps(self, x: Tensor) -> Generator[Any, None, Tensor]:
         """tokens [B, S] (first stage) or hidden [B, S, H] -> hidden, or logits on the last stage;

@@ -27,7 +27,8 @@ from launch.config import RunConfig
 from launch.data import ByteTokenizer, PackedBatches, load_token_stream
 from launch.faults import Preemption, StepGuard, Watchdog
 from launch.mesh import Mesh
-from launch.metrics import JsonlWriter, expert_load_summary
+from launch.metrics import (JsonlWriter, expert_load_summary, model_flops_per_token, moe_layer_metrics,
+                            peak_flops_for_device, rank_metrics, step_record, throughput_metrics, traffic_metrics)
 from launch.stages import Stage, build_stages, lm_loss
 from moe.model import MoETransformer
 from optim import ZeRO1
@@ -69,8 +70,9 @@ def build_model(cfg: RunConfig, mesh: Mesh) -> tuple[list[Stage], PipelineRuntim
         for stage in stages:
             for layer in stage.moe_layers().values():
                 layer.to_expert_parallel(EPDispatcher(
-                    cfg.model.num_experts, group=mesh.ep, gpus_per_node=mesh.layout.ep_gpus_per_node(),
-                    backend=par.dispatch_backend, payload=par.dispatch_payload))
+                    cfg.model.num_experts, group=mesh.ep, grad_group=mesh.ep_grad,
+                    gpus_per_node=mesh.layout.ep_gpus_per_node(), backend=par.dispatch_backend,
+                    payload=par.dispatch_payload))
     if par.pp == 1:
         return stages, None
     runtime = RUNTIMES[par.schedule](stages, process_group=mesh.pipeline, split_bw=par.split_bw,
@@ -132,23 +134,27 @@ def forward_backward(stages: list[Stage], runtime: PipelineRuntime | None, micro
 
 def gather_step_stats(stages: list[Stage], cfg: RunConfig, lm_part: float) -> dict:
     """Sum the step's losses and per-layer routing statistics over every rank (each layer counted once
-    per micro-batch, DualPipe's twin copies seeing disjoint chunks)."""
+    per micro-batch, DualPipe's twin copies seeing disjoint chunks); expert biases averaged over their holders."""
     first_moe = cfg.model.first_k_dense
     layers, experts = cfg.model.num_moe_layers, cfg.model.num_experts
     loads = torch.zeros(layers, experts, dtype=torch.float64)
-    extra = torch.zeros(layers, 2 + len(LOSS_KINDS), dtype=torch.float64)  # dropped, aux, losses by kind
+    biases = torch.zeros(layers, experts, dtype=torch.float64)
+    extra = torch.zeros(layers, 3 + len(LOSS_KINDS), dtype=torch.float64)  # dropped, aux, holders, losses by kind
     for stage in stages:
-        for i, tally in stage.tallies.items():
+        for i, layer in stage.moe_layers().items():
+            tally = stage.tallies[i]
             loads[i - first_moe] += tally.tokens_per_expert.double()
-            extra[i - first_moe] += torch.stack([tally.dropped.double(), tally.aux_loss, *(
+            biases[i - first_moe] += layer.router.expert_bias.detach().double().cpu()
+            extra[i - first_moe] += torch.stack([tally.dropped.double(), tally.aux_loss, torch.tensor(1.0).double(), *(
                 torch.as_tensor(tally.losses.get(k, 0.0), dtype=torch.float64) for k in LOSS_KINDS)])
         stage.reset_tallies()
-    flat = torch.cat([torch.tensor([lm_part], dtype=torch.float64), loads.flatten(), extra.flatten()])
+    parts = [torch.tensor([lm_part], dtype=torch.float64), loads, biases, extra]
+    flat = torch.cat([p.flatten() for p in parts])
     dist.all_reduce(flat)
-    loads = flat[1:1 + loads.numel()].view_as(loads)
-    extra = flat[1 + loads.numel():].view_as(extra)
+    _, loads, biases, extra = (chunk.view_as(p) for chunk, p in zip(flat.split([p.numel() for p in parts]), parts))
     return {"lm_loss": flat[0].item(), "loads": [row.long() for row in loads], "dropped": extra[:, 0],
-            "aux_loss": extra[:, 1].sum().item(), "losses": extra[:, 2:]}
+            "aux_loss": extra[:, 1].sum().item(), "biases": biases / extra[:, 2:3].clamp(min=1),
+            "losses": [dict(zip(LOSS_KINDS, row.tolist())) for row in extra[:, 3:]]}
 
 
 def update_expert_bias(stages: list[Stage], cfg: RunConfig, loads: list[Tensor]) -> None:
@@ -159,22 +165,26 @@ def update_expert_bias(stages: list[Stage], cfg: RunConfig, loads: list[Tensor])
                 layer.router.update_bias(loads[i - cfg.model.first_k_dense])
 
 
-def rank_figures(idle: float) -> list[list[float]]:
-    """[peak memory MiB, pipeline idle fraction] of every rank (a collective)."""
+def rank_figures(idle: float) -> dict:
+    """The "ranks" metrics section: every rank's peak memory and pipeline idle fraction (a collective)."""
     if torch.cuda.is_available():
-        peak = torch.cuda.max_memory_allocated() / 2**20
+        peak = torch.cuda.max_memory_allocated()
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     table = torch.zeros(dist.get_world_size(), 2, dtype=torch.float64)
     table[dist.get_rank()] = torch.tensor([peak, idle], dtype=torch.float64)
     dist.all_reduce(table)
-    return [[round(v, 4) for v in row] for row in table.tolist()]
+    return rank_metrics(table[:, 0].long().tolist(), table[:, 1].tolist())
 
 
-def step_traffic(stages: list[Stage]) -> dict[str, list[list[int]]]:
-    """Bytes each rank's EP dispatchers sent this step, by call kind: per rank [intra payload, inter
-    payload, intra meta, inter meta] (a collective; Stage.reset_tallies restarts the counters)."""
-    table = torch.zeros(dist.get_world_size(), len(TRAFFIC_KINDS), len(TRAFFIC_FIELDS), dtype=torch.float64)
+def step_traffic(stages: list[Stage], mesh: Mesh) -> dict:
+    """Bytes the EP dispatchers sent this step (a collective; Stage.reset_tallies restarts the counters):
+    "traffic_bytes" by call kind, per rank [intra payload, inter payload, intra meta, inter meta], and
+    the "traffic" section's EP-peer matrix, summed over EP groups by position."""
+    world, ep = dist.get_world_size(), mesh.layout.ep
+    by_kind = torch.zeros(world, len(TRAFFIC_KINDS), len(TRAFFIC_FIELDS), dtype=torch.float64)
+    peers = torch.zeros(ep, ep, dtype=torch.float64)
+    me = dist.get_rank(mesh.ep)
     for stage in stages:
         for layer in stage.moe_layers().values():
             meter = getattr(layer.dispatcher, "meter", None)
@@ -182,10 +192,27 @@ def step_traffic(stages: list[Stage]) -> dict[str, list[list[int]]]:
                 continue
             for k, kind in enumerate(TRAFFIC_KINDS):
                 counts = meter.total.get(kind, Traffic())
-                table[dist.get_rank(), k] += torch.tensor([getattr(counts, f) for f in TRAFFIC_FIELDS],
-                                                          dtype=torch.float64)
-    dist.all_reduce(table)
-    return {kind: table[:, k].long().tolist() for k, kind in enumerate(TRAFFIC_KINDS)}
+                by_kind[dist.get_rank(), k] += torch.tensor([getattr(counts, f) for f in TRAFFIC_FIELDS],
+                                                            dtype=torch.float64)
+            for peer, nbytes in meter.sent_to.items():
+                peers[me, peer] += nbytes
+    flat = torch.cat([by_kind.flatten(), peers.flatten()])
+    dist.all_reduce(flat)
+    by_kind, peers = flat[:by_kind.numel()].view_as(by_kind), flat[by_kind.numel():].view_as(peers)
+    return {"traffic_bytes": {kind: by_kind[:, k].long().tolist() for k, kind in enumerate(TRAFFIC_KINDS)},
+            **traffic_metrics(peers.long().tolist(), mesh.layout.ep_gpus_per_node() if ep > 1 else 0)}
+
+
+def step_metrics(step: int, cfg: RunConfig, stats: dict, scalars: dict, tokens: int, seconds: float) -> dict:
+    """The step's metrics record (launch/dashboard/SCHEMA.md): scalars, throughput and MFU, the "moe" section."""
+    peak = (peak_flops_for_device(torch.cuda.get_device_name()) if torch.cuda.is_available() else None)
+    return step_record(step, {"loss": stats["lm_loss"] + stats["aux_loss"], "lm_loss": stats["lm_loss"],
+                              "aux_loss": stats["aux_loss"], "dropped_tokens": int(stats["dropped"].sum())},
+                       scalars, throughput_metrics(tokens, seconds, model_flops_per_token(cfg.model, cfg.train.seq_len),
+                                                   peak * cfg.parallel.world_size if peak else None),
+                       expert_load_summary(stats["loads"]),
+                       moe_layer_metrics(stats["loads"], stats["biases"].numpy(), stats["dropped"].long().tolist(),
+                                         stats["losses"]))
 
 
 @torch.no_grad()
@@ -273,7 +300,7 @@ def _loop(cfg: RunConfig, mesh: Mesh, stages: list[Stage], runtime: PipelineRunt
         compute_s = time.perf_counter() - began
         grad_norm = optimizer.clip_grad_norm_(settings.grad_clip, group=mesh.world)
         lr = scheduler.get_last_lr()[0]
-        traffic = step_traffic(stages)
+        traffic = step_traffic(stages, mesh)
         stats = gather_step_stats(stages, cfg, lm_part)
         status = guard.verdict(step, stats["lm_loss"] + stats["aux_loss"], grad_norm.item())
         if status == "ok":
@@ -284,12 +311,9 @@ def _loop(cfg: RunConfig, mesh: Mesh, stages: list[Stage], runtime: PipelineRunt
             skipped += 1
         figures = rank_figures(1 - busy / compute_s if runtime is not None else 0.0)
         elapsed = time.perf_counter() - began
-        record = {"step": step, "loss": stats["lm_loss"] + stats["aux_loss"], "lm_loss": stats["lm_loss"],
-                  "aux_loss": stats["aux_loss"], "grad_norm": grad_norm.item(), "lr": lr,
-                  "tokens_per_s": global_tokens / elapsed, "dropped_tokens": int(stats["dropped"].sum()),
-                  **expert_load_summary(stats["loads"]),
-                  "peak_memory_mib": [row[0] for row in figures], "pipeline_idle": [row[1] for row in figures],
-                  "traffic_bytes": traffic, "step_status": status, "skipped_steps": skipped}
+        record = step_metrics(step, cfg, stats, {"grad_norm": grad_norm.item(), "lr": lr, "step_status": status,
+                                                 "skipped_steps": skipped}, global_tokens, elapsed)
+        record.update(traffic, **figures)
         if status == "spike" and cfg.ops.spike_policy == "rollback":
             back = checkpointer.load(state, restore_data=False)  # 0: no checkpoint yet, the spike is only skipped
             if back:

@@ -61,8 +61,9 @@ def measure(name: str, run: dict, warmup: int) -> dict:
     tokens = cfg.train.grad_accum_steps * cfg.train.micro_batch_size * cfg.train.seq_len
     return {"layout": name, "ranks": cfg.parallel.world_size, "tokens_per_s": tokens_per_s,
             "step_ms": 1000 * tokens / tokens_per_s,
-            "pipeline_idle": statistics.mean(statistics.mean(r["pipeline_idle"]) for r in timed),
-            "peak_memory_mib": max(max(r["peak_memory_mib"]) for r in timed), "last_loss": records[-1]["lm_loss"]}
+            "pipeline_idle": statistics.mean(statistics.mean(r["ranks"]["pipeline_idle_fraction"]) for r in timed),
+            "peak_memory_mib": max(max(r["ranks"]["peak_memory_bytes"]) for r in timed) / 2**20,
+            "last_loss": records[-1]["lm_loss"]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,12 +7,14 @@ parameters, consolidated from the per-rank checkpoints, to calc_diff < 1e-12.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from dispatch.multiproc import run_processes
 from launch.checkpoint import consolidate
 from launch.config import build_config
+from launch.metrics import decode_array
 from launch.train import train
 
 STEPS = 5
@@ -66,6 +68,15 @@ def check_node_limit(records: list[dict], raw: dict) -> None:
         assert 0 < inter <= bound, (record["step"], inter, bound)
 
 
+def check_traffic_matrix(record: dict) -> None:
+    """The per-peer matrix accounts for every byte the per-kind counters saw (payload and metadata)."""
+    counted = sum(sum(rank) for rank in (row for kind in record["traffic_bytes"].values() for row in kind))
+    matrix = decode_array(record["traffic"]["rank_bytes"])
+    assert matrix.sum() == counted
+    assert record["traffic"]["inter_node_bytes"] == sum(
+        rank[1] + rank[3] for kind in record["traffic_bytes"].values() for rank in kind)
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("corpus") / "text.txt"
@@ -99,6 +110,9 @@ def test_layout_equals_single_process(layout, corpus, reference, tmp_path):
                 assert got[key] == pytest.approx(want[key], rel=1e-10, abs=1e-14), (name, got["step"], key)
             assert got["dropped_tokens"] == want["dropped_tokens"], (name, got["step"])
             assert got["expert_load_max_over_mean"] == want["expert_load_max_over_mean"], (name, got["step"])
+            for field in ("load", "bias"):  # full per-expert counts summed over ranks, biases of every layer
+                assert np.array_equal(decode_array(got["moe"][field]), decode_array(want["moe"][field])), field
+            check_traffic_matrix(got)
         if ROUTING[name] is not None:
             assert sum(r["dropped_tokens"] for r in records) > 0
         if parallel.get("dispatch_backend") == "hierarchical":
