@@ -3,6 +3,7 @@ refused damaged checkpoints, a rank killed mid-save, keep-last-N, async saves, e
 
 Model and data are test_equivalence's tiny float64 config; every resumed run is compared with one
 uninterrupted single-process run of 6 steps (losses to 1e-10 relative, final parameters by calc_diff).
+Runs cut at step 3 are configured for 3 steps: the 3 warmup steps keep their LRs those of the 6-step run.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ DP2_EP2 = {"dp": 2, "ep": 2}
 
 def config(run_dir, corpus: str, parallel: dict, steps: int = STEPS, every: int = 0, **ops) -> dict:
     raw = raw_config(str(run_dir), corpus, parallel, None)
-    raw["train"].update(steps=steps, checkpoint_every=every)
+    raw["train"].update(steps=steps, checkpoint_every=every, warmup_steps=HALF)  # LRs of steps < HALF: any train.steps
     raw["ops"] = ops
     return raw
 
