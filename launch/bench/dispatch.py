@@ -11,6 +11,7 @@ checked against the prediction made from the routing alone. --sweep runs a grid 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -33,7 +34,15 @@ from launch.bench.report import HIGHER, LOWER, header, header_line, table, write
 from launch.bench.sweep import point_argv, point_label, sweep_axes, sweep_points
 
 V3_HIDDEN = 7168
-GPU_TOKENS, CPU_TOKENS = 4096, 1024
+GPU_TOKENS, CPU_TOKENS, SMALL_CPU_TOKENS = 4096, 1024, 512  # default tokens per rank
+
+
+def default_tokens(comm: str, nproc: int) -> int:
+    """GPU_TOKENS on GPUs; on CPU, CPU_TOKENS with a core per process, SMALL_CPU_TOKENS when processes share cores
+    (the one-hot peer's cost grows with tokens^2)."""
+    if comm == "nccl":
+        return GPU_TOKENS
+    return CPU_TOKENS if (os.cpu_count() or 1) >= nproc else SMALL_CPU_TOKENS
 TOLERANCE = {"bf16": 1e-4, "fp8": 2e-3}  # calc_diff of combine(dispatch(x)) against x * kept weights
 SHAPE = ("tokens", "hidden", "experts", "top_k", "nproc", "gpus_per_node", "routing")
 KEY = ["section", "backend", "payload", "point", *SHAPE]  # rows of runs at other shapes do not match
@@ -177,7 +186,8 @@ def machine_notes(args: argparse.Namespace, tokens_given: bool) -> list[str]:
     notes = []
     if not tokens_given:
         notes.append(f"default --tokens {args.tokens} per rank chosen for this machine "
-                     f"({GPU_TOKENS} when every rank has a GPU, {CPU_TOKENS} on CPU)")
+                     f"({GPU_TOKENS} when every rank has a GPU; on CPU {CPU_TOKENS} with a core per process, "
+                     f"{SMALL_CPU_TOKENS} when the {args.nproc} processes share {os.cpu_count()} cores)")
     if args.comm != "nccl" and peer_compute_dtype(args.comm) == torch.float32:
         notes.append("this CPU has no native bf16 (no AVX512-BF16/AMX): the one-hot and per-expert peers compute in "
                      "float32; rows still travel as bf16 (or fp8) and counts are unchanged")
@@ -200,7 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-bench dispatch", description=__doc__.splitlines()[0])
     add = p.add_argument
     add("--tokens", type=int, default=None,
-        help=f"tokens per rank (default {GPU_TOKENS} on GPUs, {CPU_TOKENS} on CPU)")
+        help=f"tokens per rank (default {GPU_TOKENS} on GPUs; on CPU {CPU_TOKENS}, or {SMALL_CPU_TOKENS} when the "
+             "processes outnumber the cores)")
     add("--hidden", type=int, default=1024)
     add("--experts", type=int, default=32)
     add("--top-k", type=int, default=8)
@@ -235,7 +246,7 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """p.error naming the first option out of range or a shape the routing cannot take; fills in defaults."""
     args.tokens_given = args.tokens is not None
     if args.tokens is None:
-        args.tokens = GPU_TOKENS if args.comm == "nccl" else CPU_TOKENS
+        args.tokens = default_tokens(args.comm, args.nproc)
     for name in ("tokens", "hidden", "experts", "top_k", "nproc", "gpus_per_node", "repeats", "threads", "v3_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
