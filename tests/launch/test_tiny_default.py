@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from launch.checkpoint import latest_valid, step_folder
 from launch.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,4 +20,5 @@ def test_tiny_config_cuts_lm_loss_by_40_percent_in_200_steps(tmp_path):
     records = read_jsonl(metrics)
     assert [r["step"] for r in records] == list(range(200))
     assert records[-1]["lm_loss"] <= 0.6 * records[0]["lm_loss"]
-    assert (tmp_path / "run" / "checkpoint" / "complete.pt").is_file()
+    root = tmp_path / "run" / "checkpoint"
+    assert latest_valid(root) == step_folder(root, 200)
