@@ -11,6 +11,7 @@ from pathlib import Path
 from launch.faults import OpsSettings
 from launch.mesh import Layout
 from moe.config import ModelConfig, check_choice, check_positive
+from moe.tp import check_tp_shapes
 
 DTYPES = ("float32", "bfloat16", "float64")
 
@@ -168,8 +169,7 @@ class RunConfig:
                              f"{par.pp}: it needs >= {minimum}{even} chunks per pipeline step (raise "
                              f"train.grad_accum_steps or parallel.num_chunks)")
 
-        if par.tp != 1:
-            raise ValueError(f"parallel.tp = {par.tp}: tensor parallelism is not wired into moe-train yet; allowed: 1")
+        check_tp_shapes(model, self.train.seq_len, par.tp, par.sequence_parallel)
         layout = self.layout
         nodes = layout.ep_nodes()
         if nodes > 1 and layout.ep_gpus_per_node() and model.topk_groups < model.num_groups and model.num_groups % nodes:

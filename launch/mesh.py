@@ -14,6 +14,8 @@ from itertools import product
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from moe.tp import check_tp_group
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -132,6 +134,8 @@ class Mesh:
         self.pipeline = self._mine(layout.pipeline_groups())
         self.dp = self._mine(layout.dp_groups())
         self.tp = self._mine(layout.tp_groups())
+        self.tp_grad = self._mine(layout.tp_groups())  # TP collectives of backward, in flight beside a forward's
+        check_tp_group(self.tp, layout.tp)
         self.ep = self._mine(layout.ep_groups())
         self.ep_grad = self._mine(layout.ep_groups())  # EP gradient exchanges, in flight beside the forward's
         self.expert_dp = self._mine(layout.expert_dp_groups())

@@ -12,6 +12,8 @@ from torch import Tensor, nn
 from moe.config import ModelConfig
 from moe.layer import MoELayer, MoEStats
 from moe.model import MoETransformer, rope_tables
+from moe.tp import TPRegion, vocab_parallel_cross_entropy
+from moe.tp import concurrent_backward as tp_concurrent_backward
 from pipeline.overlap import complete
 
 
@@ -90,7 +92,7 @@ class LayerTally:
 
 class Stage(nn.Module):
     """A contiguous run of an MoETransformer's layers: the first stage embeds tokens, the last applies
-    the final norm and LM head (its output is logits). Router losses are scaled by loss_scale (the
+    the final norm and LM head (its output is logits: under TP this rank's vocab block). Router losses are scaled by loss_scale (the
     micro-batch's share of the step's loss) and injected into backward here; statistics are tallied."""
 
     def __init__(self, model: MoETransformer, layers: range, first: bool, last: bool, loss_scale: float) -> None:
@@ -101,6 +103,7 @@ class Stage(nn.Module):
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
         self.norm = model.norm if last else None
         self.lm_head = model.lm_head if last else None
+        self.tp: TPRegion | None = model.tp  # under TP+SP the residual stream holds S/tp positions
         self.loss_scale = loss_scale
         self.tallies: dict[int, LayerTally] = {}
         self.reset_tallies()
@@ -112,8 +115,8 @@ class Stage(nn.Module):
     @property
     def concurrent_backward(self) -> bool:
         """Whether this stage's backward may run beside another chunk's forward (pipeline.overlap): true
-        when every MoE layer exchanges gradients on a group of its own."""
-        return all(layer.concurrent_backward for layer in self.moe_layers().values())
+        when every MoE layer and TP region exchanges gradients on a group of its own."""
+        return all(layer.concurrent_backward for layer in self.moe_layers().values()) and tp_concurrent_backward(self)
 
     def reset_tallies(self) -> None:
         """Start a new step's routing statistics and EP traffic counters."""
@@ -129,14 +132,16 @@ class Stage(nn.Module):
         pauses while an MoE layer's communication is in flight (pipeline.overlap)."""
         if self.embed is not None:
             x = self.embed(x)
-        cos, sin = rope_tables(x.shape[1], self.cfg.hidden_size // self.cfg.num_heads, self.cfg.rope_theta, x.device)
+        seq = x.shape[1] * (self.tp.size if self.tp is not None and self.tp.sequence_parallel else 1)
+        cos, sin = rope_tables(seq, self.cfg.hidden_size // self.cfg.num_heads, self.cfg.rope_theta, x.device)
         for i, block in self.blocks.items():
             x, stats = yield from block.forward_steps(x, cos, sin)
             if stats is not None:
                 self.tallies[int(i)].add(stats, self.loss_scale)
                 x = AuxLossGrad.apply(x, stats.aux_loss * self.loss_scale)
         if self.lm_head is not None:
-            x = self.lm_head(self.norm(x))
+            x = self.norm(x)
+            x = self.lm_head(x if self.tp is None else self.tp.enter(x))
         return x
 
     def forward(self, x: Tensor) -> Tensor:
@@ -144,9 +149,12 @@ class Stage(nn.Module):
         return complete(self.forward_steps(x))
 
 
-def lm_loss(logits: Tensor, labels: Tensor, scale: float) -> Tensor:
-    """Mean next-token cross-entropy of one micro-batch times its share of the step's loss."""
+def lm_loss(logits: Tensor, labels: Tensor, scale: float, tp: TPRegion | None = None) -> Tensor:
+    """Mean next-token cross-entropy of one micro-batch times its share of the step's loss; under TP
+    logits are this rank's vocab block and the loss is the same scalar on every TP rank."""
     logits = logits.flatten(0, 1)
+    if tp is not None:
+        return vocab_parallel_cross_entropy(logits, labels.flatten(), tp.group) * scale
     return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels.flatten()) * scale
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import resource
 import time
 from pathlib import Path
@@ -31,6 +32,7 @@ from launch.metrics import (JsonlWriter, expert_load_summary, model_flops_per_to
                             peak_flops_for_device, rank_metrics, step_record, throughput_metrics, traffic_metrics)
 from launch.stages import Stage, build_stages, lm_loss
 from moe.model import MoETransformer
+from moe.tp import tp_replicated_params
 from optim import ZeRO1
 from optim.lr_schedule import warmup_cosine
 from pipeline import ZB1P, DualPipe, DualPipeV, OneFOneB, PipelineRuntime, build
@@ -59,6 +61,8 @@ def build_model(cfg: RunConfig, mesh: Mesh) -> tuple[list[Stage], PipelineRuntim
     par = cfg.parallel
     torch.manual_seed(cfg.train.seed)
     model = MoETransformer(cfg.model).to(getattr(torch, cfg.train.dtype))
+    if par.tp > 1:  # before the runtime is built, so its B/W split patches every TP linear
+        model.to_tensor_parallel(mesh.tp, par.sequence_parallel, grad_group=mesh.tp_grad)
     loss_scale = 1.0 / cfg.train.grad_accum_steps  # each micro-batch's share of the step's mean loss
     if par.pp == 1:
         stages = build_stages(model, cfg.train.seq_len, 1, [0], loss_scale)
@@ -80,19 +84,39 @@ def build_model(cfg: RunConfig, mesh: Mesh) -> tuple[list[Stage], PipelineRuntim
     return stages, runtime
 
 
+def tp_partial_params(stages: list[Stage]) -> list[Tensor]:
+    """Dense params held whole on every TP rank whose local grads are partial sums over the TP group
+    (routed experts excluded: their expert-DP group already spans the TP ranks holding them)."""
+    return [p for stage in stages for name, p, grads in tp_replicated_params(stage)
+            if grads == "partial" and ".experts." not in name]
+
+
+def sum_tp_partial_grads(stages: list[Stage], mesh: Mesh) -> None:
+    """All-reduce the TP-partial grads over the TP group (one flat collective), before ZeRO-1 sums over DP."""
+    params = [p for p in tp_partial_params(stages) if p.grad is not None]
+    if mesh.layout.tp == 1 or not params:
+        return
+    flat = torch.cat([p.grad.flatten() for p in params])
+    dist.all_reduce(flat, group=mesh.tp)
+    for p, piece in zip(params, flat.split([p.numel() for p in params])):
+        p.grad.copy_(piece.view_as(p.grad))
+
+
 def build_optimizer(stages: list[Stage], cfg: RunConfig, mesh: Mesh) -> ZeRO1:
-    """ZeRO-1 AdamW: dense params sharded over their replicas (DP, and DualPipe's twin stage copy),
-    experts over expert-DP; grads summed (each micro-batch's loss already carries its share)."""
+    """ZeRO-1 AdamW: dense params sharded over their replicas (DP, and DualPipe's twin stage copy; per TP
+    rank), experts over expert-DP; grads summed (each micro-batch's loss already carries its share).
+    Dense params held whole on every TP rank count 1/tp each in the grad norm summed over the world."""
     groups = []
     for stage in sorted(stages, key=lambda s: s.layer_ids[0]):  # the same order on every replica
         named = list(stage.named_parameters())
-        for expert in (False, True):
-            for decay in (True, False):
-                params = [p for name, p in named if (".experts." in name) == expert and (p.dim() >= 2) == decay]
-                if params:
-                    groups.append({"params": params, "weight_decay": cfg.train.weight_decay if decay else 0.0,
-                                   "process_group": mesh.expert_replicas if expert else mesh.dense_replicas,
-                                   "grad_divisor": 1})
+        whole = {id(p) for name, p, _ in tp_replicated_params(stage) if ".experts." not in name}
+        for expert, replicated, decay in itertools.product((False, True), (False, True), (True, False)):
+            params = [p for name, p in named if (".experts." in name) == expert and (id(p) in whole) == replicated
+                      and (p.dim() >= 2) == decay]
+            if params:
+                groups.append({"params": params, "weight_decay": cfg.train.weight_decay if decay else 0.0,
+                               "process_group": mesh.expert_replicas if expert else mesh.dense_replicas,
+                               "grad_divisor": 1, "norm_weight": 1 / mesh.layout.tp if replicated else 1.0})
     return ZeRO1(groups, torch.optim.AdamW, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2))
 
 
@@ -109,7 +133,7 @@ def forward_backward(stages: list[Stage], runtime: PipelineRuntime | None, micro
     if runtime is None:
         total = 0.0
         for inputs, labels in micro:
-            loss = lm_loss(stages[0](inputs), labels, loss_scale)
+            loss = lm_loss(stages[0](inputs), labels, loss_scale, stages[0].tp)
             if torch.is_grad_enabled():
                 loss.backward()
             total += loss.item()
@@ -123,7 +147,7 @@ def forward_backward(stages: list[Stage], runtime: PipelineRuntime | None, micro
         labels = torch.cat([step[c][1] for c in exit_]) if exit_ else None
         runtime.timeline = []
         losses, _ = runtime.step(*([inputs] if entry else []), num_chunks=chunks,
-                                 criterion=lambda logits, y: lm_loss(logits, y, loss_scale),
+                                 criterion=lambda logits, y: lm_loss(logits, y, loss_scale, stages[0].tp),
                                  labels=(labels,) if exit_ else ())
         busy += sum(b for *_, b in runtime.timeline)
         runtime.timeline = None
@@ -134,7 +158,8 @@ def forward_backward(stages: list[Stage], runtime: PipelineRuntime | None, micro
 
 def gather_step_stats(stages: list[Stage], cfg: RunConfig, lm_part: float) -> dict:
     """Sum the step's losses and per-layer routing statistics over every rank (each layer counted once
-    per micro-batch, DualPipe's twin copies seeing disjoint chunks); expert biases averaged over their holders."""
+    per micro-batch, DualPipe's twin copies seeing disjoint chunks; losses, the same on every TP rank,
+    divided by tp; TP ranks route disjoint tokens); expert biases averaged over their holders."""
     first_moe = cfg.model.first_k_dense
     layers, experts = cfg.model.num_moe_layers, cfg.model.num_experts
     loads = torch.zeros(layers, experts, dtype=torch.float64)
@@ -152,7 +177,9 @@ def gather_step_stats(stages: list[Stage], cfg: RunConfig, lm_part: float) -> di
     flat = torch.cat([p.flatten() for p in parts])
     dist.all_reduce(flat)
     _, loads, biases, extra = (chunk.view_as(p) for chunk, p in zip(flat.split([p.numel() for p in parts]), parts))
-    return {"lm_loss": flat[0].item(), "loads": [row.long() for row in loads], "dropped": extra[:, 0],
+    tp = cfg.parallel.tp
+    extra[:, 1], extra[:, 3:] = extra[:, 1] / tp, extra[:, 3:] / tp
+    return {"lm_loss": flat[0].item() / tp, "loads": [row.long() for row in loads], "dropped": extra[:, 0],
             "aux_loss": extra[:, 1].sum().item(), "biases": biases / extra[:, 2:3].clamp(min=1),
             "losses": [dict(zip(LOSS_KINDS, row.tolist())) for row in extra[:, 3:]]}
 
@@ -234,7 +261,7 @@ def evaluate(stages: list[Stage], runtime: PipelineRuntime | None, batches: Pack
         stage.reset_tallies()
     result = torch.tensor([total], dtype=torch.float64)
     dist.all_reduce(result)
-    return result.item()
+    return result.item() / cfg.parallel.tp  # every TP rank computed the same loss
 
 
 def checkpoint_dir(cfg: RunConfig) -> Path:
@@ -297,6 +324,7 @@ def _loop(cfg: RunConfig, mesh: Mesh, stages: list[Stage], runtime: PipelineRunt
         micro = my_micro_batches([batches.next_batch() for _ in range(settings.grad_accum_steps)], cfg, mesh)
         lm_part, busy = forward_backward(stages, runtime, micro, cfg.chunks_per_step,
                                          guard.loss_scale(step, 1 / settings.grad_accum_steps))
+        sum_tp_partial_grads(stages, mesh)
         compute_s = time.perf_counter() - began
         grad_norm = optimizer.clip_grad_norm_(settings.grad_clip, group=mesh.world)
         lr = scheduler.get_last_lr()[0]

@@ -13,7 +13,7 @@ from torch.distributed import ProcessGroup
 from optim.grad_norm import global_sq_norm
 from optim.shard import ShardedParams
 
-LAYOUT_KEYS = ("process_group", "norm_groups", "grad_divisor")
+LAYOUT_KEYS = ("process_group", "norm_groups", "grad_divisor", "norm_weight")
 MASTER_KEY = "master"
 COLLECTIVES = ("auto", "scatter_gather", "p2p")
 FUSED_BY_DEFAULT = (torch.optim.Adam, torch.optim.AdamW)
@@ -95,7 +95,8 @@ class ZeRO1(torch.optim.Optimizer):
     (default: its process-group size), updates the local shard and all-gathers the new params
     into the model. Param-group keys besides the optimizer's hyper-parameters: process_group
     (shard group, e.g. expert-data-parallel for experts), norm_groups (extra groups the grad
-    norm is summed over, e.g. expert-parallel, pipeline), grad_divisor. bucket_cap_mb caps one
+    norm is summed over, e.g. expert-parallel, pipeline), grad_divisor, norm_weight (factor on the
+    group's squared grad norm, e.g. 1/tp for params held whole on every TP rank). bucket_cap_mb caps one
     collective's fp32 bucket; collectives picks the primitives (see ShardedParams; "auto"
     chooses by backend).
     """
@@ -119,6 +120,7 @@ class ZeRO1(torch.optim.Optimizer):
         for i, group in enumerate(groups):
             group.setdefault("process_group", process_group)
             group["norm_groups"] = tuple(group.get("norm_groups", norm_groups))
+            group.setdefault("norm_weight", 1.0)
             _check_group(i, group)
         bucket_cap = max(1, int(bucket_cap_mb * 2**20) // 4)
         self._shards = [ShardedParams(g["params"], g["process_group"], bucket_cap,
@@ -172,9 +174,9 @@ class ZeRO1(torch.optim.Optimizer):
             raise ValueError(f"max_norm must be > 0, got {max_norm}")
         self.reduce_gradients()
         if group is not None:
-            parts = [(sum(s.sq_norm() for s in self._shards), (group,))]
+            parts = [(sum(s.sq_norm() * g["norm_weight"] for s, g in zip(self._shards, self.param_groups)), (group,))]
         else:
-            parts = [(s.sq_norm(), (g["process_group"], *g["norm_groups"]))
+            parts = [(s.sq_norm() * g["norm_weight"], (g["process_group"], *g["norm_groups"]))
                      for s, g in zip(self._shards, self.param_groups)]
         norm = global_sq_norm(parts).sqrt()
         coef = max_norm / (float(norm) + 1e-6)

@@ -46,7 +46,7 @@ CASES = [
                                  "parallel": {"dp": 4, "ep": 4}, "train": {"grad_accum_steps": 4}}, "parallel.ep"),
     ("gpus per node", {"parallel": {"dp": 4, "gpus_per_node": 3}, "train": {"grad_accum_steps": 4}},
      "parallel.gpus_per_node"),
-    ("tensor parallel", {"parallel": {"tp": 2}}, "parallel.tp"),
+    ("tensor parallel shapes", {"parallel": {"tp": 3}}, "parallel.tp"),
     ("num chunks", {"parallel": {"pp": 2, "schedule": "1f1b", "num_chunks": 3}}, "parallel.num_chunks"),
     ("too few layers", {"parallel": {"pp": 4, "schedule": "dualpipev"}, "train": {"grad_accum_steps": 8}},
      "model.num_layers"),
