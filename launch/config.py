@@ -37,6 +37,8 @@ class TrainSettings:
     checkpoint_every: int = 0
     eval_every: int = 50
     eval_batches: int = 4
+    peak_tflops_per_gpu: float = 0.0  # for MFU; 0: from the GPU's name (none on CPU)
+    tensorboard: bool = False  # also write TensorBoard events to run_dir/tensorboard
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batch_size", "grad_accum_steps", "seq_len"):
@@ -46,6 +48,8 @@ class TrainSettings:
         for name in ("lr", "grad_clip"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"train.{name} = {getattr(self, name)!r} must be > 0")
+        if self.peak_tflops_per_gpu < 0:
+            raise ValueError(f"train.peak_tflops_per_gpu = {self.peak_tflops_per_gpu!r} must be >= 0 (0: from the GPU)")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"train.min_lr_ratio = {self.min_lr_ratio!r} must be in [0, 1]")
         check_choice("train.dtype", self.dtype, DTYPES)

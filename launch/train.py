@@ -29,7 +29,8 @@ from launch.data import ByteTokenizer, PackedBatches, load_token_stream
 from launch.faults import Preemption, StepGuard, Watchdog
 from launch.mesh import Mesh
 from launch.metrics import (JsonlWriter, expert_load_summary, model_flops_per_token, moe_layer_metrics,
-                            peak_flops_for_device, rank_metrics, step_record, throughput_metrics, traffic_metrics)
+                            peak_flops_for_device, rank_metrics, step_record, throughput_metrics, traffic_metrics,
+                            TensorBoardWriter)
 from launch.stages import Stage, build_stages, lm_loss
 from moe.model import MoETransformer
 from moe.tp import tp_replicated_params
@@ -232,7 +233,8 @@ def step_traffic(stages: list[Stage], mesh: Mesh) -> dict:
 
 def step_metrics(step: int, cfg: RunConfig, stats: dict, scalars: dict, tokens: int, seconds: float) -> dict:
     """The step's metrics record (launch/dashboard/SCHEMA.md): scalars, throughput and MFU, the "moe" section."""
-    peak = (peak_flops_for_device(torch.cuda.get_device_name()) if torch.cuda.is_available() else None)
+    peak = cfg.train.peak_tflops_per_gpu * 1e12 or (
+        peak_flops_for_device(torch.cuda.get_device_name()) if torch.cuda.is_available() else None)
     return step_record(step, {"loss": stats["lm_loss"] + stats["aux_loss"], "lm_loss": stats["lm_loss"],
                               "aux_loss": stats["aux_loss"], "dropped_tokens": int(stats["dropped"].sum())},
                        scalars, throughput_metrics(tokens, seconds, model_flops_per_token(cfg.model, cfg.train.seq_len),
@@ -312,8 +314,10 @@ def _loop(cfg: RunConfig, mesh: Mesh, stages: list[Stage], runtime: PipelineRunt
     lead = mesh.rank == 0
     guard = StepGuard(cfg.ops)
     skipped = 0
-    writer = JsonlWriter(Path(metrics_out) if metrics_out else Path(settings.run_dir) / "metrics.jsonl",
-                         append=start > 0) if lead else None
+    writers = [JsonlWriter(Path(metrics_out) if metrics_out else Path(settings.run_dir) / "metrics.jsonl",
+                           append=start > 0)] if lead else []
+    if lead and settings.tensorboard:
+        writers.append(TensorBoardWriter(Path(settings.run_dir) / "tensorboard"))
     records = []
     global_tokens = settings.grad_accum_steps * settings.micro_batch_size * settings.seq_len
     bar = tqdm(total=settings.steps, initial=start, disable=not (progress and lead), desc="train", unit="step")
@@ -350,7 +354,8 @@ def _loop(cfg: RunConfig, mesh: Mesh, stages: list[Stage], runtime: PipelineRunt
         if eval_batches is not None and (last or (settings.eval_every and step % settings.eval_every == 0)):
             record["eval_lm_loss"] = evaluate(stages, runtime, eval_batches, cfg, mesh)
         if lead:
-            writer.write(record)
+            for writer in writers:
+                writer.write(record)
             records.append(record)
             bar.set_postfix(loss=f"{record['lm_loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
             bar.update()
@@ -360,7 +365,7 @@ def _loop(cfg: RunConfig, mesh: Mesh, stages: list[Stage], runtime: PipelineRunt
             saved = step
         if preemption.agreed():
             break
-    if lead:
+    for writer in writers:
         writer.close()
     if step != saved:
         checkpointer.save(state, step, dataclasses.asdict(cfg))

@@ -111,3 +111,20 @@ def test_default_layout_tracks_single_process_in_float32(tmp_path):
     assert len(four) == len(one) == 20
     for a, b in zip(four, one):
         assert a["lm_loss"] == pytest.approx(b["lm_loss"], rel=1e-4), a["step"]
+
+
+def test_tensorboard_events_and_mfu_from_the_configured_peak(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    records = train(small_config(tmp_path, 3, tensorboard=True, peak_tflops_per_gpu=2e-6), progress=False)
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    logged = [(e.step, e.value) for e in events.Scalars("train/lm_loss")]
+    assert logged == [(r["step"], pytest.approx(r["lm_loss"], rel=1e-6)) for r in records]
+    for r in records:  # 2e-6 TFLOP/s = 2e6 FLOP/s on the one GPU-less rank
+        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * r["model_flops_per_token"] / 2e6)
+
+
+def test_negative_peak_flops_is_refused_naming_the_field(tmp_path):
+    with pytest.raises(ValueError, match="train.peak_tflops_per_gpu"):
+        small_config(tmp_path, 1, peak_tflops_per_gpu=-1.0)
