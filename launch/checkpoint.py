@@ -6,7 +6,8 @@ wherever it lived), so any layout (pp, dp, ep, process count) finds its pieces i
 Keys held by several ranks (replicas) are written once (DCP's planner deduplicates them), so each
 rank writes only a share of what it owns. Groups of keys: model/ (params and buffers such as router
 biases), optim/NAME/KEY (ZeRO-1 master and AdamW state per parameter, per expert), data/ (sampler
-position), sched/, meta/, rng/rankNNNNN.
+position), sched/, meta/, rng/rankNNNNN. A master that is the param itself (fp32 params) is not written
+twice: model/ holds it.
 
 Publication is atomic: DCP writes into .stepNNNNNNNN.tmp, every rank checksums the files it wrote,
 rank 0 writes manifest.json last and renames the folder into place; the newest folder whose manifest
@@ -94,10 +95,13 @@ class TrainState:
                 for key, piece in expert_items(name, value, offsets.get(name, 0)):
                     flat[f"model/{key}"] = piece
         full = self.optimizer.state_dict()
+        param_dtypes = {n: p.dtype for s in self.stages for n, p in s.named_parameters()}
         for index, name in enumerate(self.param_names()):
             entry, first = full["state"][index], offsets.get(name, 0)
             for kind, value in entry.items():
                 value = torch.as_tensor(value)
+                if kind == MASTER and value.dtype == param_dtypes[name]:  # the param itself: model/ holds it
+                    continue
                 if value.shape == entry[MASTER].shape:
                     items = expert_items(name, value, first)
                 else:  # a scalar (AdamW's step) shared by the block: one copy per expert key
@@ -168,21 +172,22 @@ class TrainState:
         """Hand ZeRO-1 its full per-param state rebuilt from the per-expert pieces (it re-slices its shards)."""
         state, elementwise, index = {}, [], 0
         for group in self.optimizer.param_groups:
-            keys = set()
+            found = set()
             for p in group["params"]:
                 name = names[index]
-                pieces = {kind: [wanted[f"optim/{k}/{kind}"] for k, _ in expert_items(name, p, offsets.get(name, 0))]
-                          for kind in kinds[name]}
+                keys = [k for k, _ in expert_items(name, p, offsets.get(name, 0))]
+                pieces = {kind: [wanted[f"optim/{k}/{kind}"] for k in keys] for kind in kinds[name]}
+                pieces.setdefault(MASTER, [wanted[f"model/{k}"] for k in keys])  # saved as the param itself
                 entry = {}
                 for kind, parts in pieces.items():
                     if parts[0].shape == pieces[MASTER][0].shape:
                         entry[kind] = _join(name, parts)
-                        keys.add(kind)
+                        found.add(kind)
                     else:
                         entry[kind] = parts[0]
                 state[index] = entry
                 index += 1
-            elementwise.append(sorted(keys - {MASTER}))
+            elementwise.append(sorted(found - {MASTER}))
         first, groups = 0, []
         for group in self.optimizer.param_groups:
             groups.append({k: v for k, v in group.items() if k != "params" and k not in LAYOUT_KEYS})
