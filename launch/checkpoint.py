@@ -3,6 +3,8 @@
 A checkpoint is one folder RUN_DIR/checkpoint/stepNNNNNNNN written by DCP: every tensor is keyed by
 its global name, experts one by one ("model/blocks.3.ffn.experts.w_down.5" is expert 5 of layer 3
 wherever it lived), so any layout (pp, dp, ep, process count) finds its pieces in any other's save.
+Tensor-parallel shards (params and their optimizer state) are gathered into the single-process
+tensors on save and sliced again on load (their TPSpec rows).
 Keys held by several ranks (replicas) are written once (DCP's planner deduplicates them), so each
 rank writes only a share of what it owns. Groups of keys: model/ (params and buffers such as router
 biases), optim/NAME/KEY (ZeRO-1 master and AdamW state per parameter, per expert), data/ (sampler
@@ -18,6 +20,7 @@ Only the newest `keep` folders stay. With async saves the write runs on a helper
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -35,6 +38,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from moe.tp.layout import TPSpec, full_name
 from optim.zero1 import LAYOUT_KEYS
 
 MANIFEST = "manifest.json"
@@ -61,6 +65,30 @@ def _first_expert(stages: list[nn.Module], name: str, count: int) -> int:
     """Global id of the first expert in a stage tensor's expert block (its layer's EP dispatcher rank)."""
     layer = next(s for s in stages if name in s.state_dict(keep_vars=True)).get_submodule(name.split(".experts.")[0])
     return getattr(layer.dispatcher, "rank", 0) * count
+
+
+def _tp_group(stages: list[nn.Module]) -> dist.ProcessGroup | None:
+    """The stages' TP process group (None without TP)."""
+    return next((s.tp.group for s in stages if getattr(s, "tp", None) is not None), None)
+
+
+@torch.no_grad()
+def _tp_full(name: str, value: Tensor, spec: TPSpec, group) -> tuple[str, Tensor]:
+    """(single-process name, tensor) of a TP shard (a collective over group): every TP rank's rows put in
+    place, zeros in rows no shard of this param holds (attn.kv's rows of attn.qkv.weight: add the two)."""
+    shape = list(value.shape)
+    shape[spec.dim] = spec.full_size
+    full = value.new_zeros(shape)
+    pieces = [torch.empty_like(value) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, value.contiguous(), group=group)
+    for rows, piece in zip(spec.indices, pieces):
+        full.index_copy_(spec.dim, rows, piece)
+    return full_name(name, spec), full
+
+
+def _put(flat: dict[str, object], key: str, value: Tensor) -> None:
+    """flat[key] = value, or added to the rows another TP param already put there (disjoint rows, zeros elsewhere)."""
+    flat[key] = flat[key] + value if key in flat and value.dim() else value
 
 
 @dataclass
@@ -90,10 +118,13 @@ class TrainState:
         """The DCP state dict of this rank (a collective: ZeRO-1 gathers each param's full state)."""
         offsets = self.expert_offsets()
         flat: dict[str, object] = {}
+        specs, group = self.tp_specs, _tp_group(self.stages)
         for stage in self.stages:
             for name, value in stage.state_dict().items():
+                if name in specs:
+                    name, value = _tp_full(name, value, specs[name], group)
                 for key, piece in expert_items(name, value, offsets.get(name, 0)):
-                    flat[f"model/{key}"] = piece
+                    _put(flat, f"model/{key}", piece)
         full = self.optimizer.state_dict()
         param_dtypes = {n: p.dtype for s in self.stages for n, p in s.named_parameters()}
         for index, name in enumerate(self.param_names()):
@@ -102,12 +133,16 @@ class TrainState:
                 value = torch.as_tensor(value)
                 if kind == MASTER and value.dtype == param_dtypes[name]:  # the param itself: model/ holds it
                     continue
-                if value.shape == entry[MASTER].shape:
+                if name in specs:
+                    key, value = (_tp_full(name, value, specs[name], group) if value.dim()
+                                  else (full_name(name, specs[name]), value.clone()))
+                    items = [(key, value)]
+                elif value.shape == entry[MASTER].shape:
                     items = expert_items(name, value, first)
                 else:  # a scalar (AdamW's step) shared by the block: one copy per expert key
                     items = ((key, value.clone()) for key, _ in expert_items(name, entry[MASTER], first))
                 for key, piece in items:
-                    flat[f"optim/{key}/{kind}"] = piece
+                    _put(flat, f"optim/{key}/{kind}", piece)
         data = self.data.state_dict()
         flat["data/generator"], flat["data/order"] = data["generator"], data["order"]
         flat["data/cursor"] = torch.tensor(data["cursor"])
@@ -134,12 +169,12 @@ class TrainState:
         model_keys = {}
         for stage in self.stages:
             for name, value in stage.state_dict().items():
-                model_keys[name] = [want(f"model/{k}") for k, _ in expert_items(name, value, offsets.get(name, 0))]
+                model_keys[name] = [want(f"model/{k}") for k in self._keys(name, value, offsets)]
         names = self.param_names()
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         kinds = {}
         for name, param in zip(names, params):
-            keys = [k for k, _ in expert_items(name, param, offsets.get(name, 0))]
+            keys = self._keys(name, param, offsets)
             kinds[name] = sorted(k.rsplit("/", 1)[1] for k in metadata if k.startswith(f"optim/{keys[0]}/"))
             for kind in kinds[name]:
                 for key in keys:
@@ -152,7 +187,7 @@ class TrainState:
         dcp.load(wanted, checkpoint_id=str(folder))
 
         for stage in self.stages:
-            stage.load_state_dict({name: _join(name, pieces) for name, pieces in model_keys.items()
+            stage.load_state_dict({name: self._local(name, pieces) for name, pieces in model_keys.items()
                                    if name in stage.state_dict()})
         self._load_optimizer(wanted, names, kinds, offsets)
         epoch = int(wanted["sched/last_epoch"])
@@ -167,6 +202,27 @@ class TrainState:
             torch.set_rng_state(wanted[rng])
         return int(wanted["meta/step"])
 
+    @functools.cached_property
+    def tp_specs(self) -> dict[str, TPSpec]:
+        """Stage-local name -> TPSpec of every param holding rows of a larger single-process tensor."""
+        return {name: p.tp_spec for s in self.stages for name, p in s.named_parameters()
+                if getattr(p, "tp_spec", None) is not None and p.tp_spec.indices is not None}
+
+    def _keys(self, name: str, value: Tensor, offsets: dict[str, int]) -> list[str]:
+        """Checkpoint keys of a stage tensor: its single-process name under TP, else one per expert it holds."""
+        spec = self.tp_specs.get(name)
+        if spec is not None:
+            return [full_name(name, spec)]
+        return [k for k, _ in expert_items(name, value, offsets.get(name, 0))]
+
+    def _local(self, name: str, pieces: list[Tensor]) -> Tensor:
+        """This rank's stage tensor from its checkpoint pieces: experts stacked, TP rows sliced out."""
+        spec = self.tp_specs.get(name)
+        if spec is None:
+            return _join(name, pieces)
+        rank = next(s.tp.rank for s in self.stages if getattr(s, "tp", None) is not None)
+        return pieces[0].index_select(spec.dim, spec.indices[rank])
+
     def _load_optimizer(self, wanted: dict[str, Tensor], names: list[str], kinds: dict[str, list[str]],
                         offsets: dict[str, int]) -> None:
         """Hand ZeRO-1 its full per-param state rebuilt from the per-expert pieces (it re-slices its shards)."""
@@ -175,13 +231,13 @@ class TrainState:
             found = set()
             for p in group["params"]:
                 name = names[index]
-                keys = [k for k, _ in expert_items(name, p, offsets.get(name, 0))]
+                keys = self._keys(name, p, offsets)
                 pieces = {kind: [wanted[f"optim/{k}/{kind}"] for k in keys] for kind in kinds[name]}
                 pieces.setdefault(MASTER, [wanted[f"model/{k}"] for k in keys])  # saved as the param itself
                 entry = {}
                 for kind, parts in pieces.items():
                     if parts[0].shape == pieces[MASTER][0].shape:
-                        entry[kind] = _join(name, parts)
+                        entry[kind] = self._local(name, parts)
                         found.add(kind)
                     else:
                         entry[kind] = parts[0]
