@@ -91,9 +91,10 @@ class LayerTally:
 
 
 class Stage(nn.Module):
-    """A contiguous run of an MoETransformer's layers: the first stage embeds tokens, the last applies
-    the final norm and LM head (its output is logits: under TP this rank's vocab block). Router losses are scaled by loss_scale (the
-    micro-batch's share of the step's loss) and injected into backward here; statistics are tallied."""
+    """A contiguous run of an MoETransformer's layers: the first stage embeds tokens, the last applies the
+    final norm and LM head (its output is logits; under TP this rank's vocab block). Router losses are
+    scaled by loss_scale (the micro-batch's share of the step's loss) and injected into backward here;
+    statistics are tallied."""
 
     def __init__(self, model: MoETransformer, layers: range, first: bool, last: bool, loss_scale: float) -> None:
         super().__init__()
