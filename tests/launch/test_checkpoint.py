@@ -19,6 +19,7 @@ from dispatch.multiproc import WorkerError, run_processes
 from launch.checkpoint import consolidate, export, latest_valid, published, verify
 from launch.config import build_config
 from launch.train import train
+from launch.train_cli import main
 from moe.model import MoETransformer
 from tests.launch.test_equivalence import calc_diff, raw_config
 
@@ -153,6 +154,9 @@ def test_async_saves_hold_the_same_numbers_and_export_loads(corpus, reference, t
         want = consolidate(ref_dir / "checkpoint" / f"step{step:08d}")
         assert all(torch.equal(got[k], want[k]) for k in want) and set(got) == set(want), step
     path = export(run / "checkpoint", tmp_path / "model.pt")
+    assert main(["export", str(run / "checkpoint"), str(tmp_path / "cli.pt")]) == 0
+    assert main(["export", str(tmp_path / "nowhere"), str(tmp_path / "none.pt")]) == 2
+    assert all(torch.equal(a, b) for a, b in zip(torch.load(path).values(), torch.load(tmp_path / "cli.pt").values()))
     cfg = build_config(config(run, corpus, {}))
     model = MoETransformer(cfg.model).double()
     model.load_state_dict(torch.load(path))
