@@ -7,6 +7,7 @@ import faulthandler
 import os
 import pickle
 import queue
+import re
 import signal
 import sys
 import threading
@@ -22,6 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 TAIL_LINES = 20  # last stderr lines of a dead rank quoted in the failure message
+PEER_LOST = re.compile(r"Connection (closed|reset) by peer|remote worker crash")  # a consequence, not a cause
 GRACE_S = 3.0  # after a first failure, how long the others may still report (a killed peer explains their errors)
 PR_SET_PDEATHSIG = 1
 
@@ -178,8 +180,9 @@ def _collect(procs: dict[int, Any], results: Any, outputs: dict[int, Any], wait_
             grace_end = time.monotonic() + GRACE_S
     if not (raised or died):
         return None
-    first = [died[r] for r in sorted(died)] or [raised[min(raised)]]
-    others = sorted(set(raised) - ({min(raised)} if not died else set()))
+    cause = next((r for r in raised if not PEER_LOST.search(raised[r])), next(iter(raised), None))  # first to report
+    first = [died[r] for r in sorted(died)] or [raised[cause]]
+    others = sorted(set(raised) - ({cause} if not died else set()))
     if others:
         last_lines = "; ".join(f"rank {r}: {raised[r].strip().splitlines()[-1]}" for r in others)
         first.append(f"ranks that failed after it: {last_lines}")

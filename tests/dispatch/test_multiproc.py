@@ -114,3 +114,17 @@ def test_bad_node_layout_is_refused_before_any_process_starts():
         run_processes(_sum_ranks, 4, nnodes=3, master_port=1)
     with pytest.raises(ValueError, match="master_port must be given"):
         run_processes(_sum_ranks, 4, nnodes=2)
+
+
+def _one_rank_raises_the_others_lose_their_peer(rank: int, world: int) -> None:
+    if rank == world - 1:
+        raise TypeError("the real cause")
+    dist.all_reduce(torch.ones(1))  # the raising rank's exit breaks this collective
+
+
+def test_the_named_failure_is_the_cause_not_a_peer_lost_in_a_collective():
+    with pytest.raises(WorkerError) as failure:
+        run_processes(_one_rank_raises_the_others_lose_their_peer, 3, timeout_s=30)
+    message = str(failure.value)
+    assert message.startswith("rank 2 failed:"), message
+    assert "TypeError: the real cause" in message.split("ranks that failed after it")[0], message
