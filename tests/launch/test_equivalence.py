@@ -146,3 +146,33 @@ def test_layout_equals_single_process(layout, corpus, reference, tmp_path):
                 assert calc_diff(state[key], want) < 1e-12, (name, key)
             else:
                 assert torch.equal(state[key], want), (name, key)
+
+
+def _train_runs(rank: int, world: int, runs: list[tuple[dict, bool]]) -> list[list[dict]]:
+    return [train(build_config(raw), resume=resume, progress=False) for raw, resume in runs]
+
+
+def test_tp_checkpoints_reshard_to_and_from_one_process(corpus, tmp_path):
+    """A 1-process checkpoint resumes under tp2 SP and a tp2 SP one in 1 process: both continue the
+    uninterrupted 1-process run (the warmup covers the cut at step 3, so LRs do not depend on train.steps)."""
+    tp, cut = LAYOUTS["tp2 sp"], 3
+
+    def raw(name: str, parallel: dict, steps: int) -> dict:
+        out = raw_config(str(tmp_path / name), corpus, parallel, None)
+        out["train"].update(steps=steps, warmup_steps=cut)
+        return out
+    whole = train(build_config(raw("whole", {}, STEPS)), progress=False)
+    train(build_config(raw("from_one", {}, cut)), progress=False)
+    saved, resumed = run_processes(_train_runs, 2, [(raw("from_tp", tp, cut), False),
+                                                    (raw("from_one", tp, STEPS), True)], timeout_s=300)[0]
+    back = train(build_config(raw("from_tp", {}, STEPS)), resume=True, progress=False)
+    want = consolidate(tmp_path / "whole" / "checkpoint")
+    for name, records, first in (("from_one", resumed, cut), ("from_tp", saved + back, 0)):
+        assert [r["step"] for r in records] == list(range(first, STEPS)), name
+        for got, ref in zip(records, whole[first:]):
+            assert got["lm_loss"] == pytest.approx(ref["lm_loss"], rel=1e-10), (name, got["step"])
+        state = consolidate(tmp_path / name / "checkpoint")
+        assert set(state) == set(want)
+        for key, value in want.items():
+            if value.is_floating_point() and value.abs().sum() > 0:
+                assert calc_diff(state[key], value) < 1e-12, (name, key)
