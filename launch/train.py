@@ -85,16 +85,12 @@ def build_model(cfg: RunConfig, mesh: Mesh) -> tuple[list[Stage], PipelineRuntim
     return stages, runtime
 
 
-def tp_partial_params(stages: list[Stage]) -> list[Tensor]:
-    """Dense params held whole on every TP rank whose local grads are partial sums over the TP group
-    (routed experts excluded: their expert-DP group already spans the TP ranks holding them)."""
-    return [p for stage in stages for name, p, grads in tp_replicated_params(stage)
-            if grads == "partial" and ".experts." not in name]
-
-
 def sum_tp_partial_grads(stages: list[Stage], mesh: Mesh) -> None:
-    """All-reduce the TP-partial grads over the TP group (one flat collective), before ZeRO-1 sums over DP."""
-    params = [p for p in tp_partial_params(stages) if p.grad is not None]
+    """All-reduce over the TP group (one flat collective, before ZeRO-1 sums over DP) the grads of dense
+    params held whole on every TP rank whose local grads are partial sums (SP norms, routers, replicated
+    KV); routed experts are left out: their expert-DP group already spans the TP ranks holding them."""
+    params = [p for stage in stages for name, p, grads in tp_replicated_params(stage)
+              if grads == "partial" and ".experts." not in name and p.grad is not None]
     if mesh.layout.tp == 1 or not params:
         return
     flat = torch.cat([p.grad.flatten() for p in params])
