@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import faulthandler
 import os
@@ -16,7 +17,7 @@ import traceback
 from collections import deque
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -150,6 +151,27 @@ def _died(rank: int, exitcode: int, logs: _LogStreams | None) -> str:
     return text
 
 
+@contextlib.contextmanager
+def _forwarding(procs: dict[int, Any], signals: tuple[int, ...]) -> Iterator[None]:
+    """While running, pass these signals on to every live rank (e.g. a scheduler's SIGTERM to the launcher
+    lets each rank save and return); only from the main thread, where Python handles signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(signum: int, _frame: Any) -> None:
+        for p in procs.values():
+            if p.is_alive():
+                os.kill(p.pid, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def _collect(procs: dict[int, Any], results: Any, outputs: dict[int, Any], wait_s: float,
              logs: _LogStreams | None) -> str | None:
     """Fill outputs with each rank's result; return a message naming the failed ranks (died ones first), or None."""
@@ -252,7 +274,8 @@ def run_processes(
     try:
         for p in procs.values():
             p.start()
-        failure = _collect(procs, results, outputs, run_timeout_s, logs)
+        with _forwarding(procs, (signal.SIGTERM,)):
+            failure = _collect(procs, results, outputs, run_timeout_s, logs)
     finally:
         for p in procs.values():
             if failure is not None and p.is_alive():

@@ -128,3 +128,30 @@ def test_the_named_failure_is_the_cause_not_a_peer_lost_in_a_collective():
     message = str(failure.value)
     assert message.startswith("rank 2 failed:"), message
     assert "TypeError: the real cause" in message.split("ranks that failed after it")[0], message
+
+
+def _wait_for_sigterm(rank: int, world: int, pid_dir: str) -> str:
+    asked = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: asked.set())
+    Path(pid_dir, f"{rank}.pid").write_text(str(os.getpid()))
+    if not asked.wait(timeout=20):
+        return "no SIGTERM"
+    return "saved and returned"
+
+
+def test_sigterm_to_the_launcher_reaches_every_rank(tmp_path):
+    seen_by_launcher = []
+    previous = signal.signal(signal.SIGTERM, lambda *_: seen_by_launcher.append(True))
+
+    def terminate_launcher() -> None:
+        while len(list(tmp_path.glob("*.pid"))) < 2:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=terminate_launcher, daemon=True).start()
+    try:
+        results = run_processes(_wait_for_sigterm, 2, str(tmp_path), timeout_s=30)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert results == ["saved and returned"] * 2
+    assert not seen_by_launcher  # forwarded while running, the caller's handler restored after
