@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_tiny(tmp_path: Path, precision: str) -> list[dict]:
-    cfg = load_config(ROOT / "configs" / "tiny.toml", [
+    cfg = load_config(ROOT / "configs" / "tiny-1proc.toml", [
         f"model.expert_precision={precision!r}", "train.steps=50", "train.eval_every=0",
         f"train.run_dir={str(tmp_path / precision)!r}"])
     return train(cfg, progress=False)

@@ -41,7 +41,8 @@ def test_search_ranks_fitting_layouts_by_step_time_and_gives_reasons_for_the_res
     assert times == sorted(times) and len(times) > 3
     assert {(p.config.parallel.pp, p.config.parallel.dp) for p in result.ranked} >= {(1, 4), (2, 2), (4, 1)}
     assert all(p.fits for p in result.ranked)
-    assert any("tensor parallelism" in why for _, why in result.cut)  # tp > 1: the trainer refuses it
+    assert any(p.config.parallel.tp > 1 for p in result.ranked)  # the trainer runs TP layouts
+    assert any("model.num_layers" in why for _, why in result.cut)  # dualpipev pp=4 needs 8 stages: cut, named
 
 
 def test_exchange_latency_prices_three_exchanges_forward_and_two_backward_per_moe_layer():
