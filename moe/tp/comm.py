@@ -15,6 +15,7 @@ consumer on every rank computes the same thing (the loss is replicated over the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -76,48 +77,21 @@ class _ReduceFromRegion(torch.autograd.Function):
         return dy, None
 
 
-class _GatherForRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, dim: int, group: Group, grad_group: Group) -> Tensor:  # noqa: D102
-        ctx.dim, ctx.group = dim, grad_group
-        return all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, dy: Tensor):  # noqa: D102
-        return reduce_scatter(dy, ctx.dim, ctx.group), None, None, None
+ShardOp = Callable[[Tensor, int, Group], Tensor]  # (x, dim, group) -> x gathered, reduce-scattered or chunked
 
 
-class _ReduceScatterFromRegion(torch.autograd.Function):
+class _DimCollective(torch.autograd.Function):
+    """forward_op(x) in forward, backward_op(dy) over grad_group in backward (both along dim)."""
+
     @staticmethod
-    def forward(ctx, x: Tensor, dim: int, group: Group, grad_group: Group) -> Tensor:  # noqa: D102
-        ctx.dim, ctx.group = dim, grad_group
-        return reduce_scatter(x, dim, group)
+    def forward(ctx, x: Tensor, forward_op: ShardOp, backward_op: ShardOp, dim: int, group: Group,  # noqa: D102
+                grad_group: Group) -> Tensor:
+        ctx.op, ctx.dim, ctx.group = backward_op, dim, grad_group
+        return forward_op(x, dim, group)
 
     @staticmethod
     def backward(ctx, dy: Tensor):  # noqa: D102
-        return all_gather(dy, ctx.dim, ctx.group), None, None, None
-
-
-class _ScatterSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, dim: int, group: Group, grad_group: Group) -> Tensor:  # noqa: D102
-        ctx.dim, ctx.group = dim, grad_group
-        return own_chunk(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, dy: Tensor):  # noqa: D102
-        return all_gather(dy, ctx.dim, ctx.group), None, None, None
-
-
-class _GatherSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, dim: int, group: Group, grad_group: Group) -> Tensor:  # noqa: D102
-        ctx.dim, ctx.group = dim, grad_group
-        return all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, dy: Tensor):  # noqa: D102
-        return own_chunk(dy, ctx.dim, ctx.group), None, None, None
+        return ctx.op(dy, ctx.dim, ctx.group), None, None, None, None, None
 
 
 def copy_to_region(x: Tensor, group: Group) -> Tensor:
@@ -132,22 +106,22 @@ def reduce_from_region(x: Tensor, group: Group) -> Tensor:
 
 def gather_for_region(x: Tensor, dim: int, group: Group, grad_group: Group | None = None) -> Tensor:
     """All-gather along dim forward, reduce-scatter backward (entering a TP region with SP)."""
-    return _GatherForRegion.apply(x, dim, group, grad_group or group)
+    return _DimCollective.apply(x, all_gather, reduce_scatter, dim, group, grad_group or group)
 
 
 def reduce_scatter_from_region(x: Tensor, dim: int, group: Group, grad_group: Group | None = None) -> Tensor:
     """Reduce-scatter along dim forward, all-gather backward (leaving a TP region with SP)."""
-    return _ReduceScatterFromRegion.apply(x, dim, group, grad_group or group)
+    return _DimCollective.apply(x, reduce_scatter, all_gather, dim, group, grad_group or group)
 
 
 def scatter_sequence(x: Tensor, tp_group: Group, dim: int = 1, grad_group: Group | None = None) -> Tensor:
     """Replicated x [B, S, H] -> this rank's sequence shard [B, S/tp, H]; backward all-gathers."""
-    return _ScatterSequence.apply(x, dim, tp_group, grad_group or tp_group)
+    return _DimCollective.apply(x, own_chunk, all_gather, dim, tp_group, grad_group or tp_group)
 
 
 def gather_sequence(x: Tensor, tp_group: Group, dim: int = 1, grad_group: Group | None = None) -> Tensor:
     """Sequence shards [B, S/tp, H] -> replicated [B, S, H] (for replicated consumers); backward keeps the own shard."""
-    return _GatherSequence.apply(x, dim, tp_group, grad_group or tp_group)
+    return _DimCollective.apply(x, all_gather, own_chunk, dim, tp_group, grad_group or tp_group)
 
 
 @dataclass(frozen=True)
