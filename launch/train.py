@@ -57,6 +57,14 @@ def process_group() -> Iterator[None]:
         dist.destroy_process_group()
 
 
+def stage_ids(cfg: RunConfig, pp_rank: int) -> list[int]:
+    """Positions along the pipeline of the stages pipeline rank pp_rank holds, one per phase of its schedule."""
+    if cfg.parallel.pp == 1:
+        return [0]
+    layout = build(cfg.parallel.schedule, cfg.parallel.pp, cfg.chunks_per_step).layout
+    return [layout.stage_of(pp_rank, phase) for phase in range(layout.num_phases)]
+
+
 def build_model(cfg: RunConfig, mesh: Mesh) -> tuple[list[Stage], PipelineRuntime | None]:
     """This rank's stages (one per pipeline phase) cut from the seeded full model, and their runtime."""
     par = cfg.parallel
@@ -65,12 +73,7 @@ def build_model(cfg: RunConfig, mesh: Mesh) -> tuple[list[Stage], PipelineRuntim
     if par.tp > 1:  # before the runtime is built, so its B/W split patches every TP linear
         model.to_tensor_parallel(mesh.tp, par.sequence_parallel, grad_group=mesh.tp_grad)
     loss_scale = 1.0 / cfg.train.grad_accum_steps  # each micro-batch's share of the step's mean loss
-    if par.pp == 1:
-        stages = build_stages(model, cfg.train.seq_len, 1, [0], loss_scale)
-    else:
-        layout = build(par.schedule, par.pp, cfg.chunks_per_step).layout
-        ids = [layout.stage_of(mesh.pp_rank, phase) for phase in range(layout.num_phases)]
-        stages = build_stages(model, cfg.train.seq_len, layout.num_stages, ids, loss_scale)
+    stages = build_stages(model, cfg.train.seq_len, par.num_stages, stage_ids(cfg, mesh.pp_rank), loss_scale)
     if par.ep > 1:
         for stage in stages:
             for layer in stage.moe_layers().values():
@@ -275,7 +278,7 @@ def train(cfg: RunConfig, metrics_out: str | Path | None = None, resume: bool = 
 
 
 def _train(cfg: RunConfig, metrics_out: str | Path | None, resume: bool, progress: bool) -> list[dict]:
-    settings, par = cfg.train, cfg.parallel
+    settings = cfg.train
     mesh = Mesh(cfg.layout)
     lead = mesh.rank == 0
     if lead and mesh.layout.world_size > 1:

@@ -6,7 +6,7 @@ Run `python -m pipeline.simulator --schedule dualpipev --pp 8 --chunks 16 --f 1 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pipeline.schedules import SCHEDULES, Action, Op, Schedule, build, merge_weight_grads
@@ -149,6 +149,54 @@ def simulate(schedule: Schedule, costs: Costs, durations: Mapping[tuple[int, Act
         if not progressed:
             stuck = {r: str(queues[r][pos[r]]) for r in range(n) if pos[r] < len(queues[r])}
             raise RuntimeError(f"schedule {schedule.name} deadlocks; ranks wait at {stuck}")
+    return SimResult(schedule, timelines, max(clock), busy, [_peak_live(q) for q in queues])
+
+
+def simulate_shared(schedule: Schedule, costs: Costs, durations: Mapping[tuple[int, Action], float],
+                    speed: Callable[[int], float]) -> SimResult:
+    """simulate() for ranks that share processors: while n ranks run an action, each one's action advances
+    speed(n) seconds of its duration per second (fluid processor sharing; speed(n) = 1 for every n is
+    simulate()). Each action starts once it is the rank's next and its inputs have arrived; an F&B pair is
+    one block. A rank is busy from an action's start to its end."""
+    n = schedule.layout.num_ranks
+    queues = [schedule.compute_actions(r) for r in range(n)]
+    pos = [0] * n
+    done: dict[tuple[str, int, int, int], tuple[float, int]] = {}
+    timelines: list[list[Span]] = [[] for _ in range(n)]
+    busy, clock = [0.0] * n, [0.0] * n
+    running: dict[int, list[float]] = {}  # rank -> [start, duration left]
+    now = 0.0
+    while running or any(pos[r] < len(queues[r]) for r in range(n)):
+        ready = {}
+        for r in range(n):
+            if r in running or pos[r] == len(queues[r]):
+                continue
+            deps = [k for h in queues[r][pos[r]].halves() for k in _deps(schedule, r, h)]
+            if all(k in done for k in deps):
+                ready[r] = _ready(now, deps, done, costs, r)
+        for r, t in ready.items():
+            if t <= now:
+                running[r] = [now, durations[(r, queues[r][pos[r]])]]
+        if not running and not ready:
+            stuck = {r: str(queues[r][pos[r]]) for r in range(n) if pos[r] < len(queues[r])}
+            raise RuntimeError(f"schedule {schedule.name} deadlocks; ranks wait at {stuck}")
+        rate = speed(len(running)) if running else 0.0
+        finish = now + min(left for _, left in running.values()) / rate if running else float("inf")
+        later = min((t for r, t in ready.items() if r not in running), default=float("inf"))
+        step = min(finish, later) - now
+        now += step
+        for r, (began, left) in list(running.items()):
+            left -= step * rate
+            running[r][1] = left
+            if left <= 1e-12 * max(1.0, abs(now)):
+                act = queues[r][pos[r]]
+                for h in act.halves():
+                    done[(h.op.value, r, h.phase, h.chunk)] = (now, r)
+                timelines[r].append(Span(act, began, now))
+                busy[r] += now - began
+                clock[r] = now
+                pos[r] += 1
+                del running[r]
     return SimResult(schedule, timelines, max(clock), busy, [_peak_live(q) for q in queues])
 
 

@@ -4,6 +4,7 @@ activations saved for backward, pipeline idle, EP and p2p bytes)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
@@ -22,75 +23,29 @@ from launch.mesh import Mesh
 from launch.plan.params import attention_shape
 from launch.plan.planner import Machine, Plan
 from launch.plan.presets import GPU
-from launch.plan.timing import layer_flops
+from launch.plan.profile import profile
+from launch.plan.timing import model_flops_per_token
 from launch.plan.traffic import moe_layer_traffic
 from launch.train import build_model, build_optimizer, forward_backward, my_micro_batches
-from moe.model import MoETransformer, rope_tables
 
 
 LOCAL_LINK_GBPS = 1.0  # gloo over loopback between local processes, the order of magnitude assumed
 
 
-def _forward_seconds(block: torch.nn.Module, x: Tensor, cos: Tensor, sin: Tensor, repeats: int) -> float:
-    """Median seconds of one forward of a transformer block on x (autograd recording, as in training)."""
-    times = []
-    for _ in range(repeats + 1):
-        began = time.perf_counter()
-        block(x, cos, sin)
-        times.append(time.perf_counter() - began)
-    return sorted(times[1:])[repeats // 2]
-
-
-def exchange_seconds(rank: int, world: int, ep: int, repeats: int = 20) -> float:
-    """Median seconds of one small all_to_all over this rank's group of ep consecutive ranks (all groups
-    exchanging at once, as EP groups do)."""
-    groups = [dist.new_group(list(range(g, g + ep))) for g in range(0, world, ep)]
-    group = groups[rank // ep]
-    data = torch.zeros(ep * 16)
-    times = []
-    for _ in range(repeats + 2):
-        out = torch.empty_like(data)
-        began = time.perf_counter()
-        dist.all_to_all_single(out, data, group=group)
-        times.append(time.perf_counter() - began)
-    return sorted(times[2:])[repeats // 2]
-
-
 def cpu_machine(config: RunConfig, repeats: int = 5) -> Machine:
-    """This machine's CPU as the plan's device: the dense and expert FLOP/s one thread achieves in the forward
-    of a dense and an MoE block of config's model at one chunk's shape (experts local; the ranks share the
-    cores), the time of a small all_to_all over the EP groups, loopback links, the config's simulated nodes."""
-    train, cfg = config.train, config.model
-    world = config.parallel.world_size
-    attention = attention_shape(cfg)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        torch.manual_seed(0)
-        model = MoETransformer(cfg).to(getattr(torch, train.dtype))
-        x = torch.randn(train.micro_batch_size, train.seq_len, cfg.hidden_size, dtype=getattr(torch, train.dtype),
-                        requires_grad=True)
-        cos, sin = rope_tables(train.seq_len, cfg.hidden_size // cfg.num_heads, cfg.rope_theta)
-        tokens = x.shape[0] * x.shape[1]
-        first, last = layer_flops(cfg, 0, attention, train.seq_len), layer_flops(cfg, cfg.num_layers - 1, attention,
-                                                                                 train.seq_len)
-        dense = tokens * (first.total - first.expert) / _forward_seconds(model.blocks[0], x, cos, sin, repeats)
-        experts_s = (_forward_seconds(model.blocks[-1], x, cos, sin, repeats)
-                     - tokens * (last.dense + last.core) / dense)
-        expert = tokens * last.expert / experts_s if experts_s > 0 and last.expert else dense
-    finally:
-        torch.set_num_threads(threads)
-    cores = os.cpu_count() or 1
-    share = min(1.0, cores / world) / 1e12
+    """This machine's CPU as the plan's device: each stage's seconds profiled on the layout's ranks here
+    (launch.plan.profile) for the pipeline, the FLOP/s of one rank's forward through all of them as its peak
+    (for MFU), loopback links, the config's simulated nodes."""
+    measured = profile(config, repeats)
+    cfg, train = config.model, config.train
+    flops = model_flops_per_token(cfg, attention_shape(cfg), train.seq_len) / 3  # a forward: a third of training's
+    rate = train.micro_batch_size * train.seq_len / config.parallel.tp * flops / sum(s.f for s in measured.stages)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
-    ep = config.parallel.ep
-    latency = max(run_processes(exchange_seconds, world, ep, timeout_s=120)) if ep > 1 else 0.0
-    gpu = GPU("CPU", dense * share, expert * share, memory, LOCAL_LINK_GBPS, LOCAL_LINK_GBPS,
-              f"calibrated here: one thread's FLOP/s in the forward of a dense and an MoE block of the model, "
-              f"{x.shape[0]} x {x.shape[1]} tokens, {world} ranks on {cores} cores; a small gloo all_to_all "
-              f"over EP groups of {ep} {latency * 1e3:.2f} ms; loopback ~{LOCAL_LINK_GBPS:g} GB/s assumed",
-              latency * 1e6)
-    return Machine(gpu, config.parallel.gpus_per_node or world, gemm_efficiency=1.0)
+    gpu = GPU("CPU", rate / 1e12, rate / 1e12, memory, LOCAL_LINK_GBPS, LOCAL_LINK_GBPS,
+              f"profiled here, {measured.ranks} ranks on {measured.cores} cores at once, one chunk of "
+              f"{train.micro_batch_size} x {train.seq_len} tokens: {measured.describe()}; "
+              f"loopback ~{LOCAL_LINK_GBPS:g} GB/s assumed")
+    return Machine(gpu, config.parallel.gpus_per_node or measured.ranks, gemm_efficiency=1.0, profile=measured)
 
 
 class SavedBytes:
@@ -160,7 +115,10 @@ def _random_batches(config: RunConfig, step: int) -> list[tuple[Tensor, Tensor]]
 
 def measure_rank(rank: int, world: int, config: RunConfig, steps: int) -> RankMeasure:
     """Run `steps` forward-backward steps of config's global batch on this rank from the initial weights
-    (the routing the plan assumes), then one optimizer step; return the figures."""
+    (the routing the plan assumes), then one optimizer step; return the figures. Every step starts at a
+    barrier and ends at one (its idle fraction: 1 - time in compute actions / time from barrier to barrier,
+    as the simulator counts it against the makespan); the last one records the saved tensors, the others
+    the idle fraction (the first, a warm-up, left out of the median when there are more)."""
     mesh = Mesh(config.layout)
     stages, runtime = build_model(config, mesh)
     optimizer = build_optimizer(stages, config, mesh)
@@ -175,7 +133,7 @@ def measure_rank(rank: int, world: int, config: RunConfig, steps: int) -> RankMe
     p2p = {"intra_node": 0, "inter_node": 0}
     if runtime is not None:
         _count_p2p(runtime, config.layout, p2p)
-    idle = []
+    idle, saved = [], SavedBytes(params)
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
         for stage in stages:
@@ -183,12 +141,15 @@ def measure_rank(rank: int, world: int, config: RunConfig, steps: int) -> RankMe
         routes.clear()
         p2p.update(intra_node=0, inter_node=0)
         micro = my_micro_batches(_random_batches(config, step), config, mesh)
-        saved = SavedBytes(params)
+        last = step == steps - 1  # records the saved tensors (its hooks cost time: not timed for idle)
+        dist.barrier()  # every rank starts the step together
         began = time.perf_counter()
-        with saved.hooks():
+        with saved.hooks() if last else contextlib.nullcontext():
             _, busy = forward_backward(stages, runtime, micro, config.chunks_per_step,
                                        1 / config.train.grad_accum_steps)
-        idle.append(1 - busy / (time.perf_counter() - began) if runtime is not None else 0.0)
+        dist.barrier()  # the step ends when its last rank is done (the optimizer step's collectives wait for it)
+        if runtime is not None and (not last or steps == 1):
+            idle.append(1 - busy / (time.perf_counter() - began))
     optimizer.step()  # once, for its state bytes: the measured steps keep the initial (balanced) routing
     ep: dict[str, Traffic] = {}
     for stage in stages:
@@ -197,7 +158,7 @@ def measure_rank(rank: int, world: int, config: RunConfig, steps: int) -> RankMe
             for kind, traffic in (meter.total.items() if meter else ()):
                 ep[kind] = ep.get(kind, Traffic()) + traffic
     return RankMeasure(rank, mesh.pp_rank, sum(p.numel() for p in params) - expert, expert,
-                       optimizer.state_bytes()["total"], saved.peak, statistics.median(idle[1:] or idle),
+                       optimizer.state_bytes()["total"], saved.peak, statistics.median(idle[1:] or idle) if idle else 0.0,
                        {k: v.as_dict() for k, v in ep.items()}, routes, dict(p2p))
 
 
@@ -266,7 +227,8 @@ def _links(traffic: dict, kinds: Iterable[str]) -> tuple[int, int]:
 
 def compare(plan: Plan, measured: list[RankMeasure]) -> list[Check]:
     """Every rank's measured figures beside the plan's (of the same config); activations are checked on the
-    busiest replica of each pipeline rank (the plan assumes balanced routing, the GPU must hold the peak)."""
+    busiest replica of each pipeline rank (the plan assumes balanced routing, the GPU must hold the peak); the
+    pipeline's bubble over all ranks (rank -1), each rank's idle fraction shown beside it."""
     routed = routed_traffic(plan.config, measured)
     checks = []
     for m, seen in zip(measured, routed):
@@ -279,7 +241,7 @@ def compare(plan: Plan, measured: list[RankMeasure]) -> list[Check]:
                 ("expert params", r.expert_params, m.expert_params, 0.01),
                 ("optimizer bytes", r.states.optimizer, m.optimizer_bytes, 0.01),
                 ("activation peak bytes", r.activations, m.activation_peak, None),
-                ("pipeline idle fraction", plan.idle_fractions[m.pp_rank], m.idle, 0.15),
+                ("pipeline idle fraction", plan.idle_fractions[m.pp_rank], m.idle, None),
                 ("EP bytes intra (routing seen)", ep_pred[0], ep_meas[0], 0),
                 ("EP bytes inter (routing seen)", ep_pred[1], ep_meas[1], 0),
                 ("EP bytes intra (plan's routing)", ep_plan[0], ep_meas[0], None),
@@ -287,6 +249,9 @@ def compare(plan: Plan, measured: list[RankMeasure]) -> list[Check]:
                 ("PP p2p bytes intra", pp_plan[0], m.p2p.get("intra_node", 0), 0),
                 ("PP p2p bytes inter", pp_plan[1], m.p2p.get("inter_node", 0), 0)]
         checks += [Check(m.rank, *row) for row in rows]
+    if plan.config.parallel.pp > 1:
+        checks.append(Check(-1, "pipeline bubble: idle share of all ranks' time", plan.idle_fraction,
+                            statistics.mean(m.idle for m in measured), 0.15))
     for pp_rank, plan_rank in enumerate(plan.ranks):
         replicas = [m for m in measured if m.pp_rank == pp_rank]
         busiest = max(replicas, key=lambda m: m.activation_peak)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,16 +17,21 @@ from launch.plan.traffic import EPStats, ep_stats, ring_bytes, total
 from launch.stages import stage_ranges
 from pipeline.schedules import Layout, Schedule, build, merge_weight_grads
 
+if TYPE_CHECKING:
+    from launch.plan.profile import Profile
+
 LAYOUT_KINDS = {"none": "linear", "1f1b": "linear", "zb1p": "linear", "dualpipe": "bidirectional", "dualpipev": "v"}
 
 
 @dataclass(frozen=True)
 class Machine:
-    """The cluster: a GPU (peaks, memory, links), GPUs per node and the GEMM efficiency assumed."""
+    """The cluster: a GPU (peaks, memory, links), GPUs per node and the GEMM efficiency assumed; with a
+    profile, each stage's compute and EP seconds are its parts' measured ones instead of FLOPs / rates."""
 
     gpu: GPU
     gpus_per_node: int
     gemm_efficiency: float = 0.6
+    profile: Profile | None = None
 
     def rates(self, fp8_experts: bool) -> Rates:
         """Achieved FLOP/s and link bytes/s."""
@@ -79,7 +85,7 @@ class Plan:
     stage_costs: list[StageCost]
     p2p_seconds: float
     makespan: float
-    idle_fraction: float
+    idle_fraction: float  # the bubble: idle share of all ranks' time in the pipeline step (mean over ranks)
     dp_sync_seconds: float
     tokens_per_step: int
     flops_per_token: float
@@ -177,7 +183,11 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
                    options.sample_tokens) if timed and cfg.num_layers > cfg.first_k_dense else None)
     ep_layer = total(ep.layer) if ep else Traffic()
     rates = machine.rates(cfg.expert_precision == "fp8")
-    costs = [_stage_cost(config, params, layers[s], s == num_stages - 1, moe_layers[s], ep, rates, gpn, options)
+    if machine.profile and len(machine.profile.stages) != num_stages:
+        raise ValueError(f"the machine's profile has {len(machine.profile.stages)} stages, the layout {num_stages}: "
+                         f"profile the config being planned")
+    costs = [machine.profile.stage_cost(s) if machine.profile else
+             _stage_cost(config, params, layers[s], s == num_stages - 1, moe_layers[s], ep, rates, gpn, options)
              for s in range(num_stages)]
     act_bytes = tokens * cfg.hidden_size * itemsize / (par.tp if par.sequence_parallel else 1)
     ranks, sync = [], 0.0
@@ -200,11 +210,14 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
     if not timed:
         makespan, idles = 0.0, [0.0] * par.pp
     elif schedule:
-        result = simulate_step(schedule, costs, p2p_seconds, par.overlap)
+        profile = machine.profile
+        result = simulate_step(schedule, costs, p2p_seconds, par.overlap, profile.pair_factor if profile else 1.0,
+                               profile.speed(par.pp) if profile else None)
         makespan, idles = result.makespan, result.idle_fractions
     else:
         makespan, idles = chunks * costs[0].serial, [0.0]
-    return Plan(config, machine, options, params, layers, ranks, ep, costs, p2p_seconds, makespan, max(idles), sync,
+    return Plan(config, machine, options, params, layers, ranks, ep, costs, p2p_seconds, makespan,
+                sum(idles) / len(idles), sync,
                 train.grad_accum_steps * tokens, model_flops_per_token(cfg, params.attention, train.seq_len),
                 train.grad_accum_steps // par.dp // chunks, list(idles))
 

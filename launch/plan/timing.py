@@ -3,13 +3,13 @@ bubble, DP gradient sync after it; tokens/s and MFU."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from launch.plan.params import AttentionShape, layer_params
 from moe.config import ModelConfig
 from pipeline.schedules import Action, Op, Schedule
-from pipeline.simulator import Costs, SimResult, simulate
+from pipeline.simulator import Costs, SimResult, simulate, simulate_shared
 
 
 @dataclass(frozen=True)
@@ -87,9 +87,11 @@ class StageCost:
         return self.b - (self.w if split else 0.0) + self.comm_b
 
 
-def action_seconds(action: Action, stages: Sequence[StageCost], stage_of, overlap: bool) -> float:
+def action_seconds(action: Action, stages: Sequence[StageCost], stage_of, overlap: bool,
+                   pair_factor: float = 1.0) -> float:
     """Duration of a compute action; an F&B pair with overlap hides one half's communication
-    behind the other's compute (each link and the SMs run at once)."""
+    behind the other's compute (each link and the SMs run at once), its compute taking pair_factor
+    times the halves' (the two share the device: a profile measures it, 1 on a GPU's separate streams)."""
     if action.op is Op.W:
         return stages[stage_of(action.phase)].w * len(action.chunks)
     if action.op is not Op.FB:
@@ -98,14 +100,18 @@ def action_seconds(action: Action, stages: Sequence[StageCost], stage_of, overla
     compute = fwd.f + bwd.b - (bwd.w if action.backward.split else 0.0)
     if not overlap:
         return compute + fwd.comm_f + bwd.comm_b
-    return max(compute, fwd.comm_f + bwd.comm_b)
+    return max(compute * pair_factor, fwd.comm_f + bwd.comm_b)
 
 
-def simulate_step(schedule: Schedule, stages: Sequence[StageCost], p2p_seconds: float, overlap: bool) -> SimResult:
-    """The pipeline simulator run with each rank's actions priced by its stages' costs."""
+def simulate_step(schedule: Schedule, stages: Sequence[StageCost], p2p_seconds: float, overlap: bool,
+                  pair_factor: float = 1.0, speed: Callable[[int], float] | None = None) -> SimResult:
+    """The pipeline simulator run with each rank's actions priced by its stages' costs (speed: pipeline ranks
+    share processors, see pipeline.simulator.simulate_shared)."""
     layout = schedule.layout
     durations = {}
     for rank in range(layout.num_ranks):
         for action in schedule.compute_actions(rank):
-            durations[(rank, action)] = action_seconds(action, stages, lambda p: layout.stage_of(rank, p), overlap)
-    return simulate(schedule, Costs(0.0, 0.0, p2p=p2p_seconds), durations=durations)
+            durations[(rank, action)] = action_seconds(action, stages, lambda p: layout.stage_of(rank, p), overlap,
+                                                      pair_factor)
+    costs = Costs(0.0, 0.0, p2p=p2p_seconds)
+    return simulate_shared(schedule, costs, durations, speed) if speed else simulate(schedule, costs, durations=durations)

@@ -1,7 +1,8 @@
 """moe-plan against measured runs of the trainer's own pieces (model stages, pipeline runtime, EP dispatch,
 ZeRO-1) on 4 gloo ranks over 2 simulated nodes: the EPDispatcher counters equal dispatch.predict on the
 routings the routers chose, the p2p payload bytes equal the planned ones exactly, parameters and
-optimizer bytes per rank are within 1%, the activations saved for backward within 10%."""
+optimizer bytes per rank are within 1%, the activations saved for backward within 10%; on a machine profiled
+here the predicted pipeline bubble follows the measured idle."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import torch
 
 from launch.config import load_config
-from launch.plan.measure import SavedBytes, compare, measure
+from launch.plan.measure import SavedBytes, compare, cpu_machine, measure
 from launch.plan.planner import Machine, make_plan
 from launch.plan.presets import GPUS
 
@@ -36,8 +37,23 @@ def test_measured_bytes_memory_and_params_match_the_plan():
     config = load_config(TINY, LAYOUT)
     plan = make_plan(config, Machine(GPUS["h800"], config.parallel.gpus_per_node))
     checks = compare(plan, measure(config, steps=1, timeout_s=240))
-    assert len(checks) == 4 * 11 + 2
-    failed = [c for c in checks if c.ok is False and c.figure != "pipeline idle fraction"]
+    assert len(checks) == 4 * 11 + 3
+    failed = [c for c in checks if c.ok is False and not c.figure.startswith("pipeline bubble")]
     assert not failed, failed
     crossed = {c.figure for c in checks if c.tolerance == 0 and c.measured > 0}
     assert {"PP p2p bytes inter", "EP bytes intra (routing seen)"} <= crossed
+
+
+def test_predicted_bubble_on_this_machine_tracks_the_measured_idle():
+    # 1F1B over 2 ranks on 2 cores: stage costs profiled here, then the pipeline run. moe-plan --measure shows
+    # the bubble within 15% (the acceptance); this test allows 35% so a loaded CI machine does not flake it, and
+    # still fails on a wrong cost model or schedule (the FLOPs model on this CPU was off by -98% to +370%)
+    config = load_config(TINY, ["parallel.pp=2", "parallel.dp=1", "parallel.ep=1", 'parallel.schedule="1f1b"',
+                                "train.seq_len=64"])
+    plan = make_plan(config, cpu_machine(config, repeats=4))
+    checks = compare(plan, measure(config, steps=8, timeout_s=240))
+    bubble = next(c for c in checks if c.figure.startswith("pipeline bubble"))
+    assert abs(bubble.error) <= 0.35, bubble
+    idle = {c.rank: c for c in checks if c.figure == "pipeline idle fraction"}
+    # the first stage (the embedding and 2 layers) is lighter than the last (2 MoE layers and the head): it waits more
+    assert idle[0].predicted > idle[1].predicted and idle[0].measured > idle[1].measured, idle

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from pipeline import (Costs, Op, build, dualpipe, dualpipev, merge_weight_grads, one_f_one_b, simulate,
                       with_communication, zb1p)
+from pipeline.schedules import Schedule
 from pipeline.simulator import main as simulate_main
+from pipeline.simulator import simulate_shared
 
 # Unequal F, B, W, F&B with the input-grad part of B (B - W) as long as F: the regime in which
 # DeepSeek's table is exact (elsewhere the simulated DualPipe bubble departs from it).
@@ -168,3 +172,30 @@ def test_a_pair_with_a_forward_share_runs_its_forward_on_the_forward_input_alone
     assert waiting.start == pytest.approx(slow.start + 0.25 * 20.0 + 0.1)
     assert waiting.end == pytest.approx(slow.end + 0.1 + 0.5 * 3.0)
     assert result.busy[1] == pytest.approx(sum(d for (r, _), d in durations.items() if r == 1))  # the gap is idle
+
+
+def _random_durations(schedule: Schedule) -> dict:
+    rng = random.Random(0)
+    return {(r, act): rng.uniform(1.0, 3.0) for r in range(schedule.layout.num_ranks)
+            for act in schedule.compute_actions(r)}
+
+
+SHARED = [one_f_one_b(4, 8), zb1p(4, 8), dualpipe(4, 8), dualpipev(2, 8)]
+
+
+@pytest.mark.parametrize("schedule", SHARED, ids=lambda s: s.name)
+def test_ranks_sharing_nothing_simulate_as_the_plain_simulator(schedule: Schedule) -> None:
+    durations, costs = _random_durations(schedule), Costs(0.0, 0.0, p2p=0.1)
+    plain = simulate(schedule, costs, durations)
+    shared = simulate_shared(schedule, costs, durations, lambda n: 1.0)
+    assert shared.makespan == pytest.approx(plain.makespan)
+    assert shared.idle_fractions == pytest.approx(plain.idle_fractions)
+
+
+@pytest.mark.parametrize("schedule", SHARED, ids=lambda s: s.name)
+def test_ranks_sharing_one_processor_take_the_sum_of_all_work(schedule: Schedule) -> None:
+    # one processor shared fairly by every running rank: with instant p2p some rank can always run, so the
+    # processor never idles and the step lasts exactly the sum of every action's time
+    durations = _random_durations(schedule)
+    result = simulate_shared(schedule, Costs(0.0, 0.0), durations, lambda n: 1.0 / n)
+    assert result.makespan == pytest.approx(sum(durations.values()))

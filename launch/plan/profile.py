@@ -1,0 +1,157 @@
+"""Measured seconds of one chunk through each pipeline stage of a config on this machine, for the planner to
+simulate the pipeline with instead of its FLOPs model.
+
+Every rank of the config's layout builds its stages as the trainer does (TP, EP dispatch over the layout's
+groups, weight grads deferred as the runtime's B/W split does) and times one chunk's forward, input-grad
+backward (B) and weight grads (W) through each, all ranks in lockstep with no pipeline between them. So the
+figures carry what a rank meets in the run while every rank is busy: cores shared with the other ranks and EP
+exchanges that wait on peers. Each figure is the median over repeats on each rank, then the mean over the
+ranks that hold the stage. Where the runtime overlaps an F&B pair (the backward on a helper thread), the pair's
+time over its halves' is measured too.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from dispatch.multiproc import run_processes
+from launch.config import RunConfig
+from launch.mesh import Mesh
+from launch.plan.timing import StageCost
+from launch.stages import Stage, lm_loss
+from launch.train import build_model, stage_ids
+from pipeline.wgrad import WeightGradStore
+
+PAIRED = ("dualpipe", "dualpipev")  # schedules whose runtime runs F&B pairs
+
+
+@dataclass(frozen=True)
+class PartSeconds:
+    """One chunk through one stage: forward, the input-grad part of backward, the weight grads."""
+
+    f: float
+    b: float
+    w: float
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Seconds per stage (by position along the pipeline) measured with `ranks` ranks on `cores` cores."""
+
+    stages: list[PartSeconds]
+    ranks: int
+    cores: int
+    pair_factor: float = 1.0  # an F&B pair's time over its halves' (the runtime's backward-on-a-thread pair)
+
+    def stage_cost(self, stage: int) -> StageCost:
+        """One chunk through a stage (its EP exchanges are inside the measured seconds)."""
+        p = self.stages[stage]
+        return StageCost(p.f, p.b + p.w, p.w, 0.0, 0.0)
+
+    def speed(self, pp: int) -> Callable[[int], float] | None:
+        """How fast actions run while n of the pp pipeline ranks run one, relative to the profile (where every
+        rank ran at once): the ranks share the cores (each pipeline rank's DP/TP replicas run alike). None
+        when every rank has a core of its own."""
+        if self.cores >= self.ranks:
+            return None
+        replicas, profiled = self.ranks // pp, self.cores / self.ranks
+        return lambda n: min(1.0, self.cores / (n * replicas)) / profiled
+
+    def describe(self) -> str:
+        """The figures in one line, milliseconds."""
+        stages = ", ".join(f"stage {i} F/B/W {p.f * 1e3:.2f}/{p.b * 1e3:.2f}/{p.w * 1e3:.2f} ms"
+                           for i, p in enumerate(self.stages))
+        return f"{stages}; F&B pair {self.pair_factor:.2f}x its halves"
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """Seconds fn takes, every rank starting it together (lockstep), and what it returns."""
+    dist.barrier()
+    began = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - began, out
+
+
+class _Chunks:
+    """One chunk's forward and backward through a stage of this rank, as the runtime runs them."""
+
+    def __init__(self, config: RunConfig, store: WeightGradStore) -> None:
+        train, cfg = config.train, config.model
+        tokens = torch.randint(0, cfg.vocab_size, (train.micro_batch_size, train.seq_len + 1),
+                               generator=torch.Generator().manual_seed(0))
+        self.inputs, self.labels = tokens[:, :-1], tokens[:, 1:]
+        self.hidden = (train.micro_batch_size, train.seq_len, cfg.hidden_size)
+        self.dtype = getattr(torch, train.dtype)
+        self.store = store
+
+    def forward(self, stage: Stage) -> tuple[Tensor, Tensor | None]:
+        """(the stage's output: hidden, or the scaled LM loss on the last stage; a grad for it)."""
+        if stage.embed is not None:
+            x = self.inputs
+        else:
+            x = torch.randn(self.hidden, dtype=self.dtype, generator=torch.Generator().manual_seed(1))
+            if stage.tp is not None and stage.tp.sequence_parallel:
+                x = x.chunk(stage.tp.size, 1)[stage.tp.rank]
+            x.requires_grad_()
+        out = stage(x)
+        if stage.lm_head is not None:
+            return lm_loss(out, self.labels, stage.loss_scale, stage.tp), None
+        return out, torch.ones_like(out)
+
+    def backward(self, key: int, out: Tensor, grad: Tensor | None) -> None:
+        """The input-grad backward, weight grads queued under key for a W."""
+        with self.store.capture(key):
+            torch.autograd.backward(out, grad)
+
+
+def profile_rank(rank: int, world: int, config: RunConfig, repeats: int) -> tuple[dict[int, PartSeconds], float]:
+    """This rank's median seconds per stage it holds over repeats (after one warm-up), all ranks in lockstep,
+    and the median F&B pair factor (1 when the runtime runs no pair's halves at once)."""
+    mesh = Mesh(config.layout)
+    stages, runtime = build_model(config, mesh)  # the runtime installs the B/W split on the stages
+    ids = stage_ids(config, mesh.pp_rank)
+    chunks = _Chunks(config, WeightGradStore())
+    samples: dict[int, list[tuple[float, float, float]]] = {i: [] for i in ids}
+    threaded = (runtime is not None and config.parallel.overlap and config.parallel.schedule in PAIRED
+                and all(stage.concurrent_backward for stage in stages))
+    factors = []
+    with ThreadPoolExecutor(1) as pool:
+        for _ in range(repeats + 1):
+            for i, stage in zip(ids, stages):
+                f, (out, grad) = _timed(lambda: chunks.forward(stage))
+                b, _ = _timed(lambda: chunks.backward(i, out, grad))
+                w, _ = _timed(lambda: chunks.store.run(i))
+                samples[i].append((f, b, w))
+            if threaded:  # the first phase's forward beside the last one's backward, as in DualPipe(V)
+                first, last = stages[0], stages[-1]
+                out, grad = chunks.forward(last)
+                pair, _ = _timed(lambda: (pool.submit(chunks.backward, ids[-1], out, grad), chunks.forward(first))[0]
+                                 .result())
+                chunks.store.run(ids[-1])
+                halves = samples[ids[0]][-1][0] + samples[ids[-1]][-1][1]
+                factors.append(pair / halves)
+    medians = {i: PartSeconds(*(statistics.median(run[k] for run in runs[1:]) for k in range(3)))
+               for i, runs in samples.items()}
+    return medians, statistics.median(factors[1:]) if factors else 1.0
+
+
+def profile(config: RunConfig, repeats: int = 5, timeout_s: float = 300.0) -> Profile:
+    """Seconds per stage of config's layout here (each the mean over the ranks holding it of their medians)."""
+    world = config.parallel.world_size
+    ranks = run_processes(profile_rank, world, config, repeats, timeout_s=timeout_s)
+    held: dict[int, list[PartSeconds]] = {}
+    for medians, _ in ranks:
+        for i, seconds in medians.items():
+            held.setdefault(i, []).append(seconds)
+    stages = [PartSeconds(*(statistics.mean(getattr(s, x) for s in held[i]) for x in ("f", "b", "w")))
+              for i in sorted(held)]
+    return Profile(stages, world, os.cpu_count() or 1, statistics.mean(factor for _, factor in ranks))
