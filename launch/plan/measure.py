@@ -158,7 +158,8 @@ def measure_rank(rank: int, world: int, config: RunConfig, steps: int) -> RankMe
             for kind, traffic in (meter.total.items() if meter else ()):
                 ep[kind] = ep.get(kind, Traffic()) + traffic
     return RankMeasure(rank, mesh.pp_rank, sum(p.numel() for p in params) - expert, expert,
-                       optimizer.state_bytes()["total"], saved.peak, statistics.median(idle[1:] or idle) if idle else 0.0,
+                       optimizer.state_bytes()["total"], saved.peak,
+                       statistics.median(idle[1:] or idle) if idle else 0.0,
                        {k: v.as_dict() for k, v in ep.items()}, routes, dict(p2p))
 
 

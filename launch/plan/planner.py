@@ -26,7 +26,7 @@ LAYOUT_KINDS = {"none": "linear", "1f1b": "linear", "zb1p": "linear", "dualpipe"
 @dataclass(frozen=True)
 class Machine:
     """The cluster: a GPU (peaks, memory, links), GPUs per node and the GEMM efficiency assumed; with a
-    profile, each stage's compute and EP seconds are its parts' measured ones instead of FLOPs / rates."""
+    profile, each stage's compute and EP seconds are the ones measured on this machine instead of FLOPs / rates."""
 
     gpu: GPU
     gpus_per_node: int

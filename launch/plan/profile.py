@@ -35,7 +35,7 @@ PAIRED = ("dualpipe", "dualpipev")  # schedules whose runtime runs F&B pairs
 
 
 @dataclass(frozen=True)
-class PartSeconds:
+class StageSeconds:
     """One chunk through one stage: forward, the input-grad part of backward, the weight grads."""
 
     f: float
@@ -47,7 +47,7 @@ class PartSeconds:
 class Profile:
     """Seconds per stage (by position along the pipeline) measured with `ranks` ranks on `cores` cores."""
 
-    stages: list[PartSeconds]
+    stages: list[StageSeconds]
     ranks: int
     cores: int
     pair_factor: float = 1.0  # an F&B pair's time over its halves' (the runtime's backward-on-a-thread pair)
@@ -113,7 +113,7 @@ class _Chunks:
             torch.autograd.backward(out, grad)
 
 
-def profile_rank(rank: int, world: int, config: RunConfig, repeats: int) -> tuple[dict[int, PartSeconds], float]:
+def profile_rank(rank: int, world: int, config: RunConfig, repeats: int) -> tuple[dict[int, StageSeconds], float]:
     """This rank's median seconds per stage it holds over repeats (after one warm-up), all ranks in lockstep,
     and the median F&B pair factor (1 when the runtime runs no pair's halves at once)."""
     mesh = Mesh(config.layout)
@@ -139,7 +139,7 @@ def profile_rank(rank: int, world: int, config: RunConfig, repeats: int) -> tupl
                 chunks.store.run(ids[-1])
                 halves = samples[ids[0]][-1][0] + samples[ids[-1]][-1][1]
                 factors.append(pair / halves)
-    medians = {i: PartSeconds(*(statistics.median(run[k] for run in runs[1:]) for k in range(3)))
+    medians = {i: StageSeconds(*(statistics.median(run[k] for run in runs[1:]) for k in range(3)))
                for i, runs in samples.items()}
     return medians, statistics.median(factors[1:]) if factors else 1.0
 
@@ -148,10 +148,10 @@ def profile(config: RunConfig, repeats: int = 5, timeout_s: float = 300.0) -> Pr
     """Seconds per stage of config's layout here (each the mean over the ranks holding it of their medians)."""
     world = config.parallel.world_size
     ranks = run_processes(profile_rank, world, config, repeats, timeout_s=timeout_s)
-    held: dict[int, list[PartSeconds]] = {}
+    held: dict[int, list[StageSeconds]] = {}
     for medians, _ in ranks:
         for i, seconds in medians.items():
             held.setdefault(i, []).append(seconds)
-    stages = [PartSeconds(*(statistics.mean(getattr(s, x) for s in held[i]) for x in ("f", "b", "w")))
+    stages = [StageSeconds(*(statistics.mean(getattr(s, x) for s in held[i]) for x in ("f", "b", "w")))
               for i in sorted(held)]
     return Profile(stages, world, os.cpu_count() or 1, statistics.mean(factor for _, factor in ranks))

@@ -141,8 +141,8 @@ def render(plan: Plan) -> str:
               "time per chunk and stage (ms; comm = EP all-to-all + TP collectives exposed unless overlapped):",
               table(["stage", "F", "B", "W", "comm F", "comm B"],
                     [[s, *map(ms, (c.f, c.b, c.w, c.comm_f, c.comm_b))] for s, c in enumerate(plan.stage_costs)]),
-              f"pipeline step {ms(plan.makespan)} ms (bubble {plan.idle_fraction:.1%} of all ranks' time, largest rank idle "
-              f"{max(plan.idle_fractions, default=0.0):.1%}, p2p hop "
+              f"pipeline step {ms(plan.makespan)} ms (bubble {plan.idle_fraction:.1%} of all ranks' time, "
+              f"largest rank idle {max(plan.idle_fractions, default=0.0):.1%}, p2p hop "
               f"{ms(plan.p2p_seconds)} ms) x {plan.pipeline_steps} + DP grad sync {ms(plan.dp_sync_seconds)} ms "
               f"= step {ms(plan.step_seconds)} ms",
               f"tokens/s {plan.tokens_per_second:,.0f} ({plan.tokens_per_second / par.world_size:,.0f} per GPU), "

@@ -114,4 +114,6 @@ def simulate_step(schedule: Schedule, stages: Sequence[StageCost], p2p_seconds: 
             durations[(rank, action)] = action_seconds(action, stages, lambda p: layout.stage_of(rank, p), overlap,
                                                       pair_factor)
     costs = Costs(0.0, 0.0, p2p=p2p_seconds)
-    return simulate_shared(schedule, costs, durations, speed) if speed else simulate(schedule, costs, durations=durations)
+    if speed:
+        return simulate_shared(schedule, costs, durations, speed)
+    return simulate(schedule, costs, durations=durations)

@@ -12,11 +12,11 @@ import pytest
 from launch.config import load_config
 from launch.plan.planner import Machine, make_plan
 from launch.plan.presets import GPUS
-from launch.plan.profile import PartSeconds, Profile
+from launch.plan.profile import StageSeconds, Profile
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"
 ONE_F_ONE_B = ["parallel.pp=2", "parallel.dp=1", "parallel.ep=1", 'parallel.schedule="1f1b"']
-STAGE = PartSeconds(f=1.0, b=1.4, w=0.6)  # a full backward: 2.0
+STAGE = StageSeconds(f=1.0, b=1.4, w=0.6)  # a full backward: 2.0
 # links so fast the p2p hops vanish: the bubble is the schedule's alone
 INSTANT = replace(GPUS["h800"], intra_node_gbps=1e12, inter_node_gbps=1e12)
 
@@ -28,7 +28,7 @@ def _plan(overrides: list[str], profile: Profile):
 
 
 def test_stage_costs_are_the_profiled_seconds():
-    profile = Profile([STAGE, PartSeconds(2.0, 3.0, 1.0)], ranks=2, cores=2)
+    profile = Profile([STAGE, StageSeconds(2.0, 3.0, 1.0)], ranks=2, cores=2)
     plan = _plan(ONE_F_ONE_B, profile)
     assert [(c.f, c.b, c.w, c.comm_f, c.comm_b) for c in plan.stage_costs] == [(1.0, 2.0, 0.6, 0, 0),
                                                                               (2.0, 4.0, 1.0, 0, 0)]
