@@ -42,15 +42,15 @@ def cpu_machine(config: RunConfig, repeats: int = 5) -> Machine:
     rate = train.micro_batch_size * train.seq_len / config.parallel.tp * flops / sum(s.f for s in measured.stages)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
     gpu = GPU("CPU", rate / 1e12, rate / 1e12, memory, LOCAL_LINK_GBPS, LOCAL_LINK_GBPS,
-              f"profiled here, {measured.ranks} ranks on {measured.cores} cores at once, one chunk of "
-              f"{train.micro_batch_size} x {train.seq_len} tokens: {measured.describe()}; "
+              f"profiled here, {measured.ranks} ranks on {measured.cores} cores, a pipeline rank at a time, "
+              f"one chunk of {train.micro_batch_size} x {train.seq_len} tokens: {measured.describe()}; "
               f"loopback ~{LOCAL_LINK_GBPS:g} GB/s assumed")
     return Machine(gpu, config.parallel.gpus_per_node or measured.ranks, gemm_efficiency=1.0, profile=measured)
 
 
 class SavedBytes:
-    """Bytes of the tensors autograd saves for backward that are alive at once (the peak over a run);
-    storages of the given parameters are left out, a storage shared by several saved tensors counts once."""
+    """Bytes of the tensors autograd keeps saved for backward at once (the peak over a run); storages of the
+    given parameters are left out, a storage shared by several saved tensors counts once."""
 
     def __init__(self, params: Iterable[Tensor]) -> None:
         self._params = {p.untyped_storage().data_ptr() for p in params}
@@ -58,14 +58,23 @@ class SavedBytes:
         self.peak = 0
 
     def _pack(self, tensor: Tensor) -> Tensor:
+        """Keep a detached alias: it lives exactly as long as autograd keeps it saved, and holds no grad_fn
+        (saving an op's own output with its grad_fn would make a cycle that outlives a branch backward never
+        runs, such as a router loss with a zero coefficient)."""
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
-        if key not in self._params and storage.nbytes():
-            self._live = {k: v for k, v in self._live.items() if any(r() is not None for r in v[0])}
-            refs = self._live.setdefault(key, ([], storage.nbytes()))[0]
-            refs.append(weakref.ref(tensor))
-            self.peak = max(self.peak, sum(size for _, size in self._live.values()))
-        return tensor
+        if key in self._params or not storage.nbytes():
+            return tensor
+        saved = tensor.detach()
+        self._live.setdefault(key, ([], storage.nbytes()))[0].append(weakref.ref(saved))
+        self.peak = max(self.peak, self.live)
+        return saved
+
+    @property
+    def live(self) -> int:
+        """Bytes kept saved now."""
+        self._live = {k: v for k, v in self._live.items() if any(r() is not None for r in v[0])}
+        return sum(size for _, size in self._live.values())
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """The context that records every tensor saved for backward inside it."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 from launch.plan.params import AttentionShape
 from launch.plan.presets import StateBytes
+from launch.plan.timing import StageCost
 from moe.config import ModelConfig
 from pipeline.schedules import Op, Schedule
 
@@ -57,8 +58,8 @@ class ActivationModel:
     gate|up, silu(gate) and the product; combine keeps each slot's expert output, its fp32 weighted
     copy and the weight. kernels="fused" counts fused kernels (norm into its consumer, SwiGLU, combine;
     GQA heads unexpanded); "fused-fp8" also caches the expert inputs and the SwiGLU inputs in FP8 (1x128
-    tiles), DeepSeek-V3's low-precision activation storage (report section 3.3.2). TP splits the head/FFN widths; SP also splits the
-    hidden-width tensors (norm inputs and outputs) that TP alone keeps whole. Recomputation:
+    tiles), DeepSeek-V3's low-precision activation storage (report section 3.3.2). TP splits the head/FFN widths;
+    SP also splits the hidden-width tensors (norm inputs and outputs) that TP alone keeps whole. Recomputation:
     "selective" recomputes the norms, SwiGLU products and (MLA) the q/kv up-projections from their
     latents, as DeepSeek-V3 does; "full" keeps only each layer's input and recomputes the layer.
     """
@@ -163,16 +164,28 @@ class ActivationModel:
         return per_token * tokens
 
 
-def schedule_peaks(schedule: Schedule, stage_bytes: Sequence[float]) -> list[float]:
+def schedule_peaks(schedule: Schedule, stage_bytes: Sequence[float],
+                   pair_costs: Sequence[StageCost] | None = None) -> list[float]:
     """Per rank, the most activation bytes held at once: each forward adds its stage's chunk bytes
-    until that chunk's backward (weight-grad leftovers of split backwards not counted)."""
+    until that chunk's backward (weight-grad leftovers of split backwards not counted).
+
+    An F&B pair counts its forward, then its backward, unless pair_costs (per stage) says the runtime
+    runs the two halves at once: the forward then allocates and the backward frees at even rates over
+    their own durations, so the pair peaks when its forward ends, less what the backward freed by then."""
     layout = schedule.layout
     peaks = []
     for rank in range(layout.num_ranks):
         live = peak = 0.0
         for action in schedule.compute_actions(rank):
-            for half in action.halves():
-                size = stage_bytes[layout.stage_of(rank, half.phase)]
+            halves = action.halves()
+            sizes = [stage_bytes[layout.stage_of(rank, half.phase)] for half in halves]
+            if pair_costs is not None and action.op is Op.FB:
+                f, b = (pair_costs[layout.stage_of(rank, h.phase)].compute(h.op, h.split) for h in halves)
+                freed = sizes[1] * (min(1.0, f / b) if b > 0 else 1.0)
+                peak = max(peak, live + sizes[0] - freed)
+                live += sizes[0] - sizes[1]
+                continue
+            for half, size in zip(halves, sizes):
                 if half.op is Op.F:
                     live += size
                     peak = max(peak, live)

@@ -177,7 +177,6 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
     stage_bytes = [acts.stage(layers[s], s == num_stages - 1, tokens) for s in range(num_stages)]
     schedule = make_schedule(config)
     layout = _layout(config)
-    peaks = schedule_peaks(schedule, stage_bytes) if schedule else [stage_bytes[0]]
     moe_layers = [sum(i >= cfg.first_k_dense for i in span) for span in layers]
     ep = (ep_stats(cfg, par.ep, gpn, tokens // par.tp, par.dispatch_backend, par.dispatch_payload, dtype,
                    options.sample_tokens) if timed and cfg.num_layers > cfg.first_k_dense else None)
@@ -189,6 +188,8 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
     costs = [machine.profile.stage_cost(s) if machine.profile else
              _stage_cost(config, params, layers[s], s == num_stages - 1, moe_layers[s], ep, rates, gpn, options)
              for s in range(num_stages)]
+    # overlap: the runtime runs each F&B pair's halves at once (the backward on a helper thread)
+    peaks = schedule_peaks(schedule, stage_bytes, costs if par.overlap else None) if schedule else [stage_bytes[0]]
     act_bytes = tokens * cfg.hidden_size * itemsize / (par.tp if par.sequence_parallel else 1)
     ranks, sync = [], 0.0
     for rank in range(par.pp):

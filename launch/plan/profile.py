@@ -3,12 +3,12 @@ simulate the pipeline with instead of its FLOPs model.
 
 Every rank of the config's layout builds its stages as the trainer does (TP, EP dispatch over the layout's
 groups, weight grads deferred as the runtime's B/W split does) and times one chunk's forward, input-grad
-backward (B) and weight grads (W) through each, all ranks in lockstep with no pipeline between them. So the
-figures carry what a rank meets in the run while every rank is busy: cores shared with the other ranks and EP
-exchanges that wait on peers. Each figure is the median over repeats on each rank, then the mean over the
-ranks that hold the stage. Where the runtime overlaps an F&B pair (the backward on a helper thread), the pair's
-time over its halves' is measured too.
-"""
+backward (B) and weight grads (W) through each. The pipeline ranks take turns: one pipeline rank's DP/TP/EP
+replicas run in lockstep (their exchanges wait on each other as in the run) while the other ranks wait, so a
+stage's figure does not depend on what the stages timed beside it cost. Where ranks outnumber cores, the
+simulator then shares the cores among the pipeline ranks busy at each moment (Profile.speed). Each figure is
+the median over repeats on each rank, then the mean over the ranks that hold the stage. Where the runtime
+overlaps an F&B pair (the backward on a helper thread), the pair's time over its halves' is measured too."""
 
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ class StageSeconds:
 
 @dataclass(frozen=True)
 class Profile:
-    """Seconds per stage (by position along the pipeline) measured with `ranks` ranks on `cores` cores."""
+    """Seconds per stage (by position along the pipeline) measured on `cores` cores, a layout of `ranks` ranks
+    taking turns by pipeline rank."""
 
     stages: list[StageSeconds]
     ranks: int
@@ -58,12 +59,13 @@ class Profile:
         return StageCost(p.f, p.b + p.w, p.w, 0.0, 0.0)
 
     def speed(self, pp: int) -> Callable[[int], float] | None:
-        """How fast actions run while n of the pp pipeline ranks run one, relative to the profile (where every
-        rank ran at once): the ranks share the cores (each pipeline rank's DP/TP replicas run alike). None
-        when every rank has a core of its own."""
+        """How fast actions run while n of the pp pipeline ranks run one, relative to the profile (where one
+        pipeline rank's DP/TP replicas ran at a time): the ranks share the cores. None when every rank has a
+        core of its own."""
         if self.cores >= self.ranks:
             return None
-        replicas, profiled = self.ranks // pp, self.cores / self.ranks
+        replicas = self.ranks // pp
+        profiled = min(1.0, self.cores / replicas)
         return lambda n: min(1.0, self.cores / (n * replicas)) / profiled
 
     def describe(self) -> str:
@@ -73,9 +75,12 @@ class Profile:
         return f"{stages}; F&B pair {self.pair_factor:.2f}x its halves"
 
 
-def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    """Seconds fn takes, every rank starting it together (lockstep), and what it returns."""
+def _timed(fn: Callable[[], Any], mine: bool = True) -> tuple[float, Any]:
+    """Seconds fn takes, every rank whose turn it is starting it together (the others only meet the barrier),
+    and what it returns ((0, (None, None)) when not this rank's turn)."""
     dist.barrier()
+    if not mine:
+        return 0.0, (None, None)
     began = time.perf_counter()
     out = fn()
     return time.perf_counter() - began, out
@@ -114,8 +119,9 @@ class _Chunks:
 
 
 def profile_rank(rank: int, world: int, config: RunConfig, repeats: int) -> tuple[dict[int, StageSeconds], float]:
-    """This rank's median seconds per stage it holds over repeats (after one warm-up), all ranks in lockstep,
-    and the median F&B pair factor (1 when the runtime runs no pair's halves at once)."""
+    """This rank's median seconds per stage it holds over repeats (after one warm-up), and the median F&B pair
+    factor (1 when the runtime runs no pair's halves at once). The pipeline ranks take turns, each with its
+    DP/TP/EP replicas in lockstep while the others wait, so no figure depends on what another stage costs."""
     mesh = Mesh(config.layout)
     stages, runtime = build_model(config, mesh)  # the runtime installs the B/W split on the stages
     ids = stage_ids(config, mesh.pp_rank)
@@ -126,19 +132,22 @@ def profile_rank(rank: int, world: int, config: RunConfig, repeats: int) -> tupl
     factors = []
     with ThreadPoolExecutor(1) as pool:
         for _ in range(repeats + 1):
-            for i, stage in zip(ids, stages):
-                f, (out, grad) = _timed(lambda: chunks.forward(stage))
-                b, _ = _timed(lambda: chunks.backward(i, out, grad))
-                w, _ = _timed(lambda: chunks.store.run(i))
-                samples[i].append((f, b, w))
-            if threaded:  # the first phase's forward beside the last one's backward, as in DualPipe(V)
-                first, last = stages[0], stages[-1]
-                out, grad = chunks.forward(last)
-                pair, _ = _timed(lambda: (pool.submit(chunks.backward, ids[-1], out, grad), chunks.forward(first))[0]
-                                 .result())
-                chunks.store.run(ids[-1])
-                halves = samples[ids[0]][-1][0] + samples[ids[-1]][-1][1]
-                factors.append(pair / halves)
+            for turn in range(config.parallel.pp):
+                mine = turn == mesh.pp_rank
+                for i, stage in zip(ids, stages):
+                    f, (out, grad) = _timed(lambda: chunks.forward(stage), mine)
+                    b, _ = _timed(lambda: chunks.backward(i, out, grad), mine)
+                    w, _ = _timed(lambda: chunks.store.run(i), mine)
+                    if mine:
+                        samples[i].append((f, b, w))
+                if threaded:  # the first phase's forward beside the last one's backward, as in DualPipe(V)
+                    first, last = stages[0], stages[-1]
+                    out, grad = chunks.forward(last) if mine else (None, None)
+                    pair, _ = _timed(lambda: (pool.submit(chunks.backward, ids[-1], out, grad),
+                                              chunks.forward(first))[0].result(), mine)
+                    if mine:
+                        chunks.store.run(ids[-1])
+                        factors.append(pair / (samples[ids[0]][-1][0] + samples[ids[-1]][-1][1]))
     medians = {i: StageSeconds(*(statistics.median(run[k] for run in runs[1:]) for k in range(3)))
                for i, runs in samples.items()}
     return medians, statistics.median(factors[1:]) if factors else 1.0

@@ -78,13 +78,15 @@ class StageCost:
         """F then B of one chunk with nothing overlapped (no pipeline)."""
         return self.f + self.comm_f + self.b + self.comm_b
 
+    def compute(self, op: Op, split: bool) -> float:
+        """Compute seconds of an F or B (split: without its weight part) or a W, no communication."""
+        if op is Op.F:
+            return self.f
+        return self.w if op is Op.W else self.b - (self.w if split else 0.0)
+
     def of(self, op: Op, split: bool) -> float:
         """Duration of a lone F or B (split: without its weight part) or a W, communication exposed."""
-        if op is Op.F:
-            return self.f + self.comm_f
-        if op is Op.W:
-            return self.w
-        return self.b - (self.w if split else 0.0) + self.comm_b
+        return self.compute(op, split) + {Op.F: self.comm_f, Op.B: self.comm_b}.get(op, 0.0)
 
 
 def action_seconds(action: Action, stages: Sequence[StageCost], stage_of, overlap: bool,

@@ -33,6 +33,19 @@ def test_saved_bytes_counts_shared_storage_once_and_leaves_parameters_out():
     del y, z
 
 
+def test_saved_bytes_frees_a_branch_backward_never_runs():
+    # exp saves its own output; a loss term left out of the loss (a zero coefficient) never runs its backward,
+    # so only the graph's end frees what it saved: held with its grad_fn it would cycle and stay counted
+    saved = SavedBytes([])
+    x = torch.randn(64, requires_grad=True)
+    with saved.hooks():
+        unused = x.exp().sum()
+        loss = (x * x).sum()   # saves x
+    loss.backward()
+    del unused, loss
+    assert saved.peak == 2 * x.nbytes and saved.live == 0
+
+
 def test_measured_bytes_memory_and_params_match_the_plan():
     config = load_config(TINY, LAYOUT)
     plan = make_plan(config, Machine(GPUS["h800"], config.parallel.gpus_per_node))

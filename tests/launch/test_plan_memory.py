@@ -11,6 +11,7 @@ from launch.plan.memory import ActivationModel, schedule_peaks, zero_model_state
 from launch.plan.params import count_params
 from launch.plan.planner import Machine, Options, make_plan
 from launch.plan.presets import GPUS, MLA_PRESETS, RECIPES
+from launch.plan.timing import StageCost
 from pipeline.schedules import build
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -43,6 +44,17 @@ def test_zero_stage_bytes_split_two_two_twelve():
 def test_live_chunks_follow_the_dualpipe_table(name, ranks, expected):
     schedule = build(name, ranks, 32)
     assert schedule_peaks(schedule, [1.0] * schedule.layout.num_stages) == expected
+
+
+@pytest.mark.parametrize("forward, backward, rank0", [(None, None, 5.0), (1.0, 2.0, 4.5), (1.0, 1.0, 4.0),
+                                                      (2.0, 1.0, 4.0)])
+def test_an_overlapped_pair_frees_while_its_forward_allocates(forward, backward, rank0):
+    # DualPipeV on 2 ranks: rank 0 holds 4 chunks when its first F&B pair starts. Counted forward first the
+    # pair peaks at 5; run at once at even rates, the backward has freed min(1, F/B) of its chunk when the
+    # forward ends. Rank 1 holds 5 chunks at the end of its warm-up, before any pair.
+    schedule = build("dualpipev", 2, 8)
+    costs = None if forward is None else [StageCost(forward, backward, 0.0, 0.0, 0.0)] * 4
+    assert schedule_peaks(schedule, [1.0] * 4, costs) == [rank0, 5.0]
 
 
 def _tiny(**parallel):

@@ -42,16 +42,16 @@ def test_equal_stages_give_the_1f1b_bubble_formula():
 
 
 def test_ranks_sharing_cores_speed_up_while_a_pipeline_rank_waits():
-    profile = Profile([STAGE, STAGE], ranks=4, cores=2)   # pp2 x dp2 on 2 cores: profiled with all 4 busy
-    assert profile.speed(2)(2) == 1.0 and profile.speed(2)(1) == 2.0
+    profile = Profile([STAGE, STAGE], ranks=4, cores=2)   # pp2 x dp2 on 2 cores: profiled a pipeline rank at a time
+    assert profile.speed(2)(1) == 1.0 and profile.speed(2)(2) == 0.5
     assert Profile([STAGE, STAGE], ranks=2, cores=2).speed(2) is None
     layout = [*ONE_F_ONE_B[:1], "parallel.dp=2", *ONE_F_ONE_B[2:]]
     shared, alone = _plan(layout, profile), _plan(layout, replace(profile, cores=4))
-    # the two cores are never idle (some pipeline rank can always run, the hops are instant), so the step
-    # takes every action's profiled seconds (each measured at half speed) over the pair of pipeline ranks
-    work = shared.config.chunks_per_step * 2 * (STAGE.f + STAGE.b + STAGE.w)
-    assert shared.makespan == pytest.approx(work / 2, rel=1e-6)
-    assert alone.makespan == pytest.approx(work / 2 + STAGE.f + STAGE.b + STAGE.w, rel=1e-6)  # 1F1B's bubble
+    # the two cores are never idle (some pipeline rank can always run, the hops are instant), so the step takes
+    # the profiled seconds (each measured on a core of its own) of every action of all 4 ranks over the 2 cores
+    per_rank = shared.config.chunks_per_step * (STAGE.f + STAGE.b + STAGE.w)
+    assert shared.makespan == pytest.approx(4 * per_rank / 2, rel=1e-6)
+    assert alone.makespan == pytest.approx(per_rank + STAGE.f + STAGE.b + STAGE.w, rel=1e-6)  # 1F1B's bubble
     assert shared.idle_fraction < alone.idle_fraction
 
 
