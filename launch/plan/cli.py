@@ -12,7 +12,7 @@ from pathlib import Path
 from launch.config import RunConfig, load_config
 from launch.plan.memory import KERNELS, RECOMPUTE
 from launch.plan.measure import compare, cpu_machine, measure
-from launch.plan.planner import Machine, Options, make_plan
+from launch.plan.planner import COMM_SM_SHARE, Machine, Options, make_plan
 from launch.plan.presets import GPU, GPUS, MLA_PRESETS, RECIPES, gpu_preset
 from launch.plan.report import render, table, to_dict
 from launch.plan.search import describe, search
@@ -38,6 +38,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--inter-node-gbps", type=float, help="inter-node GB/s per GPU per direction")
     p.add_argument("--exchange-latency-us", type=float, help="fixed cost of one EP all-to-all exchange (default 0)")
     p.add_argument("--gemm-efficiency", type=float, default=0.6, help="achieved fraction of peak (default 0.6)")
+    p.add_argument("--comm-sm-share", type=float, default=COMM_SM_SHARE,
+                   help=f"share of SMs communication holds while it overlaps compute (default {COMM_SM_SHARE:.3f}: "
+                        "DeepSeek-V3's 20 of 132)")
     p.add_argument("--attention", choices=("config", *MLA_PRESETS), default="config",
                    help="count attention as the config's GQA, or as this MLA shape (DeepSeek-V3: deepseek-v3)")
     p.add_argument("--recompute", choices=RECOMPUTE, default="none")
@@ -78,7 +81,9 @@ def machine_from(args: argparse.Namespace, default_gpn: int) -> Machine:
         raise ValueError(f"--gpus-per-node = {gpn} must be >= 1")
     if not 0 < args.gemm_efficiency <= 1:
         raise ValueError(f"--gemm-efficiency = {args.gemm_efficiency} must be in (0, 1]")
-    return Machine(gpu, gpn, args.gemm_efficiency)
+    if not 0 <= args.comm_sm_share < 1:
+        raise ValueError(f"--comm-sm-share = {args.comm_sm_share} must be in [0, 1)")
+    return Machine(gpu, gpn, args.gemm_efficiency, comm_sm_share=args.comm_sm_share)
 
 
 def run(args: argparse.Namespace) -> dict:

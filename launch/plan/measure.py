@@ -45,7 +45,8 @@ def cpu_machine(config: RunConfig, repeats: int = 5) -> Machine:
               f"profiled here, {measured.ranks} ranks on {measured.cores} cores, a pipeline rank at a time, "
               f"one chunk of {train.micro_batch_size} x {train.seq_len} tokens: {measured.describe()}; "
               f"loopback ~{LOCAL_LINK_GBPS:g} GB/s assumed")
-    return Machine(gpu, config.parallel.gpus_per_node or measured.ranks, gemm_efficiency=1.0, profile=measured)
+    return Machine(gpu, config.parallel.gpus_per_node or measured.ranks, gemm_efficiency=1.0, profile=measured,
+                   comm_sm_share=0.0)  # the profile's pair factor holds what sharing the cores costs
 
 
 class SavedBytes:

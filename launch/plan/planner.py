@@ -21,17 +21,20 @@ if TYPE_CHECKING:
     from launch.plan.profile import Profile
 
 LAYOUT_KINDS = {"none": "linear", "1f1b": "linear", "zb1p": "linear", "dualpipe": "bidirectional", "dualpipev": "v"}
+COMM_SM_SHARE = 20 / 132  # DeepSeek-V3 (report section 3.2.2): 20 of an H800's 132 SMs drive its communication
 
 
 @dataclass(frozen=True)
 class Machine:
-    """The cluster: a GPU (peaks, memory, links), GPUs per node and the GEMM efficiency assumed; with a
-    profile, each stage's compute and EP seconds are the ones measured on this machine instead of FLOPs / rates."""
+    """The cluster: a GPU (peaks, memory, links), GPUs per node, the GEMM efficiency assumed and the share of
+    SMs communication kernels hold while they run beside compute; with a profile, each stage's compute and EP
+    seconds are the ones measured on this machine instead of FLOPs / rates."""
 
     gpu: GPU
     gpus_per_node: int
     gemm_efficiency: float = 0.6
     profile: Profile | None = None
+    comm_sm_share: float = COMM_SM_SHARE
 
     def rates(self, fp8_experts: bool) -> Rates:
         """Achieved FLOP/s and link bytes/s."""
@@ -213,7 +216,7 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
     elif schedule:
         profile = machine.profile
         result = simulate_step(schedule, costs, p2p_seconds, par.overlap, profile.pair_factor if profile else 1.0,
-                               profile.speed(par.pp) if profile else None)
+                               profile.speed(par.pp) if profile else None, machine.comm_sm_share)
         makespan, idles = result.makespan, result.idle_fractions
     else:
         makespan, idles = chunks * costs[0].serial, [0.0]

@@ -66,7 +66,8 @@ def to_dict(plan: Plan) -> dict:
     return {
         "layout": {**asdict(par), "world_size": par.world_size, "gpus_per_node": plan.machine.gpus_per_node,
                    "chunks_per_step": plan.config.chunks_per_step, "pipeline_steps": plan.pipeline_steps},
-        "machine": {**asdict(plan.machine.gpu), "gemm_efficiency": plan.machine.gemm_efficiency},
+        "machine": {**asdict(plan.machine.gpu), "gemm_efficiency": plan.machine.gemm_efficiency,
+                    "comm_sm_share": plan.machine.comm_sm_share},
         "attention": plan.params.attention.kind,
         "params": {"total": plan.params.total.total, "activated": plan.params.activated,
                    "activated_with_embedding": plan.params.activated_with_embedding,
@@ -100,7 +101,8 @@ def render(plan: Plan) -> str:
              f"GPUs ({par.world_size // plan.machine.gpus_per_node} nodes of {plan.machine.gpus_per_node})",
              f"machine: {gpu.name}: {gpu.bf16_tflops:g} TFLOPS bf16 / {gpu.fp8_tflops:g} fp8 dense, "
              f"{gpu.memory_gb:g} GB, NVLink {gpu.intra_node_gbps:g} GB/s, inter-node {gpu.inter_node_gbps:g} GB/s "
-             f"per GPU; GEMMs at {plan.machine.gemm_efficiency:.0%} of peak",
+             f"per GPU; GEMMs at {plan.machine.gemm_efficiency:.0%} of peak, "
+             f"{plan.machine.comm_sm_share:.0%} of SMs held by communication while it overlaps compute",
              f"  source: {gpu.source}",
              "",
              f"parameters ({p.attention.kind} attention): total {si(p.total.total)}, activated per token "

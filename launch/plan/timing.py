@@ -90,10 +90,11 @@ class StageCost:
 
 
 def action_seconds(action: Action, stages: Sequence[StageCost], stage_of, overlap: bool,
-                   pair_factor: float = 1.0) -> float:
+                   pair_factor: float = 1.0, comm_share: float = 0.0) -> float:
     """Duration of a compute action; an F&B pair with overlap hides one half's communication
-    behind the other's compute (each link and the SMs run at once), its compute taking pair_factor
-    times the halves' (the two share the device: a profile measures it, 1 on a GPU's separate streams)."""
+    behind the other's compute (links and SMs run at once), its compute taking pair_factor times the
+    halves' (the two share the device: a profile measures it, 1 on a GPU's separate streams) and running
+    on 1 - comm_share of the SMs while communication runs beside it."""
     if action.op is Op.W:
         return stages[stage_of(action.phase)].w * len(action.chunks)
     if action.op is not Op.FB:
@@ -102,19 +103,21 @@ def action_seconds(action: Action, stages: Sequence[StageCost], stage_of, overla
     compute = fwd.f + bwd.b - (bwd.w if action.backward.split else 0.0)
     if not overlap:
         return compute + fwd.comm_f + bwd.comm_b
-    return max(compute * pair_factor, fwd.comm_f + bwd.comm_b)
+    comm = fwd.comm_f + bwd.comm_b
+    return max(compute * pair_factor + comm_share * comm, comm)
 
 
 def simulate_step(schedule: Schedule, stages: Sequence[StageCost], p2p_seconds: float, overlap: bool,
-                  pair_factor: float = 1.0, speed: Callable[[int], float] | None = None) -> SimResult:
+                  pair_factor: float = 1.0, speed: Callable[[int], float] | None = None,
+                  comm_share: float = 0.0) -> SimResult:
     """The pipeline simulator run with each rank's actions priced by its stages' costs (speed: pipeline ranks
-    share processors, see pipeline.simulator.simulate_shared)."""
+    share processors, see pipeline.simulator.simulate_shared; comm_share: see action_seconds)."""
     layout = schedule.layout
     durations = {}
     for rank in range(layout.num_ranks):
         for action in schedule.compute_actions(rank):
             durations[(rank, action)] = action_seconds(action, stages, lambda p: layout.stage_of(rank, p), overlap,
-                                                      pair_factor)
+                                                      pair_factor, comm_share)
     costs = Costs(0.0, 0.0, p2p=p2p_seconds)
     if speed:
         return simulate_shared(schedule, costs, durations, speed)

@@ -12,6 +12,8 @@ from launch.plan.cli import main
 from launch.plan.planner import Machine, make_plan
 from launch.plan.presets import GPUS
 from launch.plan.search import search
+from launch.plan.timing import StageCost, action_seconds
+from pipeline.schedules import Action, Op
 
 TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.toml")
 
@@ -27,6 +29,7 @@ TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.toml")
     (["--gpus", "8"], "--gpus 8 differs from the config's layout pp x dp x tp = 4"),
     (["--search"], "--search needs --gpus N"),
     (["--measure", "--steps", "0"], "--steps = 0 must be >= 1"),
+    (["--comm-sm-share", "1"], "--comm-sm-share = 1.0 must be in [0, 1)"),
 ])
 def test_bad_input_is_a_clear_error(argv, message, capsys):
     assert main([TINY, *argv]) == 2
@@ -54,3 +57,13 @@ def test_exchange_latency_prices_three_exchanges_forward_and_two_backward_per_mo
         assert b.comm_f - a.comm_f == pytest.approx(3 * 100e-6 * moe)
         assert b.comm_b - a.comm_b == pytest.approx(2 * 100e-6 * moe)
         assert (b.f, b.b, b.w) == (a.f, a.b, a.w)
+
+
+@pytest.mark.parametrize("comm, seconds", [(0.5, 3.0 + 0.25 * 0.5), (2.0, 3.0 + 0.25 * 2.0), (4.0, 4.0)])
+def test_communication_beside_a_pair_takes_its_share_of_the_sms(comm, seconds):
+    # an F&B pair of 3 s compute with `comm` s of EP/TP exchanges beside it, a quarter of the SMs held while they
+    # run: the compute finishes comm / 4 later, unless the exchanges outlast it (then they set the time)
+    stage = StageCost(f=1.0, b=2.0, w=0.5, comm_f=comm / 2, comm_b=comm / 2)
+    pair = Action(Op.FB, 0, 1, backward=Action(Op.B, 1, 0))
+    assert action_seconds(pair, [stage, stage], lambda phase: phase, True, comm_share=0.25) == pytest.approx(seconds)
+    assert action_seconds(pair, [stage, stage], lambda phase: phase, True) == pytest.approx(max(3.0, comm))
