@@ -143,8 +143,13 @@ def profile_rank(rank: int, world: int, config: RunConfig, repeats: int) -> tupl
                 if threaded:  # the first phase's forward beside the last one's backward, as in DualPipe(V)
                     first, last = stages[0], stages[-1]
                     out, grad = chunks.forward(last) if mine else (None, None)
-                    pair, _ = _timed(lambda: (pool.submit(chunks.backward, ids[-1], out, grad),
-                                              chunks.forward(first))[0].result(), mine)
+
+                    def forward_beside_backward() -> None:
+                        backward = pool.submit(chunks.backward, ids[-1], out, grad)
+                        chunks.forward(first)
+                        backward.result()
+
+                    pair, _ = _timed(forward_beside_backward, mine)
                     if mine:
                         chunks.store.run(ids[-1])
                         factors.append(pair / (samples[ids[0]][-1][0] + samples[ids[-1]][-1][1]))

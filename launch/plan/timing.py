@@ -100,7 +100,7 @@ def action_seconds(action: Action, stages: Sequence[StageCost], stage_of, overla
     if action.op is not Op.FB:
         return stages[stage_of(action.phase)].of(action.op, action.split)
     fwd, bwd = stages[stage_of(action.phase)], stages[stage_of(action.backward.phase)]
-    compute = fwd.f + bwd.b - (bwd.w if action.backward.split else 0.0)
+    compute = fwd.compute(Op.F, False) + bwd.compute(Op.B, action.backward.split)
     if not overlap:
         return compute + fwd.comm_f + bwd.comm_b
     comm = fwd.comm_f + bwd.comm_b
