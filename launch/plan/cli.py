@@ -51,7 +51,7 @@ def parser() -> argparse.ArgumentParser:
                    help="activation bytes of this project's ops or of fused kernels (DeepSeek-V3's)")
     p.add_argument("--measure", action="store_true", help="also run the layout here (gloo ranks, the trainer's model, "
                    "runtime and ZeRO-1) and print each rank's measured figures beside the plan's")
-    p.add_argument("--steps", type=int, default=4, help="measure: optimizer steps (bytes and memory of the last; "
+    p.add_argument("--steps", type=int, default=30, help="measure: forward-backward steps (bytes and memory of the last; "
                    "idle: median after the first)")
     p.add_argument("--top", type=int, default=10, help="search: layouts to print")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="config override")

@@ -32,7 +32,7 @@ from launch.train import build_model, build_optimizer, forward_backward, my_micr
 LOCAL_LINK_GBPS = 1.0  # gloo over loopback between local processes, the order of magnitude assumed
 
 
-def cpu_machine(config: RunConfig, repeats: int = 5) -> Machine:
+def cpu_machine(config: RunConfig, repeats: int = 15) -> Machine:
     """This machine's CPU as the plan's device: each stage's seconds profiled on the layout's ranks here
     (launch.plan.profile) for the pipeline, the FLOP/s of one rank's forward through all of them as its peak
     (for MFU), loopback links, the config's simulated nodes."""
