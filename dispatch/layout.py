@@ -36,7 +36,7 @@ def check_routing(indices: Tensor, num_experts: int, weights: Tensor | None = No
         raise ValueError(f"indices must be [num_tokens, top_k], got shape {list(indices.shape)}")
     if indices.dtype.is_floating_point or indices.dtype == torch.bool or indices.is_complex():
         raise ValueError(f"indices must be an integer tensor, got {indices.dtype}")
-    if indices.numel() and (int(indices.min()) < -1 or int(indices.max()) >= num_experts):
+    if indices.numel() and not indices.is_meta and (int(indices.min()) < -1 or int(indices.max()) >= num_experts):
         raise ValueError(f"indices must lie in [-1, {num_experts - 1}] (-1 marks a dropped slot), "
                          f"got values in [{int(indices.min())}, {int(indices.max())}]")
     if weights is not None:

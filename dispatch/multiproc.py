@@ -70,6 +70,7 @@ def _worker(
     if log_prefix is not None:
         _redirect_output(log_prefix)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    os.environ["LOCAL_RANK"] = str(local_rank)  # as torchrun sets it: the rank's index on its node
     torch.set_num_threads(threads)
     try:
         store = dist.TCPStore(master[0], master[1], is_master=False, timeout=timedelta(seconds=timeout_s))

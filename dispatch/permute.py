@@ -20,8 +20,18 @@ class Permutation:
     inverse: SegmentPlan
 
 
-def make_permutation(groups: Tensor, num_groups: int) -> Permutation:
-    """Stable sort of the (row, slot) pairs of groups [M, k] (-1 = not here) by group id."""
+def make_permutation(groups: Tensor, num_groups: int, counts: list[int] | None = None) -> Permutation:
+    """Stable sort of the (row, slot) pairs of groups [M, k] (-1 = not here) by group id.
+
+    Meta groups hold no values: there counts (pairs per group, from dispatch.rehearsal) must be given
+    and give the sizes; real groups ignore it.
+    """
+    if groups.is_meta:
+        if counts is None or len(counts) != num_groups:
+            raise ValueError(f"make_permutation on meta tensors needs counts, one per group ({num_groups})")
+        row = groups.new_empty(sum(counts), dtype=torch.int64)
+        return Permutation(row, torch.empty_like(row), groups.new_empty(num_groups, dtype=torch.int64),
+                           segment_plan(row, groups.shape[0], counts))
     flat = groups.reshape(-1)
     kept = torch.nonzero(flat >= 0).squeeze(1)
     order = kept[torch.argsort(flat[kept], stable=True)]

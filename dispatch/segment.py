@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dispatch import rehearsal
+
 BLOCK_ELEMENTS = 1 << 20  # accumulator block: 4 MiB of fp32, reused for every block of target rows
 
 
@@ -32,6 +34,8 @@ def segment_plan(target: Tensor, num_targets: int, group_sizes: list[int]) -> Se
     """
     if sum(group_sizes) != target.numel():
         raise ValueError(f"group sizes sum to {sum(group_sizes)}, expected one per value ({target.numel()})")
+    if target.is_meta:  # a rehearsal: no values to cut at, a run per non-empty group (dispatch.rehearsal)
+        return SegmentPlan(target, rehearsal.segment_bounds(group_sizes), num_targets)
     sizes = torch.tensor(group_sizes, dtype=torch.int64, device=target.device)
     starts = torch.cumsum(sizes, 0) - sizes
     first = torch.zeros(target.numel(), dtype=torch.bool, device=target.device)
@@ -70,6 +74,8 @@ def ordered_sum(values: Tensor, plan: SegmentPlan, weights: Tensor | None = None
     local = plan.target % block_rows
     direct = weights is None and values.dtype == dtype
     scratch = None if direct else values.new_empty((block_rows, *rest), dtype=dtype)
+    if values.is_meta:  # a rehearsal: the buffers above are what the sum holds; meta adds change nothing
+        return out
     edges = _block_edges(plan, block_rows)
     for block, first_row in enumerate(range(0, plan.num_targets, block_rows)):
         acc = accumulator[:min(block_rows, plan.num_targets - first_row)].zero_()

@@ -68,16 +68,25 @@ def gather_rows(rows: Tensor, hops: list[Hop], channel: Channel, kind: str, wire
 
 
 def dispatch_steps(x: Tensor, weights: Tensor, indices: Tensor, stages: list[Stage], channel: Channel,
-                   codec: Codec | None, route: Route) -> Steps:
+                   codec: Codec | None, route: Route, sends: list[list[int]] | None = None) -> Steps:
     """Send each row of x (with its routing metadata) along stages, filling route; yields each
-    exchange while it is in flight; returns (rows that arrived here, their fp32 weights). No autograd."""
+    exchange while it is in flight; returns (rows that arrived here, their fp32 weights). No autograd.
+
+    sends: per stage, the rows sent to each rank when the routing cannot be read (meta tensors: a
+    rehearsal passes dispatch.rehearsal's plan); real tensors plan their sends from the routing."""
     x = x.detach()
     wire = codec.encode(x) if codec else x
     meta = pack_meta(weights, indices)
     world = channel.topology.world_size
-    for stage in stages:
+    for step, stage in enumerate(stages):
         ids = unpack_meta(meta)[1]
-        send_row, send_splits = plan_sends(ids, stage, world)
+        if ids.is_meta:  # a rehearsal: the rule's splits; which rows go where is not needed
+            if sends is None:
+                raise ValueError("dispatch_steps on meta tensors needs sends (dispatch.rehearsal.plan_dispatch)")
+            send_splits = sends[step]
+            send_row = ids.new_empty(sum(send_splits))
+        else:
+            send_row, send_splits = plan_sends(ids, stage, world)
         counts = channel.start_counts(send_splits, stage.peers, "dispatch", x.device)
         yield counts
         recv_splits = counts.wait()

@@ -56,14 +56,17 @@ def check_same_device(**tensors: Tensor) -> None:
         raise ValueError(f"tensors must be on one device, got {devices}")
 
 
-def check_offs(offs: Tensor, rows: int | None, groups: int | None = None) -> int:
+def check_offs(offs: Tensor, rows: int | None, groups: int | None = None) -> int | None:
     """offs: int32 [G] non-decreasing cumulative group ends, starting >= 0 and ending at `rows` (when
-    given); returns the total row count offs[-1]."""
+    given); returns the total row count offs[-1]. Meta offs hold no values: only their dtype and size
+    are checked, and `rows` is returned (the rehearsal rule, dispatch.rehearsal, has offs end there)."""
     check_tensor("offs", offs, 1, (torch.int32,))
     if offs.numel() == 0:
         raise ValueError("offs must name at least one group, got an empty tensor")
     if groups is not None and offs.numel() != groups:
         raise ValueError(f"offs has {offs.numel()} entries but the weights have {groups} groups")
+    if offs.is_meta:
+        return rows
     ends = offs.tolist()
     if ends[0] < 0:
         raise ValueError(f"offs must be non-negative, got offs[0] = {ends[0]}")
@@ -77,10 +80,11 @@ def check_offs(offs: Tensor, rows: int | None, groups: int | None = None) -> int
     return ends[-1]
 
 
-def check_kgrouped(name: str, q_t: Tensor, scale: Tensor, rows: int, groups: int) -> None:
-    """A k-grouped operand: e4m3 [D, 128*T] with fp32 scales [D, T], T = ceil(M/128) + G."""
+def check_kgrouped(name: str, q_t: Tensor, scale: Tensor, rows: int | None, groups: int) -> None:
+    """A k-grouped operand: e4m3 [D, 128*T] with fp32 scales [D, T], T = ceil(M/128) + G (rows None: M
+    unknown, as for meta offs; T is then read from q_t)."""
     check_fp8(name, q_t, 2)
-    columns = kgrouped_columns(rows, groups)
+    columns = kgrouped_columns(rows, groups) if rows is not None else q_t.shape[1] // TILE
     if q_t.shape[1] != columns * TILE:
         raise ValueError(f"{name} must have {columns * TILE} columns (k-grouped layout of M = {rows} rows in "
                          f"{groups} groups), got shape {tuple(q_t.shape)}")

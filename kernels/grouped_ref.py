@@ -2,21 +2,37 @@
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 from torch import Tensor
 
 from kernels.quant_ref import dequantize_activation, dequantize_kgrouped, dequantize_weight
 
 
-def group_bounds(offs: Tensor) -> list[tuple[int, int]]:
-    """(start, end) row range of every group from the cumulative ends `offs`."""
-    ends = offs.tolist()
+def balanced_split(total: int, parts: int) -> list[int]:
+    """total split into parts as evenly as possible, one more to each of the lowest (total mod parts)
+    indices: the primitive of the rehearsal routing rule (see dispatch.rehearsal), kept here because
+    the kernels' meta path uses it and kernels may not import dispatch."""
+    base, extra = divmod(total, parts)
+    return [base + (i < extra) for i in range(parts)]
+
+
+def group_bounds(offs: Tensor, rows: int | None = None) -> list[tuple[int, int]]:
+    """(start, end) row range of every group from the cumulative ends `offs`; meta offs hold no values,
+    so there the `rows` rows split evenly over the groups (the rehearsal rule, dispatch.rehearsal)."""
+    if offs.is_meta:
+        if rows is None:
+            raise ValueError("group_bounds of meta offs needs the row count (rows=)")
+        ends = list(accumulate(balanced_split(rows, offs.numel())))
+    else:
+        ends = offs.tolist()
     return list(zip([0] + ends[:-1], ends))
 
 
 def _grouped_matmul(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     out = a.new_empty(a.shape[0], b.shape[1])
-    for g, (start, end) in enumerate(group_bounds(offs)):
+    for g, (start, end) in enumerate(group_bounds(offs, a.shape[0])):
         out[start:end] = a[start:end] @ b[g].t()
     return out
 
@@ -37,9 +53,21 @@ def fp8_grouped_gemm_dgrad_ref(dy: Tensor, dy_scale: Tensor, w: Tensor, w_scale:
 def fp8_grouped_gemm_wgrad_ref(a_t: Tensor, a_t_scale: Tensor, b_t: Tensor, b_t_scale: Tensor,
                                offs: Tensor) -> Tensor:
     """dw[g] = deq(a)[rows of g].T @ deq(b)[rows of g] in fp32 from two k-grouped operands -> [G, N, K]."""
+    if offs.is_meta:  # no row count on meta: the groups split the operands' padded columns evenly
+        return _wgrad_meta(a_t, a_t_scale, b_t, b_t_scale, offs)
     a = dequantize_kgrouped(a_t, a_t_scale, offs)
     b = dequantize_kgrouped(b_t, b_t_scale, offs)
     dw = a.new_zeros(offs.numel(), a.shape[1], b.shape[1])
     for g, (start, end) in enumerate(group_bounds(offs)):
         dw[g] = a[start:end].t() @ b[start:end]
+    return dw
+
+
+def _wgrad_meta(a_t: Tensor, a_t_scale: Tensor, b_t: Tensor, b_t_scale: Tensor, offs: Tensor) -> Tensor:
+    """fp8_grouped_gemm_wgrad_ref's shapes on meta tensors: each group reduces over its even share of
+    the k-grouped columns (the rehearsal rule, dispatch.rehearsal)."""
+    a, b = dequantize_activation(a_t, a_t_scale), dequantize_activation(b_t, b_t_scale)
+    dw = a.new_zeros(offs.numel(), a.shape[0], b.shape[0])
+    for g, (start, end) in enumerate(group_bounds(offs, a.shape[1])):
+        dw[g] = a[:, start:end] @ b[:, start:end].t()
     return dw

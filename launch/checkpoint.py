@@ -38,6 +38,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from launch.materialize import expert_offset
 from moe.tp.layout import TPSpec, full_name
 from optim.zero1 import LAYOUT_KEYS
 
@@ -59,12 +60,6 @@ def expert_items(name: str, value: Tensor, first_expert: int) -> Iterator[tuple[
         return
     for j in range(value.shape[0]):
         yield f"{name}.{first_expert + j}", value[j]
-
-
-def _first_expert(stages: list[nn.Module], name: str, count: int) -> int:
-    """Global id of the first expert in a stage tensor's expert block (its layer's EP dispatcher rank)."""
-    layer = next(s for s in stages if name in s.state_dict(keep_vars=True)).get_submodule(name.split(".experts.")[0])
-    return getattr(layer.dispatcher, "rank", 0) * count
 
 
 def _tp_group(stages: list[nn.Module]) -> dist.ProcessGroup | None:
@@ -98,7 +93,7 @@ class TrainState:
     stages: list[nn.Module]
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    data: object  # launch.data.PackedBatches (state_dict / load_state_dict)
+    data: object  # launch.data.DataFeed (state_dict / load_state_dict of its integer position)
 
     def param_names(self) -> list[str]:
         """Stage-local names of the optimizer's params, in its state_dict order."""
@@ -111,7 +106,7 @@ class TrainState:
         for stage in self.stages:
             for name, value in stage.state_dict().items():
                 if ".experts." in name:
-                    out[name] = _first_expert(self.stages, name, value.shape[0])
+                    out[name] = expert_offset(stage, name, value.shape[0])
         return out
 
     def to_flat(self, step: int, config: dict) -> dict[str, object]:
@@ -143,9 +138,8 @@ class TrainState:
                     items = ((key, value.clone()) for key, _ in expert_items(name, entry[MASTER], first))
                 for key, piece in items:
                     _put(flat, f"optim/{key}/{kind}", piece)
-        data = self.data.state_dict()
-        flat["data/generator"], flat["data/order"] = data["generator"], data["order"]
-        flat["data/cursor"] = torch.tensor(data["cursor"])
+        for key, value in self.data.state_dict().items():
+            flat[f"data/{key}"] = torch.tensor(value, dtype=torch.int64)
         flat["sched/last_epoch"] = torch.tensor(self.scheduler.last_epoch)
         flat["meta/step"] = torch.tensor(step)
         flat["meta/config"] = config
@@ -179,7 +173,11 @@ class TrainState:
             for kind in kinds[name]:
                 for key in keys:
                     want(f"optim/{key}/{kind}")
-        for key in ("data/generator", "data/order", "data/cursor", "sched/last_epoch", "meta/step"):
+        data_keys = [f"data/{key}" for key in self.data.state_dict()] if restore_data else []
+        if "data/generator" in metadata and restore_data:
+            raise ValueError(f"checkpoint {folder} holds the sampler state of an older version (a shuffled order, "
+                             f"not an epoch and cursor): this version cannot continue its data order")
+        for key in (*data_keys, "sched/last_epoch", "meta/step"):
             want(key)
         rng = f"rng/rank{dist.get_rank():05d}"
         if rng in metadata:
@@ -196,8 +194,7 @@ class TrainState:
             group["lr"] = base * rule(epoch)
         self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
         if restore_data:
-            self.data.load_state_dict({"generator": wanted["data/generator"], "order": wanted["data/order"],
-                                       "cursor": int(wanted["data/cursor"])})
+            self.data.load_state_dict({key.split("/", 1)[1]: int(wanted[key]) for key in data_keys})
         if rng in wanted:
             torch.set_rng_state(wanted[rng])
         return int(wanted["meta/step"])

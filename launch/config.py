@@ -8,6 +8,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launch.device import DEVICES
 from launch.faults import OpsSettings
 from launch.mesh import Layout
 from moe.config import ModelConfig, check_choice, check_positive
@@ -33,6 +34,7 @@ class TrainSettings:
     grad_clip: float = 1.0
     seed: int = 0
     dtype: str = "float32"
+    device: str = "auto"  # "auto": CUDA when available (cuda:LOCAL_RANK per rank), else the CPU; "cuda"; "cpu"
     run_dir: str = "runs/default"
     checkpoint_every: int = 0
     eval_every: int = 50
@@ -53,6 +55,7 @@ class TrainSettings:
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"train.min_lr_ratio = {self.min_lr_ratio!r} must be in [0, 1]")
         check_choice("train.dtype", self.dtype, DTYPES)
+        check_choice("train.device", self.device, DEVICES)
 
 
 @dataclass

@@ -140,11 +140,10 @@ class Preemption:
     def _handle(self, signum: int, frame) -> None:
         self.received = signum
 
-    def agreed(self) -> bool:
-        """Whether any rank got the signal (a collective: every rank stops after the same step)."""
-        flag = torch.tensor([self.received is not None], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+    @property
+    def requested(self) -> bool:
+        """Whether this rank got the signal (the trainer's stats all-reduce makes every rank stop after the same step)."""
+        return self.received is not None
 
 
 class Watchdog:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from dispatch.multiproc import run_processes
 from launch.config import RunConfig
+from launch.device import backend_for, check_device
 
 COLLECTIVE_TIMEOUT_S = 300.0  # rendezvous and every collective; a hung rank ends the run after this
 REFUSAL_WAIT_S = 30.0  # a rank refusing its launcher's world waits at most this long for the others to refuse too
@@ -196,15 +197,14 @@ def wait_for_every_refusal(launch: Launch, env: Mapping[str, str] | None = None)
                 time.sleep(0.05)
 
 
-def resolve_backend(comm_backend: str, local_ranks: int) -> str:
-    """parallel.comm_backend to a torch.distributed backend: auto is NCCL when every local rank has its own GPU."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if comm_backend == "auto":
-        return "nccl" if gpus >= local_ranks else "gloo"
-    if comm_backend == "nccl" and gpus < local_ranks:
-        raise LaunchError(f"parallel.comm_backend = 'nccl' needs one GPU per rank: {local_ranks} ranks on this node, "
-                          f"{gpus} GPUs visible (allowed here: 'auto', 'gloo')")
-    return comm_backend
+def resolve_backend(cfg: RunConfig, local_ranks: int) -> str:
+    """The torch.distributed backend of the run (NCCL for CUDA ranks, gloo for CPU ones; launch.device),
+    checked against this node's GPUs: LaunchError (before any process starts) naming the numbers."""
+    try:
+        check_device(cfg.train.device, cfg.parallel.comm_backend, cfg.model.expert_precision, local_ranks)
+    except ValueError as error:
+        raise LaunchError(str(error)) from None
+    return backend_for(cfg.train.device, cfg.parallel.comm_backend)
 
 
 def threads_per_rank(local_ranks: int, env: Mapping[str, str]) -> int:
@@ -231,6 +231,7 @@ def _mpi_store(launch: Launch, env: Mapping[str, str]) -> dist.TCPStore:
 
 def _join(launch: Launch, backend: str, env: Mapping[str, str]) -> None:
     timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    os.environ["LOCAL_RANK"] = str(launch.local_rank)  # the trainer's device index (launch.device), under any launcher
     if backend == "nccl":
         torch.cuda.set_device(launch.local_rank)
     if launch.launcher == "torchrun":
@@ -267,7 +268,7 @@ def launch_run(cfg: RunConfig, flags: NodeFlags = NodeFlags(), env: Mapping[str,
     env = os.environ if env is None else env
     launch = detect_launch(cfg.parallel.world_size, flags, env)
     check_launch(cfg, launch)
-    backend = resolve_backend(cfg.parallel.comm_backend, launch.local_ranks)
+    backend = resolve_backend(cfg, launch.local_ranks)
     threads = threads_per_rank(launch.local_ranks, env)
     if launch.rank is None and launch.world_size > 1:
         results = run_processes(

@@ -12,6 +12,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from launch.flops import mixed_peak
+from launch.flops import model_flops_per_token  # noqa: F401 (the trainer's MFU numerator, re-exported)
 from moe.config import ModelConfig
 
 SCHEMA_VERSION = 2
@@ -118,24 +120,35 @@ def traffic_metrics(sent_bytes: Sequence[Sequence[int]], gpus_per_node: int = 0)
                         "inter_node_bytes": inter}}
 
 
-def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x active matmul weights (routed experts: top_k of them; embedding lookup
-    free) + 12 x layers x hidden x seq_len for attention scores and values (PaLM's convention)."""
-    hidden, head = cfg.hidden_size, cfg.hidden_size // cfg.num_heads
-    attention = hidden * (cfg.num_heads + 2 * cfg.num_kv_heads) * head + hidden * hidden
-    dense_ffn = 3 * hidden * cfg.dense_ffn_size
-    moe_ffn = (hidden * cfg.num_experts + 3 * hidden * cfg.expert_ffn_size * (cfg.top_k + cfg.num_shared_experts))
-    active = (cfg.num_layers * attention + cfg.first_k_dense * dense_ffn + cfg.num_moe_layers * moe_ffn
-              + hidden * cfg.vocab_size)
-    return 6.0 * active + 12.0 * cfg.num_layers * hidden * seq_len
-
-
 def peak_flops_for_device(device_name: str, precision: str = "bfloat16") -> float | None:
     """Dense peak FLOP/s of one GPU from PEAK_FLOPS by its name (torch.cuda.get_device_name), None if unknown."""
     for fragment, peaks in PEAK_FLOPS.items():
         if fragment in device_name.upper():
             return peaks.get(precision)
     return None
+
+
+def mfu_peak(cfg: ModelConfig, seq_len: int, device: torch.device,
+             peak_tflops_override: float = 0.0) -> float | None:
+    """The peak FLOP/s of one GPU that MFU divides by (times the world size), for the rank's device.
+
+    peak_tflops_override > 0 (train.peak_tflops_per_gpu): that figure, as given, whatever the precision.
+    Otherwise from the device's name (PEAK_FLOPS): the dense BF16 peak, and when cfg.expert_precision is
+    "fp8" the time-weighted mix launch.flops.mixed_peak of the BF16 peak for the BF16 FLOPs and the FP8 peak
+    for the routed experts' GEMMs (their forward, dgrad and wgrad run in FP8): F / (F_bf16 / bf16 + F_fp8 /
+    fp8). None (no MFU) on a CPU or meta device, or a GPU without the needed peaks in PEAK_FLOPS."""
+    if peak_tflops_override:
+        return peak_tflops_override * 1e12
+    if device.type != "cuda":
+        return None
+    return gpu_mfu_peak(cfg, seq_len, torch.cuda.get_device_name(device))
+
+
+def gpu_mfu_peak(cfg: ModelConfig, seq_len: int, device_name: str) -> float | None:
+    """mfu_peak of a GPU by its name (torch.cuda.get_device_name); None if PEAK_FLOPS lacks a needed peak."""
+    bf16 = peak_flops_for_device(device_name, "bfloat16")
+    fp8 = peak_flops_for_device(device_name, "fp8") if cfg.expert_precision == "fp8" else bf16
+    return mixed_peak(cfg, seq_len, bf16, fp8) if bf16 and fp8 else None
 
 
 def throughput_metrics(tokens: int, seconds: float, flops_per_token: float, peak_flops: float | None) -> dict:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Generator
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from launch.flops import head_flops, model_layer_flops
 from moe.config import ModelConfig
 from moe.layer import MoELayer, MoEStats
 from moe.model import MoETransformer, rope_tables
@@ -16,16 +17,7 @@ from moe.tp import TPRegion, vocab_parallel_cross_entropy
 from moe.tp import concurrent_backward as tp_concurrent_backward
 from pipeline.overlap import complete
 
-
-def layer_flops(cfg: ModelConfig, seq_len: int) -> list[float]:
-    """Forward FLOPs per token of each transformer layer (matmuls and causal attention scores)."""
-    head_dim = cfg.hidden_size // cfg.num_heads
-    attention = 2 * cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * head_dim  # qkv
-    attention += 2 * cfg.hidden_size * cfg.hidden_size + 2 * seq_len * cfg.hidden_size  # out, causal QK^T and AV
-    dense = 6 * cfg.hidden_size * cfg.dense_ffn_size
-    moe = 6 * cfg.hidden_size * cfg.expert_ffn_size * (cfg.top_k + cfg.num_shared_experts)
-    moe += 2 * cfg.hidden_size * cfg.num_experts  # router
-    return [attention + (dense if i < cfg.first_k_dense else moe) for i in range(cfg.num_layers)]
+LOSS_KINDS = ("load_balance", "seq_balance", "z")  # the router's balance losses, in the tallies' order
 
 
 def split_layers(costs: list[float], num_stages: int, head_cost: float = 0.0) -> list[range]:
@@ -73,21 +65,30 @@ class AuxLossGrad(torch.autograd.Function):
 
 @dataclass
 class LayerTally:
-    """One MoE layer's routing statistics summed over the micro-batches of a step (this rank's tokens);
-    aux_loss and losses are each call's values times its loss scale (their share of the step's loss)."""
+    """One MoE layer's routing statistics summed over the micro-batches of a step (this rank's tokens), on
+    the stage's device; aux_loss and losses are each call's values times its loss scale (their share of the
+    step's loss). They reach the host once per step, in the trainer's stats all-reduce."""
 
-    tokens_per_expert: Tensor
-    dropped: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.long))
-    aux_loss: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
-    losses: dict[str, Tensor] = field(default_factory=dict)
+    tokens_per_expert: Tensor  # [E] int64
+    dropped: Tensor            # 0-d int64
+    aux_loss: Tensor           # 0-d float64
+    losses: Tensor             # [len(LOSS_KINDS)] float64
+
+    @classmethod
+    def zeros(cls, num_experts: int, device: torch.device) -> LayerTally:
+        """An empty tally on device."""
+        return cls(torch.zeros(num_experts, dtype=torch.long, device=device),
+                   torch.zeros((), dtype=torch.long, device=device), torch.zeros((), dtype=torch.float64, device=device),
+                   torch.zeros(len(LOSS_KINDS), dtype=torch.float64, device=device))
 
     def add(self, stats: MoEStats, scale: float) -> None:
-        """Count one call's statistics (no host sync: values stay tensors)."""
-        self.tokens_per_expert = self.tokens_per_expert + stats.tokens_per_expert.detach().cpu()
-        self.dropped = self.dropped + stats.dropped.detach().cpu()
-        self.aux_loss = self.aux_loss + stats.aux_loss.detach().double().cpu() * scale
-        for kind, value in stats.losses.items():
-            self.losses[kind] = self.losses.get(kind, 0.0) + value.detach().double().cpu() * scale
+        """Count one call's statistics (no host sync: device tensors added in place)."""
+        self.tokens_per_expert += stats.tokens_per_expert.detach()
+        self.dropped += stats.dropped.detach()
+        self.aux_loss += stats.aux_loss.detach().double() * scale
+        for k, kind in enumerate(LOSS_KINDS):
+            if kind in stats.losses:
+                self.losses[k] += stats.losses[kind].detach().double() * scale
 
 
 class Stage(nn.Module):
@@ -96,7 +97,7 @@ class Stage(nn.Module):
     scaled by loss_scale (the micro-batch's share of the step's loss) and injected into backward here;
     statistics are tallied."""
 
-    def __init__(self, model: MoETransformer, layers: range, first: bool, last: bool, loss_scale: float) -> None:
+    def __init__(self, model: MoETransformer, layers: range, first: bool, last: bool) -> None:
         super().__init__()
         self.cfg = model.cfg
         self.layer_ids = list(layers)
@@ -105,9 +106,8 @@ class Stage(nn.Module):
         self.norm = model.norm if last else None
         self.lm_head = model.lm_head if last else None
         self.tp: TPRegion | None = model.tp  # under TP+SP the residual stream holds S/tp positions
-        self.loss_scale = loss_scale
+        self.loss_scale = 1.0  # the micro-batch's share of the step's loss: the trainer sets it for each step
         self.tallies: dict[int, LayerTally] = {}
-        self.reset_tallies()
 
     def moe_layers(self) -> dict[int, MoELayer]:
         """This stage's MoE layers by model layer index."""
@@ -121,8 +121,8 @@ class Stage(nn.Module):
 
     def reset_tallies(self) -> None:
         """Start a new step's routing statistics and EP traffic counters."""
-        self.tallies = {i: LayerTally(torch.zeros(self.cfg.num_experts, dtype=torch.long))
-                        for i in self.moe_layers()}
+        device = next(self.parameters()).device
+        self.tallies = {i: LayerTally.zeros(self.cfg.num_experts, device) for i in self.moe_layers()}
         for layer in self.moe_layers().values():
             meter = getattr(layer.dispatcher, "meter", None)
             if meter is not None:
@@ -160,12 +160,13 @@ def lm_loss(logits: Tensor, labels: Tensor, scale: float, tp: TPRegion | None = 
 
 
 def stage_ranges(cfg: ModelConfig, seq_len: int, num_stages: int) -> list[range]:
-    """The layers of each stage, balanced by FLOPs (the LM head counted in the last stage)."""
-    return split_layers(layer_flops(cfg, seq_len), num_stages, head_cost=2 * cfg.hidden_size * cfg.vocab_size)
+    """The layers of each stage, balanced by forward FLOPs per token (launch.flops: the model's one count,
+    causal attention; the LM head counted in the last stage)."""
+    costs = [f.total for f in model_layer_flops(cfg, seq_len)]
+    return split_layers(costs, num_stages, head_cost=head_flops(cfg))
 
 
-def build_stages(model: MoETransformer, seq_len: int, num_stages: int, stage_ids: list[int],
-                 loss_scale: float) -> list[Stage]:
+def build_stages(model: MoETransformer, seq_len: int, num_stages: int, stage_ids: list[int]) -> list[Stage]:
     """The Stage modules stage_ids (positions along the pipeline) of model split into num_stages."""
     ranges = stage_ranges(model.cfg, seq_len, num_stages)
-    return [Stage(model, ranges[s], s == 0, s == num_stages - 1, loss_scale) for s in stage_ids]
+    return [Stage(model, ranges[s], s == 0, s == num_stages - 1) for s in stage_ids]

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -25,32 +26,33 @@ from tqdm import tqdm
 from dispatch import EPDispatcher, Traffic
 from launch.checkpoint import Checkpointer, TrainState
 from launch.config import RunConfig
-from launch.data import ByteTokenizer, PackedBatches, load_token_stream
+from launch.data import DataFeed, MicroBatch
+from launch.device import rank_device, to_host
 from launch.faults import Preemption, StepGuard, Watchdog
+from launch.materialize import materialize
 from launch.mesh import Mesh
-from launch.metrics import (JsonlWriter, expert_load_summary, model_flops_per_token, moe_layer_metrics,
-                            peak_flops_for_device, rank_metrics, step_record, throughput_metrics, traffic_metrics,
-                            TensorBoardWriter)
-from launch.stages import Stage, build_stages, lm_loss
+from launch.metrics import (JsonlWriter, TensorBoardWriter, expert_load_summary, mfu_peak, model_flops_per_token,
+                            moe_layer_metrics, rank_metrics, step_record, throughput_metrics, traffic_metrics)
+from launch.stages import LOSS_KINDS, Stage, build_stages, lm_loss
 from moe.model import MoETransformer
 from moe.tp import tp_replicated_params
 from optim import ZeRO1
 from optim.lr_schedule import warmup_cosine
 from pipeline import ZB1P, DualPipe, DualPipeV, OneFOneB, PipelineRuntime, build
+from pipeline.p2p import TensorMeta
 
 RUNTIMES = {"dualpipev": DualPipeV, "dualpipe": DualPipe, "1f1b": OneFOneB, "zb1p": ZB1P}
-LOSS_KINDS = ("load_balance", "seq_balance", "z")
 TRAFFIC_KINDS = ("dispatch", "combine", "dispatch_backward", "combine_backward")
 TRAFFIC_FIELDS = ("intra_payload", "inter_payload", "intra_meta", "inter_meta")
 
 
 @contextlib.contextmanager
-def process_group() -> Iterator[None]:
-    """The launcher's process group, or a 1-rank gloo group for a single-process run."""
+def process_group(device: torch.device) -> Iterator[None]:
+    """The launcher's process group, or a 1-rank group (NCCL on a GPU, gloo on the CPU) for a single process."""
     if dist.is_initialized():
         yield
         return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield
     finally:
@@ -65,15 +67,17 @@ def stage_ids(cfg: RunConfig, pp_rank: int) -> list[int]:
     return [layout.stage_of(pp_rank, phase) for phase in range(layout.num_phases)]
 
 
-def build_model(cfg: RunConfig, mesh: Mesh) -> tuple[list[Stage], PipelineRuntime | None]:
-    """This rank's stages (one per pipeline phase) cut from the seeded full model, and their runtime."""
+def build_model(cfg: RunConfig, mesh: Mesh, device: torch.device) -> tuple[list[Stage], PipelineRuntime | None]:
+    """This rank's stages (one per pipeline phase) and their runtime: the model is built on the meta device,
+    cut to this rank's stages, TP shard and experts there, and only those are materialised on device,
+    each piece with its single-process initial values (launch.materialize)."""
     par = cfg.parallel
     torch.manual_seed(cfg.train.seed)
-    model = MoETransformer(cfg.model).to(getattr(torch, cfg.train.dtype))
+    with torch.device("meta"):
+        model = MoETransformer(cfg.model).to(getattr(torch, cfg.train.dtype))
     if par.tp > 1:  # before the runtime is built, so its B/W split patches every TP linear
         model.to_tensor_parallel(mesh.tp, par.sequence_parallel, grad_group=mesh.tp_grad)
-    loss_scale = 1.0 / cfg.train.grad_accum_steps  # each micro-batch's share of the step's mean loss
-    stages = build_stages(model, cfg.train.seq_len, par.num_stages, stage_ids(cfg, mesh.pp_rank), loss_scale)
+    stages = build_stages(model, cfg.train.seq_len, par.num_stages, stage_ids(cfg, mesh.pp_rank))
     if par.ep > 1:
         for stage in stages:
             for layer in stage.moe_layers().values():
@@ -81,11 +85,22 @@ def build_model(cfg: RunConfig, mesh: Mesh) -> tuple[list[Stage], PipelineRuntim
                     cfg.model.num_experts, group=mesh.ep, grad_group=mesh.ep_grad,
                     gpus_per_node=mesh.layout.ep_gpus_per_node(), backend=par.dispatch_backend,
                     payload=par.dispatch_payload))
+    materialize(stages, cfg.model, cfg.train.seed, device)
+    for stage in stages:
+        stage.reset_tallies()  # the routing tallies live on device too
     if par.pp == 1:
         return stages, None
     runtime = RUNTIMES[par.schedule](stages, process_group=mesh.pipeline, split_bw=par.split_bw,
                                      overlap=par.overlap, merge_w=par.merge_w)
+    runtime.fix_boundary(boundary_meta(cfg))
     return stages, runtime
+
+
+def boundary_meta(cfg: RunConfig) -> list[TensorMeta]:
+    """What crosses every pipeline stage boundary: one micro-batch's hidden states [B, S (S/tp with SP), H]."""
+    seq = cfg.train.seq_len // (cfg.parallel.tp if cfg.parallel.sequence_parallel else 1)
+    return [TensorMeta(getattr(torch, cfg.train.dtype), True,
+                       (cfg.train.micro_batch_size, seq, cfg.model.hidden_size))]
 
 
 def sum_tp_partial_grads(stages: list[Stage], mesh: Mesh) -> None:
@@ -120,31 +135,29 @@ def build_optimizer(stages: list[Stage], cfg: RunConfig, mesh: Mesh) -> ZeRO1:
     return ZeRO1(groups, torch.optim.AdamW, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2))
 
 
-def my_micro_batches(batches: list[tuple[Tensor, Tensor]], cfg: RunConfig, mesh: Mesh) -> list[tuple[Tensor, Tensor]]:
-    """This DP rank's contiguous slice of the global batch's micro-batches."""
-    share = len(batches) // cfg.parallel.dp
-    return batches[mesh.dp_rank * share:(mesh.dp_rank + 1) * share]
-
-
-def forward_backward(stages: list[Stage], runtime: PipelineRuntime | None, micro: list[tuple[Tensor, Tensor]],
-                     chunks: int, loss_scale: float) -> tuple[float, float]:
-    """Forward and backward over this rank's micro-batches (grads accumulate); returns (sum of the LM
-    losses computed here, each times loss_scale; seconds the pipeline spent busy, or 0 without one)."""
+def forward_backward(stages: list[Stage], runtime: PipelineRuntime | None, micro: list[MicroBatch],
+                     chunks: int, loss_scale: float) -> tuple[Tensor, float]:
+    """Forward and backward over this rank's micro-batches (grads accumulate), every LM and router loss
+    scaled by loss_scale (the micro-batch's share of the step's loss); returns (sum of the scaled LM losses
+    computed here, a float64 tensor on the stages' device; seconds the pipeline spent busy, or 0 without one)."""
+    for stage in stages:
+        stage.loss_scale = loss_scale
+    device = next(stages[0].parameters()).device
+    total = torch.zeros((), dtype=torch.float64, device=device)
     if runtime is None:
-        total = 0.0
-        for inputs, labels in micro:
-            loss = lm_loss(stages[0](inputs), labels, loss_scale, stages[0].tp)
+        for batch in micro:
+            loss = lm_loss(stages[0](batch.inputs), batch.labels, loss_scale, stages[0].tp)
             if torch.is_grad_enabled():
                 loss.backward()
-            total += loss.item()
+            total += loss.detach()
         return total, 0.0
-    total, busy = 0.0, 0.0
+    busy = 0.0
     layout = runtime.schedule(chunks).layout
     entry, exit_ = layout.entry_chunks(runtime.rank), layout.exit_chunks(runtime.rank)
     for first in range(0, len(micro), chunks):
         step = micro[first:first + chunks]
-        inputs = torch.cat([step[c][0] for c in entry]) if entry else None
-        labels = torch.cat([step[c][1] for c in exit_]) if exit_ else None
+        inputs = torch.cat([step[c].inputs for c in entry]) if entry else None
+        labels = torch.cat([step[c].labels for c in exit_]) if exit_ else None
         runtime.timeline = []
         losses, _ = runtime.step(*([inputs] if entry else []), num_chunks=chunks,
                                  criterion=lambda logits, y: lm_loss(logits, y, loss_scale, stages[0].tp),
@@ -152,65 +165,76 @@ def forward_backward(stages: list[Stage], runtime: PipelineRuntime | None, micro
         busy += sum(b for *_, b in runtime.timeline)
         runtime.timeline = None
         if losses is not None:
-            total += losses.sum().item()
+            total += losses.detach().sum()
     return total, busy
 
 
-def gather_step_stats(stages: list[Stage], cfg: RunConfig, lm_part: float) -> dict:
-    """Sum the step's losses and per-layer routing statistics over every rank (each layer counted once
-    per micro-batch, DualPipe's twin copies seeing disjoint chunks; losses, the same on every TP rank,
-    divided by tp; TP ranks route disjoint tokens); expert biases averaged over their holders."""
-    first_moe = cfg.model.first_k_dense
-    layers, experts = cfg.model.num_moe_layers, cfg.model.num_experts
-    loads = torch.zeros(layers, experts, dtype=torch.float64)
-    biases = torch.zeros(layers, experts, dtype=torch.float64)
-    extra = torch.zeros(layers, 3 + len(LOSS_KINDS), dtype=torch.float64)  # dropped, aux, holders, losses by kind
+def gather_step_stats(stages: list[Stage], cfg: RunConfig, mesh: Mesh, lm_part: Tensor, grad_norm: Tensor,
+                      idle: float, stop: bool) -> dict:
+    """The step's one stats all-reduce and its one copy to the host: losses and per-layer routing statistics
+    summed over every rank (each layer counted once per micro-batch, DualPipe's twin copies seeing disjoint
+    chunks; losses, the same on every TP rank, divided by tp; TP ranks route disjoint tokens), expert biases
+    averaged over their holders, the EP traffic and every rank's peak memory and idle share, and whether any
+    rank was asked to stop. "loads_on_device" keeps the global loads on the device for the bias update."""
+    device = lm_part.device
+    host_tables = np.concatenate([traffic_table(stages, mesh), rank_table(device, idle), [float(stop)]])
+    first_moe, layers, experts = cfg.model.first_k_dense, cfg.model.num_moe_layers, cfg.model.num_experts
+    loads = torch.zeros(layers, experts, dtype=torch.float64, device=device)
+    biases = torch.zeros(layers, experts, dtype=torch.float64, device=device)
+    extra = torch.zeros(layers, 3 + len(LOSS_KINDS), dtype=torch.float64, device=device)  # dropped, aux, holders, losses
     for stage in stages:
         for i, layer in stage.moe_layers().items():
-            tally = stage.tallies[i]
-            loads[i - first_moe] += tally.tokens_per_expert.double()
-            biases[i - first_moe] += layer.router.expert_bias.detach().double().cpu()
-            extra[i - first_moe] += torch.stack([tally.dropped.double(), tally.aux_loss, torch.tensor(1.0).double(), *(
-                torch.as_tensor(tally.losses.get(k, 0.0), dtype=torch.float64) for k in LOSS_KINDS)])
-        stage.reset_tallies()
-    parts = [torch.tensor([lm_part], dtype=torch.float64), loads, biases, extra]
+            tally, row = stage.tallies[i], i - first_moe
+            loads[row] += tally.tokens_per_expert
+            biases[row] += layer.router.expert_bias.detach()
+            extra[row, 0] += tally.dropped
+            extra[row, 1] += tally.aux_loss
+            extra[row, 2] += 1
+            extra[row, 3:] += tally.losses
+        stage.reset_tallies()  # and the EP traffic counters, read above
+    # host numbers to the device for the all-reduce (a blocking copy: the step's compute is done by now)
+    parts = [lm_part.view(1), loads, biases, extra, torch.tensor(host_tables.tolist(), dtype=torch.float64, device=device)]
     flat = torch.cat([p.flatten() for p in parts])
     dist.all_reduce(flat)
-    _, loads, biases, extra = (chunk.view_as(p) for chunk, p in zip(flat.split([p.numel() for p in parts]), parts))
+    host = to_host(torch.cat([flat, grad_norm.detach().view(1).double()]))  # the step's one device-to-host copy
+    _, loads_h, biases_h, extra_h, tables, norm = (chunk.view_as(p) for chunk, p in zip(
+        host.split([p.numel() for p in parts] + [1]), parts + [grad_norm.view(1)]))
     tp = cfg.parallel.tp
-    extra[:, 1], extra[:, 3:] = extra[:, 1] / tp, extra[:, 3:] / tp
-    return {"lm_loss": flat[0].item() / tp, "loads": [row.long() for row in loads], "dropped": extra[:, 0],
-            "aux_loss": extra[:, 1].sum().item(), "biases": biases / extra[:, 2:3].clamp(min=1),
-            "losses": [dict(zip(LOSS_KINDS, row.tolist())) for row in extra[:, 3:]]}
+    extra_h[:, 1], extra_h[:, 3:] = extra_h[:, 1] / tp, extra_h[:, 3:] / tp
+    return {"lm_loss": float(host[0]) / tp, "loads": [row.long() for row in loads_h], "dropped": extra_h[:, 0],
+            "aux_loss": float(extra_h[:, 1].sum()), "biases": biases_h / extra_h[:, 2:3].clamp(min=1),
+            "losses": [dict(zip(LOSS_KINDS, row.tolist())) for row in extra_h[:, 3:]], "grad_norm": float(norm[0]),
+            "stop": bool(tables[-1] > 0), "loads_on_device": flat[1:1 + loads.numel()].view_as(loads),
+            **decode_tables(tables[:-1], mesh)}
 
 
-def update_expert_bias(stages: list[Stage], cfg: RunConfig, loads: list[Tensor]) -> None:
-    """Aux-loss-free balancing of this rank's MoE layers from their global loads."""
+def update_expert_bias(stages: list[Stage], cfg: RunConfig, loads: Tensor) -> None:
+    """Aux-loss-free balancing of this rank's MoE layers from their global loads [moe layers, E] (on device)."""
     if cfg.model.bias_update_rate:
         for stage in stages:
             for i, layer in stage.moe_layers().items():
                 layer.router.update_bias(loads[i - cfg.model.first_k_dense])
 
 
-def rank_figures(idle: float) -> dict:
-    """The "ranks" metrics section: every rank's peak memory and pipeline idle fraction (a collective)."""
-    if torch.cuda.is_available():
-        peak = torch.cuda.max_memory_allocated()
+def rank_table(device: torch.device, idle: float) -> np.ndarray:
+    """[world x 2] float64 host numbers, this rank's row filled: its peak memory (bytes allocated on a GPU,
+    the process's peak RSS on a CPU) and its pipeline idle share; summed over ranks in the stats all-reduce."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    table = torch.zeros(dist.get_world_size(), 2, dtype=torch.float64)
-    table[dist.get_rank()] = torch.tensor([peak, idle], dtype=torch.float64)
-    dist.all_reduce(table)
-    return rank_metrics(table[:, 0].long().tolist(), table[:, 1].tolist())
+    table = np.zeros((dist.get_world_size(), 2))
+    table[dist.get_rank()] = peak, idle
+    return table.ravel()
 
 
-def step_traffic(stages: list[Stage], mesh: Mesh) -> dict:
-    """Bytes the EP dispatchers sent this step (a collective; Stage.reset_tallies restarts the counters):
-    "traffic_bytes" by call kind, per rank [intra payload, inter payload, intra meta, inter meta], and
-    the "traffic" section's EP-peer matrix, summed over EP groups by position."""
+def traffic_table(stages: list[Stage], mesh: Mesh) -> np.ndarray:
+    """This rank's EP traffic counters of the step (host numbers; Stage.reset_tallies restarts them), flat
+    float64: per rank and call kind [intra payload, inter payload, intra meta, inter meta], then the EP-peer
+    byte matrix by position in the EP group; summed over ranks in the stats all-reduce."""
     world, ep = dist.get_world_size(), mesh.layout.ep
-    by_kind = torch.zeros(world, len(TRAFFIC_KINDS), len(TRAFFIC_FIELDS), dtype=torch.float64)
-    peers = torch.zeros(ep, ep, dtype=torch.float64)
+    by_kind = np.zeros((world, len(TRAFFIC_KINDS), len(TRAFFIC_FIELDS)))
+    peers = np.zeros((ep, ep))
     me = dist.get_rank(mesh.ep)
     for stage in stages:
         for layer in stage.moe_layers().values():
@@ -219,21 +243,28 @@ def step_traffic(stages: list[Stage], mesh: Mesh) -> dict:
                 continue
             for k, kind in enumerate(TRAFFIC_KINDS):
                 counts = meter.total.get(kind, Traffic())
-                by_kind[dist.get_rank(), k] += torch.tensor([getattr(counts, f) for f in TRAFFIC_FIELDS],
-                                                            dtype=torch.float64)
+                by_kind[dist.get_rank(), k] += [getattr(counts, f) for f in TRAFFIC_FIELDS]
             for peer, nbytes in meter.sent_to.items():
                 peers[me, peer] += nbytes
-    flat = torch.cat([by_kind.flatten(), peers.flatten()])
-    dist.all_reduce(flat)
-    by_kind, peers = flat[:by_kind.numel()].view_as(by_kind), flat[by_kind.numel():].view_as(peers)
+    return np.concatenate([by_kind.ravel(), peers.ravel()])
+
+
+def decode_tables(tables: Tensor, mesh: Mesh) -> dict:
+    """The "traffic_bytes", "traffic" and "ranks" metrics sections from the summed traffic and rank tables."""
+    world, ep = dist.get_world_size(), mesh.layout.ep
+    sizes = [world * len(TRAFFIC_KINDS) * len(TRAFFIC_FIELDS), ep * ep, world * 2]
+    by_kind, peers, ranks = tables.split(sizes)
+    by_kind, peers, ranks = by_kind.view(world, len(TRAFFIC_KINDS), -1), peers.view(ep, ep), ranks.view(world, 2)
     return {"traffic_bytes": {kind: by_kind[:, k].long().tolist() for k, kind in enumerate(TRAFFIC_KINDS)},
-            **traffic_metrics(peers.long().tolist(), mesh.layout.ep_gpus_per_node() if ep > 1 else 0)}
+            **traffic_metrics(peers.long().tolist(), mesh.layout.ep_gpus_per_node() if ep > 1 else 0),
+            **rank_metrics(ranks[:, 0].long().tolist(), ranks[:, 1].tolist())}
 
 
-def step_metrics(step: int, cfg: RunConfig, stats: dict, scalars: dict, tokens: int, seconds: float) -> dict:
-    """The step's metrics record (launch/dashboard/SCHEMA.md): scalars, throughput and MFU, the "moe" section."""
-    peak = cfg.train.peak_tflops_per_gpu * 1e12 or (
-        peak_flops_for_device(torch.cuda.get_device_name()) if torch.cuda.is_available() else None)
+def step_metrics(step: int, cfg: RunConfig, stats: dict, scalars: dict, tokens: int, seconds: float,
+                 device: torch.device) -> dict:
+    """The step's metrics record (launch/dashboard/SCHEMA.md): scalars, throughput and MFU (against the peaks of
+    the precisions the GEMMs run in on this rank's GPU: launch.metrics.mfu_peak), the "moe" section."""
+    peak = mfu_peak(cfg.model, cfg.train.seq_len, device, cfg.train.peak_tflops_per_gpu)
     return step_record(step, {"loss": stats["lm_loss"] + stats["aux_loss"], "lm_loss": stats["lm_loss"],
                               "aux_loss": stats["aux_loss"], "dropped_tokens": int(stats["dropped"].sum())},
                        scalars, throughput_metrics(tokens, seconds, model_flops_per_token(cfg.model, cfg.train.seq_len),
@@ -244,25 +275,20 @@ def step_metrics(step: int, cfg: RunConfig, stats: dict, scalars: dict, tokens: 
 
 
 @torch.no_grad()
-def evaluate(stages: list[Stage], runtime: PipelineRuntime | None, batches: PackedBatches, cfg: RunConfig,
-             mesh: Mesh) -> float:
+def evaluate(stages: list[Stage], runtime: PipelineRuntime | None, batches: DataFeed, cfg: RunConfig) -> float:
     """Mean LM loss over the first held-out micro-batches (train.eval_batches, rounded up to fill
     every DP rank's pipeline steps), the same ones every time."""
     unit = cfg.parallel.dp * (cfg.chunks_per_step if runtime is not None else 1)
     count = -(-cfg.train.eval_batches // unit) * unit
-    held_out = batches.in_order(count)
-    if len(held_out) < count:
-        raise ValueError(f"the held-out data has {len(held_out)} micro-batches, fewer than the {count} evaluation "
-                         f"needs: raise data.eval_fraction or lower train.eval_batches")
+    held_out = batches.held_out(count)  # this DP rank's share; raises when the held-out rows are too few
     for stage in stages:
         stage.eval()
-    total, _ = forward_backward(stages, runtime, my_micro_batches(held_out, cfg, mesh), cfg.chunks_per_step, 1 / count)
+    total, _ = forward_backward(stages, runtime, held_out, cfg.chunks_per_step, 1 / count)
     for stage in stages:
         stage.train()
         stage.reset_tallies()
-    result = torch.tensor([total], dtype=torch.float64)
-    dist.all_reduce(result)
-    return result.item() / cfg.parallel.tp  # every TP rank computed the same loss
+    dist.all_reduce(total)
+    return float(to_host(total)) / cfg.parallel.tp  # every TP rank computed the same loss
 
 
 def checkpoint_dir(cfg: RunConfig) -> Path:
@@ -271,42 +297,54 @@ def checkpoint_dir(cfg: RunConfig) -> Path:
 
 
 def train(cfg: RunConfig, metrics_out: str | Path | None = None, resume: bool = False,
-          progress: bool = True) -> list[dict]:
-    """Train cfg's model on cfg's corpus with cfg's layout; returns the metric records on rank 0 ([] elsewhere)."""
-    with process_group():
-        return _train(cfg, metrics_out, resume, progress)
+          progress: bool = True, device: torch.device | None = None) -> list[dict]:
+    """Train cfg's model on cfg's corpus with cfg's layout; returns the metric records on rank 0 ([] elsewhere).
+
+    device: where this rank computes; default train.device's choice (launch.device: cuda:LOCAL_RANK or
+    the CPU). A rehearsal (launch.rehearse) hands in `meta` under a fake process group: the step runs
+    without storage, checkpoints and the heartbeat watchdog are skipped (it says so).
+    """
+    device = device or rank_device(cfg.train.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    with process_group(device):
+        return _train(cfg, metrics_out, resume, progress, device)
 
 
-def _train(cfg: RunConfig, metrics_out: str | Path | None, resume: bool, progress: bool) -> list[dict]:
+def _train(cfg: RunConfig, metrics_out: str | Path | None, resume: bool, progress: bool,
+           device: torch.device) -> list[dict]:
     settings = cfg.train
     mesh = Mesh(cfg.layout)
     lead = mesh.rank == 0
-    if lead and mesh.layout.world_size > 1:
+    if lead and 1 < mesh.layout.world_size and device.type != "meta":  # a rehearsal's world may be thousands
         print(mesh.layout.describe(), flush=True)
-    stages, runtime = build_model(cfg, mesh)
+    stages, runtime = build_model(cfg, mesh, device)
     optimizer = build_optimizer(stages, cfg, mesh)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: warmup_cosine(s, settings.warmup_steps, settings.steps, settings.min_lr_ratio))
-    stream = load_token_stream(cfg.data.corpus, cfg.data.max_bytes, ByteTokenizer())
-    eval_tokens = int(stream.numel() * cfg.data.eval_fraction)
-    batches = PackedBatches(stream[: stream.numel() - eval_tokens], settings.seq_len,
-                            settings.micro_batch_size, settings.seed)
-    eval_batches = (PackedBatches(stream[stream.numel() - eval_tokens:], settings.seq_len,
-                                  settings.micro_batch_size, settings.seed)
-                    if eval_tokens and settings.eval_batches else None)
-    checkpointer = Checkpointer(checkpoint_dir(cfg), cfg.ops.keep_checkpoints, cfg.ops.async_checkpoint)
+    batches = DataFeed(cfg, mesh.dp_rank, device)
+    eval_batches = (DataFeed(cfg, mesh.dp_rank, device, "eval")
+                    if cfg.data.eval_fraction and settings.eval_batches else None)
+    rehearsal = device.type == "meta"
+    if rehearsal:
+        print("rehearsal on the meta device: checkpoints (DCP writes real storage) and the heartbeat watchdog "
+              "(files of every rank) are skipped", flush=True)
+    checkpointer = None if rehearsal else Checkpointer(checkpoint_dir(cfg), cfg.ops.keep_checkpoints,
+                                                       cfg.ops.async_checkpoint)
     state = TrainState(stages, optimizer, scheduler, batches)
-    start = checkpointer.load(state) if resume else 0
+    start = checkpointer.load(state) if resume and checkpointer else 0
+    heartbeat = 0 if rehearsal else cfg.ops.heartbeat_timeout_s
     with Preemption() as preemption, Watchdog(Path(settings.run_dir) / "heartbeat", mesh.rank,
-                                              mesh.layout.world_size, cfg.ops.heartbeat_timeout_s):
+                                              mesh.layout.world_size, heartbeat):
         records = _loop(cfg, mesh, stages, runtime, state, checkpointer, eval_batches, start, metrics_out,
                         progress, preemption)
-    checkpointer.finish()
+    if checkpointer is not None:
+        checkpointer.finish()
     return records
 
 
 def _loop(cfg: RunConfig, mesh: Mesh, stages: list[Stage], runtime: PipelineRuntime | None, state: TrainState,
-          checkpointer: Checkpointer, eval_batches: PackedBatches | None, start: int, metrics_out: str | Path | None,
+          checkpointer: Checkpointer | None, eval_batches: DataFeed | None, start: int, metrics_out: str | Path | None,
           progress: bool, preemption: Preemption) -> list[dict]:
     """Steps start..train.steps (a spike may roll back, SIGTERM ends early); saves the last step reached."""
     settings, optimizer, scheduler, batches = cfg.train, state.optimizer, state.scheduler, state.data
@@ -324,34 +362,34 @@ def _loop(cfg: RunConfig, mesh: Mesh, stages: list[Stage], runtime: PipelineRunt
     while step < settings.steps:
         began = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        micro = my_micro_batches([batches.next_batch() for _ in range(settings.grad_accum_steps)], cfg, mesh)
+        micro = batches.next_step()
         lm_part, busy = forward_backward(stages, runtime, micro, cfg.chunks_per_step,
                                          guard.loss_scale(step, 1 / settings.grad_accum_steps))
         sum_tp_partial_grads(stages, mesh)
         compute_s = time.perf_counter() - began
         grad_norm = optimizer.clip_grad_norm_(settings.grad_clip, group=mesh.world)
         lr = scheduler.get_last_lr()[0]
-        traffic = step_traffic(stages, mesh)
-        stats = gather_step_stats(stages, cfg, lm_part)
-        status = guard.verdict(step, stats["lm_loss"] + stats["aux_loss"], grad_norm.item())
+        stats = gather_step_stats(stages, cfg, mesh, lm_part, grad_norm,
+                                  1 - busy / compute_s if runtime is not None else 0.0, preemption.requested)
+        status = guard.verdict(step, stats["lm_loss"] + stats["aux_loss"], stats["grad_norm"])
         if status == "ok":
             optimizer.step()
             scheduler.step()
-            update_expert_bias(stages, cfg, stats["loads"])
+            update_expert_bias(stages, cfg, stats["loads_on_device"])
         else:
             skipped += 1
-        figures = rank_figures(1 - busy / compute_s if runtime is not None else 0.0)
         elapsed = time.perf_counter() - began
-        record = step_metrics(step, cfg, stats, {"grad_norm": grad_norm.item(), "lr": lr, "step_status": status,
-                                                 "skipped_steps": skipped}, global_tokens, elapsed)
-        record.update(traffic, **figures)
-        if status == "spike" and cfg.ops.spike_policy == "rollback":
+        record = step_metrics(step, cfg, stats, {"grad_norm": stats["grad_norm"], "lr": lr, "step_status": status,
+                                                 "skipped_steps": skipped}, global_tokens, elapsed,
+                              lm_part.device)
+        record.update({key: stats[key] for key in ("traffic_bytes", "traffic", "ranks")})
+        if status == "spike" and cfg.ops.spike_policy == "rollback" and checkpointer:
             back = checkpointer.load(state, restore_data=False)  # 0: no checkpoint yet, the spike is only skipped
             if back:
                 saved = record["rolled_back_to"] = back
         last = step + 1 == settings.steps
         if eval_batches is not None and (last or (settings.eval_every and step % settings.eval_every == 0)):
-            record["eval_lm_loss"] = evaluate(stages, runtime, eval_batches, cfg, mesh)
+            record["eval_lm_loss"] = evaluate(stages, runtime, eval_batches, cfg)
         if lead:
             for writer in writers:
                 writer.write(record)
@@ -359,13 +397,13 @@ def _loop(cfg: RunConfig, mesh: Mesh, stages: list[Stage], runtime: PipelineRunt
             bar.set_postfix(loss=f"{record['lm_loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
             bar.update()
         step = record.get("rolled_back_to", step + 1)
-        if settings.checkpoint_every and step % settings.checkpoint_every == 0 and step != saved:
+        if checkpointer and settings.checkpoint_every and step % settings.checkpoint_every == 0 and step != saved:
             checkpointer.save(state, step, dataclasses.asdict(cfg))
             saved = step
-        if preemption.agreed():
+        if stats["stop"]:  # a rank got SIGTERM/SIGINT: every rank leaves after the same step
             break
     for writer in writers:
         writer.close()
-    if step != saved:
+    if step != saved and checkpointer is not None:
         checkpointer.save(state, step, dataclasses.asdict(cfg))
     return records

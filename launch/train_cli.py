@@ -12,6 +12,7 @@ import sys
 
 from dispatch.multiproc import WorkerError
 from launch.checkpoint import export_main
+from launch.rehearse import rehearse, render
 from launch.launcher import LaunchError, NodeFlags, Trainer, launch_run, wait_for_every_refusal
 from launch.validate import check_config
 
@@ -37,6 +38,11 @@ def main(argv: list[str] | None = None, trainer: Trainer | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="validate the config (every section, the corpus, the "
                                                              "run dir) and exit: 0 valid, 2 not")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("--rehearse", action="store_true",
+                        help="run one training step of the whole layout as one rank, here, on the meta device under "
+                             "the fake process group: memory by category beside moe-plan's, every collective")
+    parser.add_argument("--rank", type=int, help="with --rehearse: the rank to rehearse (default: the first rank of "
+                                                 "the pipeline rank moe-plan gives the largest peak)")
     nodes = parser.add_argument_group("several nodes (moe-train's own spawn; torchrun, mpiexec and srun bring their own)")
     nodes.add_argument("--nnodes", type=int, help="nodes taking part (default 1, or SLURM_NNODES)")
     nodes.add_argument("--node-rank", type=int, help="this node's index in [0, nnodes) (default 0, or SLURM_NODEID)")
@@ -55,6 +61,13 @@ def main(argv: list[str] | None = None, trainer: Trainer | None = None) -> int:
     except ValueError as error:
         print(f"moe-train: invalid config: {error}", file=sys.stderr)
         return 2
+    if args.rehearse:
+        try:
+            print(render(rehearse(cfg, args.rank)))
+        except ValueError as error:
+            print(f"moe-train: {error}", file=sys.stderr)
+            return 2
+        return 0
     if args.check:
         world = cfg.parallel.world_size
         print(f"config OK: {args.config} runs on {world} process{'es' if world > 1 else ''}")

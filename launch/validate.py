@@ -13,10 +13,9 @@ import math
 import os
 from pathlib import Path
 
-import torch
-
 from launch.config import RunConfig, load_config
 from launch.data import corpus_files
+from launch.device import check_device
 
 
 def _check_finite(cfg: RunConfig) -> None:
@@ -65,9 +64,8 @@ def _check_run_dir(cfg: RunConfig) -> None:
 
 
 def _check_machine(cfg: RunConfig) -> None:
-    """NCCL needs CUDA; the watchdog needs a timeout longer than a few heartbeats."""
-    if cfg.parallel.comm_backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError("parallel.comm_backend = 'nccl' needs CUDA GPUs, none is visible; allowed here: 'auto', 'gloo'")
+    """The device can run the ranks (launch.device); the watchdog needs a timeout longer than a few heartbeats."""
+    check_device(cfg.train.device, cfg.parallel.comm_backend, cfg.model.expert_precision)
     if 0 < cfg.ops.heartbeat_timeout_s < 3:
         raise ValueError(f"ops.heartbeat_timeout_s = {cfg.ops.heartbeat_timeout_s!r} is shorter than 3 heartbeats; "
                          f"allowed: 0 (off) or >= 3 seconds")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kernels.grouped_ref import group_bounds
 from kernels.wgrad_defer import weight_grad_or_defer
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16)
@@ -19,15 +20,9 @@ def _native_ok(*tensors: Tensor) -> bool:
     first = tensors[0]
     if first.dtype not in _GROUPED_MM_DTYPES or not hasattr(torch, "_grouped_mm"):
         return False
-    if first.is_cuda and first.dtype != torch.bfloat16:
+    if (first.is_cuda or first.is_meta) and first.dtype != torch.bfloat16:  # meta: torch's kernel takes bf16 only
         return False
     return all(t.shape[-1] % 16 == 0 and t.shape[-2] % 16 == 0 for t in tensors[1:])
-
-
-def _bounds(offs: Tensor) -> list[tuple[int, int]]:
-    ends = offs.tolist()
-    starts = [0] + ends[:-1]
-    return list(zip(starts, ends))
 
 
 def grouped_matmul(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
@@ -35,7 +30,7 @@ def grouped_matmul(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     if _native_ok(x, w):
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
     out = x.new_empty(x.shape[0], w.shape[1])
-    for g, (start, end) in enumerate(_bounds(offs)):
+    for g, (start, end) in enumerate(group_bounds(offs, x.shape[0])):
         out[start:end] = x[start:end] @ w[g].T
     return out
 
@@ -45,7 +40,7 @@ def grouped_weight_grad(dy: Tensor, x: Tensor, offs: Tensor) -> Tensor:
     if _native_ok(x, dy.t(), x.t()):
         return torch._grouped_mm(dy.t(), x, offs=offs)
     dw = x.new_zeros(offs.numel(), dy.shape[1], x.shape[1])
-    for g, (start, end) in enumerate(_bounds(offs)):
+    for g, (start, end) in enumerate(group_bounds(offs, x.shape[0])):
         dw[g] = dy[start:end].T @ x[start:end]
     return dw
 

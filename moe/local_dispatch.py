@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dispatch import rehearsal
+
 
 @dataclass
 class RecvInfo:
@@ -34,10 +36,15 @@ class LocalDispatcher:
     def dispatch(self, x: Tensor, indices: Tensor, weights: Tensor) -> tuple[Tensor, RecvInfo, LocalHandle]:
         """Rows of x, one per kept (token, expert) slot, stably sorted by expert."""
         flat = indices.reshape(-1)
-        kept = torch.nonzero(flat >= 0).squeeze(1)
-        order = kept[torch.argsort(flat[kept], stable=True)]
+        if flat.is_meta:  # a rehearsal: no values; rows per expert from the rule (dispatch.rehearsal)
+            slots = rehearsal.expert_slots(*indices.shape, self.num_experts, rehearsal.capacity_of(indices))
+            order = torch.argsort(flat, stable=True)[:sum(slots)]
+            counts = flat.new_empty(self.num_experts)
+        else:
+            kept = torch.nonzero(flat >= 0).squeeze(1)
+            order = kept[torch.argsort(flat[kept], stable=True)]
+            counts = torch.bincount(flat[kept], minlength=self.num_experts)
         token_of_row = order // indices.shape[1]
-        counts = torch.bincount(flat[kept], minlength=self.num_experts)
         handle = LocalHandle(token_of_row, weights.reshape(-1)[order], x.shape[0])
         return x[token_of_row], RecvInfo(counts), handle
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dispatch import rehearsal
 from moe.config import check_router_settings
 
 
@@ -67,7 +68,11 @@ class TopKRouter(nn.Module):
         kept = self._capacity_mask(indices, scores.detach().gather(1, indices))
         indices = indices.masked_fill(~kept, -1)
         weights = weights.masked_fill(~kept, 0.0)
-        tokens_per_expert = torch.bincount(indices[kept], minlength=self.num_experts)
+        if indices.is_meta:  # a rehearsal: no values to count; dispatchers count by dispatch.rehearsal's rule
+            tokens_per_expert = indices.new_empty(self.num_experts)
+            rehearsal.mark_capacity(indices, self.capacity(indices.shape[0]))
+        else:
+            tokens_per_expert = torch.bincount(indices[kept], minlength=self.num_experts)
         return RoutingResult(indices, weights, aux_loss, tokens_per_expert, (~kept).sum(), losses)
 
     def _coefficients(self) -> list[tuple[str, float]]:
@@ -106,8 +111,8 @@ class TopKRouter(nn.Module):
     def _capacity_mask(self, indices: Tensor, priority: Tensor) -> Tensor:
         """True for slots kept under the capacity limit, chosen by drop_policy inside each expert."""
         capacity = self.capacity(indices.shape[0])
-        if capacity is None:
-            return torch.ones_like(indices, dtype=torch.bool)
+        if capacity is None or indices.is_meta:  # meta: no values to rank; the dispatchers apply the
+            return torch.ones_like(indices, dtype=torch.bool)  # capacity by dispatch.rehearsal's rule
         flat_expert = indices.reshape(-1)
         if self.drop_policy == "probs":
             order = torch.argsort(priority.reshape(-1), descending=True, stable=True)

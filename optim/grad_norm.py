@@ -26,9 +26,9 @@ def global_sq_norm(parts: Sequence[tuple[torch.Tensor, GroupChain]]) -> torch.Te
         key = tuple(id(g) for g in groups)
         prev = chains.get(key)
         chains[key] = (groups, sq.clone() if prev is None else prev[1] + sq)
-    total = torch.zeros(1, dtype=torch.float64)
+    total = None
     for groups, sq in chains.values():
         for group in groups:
             dist.all_reduce(sq, group=group)
-        total += sq.cpu()
+        total = sq if total is None else total + sq
     return total[0]

@@ -179,10 +179,9 @@ class ZeRO1(torch.optim.Optimizer):
             parts = [(s.sq_norm() * g["norm_weight"], (g["process_group"], *g["norm_groups"]))
                      for s, g in zip(self._shards, self.param_groups)]
         norm = global_sq_norm(parts).sqrt()
-        coef = max_norm / (float(norm) + 1e-6)
-        if coef < 1.0:
-            for shard in self._shards:
-                shard.grad.mul_(coef)
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # on the device: no host sync (x 1.0 is exact)
+        for shard in self._shards:
+            shard.grad.mul_(coef)
         return norm
 
     @torch.no_grad()
@@ -217,6 +216,15 @@ class ZeRO1(torch.optim.Optimizer):
                     out[key] = out.get(key, 0) + value.numel() * value.element_size()
         out["total"] = sum(out.values())
         return out
+
+    def buffer_bytes(self) -> dict[str, int]:
+        """Bytes of this rank's ZeRO-1 buffers besides the params, their .grad and the inner optimizers' state:
+        the full fp32 grad sums of params whose .grad is not bound to them (bf16 params), the reduced grad
+        shards, fp32 master shards held apart from the params (bf16 params), the p2p receive scratch."""
+        return {"grad_sums": sum(s.grad_flat.nbytes for s in self._shards if not s.binds_grads),
+                "grad_shards": sum(s.grad.nbytes for s in self._shards),
+                "masters": sum(m.nbytes for s in self._shards for m in s.masters if m.dtype != s.param_flat.dtype),
+                "scratch": sum(s._scratch.nbytes for s in self._shards)}
 
     @torch.no_grad()
     def state_dict(self) -> dict[str, Any]:

@@ -2,7 +2,9 @@
 
 A message is a fixed-size int64 header (count, then per tensor: dtype code, requires_grad, ndim,
 dims) and one uint8 payload holding every tensor's bytes, so any number of tensors of any shape
-and dtype can cross; see Channel for how they travel.
+and dtype can cross; see Channel for how they travel. A channel told its messages' fixed layout
+(Channel.fixed, as a trainer whose stage boundaries always carry one [micro-batch, seq, hidden]
+activation does) sends payloads only, and a receive never copies a header to the host.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class TensorMeta:
     @property
     def nbytes(self) -> int:
         """Payload bytes of this tensor."""
-        return torch.Size(self.shape).numel() * torch.empty((), dtype=self.dtype).element_size()
+        return torch.Size(self.shape).numel() * self.dtype.itemsize
 
 
 def _parse(header: Tensor) -> list[TensorMeta]:
@@ -112,6 +114,7 @@ class Channel:
         self._groups = [dist.new_group(ranks, use_local_synchronization=True) for _ in range(num_streams)]
         self.device = device
         self.log: TransferLog | None = None  # set to record the times of messages
+        self.fixed: list[TensorMeta] | None = None  # every message's tensors, when fixed: no header crosses
         self.blocked_s = 0.0  # seconds spent blocked on messages not yet arrived, all told
         self._sends: list[tuple[dist.Work, Tensor]] = []
         self._sent: dict[tuple[int, int], int] = {}  # (peer, stream) -> payload bytes of the last message out
@@ -128,6 +131,14 @@ class Channel:
         """Start sending tensors to group rank peer (non-blocking; finished by wait_sends)."""
         key = (peer, stream)
         nbytes = _nbytes(tensors)
+        if self.fixed is not None:
+            self._check_fixed(tensors)
+            payload = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            _fill(payload, tensors)
+            if self.log is not None:
+                self.log.sent[key].append(time.perf_counter())
+            self._isend(payload, peer, stream)
+            return
         same = self._sent.get(key) == nbytes
         first = torch.empty(HEADER_BYTES + (nbytes if same else self._sent.get(key, 0)), dtype=torch.uint8,
                             device=self.device)
@@ -150,9 +161,17 @@ class Channel:
             self._post(ticket, peer, stream)
         return ticket
 
+    def _check_fixed(self, tensors: list[Tensor]) -> None:
+        """ValueError unless tensors have the fixed messages' dtypes and shapes."""
+        got = [(t.dtype, tuple(t.shape)) for t in tensors]
+        if got != [(m.dtype, m.shape) for m in self.fixed]:
+            raise ValueError(f"pipeline boundary tensors {got} differ from the fixed message "
+                             f"{[(m.dtype, m.shape) for m in self.fixed]} this channel was given")
+
     def _post(self, ticket: _Ticket, peer: int, stream: int) -> None:
-        ticket.buf = torch.empty(HEADER_BYTES + self._expect.get((peer, stream), 0), dtype=torch.uint8,
-                                 device=self.device)
+        size = sum(m.nbytes for m in self.fixed) if self.fixed is not None else (
+            HEADER_BYTES + self._expect.get((peer, stream), 0))
+        ticket.buf = torch.empty(size, dtype=torch.uint8, device=self.device)
         ticket.work = self._irecv(ticket.buf, peer, stream)
 
     def finish_recv(self, ticket: _Ticket, peer: int, stream: int) -> list[tuple[Tensor, bool]]:
@@ -162,24 +181,28 @@ class Channel:
         if not queue or queue[0] is not ticket:
             raise RuntimeError(f"messages on stream {stream} from rank {peer} must be read in order")
         t0 = time.perf_counter()
-        # on a GPU the header's copy to the host is what blocks until the message is there
-        metas = _parse(self._await(ticket.work, lambda: ticket.buf[:HEADER_BYTES].view(torch.int64).cpu()))
-        nbytes = sum(m.nbytes for m in metas)
-        if self._expect.get(key) == nbytes:
-            payload = ticket.buf[HEADER_BYTES:]
+        if self.fixed is not None:  # no header: the wait orders the device's stream, the host does not block
+            self._await(ticket.work, lambda: None)
+            metas, payload = self.fixed, ticket.buf
         else:
-            payload = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            self._await(self._irecv(payload, peer, stream), lambda: None)
+            # on a GPU the header's copy to the host is what blocks until the message is there
+            metas = _parse(self._await(ticket.work, lambda: ticket.buf[:HEADER_BYTES].view(torch.int64).cpu()))
+            nbytes = sum(m.nbytes for m in metas)
+            if self._expect.get(key) == nbytes:
+                payload = ticket.buf[HEADER_BYTES:]
+            else:
+                payload = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                self._await(self._irecv(payload, peer, stream), lambda: None)
+            self._expect[key] = nbytes
         if self.log is not None:
             self.log.received[key].append((t0, time.perf_counter()))
-        self._expect[key] = nbytes
         queue.popleft()
         if queue:
             self._post(queue[0], peer, stream)
         out, offset = [], 0
         for m in metas:
             raw = payload[offset:offset + m.nbytes]
-            if offset % torch.empty((), dtype=m.dtype).element_size():
+            if offset % m.dtype.itemsize:
                 raw = raw.clone()  # a view as m.dtype needs an aligned start
             out.append((raw.view(m.dtype).view(m.shape), m.requires_grad))
             offset += m.nbytes

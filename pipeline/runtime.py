@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from pipeline import schedules
 from pipeline.overlap import complete, start
-from pipeline.p2p import Channel, TransferLog
+from pipeline.p2p import Channel, TensorMeta, TransferLog
 from pipeline.schedules import Action, Op, Schedule
 from pipeline.wgrad import WeightGradStore, install_split_linear
 
@@ -68,6 +68,11 @@ class PipelineRuntime(nn.Module):
         self._schedules: dict[tuple[int, bool, bool], Schedule] = {}
         self._channel = Channel(self.group, self._device())  # made here: it creates process groups
         self._backward_thread: ThreadPoolExecutor | None = None  # runs the backward of concurrent pairs
+
+    def fix_boundary(self, metas: list[TensorMeta]) -> None:
+        """Every message between stages carries tensors of these dtypes and shapes (requires_grad taken as
+        True): p2p sends no headers and receives never wait on the host (pipeline.p2p)."""
+        self._channel.fixed = metas
 
     @property
     def transfers(self) -> TransferLog | None:
@@ -261,7 +266,8 @@ class PipelineRuntime(nn.Module):
 
     def _forward_backward(self, act: Action) -> None:
         bwd = act.backward
-        if self.overlap and all(getattr(self.module[p], "concurrent_backward", False) for p in (act.phase, bwd.phase)):
+        if (self.overlap and all(getattr(self.module[p], "concurrent_backward", False) for p in (act.phase, bwd.phase))
+                and self._device().type != "meta"):  # a meta rehearsal has no compute to overlap: one thread
             self._forward_beside_backward(act)
             return
         t0 = time.perf_counter()

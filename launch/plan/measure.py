@@ -19,14 +19,15 @@ from torch import Tensor
 from dispatch import Traffic, make_topology
 from dispatch.multiproc import run_processes
 from launch.config import RunConfig
+from launch.flops import model_flops_per_token
+from launch.data import MicroBatch
 from launch.mesh import Mesh
-from launch.plan.params import attention_shape
 from launch.plan.planner import Machine, Plan
 from launch.plan.presets import GPU
 from launch.plan.profile import profile
-from launch.plan.timing import model_flops_per_token
 from launch.plan.traffic import moe_layer_traffic
-from launch.train import build_model, build_optimizer, forward_backward, my_micro_batches
+from launch.device import rank_device
+from launch.train import build_model, build_optimizer, forward_backward
 
 
 LOCAL_LINK_GBPS = 1.0  # gloo over loopback between local processes, the order of magnitude assumed
@@ -38,7 +39,7 @@ def cpu_machine(config: RunConfig, repeats: int = 15) -> Machine:
     (for MFU), loopback links, the config's simulated nodes."""
     measured = profile(config, repeats)
     cfg, train = config.model, config.train
-    flops = model_flops_per_token(cfg, attention_shape(cfg), train.seq_len) / 3  # a forward: a third of training's
+    flops = model_flops_per_token(cfg, train.seq_len) / 3  # a forward: a third of training's
     rate = train.micro_batch_size * train.seq_len / config.parallel.tp * flops / sum(s.f for s in measured.stages)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
     gpu = GPU("CPU", rate / 1e12, rate / 1e12, memory, LOCAL_LINK_GBPS, LOCAL_LINK_GBPS,
@@ -130,7 +131,7 @@ def measure_rank(rank: int, world: int, config: RunConfig, steps: int) -> RankMe
     as the simulator counts it against the makespan); the last one records the saved tensors, the others
     the idle fraction (the first, a warm-up, left out of the median when there are more)."""
     mesh = Mesh(config.layout)
-    stages, runtime = build_model(config, mesh)
+    stages, runtime = build_model(config, mesh, rank_device(config.train.device))
     optimizer = build_optimizer(stages, config, mesh)
     params = [p for stage in stages for p in stage.parameters()]
     named = [(n, p) for stage in stages for n, p in stage.named_parameters()]
@@ -150,7 +151,9 @@ def measure_rank(rank: int, world: int, config: RunConfig, steps: int) -> RankMe
             stage.reset_tallies()
         routes.clear()
         p2p.update(intra_node=0, inter_node=0)
-        micro = my_micro_batches(_random_batches(config, step), config, mesh)
+        share = config.train.grad_accum_steps // config.parallel.dp  # this DP rank's contiguous share
+        micro = [MicroBatch.of(inputs, labels) for inputs, labels
+                 in _random_batches(config, step)[mesh.dp_rank * share:(mesh.dp_rank + 1) * share]]
         last = step == steps - 1  # records the saved tensors (its hooks cost time: not timed for idle)
         dist.barrier()  # every rank starts the step together
         began = time.perf_counter()

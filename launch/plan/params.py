@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
+from launch.flops import AttentionShape, attention_shape
 from launch.plan.presets import MLA
 from moe.config import ModelConfig
 
@@ -37,33 +38,6 @@ class Params:
     def on_rank(self, tp: int, ep: int) -> tuple[float, float]:
         """(dense, expert) params one rank holds of this part under TP tp and EP ep."""
         return self.sharded / tp + self.replicated, self.expert / ep
-
-
-@dataclass(frozen=True)
-class AttentionShape:
-    """What the planner counts for one attention layer: weights and the per-head widths of the core."""
-
-    sharded: int
-    replicated: int
-    norms: int  # RMSNorm scales inside attention (MLA's latent norms), replicated
-    heads: int
-    qk_head_dim: int
-    v_head_dim: int
-    kind: str
-
-
-def attention_shape(cfg: ModelConfig, mla: MLA | None = None) -> AttentionShape:
-    """GQA as moe.model.Attention builds it, or MLA (q/kv down-projections replicated over TP)."""
-    h, heads = cfg.hidden_size, cfg.num_heads
-    if mla is None:
-        head = h // heads
-        qkv = h * (heads + 2 * cfg.num_kv_heads) * head
-        return AttentionShape(qkv + h * h, 0, 0, heads, head, head, "gqa")
-    qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
-    down = h * mla.q_lora_rank + h * (mla.kv_lora_rank + mla.qk_rope_head_dim)
-    up = (mla.q_lora_rank * heads * qk + mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim)
-          + heads * mla.v_head_dim * h)
-    return AttentionShape(up, down, mla.q_lora_rank + mla.kv_lora_rank, heads, qk, mla.v_head_dim, "mla")
 
 
 def swiglu(hidden: int, ffn: int) -> int:

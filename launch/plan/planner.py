@@ -9,10 +9,11 @@ import torch
 
 from dispatch import Traffic
 from launch.config import RunConfig
+from launch.flops import head_flops, layer_flops, mixed_peak, model_flops_per_token
 from launch.plan.memory import ActivationModel, ModelStates, schedule_peaks, zero_model_states
 from launch.plan.params import ModelParams, count_params
 from launch.plan.presets import GPU, MLA, RECIPES, StateBytes
-from launch.plan.timing import Rates, StageCost, layer_flops, model_flops_per_token, simulate_step
+from launch.plan.timing import Rates, StageCost, simulate_step
 from launch.plan.traffic import EPStats, ep_stats, ring_bytes, total
 from launch.stages import stage_ranges
 from pipeline.schedules import Layout, Schedule, build, merge_weight_grads
@@ -106,10 +107,18 @@ class Plan:
         return self.tokens_per_step / self.step_seconds
 
     @property
+    def peak_flops(self) -> float:
+        """The peak FLOP/s per GPU MFU divides by: dense BF16, with the routed experts' share of the FLOPs at
+        the FP8 peak when they run in FP8 (launch.flops.mixed_peak, as the trainer's MFU)."""
+        gpu = self.machine.gpu
+        return mixed_peak(self.config.model, self.config.train.seq_len, gpu.bf16_tflops * 1e12,
+                          gpu.fp8_tflops * 1e12, self.params.attention)
+
+    @property
     def mfu(self) -> float:
-        """Model FLOPs per second over the cluster's dense BF16 peak."""
+        """Model FLOPs per second over the cluster's peak (peak_flops per GPU)."""
         world = self.config.parallel.world_size
-        return self.flops_per_token * self.tokens_per_second / (world * self.machine.gpu.bf16_tflops * 1e12)
+        return self.flops_per_token * self.tokens_per_second / (world * self.peak_flops)
 
     @property
     def peak_memory(self) -> float:
@@ -222,7 +231,7 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
         makespan, idles = chunks * costs[0].serial, [0.0]
     return Plan(config, machine, options, params, layers, ranks, ep, costs, p2p_seconds, makespan,
                 sum(idles) / len(idles), sync,
-                train.grad_accum_steps * tokens, model_flops_per_token(cfg, params.attention, train.seq_len),
+                train.grad_accum_steps * tokens, model_flops_per_token(cfg, train.seq_len, params.attention),
                 train.grad_accum_steps // par.dp // chunks, list(idles))
 
 
@@ -265,8 +274,8 @@ def _stage_cost(config: RunConfig, params: ModelParams, layers: range, has_head:
     """Compute and communication seconds of one chunk through one stage."""
     cfg, par, train = config.model, config.parallel, config.train
     tokens = train.micro_batch_size * train.seq_len
-    flops = [layer_flops(cfg, i, params.attention, train.seq_len) for i in layers]
-    dense = sum(f.dense + f.core for f in flops) + (2 * cfg.vocab_size * cfg.hidden_size if has_head else 0)
+    flops = [layer_flops(cfg, i, train.seq_len, params.attention) for i in layers]
+    dense = sum(f.dense + f.core for f in flops) + (head_flops(cfg) if has_head else 0)
     expert = sum(f.expert for f in flops)
     f = tokens / par.tp * (dense / rates.dense_flops + expert / rates.expert_flops)
     core = tokens / par.tp * sum(x.core for x in flops) / rates.dense_flops

@@ -12,8 +12,8 @@ class GPU:
     """One accelerator and its links: dense peaks, memory and per-GPU one-direction bandwidths."""
 
     name: str
-    bf16_tflops: float      # dense BF16 peak (the MFU denominator)
-    fp8_tflops: float       # dense FP8 peak (FP8 expert GEMMs run against it)
+    bf16_tflops: float      # dense BF16 peak (the MFU denominator; with fp8_tflops mixed in for FP8 experts)
+    fp8_tflops: float       # dense FP8 peak (FP8 expert GEMMs run against it; launch.flops.mixed_peak)
     memory_gb: float        # HBM capacity, 1e9 bytes
     intra_node_gbps: float  # NVLink, GB/s per GPU per direction
     inter_node_gbps: float  # InfiniBand/RoCE NIC per GPU, GB/s per direction

@@ -28,6 +28,7 @@ from launch.config import RunConfig
 from launch.mesh import Mesh
 from launch.plan.timing import StageCost
 from launch.stages import Stage, lm_loss
+from launch.device import rank_device
 from launch.train import build_model, stage_ids
 from pipeline.wgrad import WeightGradStore
 
@@ -123,7 +124,8 @@ def profile_rank(rank: int, world: int, config: RunConfig, repeats: int) -> tupl
     factor (1 when the runtime runs no pair's halves at once). The pipeline ranks take turns, each with its
     DP/TP/EP replicas in lockstep while the others wait, so no figure depends on what another stage costs."""
     mesh = Mesh(config.layout)
-    stages, runtime = build_model(config, mesh)  # the runtime installs the B/W split on the stages
+    # the runtime installs the B/W split on the stages
+    stages, runtime = build_model(config, mesh, rank_device(config.train.device))
     ids = stage_ids(config, mesh.pp_rank)
     chunks = _Chunks(config, WeightGradStore())
     samples: dict[int, list[tuple[float, float, float]]] = {i: [] for i in ids}

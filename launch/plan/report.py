@@ -87,7 +87,8 @@ def to_dict(plan: Plan) -> dict:
                  "dp_sync_s": plan.dp_sync_seconds, "step_s": plan.step_seconds,
                  "tokens_per_step": plan.tokens_per_step, "tokens_per_s": plan.tokens_per_second,
                  "tokens_per_s_per_gpu": plan.tokens_per_second / par.world_size,
-                 "model_flops_per_token": plan.flops_per_token, "mfu": plan.mfu},
+                 "model_flops_per_token": plan.flops_per_token, "peak_flops_per_gpu": plan.peak_flops,
+                 "mfu": plan.mfu},
         "peak_memory_bytes": plan.peak_memory, "fits": plan.fits,
     }
 
@@ -148,5 +149,7 @@ def render(plan: Plan) -> str:
               f"{ms(plan.p2p_seconds)} ms) x {plan.pipeline_steps} + DP grad sync {ms(plan.dp_sync_seconds)} ms "
               f"= step {ms(plan.step_seconds)} ms",
               f"tokens/s {plan.tokens_per_second:,.0f} ({plan.tokens_per_second / par.world_size:,.0f} per GPU), "
-              f"model FLOPs/token {si(plan.flops_per_token)}, MFU {plan.mfu:.1%} of bf16 peak"]
+              f"model FLOPs/token {si(plan.flops_per_token)} (causal attention), MFU {plan.mfu:.1%} of "
+              f"{plan.peak_flops / 1e12:,.0f} TFLOPS per GPU (bf16"
+              f"{', routed experts at fp8' if plan.config.model.expert_precision == 'fp8' else ''})"]
     return "\n".join(parts)

@@ -1,13 +1,11 @@
-"""Time of a step: per-stage chunk costs from FLOPs and link bandwidths, the pipeline simulator for the
-bubble, DP gradient sync after it; tokens/s and MFU."""
+"""Time of a step: per-stage chunk costs from FLOPs (launch.flops) and link bandwidths, the pipeline simulator
+for the bubble, DP gradient sync after it."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from launch.plan.params import AttentionShape, layer_params
-from moe.config import ModelConfig
 from pipeline.schedules import Action, Op, Schedule
 from pipeline.simulator import Costs, SimResult, simulate, simulate_shared
 
@@ -25,41 +23,6 @@ class Rates:
     def link_seconds(self, intra_bytes: float, inter_bytes: float) -> float:
         """Time to move bytes over both link classes at once (they run side by side)."""
         return max(intra_bytes / self.intra_bps, inter_bytes / self.inter_bps)
-
-
-@dataclass(frozen=True)
-class LayerFlops:
-    """Forward FLOPs per token of one layer: dense matmuls, attention core, routed experts."""
-
-    dense: float
-    core: float
-    expert: float
-
-    @property
-    def total(self) -> float:
-        """All forward FLOPs per token."""
-        return self.dense + self.core + self.expert
-
-
-def layer_flops(cfg: ModelConfig, index: int, attention: AttentionShape, seq_len: int) -> LayerFlops:
-    """2 FLOPs per activated weight and token, plus causal attention over (seq_len + 1) / 2 keys on average."""
-    routed = cfg.top_k * 3 * cfg.hidden_size * cfg.expert_ffn_size if index >= cfg.first_k_dense else 0
-    core = 2 * attention.heads * (attention.qk_head_dim + attention.v_head_dim) * (seq_len + 1) / 2
-    return LayerFlops(2 * (matmul_params(cfg, index, attention) - routed), core, 2 * routed)
-
-
-def matmul_params(cfg: ModelConfig, index: int, attention: AttentionShape) -> int:
-    """Activated weights of layer index that multiply activations in matmuls (its RMSNorm scales left out)."""
-    return layer_params(cfg, index, attention).activated - 2 * cfg.hidden_size - attention.norms
-
-
-def model_flops_per_token(cfg: ModelConfig, attention: AttentionShape, seq_len: int) -> float:
-    """Training FLOPs per token, the MFU numerator: 6 x activated weights plus attention over all
-    seq_len keys (PaLM's convention, as launch.metrics counts it for GQA; MLA with its head widths)."""
-    weights = sum(matmul_params(cfg, i, attention) for i in range(cfg.num_layers))
-    weights += cfg.vocab_size * cfg.hidden_size
-    widths = attention.heads * (attention.qk_head_dim + attention.v_head_dim)
-    return 6.0 * weights + 6.0 * cfg.num_layers * widths * seq_len
 
 
 @dataclass(frozen=True)

@@ -99,7 +99,8 @@ def test_model_flops_per_token_counts_the_models_active_weights():
         share = cfg.top_k / cfg.num_experts if ".experts." in name else 1.0
         active += param.numel() * share
     seq_len = 16
-    attention = 2 * 2 * cfg.hidden_size * seq_len * cfg.num_layers  # QK^T and AV, multiply-adds
+    # causal QK^T and AV (launch.flops): 2 matmuls x 2 FLOPs per multiply-add x hidden x seq_len / 2 keys
+    attention = 2 * 2 * cfg.hidden_size * (seq_len / 2) * cfg.num_layers
     assert model_flops_per_token(cfg, seq_len) == pytest.approx(3 * (2 * active + attention))
 
 

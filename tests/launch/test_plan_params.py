@@ -12,7 +12,6 @@ from launch.plan.params import count_params
 from launch.plan.planner import Machine, make_plan
 from launch.plan.presets import GPUS
 from launch.plan.presets import MLA_PRESETS
-from launch.plan.timing import model_flops_per_token
 from launch.metrics import model_flops_per_token as dashboard_flops_per_token
 from moe.layer import MoELayer
 from launch.stages import build_stages
@@ -61,9 +60,9 @@ def test_deepseek_v3_counted_as_gqa_overcounts_attention():
 
 
 def test_flops_per_token_match_the_dashboard_for_gqa():
-    cfg = load_config(CONFIGS / "tiny.toml").model
-    attention = count_params(cfg).attention
-    assert model_flops_per_token(cfg, attention, 128) == pytest.approx(dashboard_flops_per_token(cfg, 128))
+    config = load_config(CONFIGS / "tiny.toml")
+    plan = make_plan(config, Machine(GPUS["h100"], 8), timed=False)
+    assert plan.flops_per_token == dashboard_flops_per_token(config.model, config.train.seq_len)
 
 
 @pytest.mark.parametrize("pp, schedule", [(2, "1f1b"), (3, "1f1b"), (2, "dualpipev"), (4, "dualpipe")])
@@ -75,7 +74,7 @@ def test_each_rank_holds_the_params_of_the_stages_the_trainer_builds(pp, schedul
         model = MoETransformer(config.model)
     num_stages = config.parallel.num_stages
     for rank in plan.ranks:
-        stages = build_stages(model, config.train.seq_len, num_stages, rank.stages, 1.0)
+        stages = build_stages(model, config.train.seq_len, num_stages, rank.stages)
         named = [(n, p) for stage in stages for n, p in stage.named_parameters()]
         assert rank.expert_params == sum(p.numel() for n, p in named if ".experts." in n)
         assert rank.dense_params == sum(p.numel() for n, p in named if ".experts." not in n)

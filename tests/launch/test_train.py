@@ -1,9 +1,11 @@
 """The training loop learns, logs the promised metrics, and resumes exactly from an atomic checkpoint."""
 
+import numpy as np
 import pytest
+import torch
 
 from launch.config import build_config
-from launch.data import ByteTokenizer, PackedBatches, corpus_files, load_token_stream
+from launch.data import ByteTokenizer, DataFeed, corpus_files, token_file
 from launch.metrics import read_jsonl
 from launch.train import train
 
@@ -56,12 +58,15 @@ def test_packing_and_tokenizer_roundtrip(tmp_path):
     (corpus / "a.txt").write_text("héllo wörld\n" * 50)
     (corpus / "b.md").write_text("second document\n" * 50)
     tokenizer = ByteTokenizer()
-    stream = load_token_stream(str(corpus), 10_000, tokenizer)
+    path, _ = token_file(str(corpus), 10_000, tmp_path / "run" / "data", tokenizer)
     assert [p.name for p in corpus_files(str(corpus))] == ["a.txt", "b.md"]
-    assert tokenizer.decode(stream.tolist()) == "héllo wörld\n" * 50 + "second document\n" * 50
-    inputs, labels = PackedBatches(stream, 16, 4, seed=0).next_batch()
-    assert inputs.shape == labels.shape == (4, 16)
-    assert (inputs[:, 1:] == labels[:, :-1]).all()
+    tokens = np.fromfile(path, dtype=np.uint16).tolist()
+    assert tokenizer.decode(tokens) == "héllo wörld\n" * 50 + "second document\n" * 50
+    cfg = build_config({"train": {"micro_batch_size": 4, "seq_len": 16, "run_dir": str(tmp_path / "run")},
+                        "data": {"corpus": str(corpus), "max_bytes": 10_000}})
+    batch = DataFeed(cfg, 0, torch.device("cpu")).next_step()[0]
+    assert batch.inputs.shape == batch.labels.shape == (4, 16)
+    assert (batch.inputs[:, 1:] == batch.labels[:, :-1]).all()
 
 
 def test_empty_corpus_folder_is_a_clear_error(tmp_path):

@@ -8,8 +8,8 @@ import torch
 from dispatch.multiproc import run_processes
 from kernels.backend import BACKEND_ENV
 from tests.pipeline.models import calc_diff
-from tests.pipeline.workers import (bad_inputs, bw_split, ep_overlap, mixed_messages, p2p_both_ways, p2p_messages,
-                                    sent_messages)
+from tests.pipeline.workers import (bad_inputs, bw_split, ep_overlap, mixed_messages, p2p_both_ways, p2p_fixed,
+                                    p2p_messages, sent_messages)
 
 
 @pytest.mark.timeout(200)
@@ -84,6 +84,19 @@ def test_p2p_negotiates_shapes_dtypes_and_counts_per_message() -> None:
         for (t, flag), w in zip(got, want):
             assert t.dtype == w.dtype and t.shape == w.shape and torch.equal(t, w.detach())
             assert flag == w.requires_grad
+
+
+@pytest.mark.timeout(120)
+def test_p2p_with_a_fixed_layout_sends_payloads_only_intact_and_refuses_other_shapes() -> None:
+    results = run_processes(p2p_fixed, 2, timeout_s=60)
+    for rank, res in enumerate(results):
+        g = torch.Generator().manual_seed(1 - rank)  # the peer's messages, drawn again here
+        for got in res["got"]:
+            want = [torch.randn(2, 3, 4, generator=g), torch.randint(-9, 9, (5,), generator=g, dtype=torch.int8)]
+            assert [(t.dtype, t.shape) for t, _ in got] == [(w.dtype, w.shape) for w in want]
+            assert all(torch.equal(t, w) and flag for (t, flag), w in zip(got, want))
+        assert res["sizes"] == [2 * 3 * 4 * 4 + 5]  # the posted buffer holds the payload alone: no header
+        assert "differ from the fixed message" in res["error"] and "(2, 3, 5)" in res["error"]
 
 
 @pytest.mark.timeout(120)

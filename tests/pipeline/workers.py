@@ -199,3 +199,25 @@ def mixed_messages(rank: int, count: int) -> list[list[torch.Tensor]]:
         msg.append(torch.tensor(float(i), dtype=torch.float64))
         out.append(msg)
     return out
+
+
+def p2p_fixed(rank: int, world: int, count: int = 12) -> dict:
+    """Both ranks use a channel told its messages' layout (an fp32 [2, 3, 4] and an int8 [5]): each posts
+    its receives, sends `count` messages both ways, and returns what arrived, the posted buffers' sizes and
+    the error a message of another shape raises."""
+    from pipeline.p2p import Channel, TensorMeta
+    ch = Channel(dist.group.WORLD, torch.device("cpu"))
+    ch.fixed = [TensorMeta(torch.float32, True, (2, 3, 4)), TensorMeta(torch.int8, True, (5,))]
+    peer, g = 1 - rank, torch.Generator().manual_seed(rank)
+    tickets = [ch.post_recv(peer, stream=0) for _ in range(count)]
+    sizes = [tickets[0].buf.numel()]
+    for _ in range(count):
+        ch.send([torch.randn(2, 3, 4, generator=g), torch.randint(-9, 9, (5,), generator=g, dtype=torch.int8)], peer, 0)
+    got = [[(t.clone(), flag) for t, flag in ch.finish_recv(tk, peer, 0)] for tk in tickets]
+    ch.wait_sends()
+    try:
+        ch.send([torch.zeros(2, 3, 5), torch.zeros(5, dtype=torch.int8)], peer, 0)
+        error = ""
+    except ValueError as e:
+        error = str(e)
+    return {"got": got, "sizes": sizes, "error": error}

@@ -1,0 +1,136 @@
+"""The rehearsal routing rule: the host-side counts a dispatch would have read from the device, for meta tensors.
+
+A rehearsal runs one rank of a full layout with every tensor on `meta` and the `fake` process group:
+tensors have shapes but no values and collectives move no data, so nothing can count the routing
+(bincount, nonzero, `.tolist()` of counts or offsets, the counts an all-to-all brings back). Every
+site that needs such counts asks this module instead, under one branch on `tensor.is_meta`, and the
+counts follow ONE rule: the balanced routing that moe-plan (launch/plan/) assumes when it sizes a
+layout's memory (T*k expert slot rows per rank); its traffic model differs, see the end.
+
+The rule. Every source rank routes alike: T tokens (its x.shape[0]), k slots each, E experts over
+an EP group of R ranks (L = E/R consecutive experts per rank, N nodes of G = R/N ranks).
+
+1. Each expert receives c_e = floor(T*k/E) slots from each source rank, plus one more for the
+   lowest (T*k mod E) expert ids. With a capacity C (the router's, per source rank), expert e keeps
+   min(C, c_e) of them (the rest are dropped); dropless keeps all. Call the kept count c'_e.
+2. A token's k slots land on min(k, R) distinct EP ranks, so a source sends rank r
+   rows_r = min(T, S_r) token rows, S_r = sum of c'_e over r's experts (one row per slot when k <= R).
+3. Those ranks lie on as many distinct nodes as they can (one rank per node until every node has
+   one), so a source sends node n node_rows_n = min(T, sum of rows_r over n's ranks) token rows.
+4. Flat dispatch: one hop, rank s sends rows_r rows to every rank r. Hierarchical dispatch: the
+   inter-node hop sends node_rows_n rows to the rank with s's local index on node n (the copy for
+   s's own node is a self-send); the intra-node hop then sends N * rows_r rows to each rank r of
+   s's node (the rows N rail peers relayed here for r). Either way rank r receives R * rows_r token
+   rows, R * sum(c'_e) slot rows after expansion, R * c'_e of them for each local expert e.
+5. Because every rank routes alike, what each peer of a hop sends here equals what this rank
+   sends itself in that hop (received_counts).
+6. Wherever rows sorted by group are split over G groups without the counts at hand (grouped GEMM
+   offsets, the FP8 weight grad's columns), M rows split as balanced_split(M, G): the
+   same floor-plus-remainder-to-the-lowest-ids split as rule 1 (kernels.grouped_ref holds it, since
+   kernels may not import dispatch). A summation plan has one run per non-empty group (a token
+   appears once per destination and once per expert); a meta ordered sum allocates its buffers and
+   adds nothing (dispatch.segment).
+
+The router marks its meta indices with the capacity it applied (mark_capacity); a dispatcher reads
+it back (capacity_of). Unmarked indices count as dropless.
+
+Against moe-plan: its memory model holds T*k expert slot rows per rank, as here. Its traffic model
+samples a node-limited routing instead (DeepSeek-V3: topk_groups = 4 of 8 node-sized groups), where a
+token's experts can share ranks and reach at most 4 nodes; rule 3 spreads them over all nodes, an
+upper bound on the hierarchical inter-node hop (V3, T = 4096: 7 remote node copies per token here,
+3.47 there; token rows received per rank 32768 here, about 30660 there, from 7.48 ranks per token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+
+from torch import Tensor
+
+from dispatch.topology import Topology
+from kernels.grouped_ref import balanced_split
+
+__all__ = ["DispatchPlan", "balanced_split", "capacity_of", "expert_slots", "mark_capacity",
+           "node_rows", "plan_dispatch", "rank_rows", "received_counts", "segment_bounds"]
+
+_CAPACITY_ATTR = "_rehearsal_capacity"
+
+
+def expert_slots(tokens: int, top_k: int, num_experts: int, capacity: int | None = None) -> list[int]:
+    """Rule 1: slots each expert keeps from one source rank of `tokens` tokens."""
+    slots = balanced_split(tokens * top_k, num_experts)
+    return slots if capacity is None else [min(capacity, n) for n in slots]
+
+
+def rank_rows(tokens: int, top_k: int, num_experts: int, ep: int, capacity: int | None = None) -> list[int]:
+    """Rule 2: token rows one source rank sends each of the ep ranks (experts in blocks of E/ep)."""
+    slots, per_rank = expert_slots(tokens, top_k, num_experts, capacity), num_experts // ep
+    return [min(tokens, sum(slots[r * per_rank:(r + 1) * per_rank])) for r in range(ep)]
+
+
+def node_rows(rows: list[int], topology: Topology, tokens: int) -> list[int]:
+    """Rule 3: token rows one source rank sends each node, from its rows per rank."""
+    gpn = topology.gpus_per_node
+    return [min(tokens, sum(rows[n * gpn:(n + 1) * gpn])) for n in range(topology.num_nodes)]
+
+
+@dataclass
+class DispatchPlan:
+    """One rank's dispatch under the rule: per hop the rows sent to (and received from) each group rank,
+    and the slot rows that arrive for each local expert."""
+
+    sends: list[list[int]]
+    recvs: list[list[int]]
+    expert_rows: list[int]
+
+    @property
+    def received_rows(self) -> int:
+        """Token rows that arrive here (before expansion to one row per local expert)."""
+        return sum(self.recvs[-1])
+
+
+def plan_dispatch(tokens: int, top_k: int, num_experts: int, topology: Topology, rank: int, backend: str,
+                  capacity: int | None = None) -> DispatchPlan:
+    """Rule 4: the hops of a flat or hierarchical dispatch by `rank` of the group topology describes."""
+    world, gpn, nodes = topology.world_size, topology.gpus_per_node, topology.num_nodes
+    rows = rank_rows(tokens, top_k, num_experts, world, capacity)
+    if backend == "flat":
+        hops = [(rows, list(range(world)))]
+    elif backend == "hierarchical":
+        node, local = topology.node_of(rank), topology.local_rank(rank)
+        across = [0] * world
+        for n, count in enumerate(node_rows(rows, topology, tokens)):
+            across[topology.rank_at(n, local)] = count
+        inside = [nodes * rows[r] if topology.node_of(r) == node else 0 for r in range(world)]
+        hops = [(across, [topology.rank_at(n, local) for n in range(nodes)]),
+                (inside, list(range(node * gpn, (node + 1) * gpn)))]
+    else:
+        raise ValueError(f"backend = {backend!r} is not allowed; choose one of 'flat', 'hierarchical'")
+    per_rank = num_experts // world
+    slots = expert_slots(tokens, top_k, num_experts, capacity)[rank * per_rank:(rank + 1) * per_rank]
+    return DispatchPlan([sends for sends, _ in hops], [received_counts(sends, peers, rank) for sends, peers in hops],
+                        [world * n for n in slots])
+
+
+def received_counts(send_splits: list[int], peers: list[int], rank: int) -> list[int]:
+    """Rule 5: rows each group rank sends here in a hop where this rank sends send_splits (peers only)."""
+    members = set(peers)
+    return [send_splits[rank] if p in members else 0 for p in range(len(send_splits))]
+
+
+def segment_bounds(group_sizes: list[int]) -> list[int]:
+    """Rule 6: run bounds of a summation plan over groups of these sizes (a run per non-empty group)."""
+    return sorted({0, *accumulate(group_sizes)})
+
+
+def mark_capacity(indices: Tensor, capacity: int | None) -> Tensor:
+    """Record on meta indices the per-expert capacity the router applied (None: dropless); returns indices."""
+    if indices.is_meta:
+        setattr(indices, _CAPACITY_ATTR, capacity)
+    return indices
+
+
+def capacity_of(indices: Tensor) -> int | None:
+    """The capacity mark_capacity recorded on indices (None when unmarked: dropless)."""
+    return getattr(indices, _CAPACITY_ATTR, None)

@@ -1,0 +1,134 @@
+"""The model's FLOP count, the one source of it: per layer forward FLOPs per token (which price the pipeline
+stages in launch.stages and the step time in launch.plan), training FLOPs per token (the MFU numerator of the
+trainer's metrics and of moe-plan) and the peak FLOP/s MFU divides by when the experts run in FP8.
+
+Convention (stated once, here):
+
+- A matmul's multiply-add counts 2 FLOPs; norms, softmax, RoPE, activations, the router's top-k and the
+  embedding lookup count nothing. Every weight matrix a token passes through counts: attention projections
+  (GQA as moe.model builds it, or an MLA shape for moe-plan), the dense FFN or the shared experts, the
+  router's gate and top_k routed experts; the LM head once, on the last stage.
+- Attention is causal: query i attends keys 0..i, so QK^T and AV use on average seq_len / 2 keys per query,
+  half the work of full attention: forward 2 x heads x (qk_head_dim + v_head_dim) x seq_len / 2 per token and
+  layer (2 x seq_len x hidden for this project's GQA). This is Megatron-LM's `num_floating_point_operations`
+  ("causal mask (only half of the mask is non-zero)", seq_length / 2 for QK^T and for (QK^T)V, MLA with its
+  qk (nope + rope) and v head widths). PaLM (appendix B: 6N + 12 L H Q T) and torchtitan
+  (`get_num_flop_per_token`: 6N + 12 l h q t, "we follow the convention and do not account for sparsity in
+  causal attention") count full attention instead, twice our attention-core term. We follow Megatron because
+  the count is also the stage cost the pipeline split and moe-plan's step time use, where only work a causal
+  kernel does belongs (flash attention skips the masked blocks), and because counting the masked half would
+  flatter MFU by an amount growing with seq_len (DeepSeek-V3 with MLA at 4096 tokens: 12% more FLOPs per
+  token, 4.5% with the config's GQA stand-in). seq_len / 2 rather than the exact (seq_len + 1) / 2 keys:
+  Megatron's figure, 1 / seq_len apart. causal=False gives the full-attention count, to compare with an MFU
+  taken by PaLM's or torchtitan's convention (scale ours by full / causal); nothing here uses it otherwise.
+- Training = 3 x forward: the backward computes input and weight gradients of every matmul (attention core:
+  dQ, dK, dV and dP against QK^T and AV). Model FLOPs, not hardware FLOPs: recomputation (moe-plan's
+  recompute modes, flash attention's backward) is not counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from moe.config import ModelConfig
+
+if TYPE_CHECKING:
+    from launch.plan.presets import MLA
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What one attention layer counts: its weights and the per-head widths of its core."""
+
+    sharded: int     # weights split over TP (GQA's q/k/v/out; MLA's up-projections and out)
+    replicated: int  # weights each TP rank holds whole (MLA's q and kv down-projections)
+    norms: int       # RMSNorm scales inside attention (MLA's latent norms), replicated; no matmul
+    heads: int
+    qk_head_dim: int
+    v_head_dim: int
+    kind: str
+
+
+def attention_shape(cfg: ModelConfig, mla: MLA | None = None) -> AttentionShape:
+    """GQA as moe.model.Attention builds it, or MLA (q/kv down-projections replicated over TP)."""
+    h, heads = cfg.hidden_size, cfg.num_heads
+    if mla is None:
+        head = h // heads
+        qkv = h * (heads + 2 * cfg.num_kv_heads) * head
+        return AttentionShape(qkv + h * h, 0, 0, heads, head, head, "gqa")
+    qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    down = h * mla.q_lora_rank + h * (mla.kv_lora_rank + mla.qk_rope_head_dim)
+    up = (mla.q_lora_rank * heads * qk + mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+          + heads * mla.v_head_dim * h)
+    return AttentionShape(up, down, mla.q_lora_rank + mla.kv_lora_rank, heads, qk, mla.v_head_dim, "mla")
+
+
+@dataclass(frozen=True)
+class LayerFlops:
+    """Forward FLOPs per token of one layer: dense matmuls (attention projections, dense FFN or shared
+    experts, router), attention core (QK^T and AV, causal) and routed experts (top_k of them)."""
+
+    dense: float
+    core: float
+    expert: float
+
+    @property
+    def total(self) -> float:
+        """All forward FLOPs per token."""
+        return self.dense + self.core + self.expert
+
+
+def layer_flops(cfg: ModelConfig, index: int, seq_len: int, attention: AttentionShape | None = None,
+                causal: bool = True) -> LayerFlops:
+    """Forward FLOPs per token of transformer block `index` (dense before first_k_dense, MoE after) over
+    sequences of seq_len tokens; attention: the config's GQA unless given (an MLA shape); causal=False counts
+    full attention (PaLM's and torchtitan's convention, for comparison only). The module docstring says what
+    is counted and why."""
+    attention = attention or attention_shape(cfg)
+    h = cfg.hidden_size
+    swiglu = 3 * h * (cfg.dense_ffn_size if index < cfg.first_k_dense else cfg.expert_ffn_size)
+    if index < cfg.first_k_dense:
+        ffn, routed = swiglu, 0
+    else:
+        ffn, routed = cfg.num_shared_experts * swiglu + h * cfg.num_experts, cfg.top_k * swiglu
+    keys = seq_len / 2 if causal else seq_len  # keys each query attends, on average
+    core = 2 * attention.heads * (attention.qk_head_dim + attention.v_head_dim) * keys
+    return LayerFlops(2.0 * (attention.sharded + attention.replicated + ffn), float(core), 2.0 * routed)
+
+
+def model_layer_flops(cfg: ModelConfig, seq_len: int, attention: AttentionShape | None = None,
+                      causal: bool = True) -> list[LayerFlops]:
+    """layer_flops of every layer, in order."""
+    return [layer_flops(cfg, i, seq_len, attention, causal) for i in range(cfg.num_layers)]
+
+
+def head_flops(cfg: ModelConfig) -> float:
+    """Forward FLOPs per token of the LM head (the final norm is free)."""
+    return 2.0 * cfg.vocab_size * cfg.hidden_size
+
+
+def flops_by_precision(cfg: ModelConfig, seq_len: int, attention: AttentionShape | None = None,
+                       causal: bool = True) -> tuple[float, float]:
+    """Training FLOPs per token as (BF16, FP8): the routed experts' GEMMs run in FP8 (forward, dgrad and
+    wgrad, kernels.fp8_grouped_linear) when cfg.expert_precision is "fp8"; everything else is BF16 math."""
+    total = model_flops_per_token(cfg, seq_len, attention, causal)
+    if cfg.expert_precision != "fp8":
+        return total, 0.0
+    fp8 = 3.0 * sum(f.expert for f in model_layer_flops(cfg, seq_len, attention, causal))
+    return total - fp8, fp8
+
+
+def model_flops_per_token(cfg: ModelConfig, seq_len: int, attention: AttentionShape | None = None,
+                          causal: bool = True) -> float:
+    """Training FLOPs per token, the MFU numerator: 3 x (the layers' forward FLOPs + the LM head's)."""
+    return 3.0 * (sum(f.total for f in model_layer_flops(cfg, seq_len, attention, causal)) + head_flops(cfg))
+
+
+def mixed_peak(cfg: ModelConfig, seq_len: int, bf16_peak: float, fp8_peak: float,
+               attention: AttentionShape | None = None) -> float:
+    """The peak FLOP/s per GPU MFU divides by: the rate at which a GPU running every GEMM at its precision's
+    peak would do a token's training FLOPs, F / (F_bf16 / bf16_peak + F_fp8 / fp8_peak) (a time-weighted,
+    harmonic mean of the two peaks). BF16 experts: bf16_peak itself."""
+    bf16, fp8 = flops_by_precision(cfg, seq_len, attention)
+    return (bf16 + fp8) / (bf16 / bf16_peak + (fp8 / fp8_peak if fp8 else 0.0))

@@ -1,0 +1,74 @@
+"""moe-train --rehearse: one rank of a whole layout runs a training step on the meta device under the fake
+process group; any tensor made off the trainer's device fails it, naming the op and the line."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import launch.train
+from launch.config import build_config, load_config
+from launch.rehearse import DeviceError, rehearse
+from launch.train_cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "configs" / "tiny.toml"
+
+# DeepSeek-V3's shape shrunk to a few seconds: 4 layers (1 dense), 64 routed experts top-8 in 8 groups (4 kept),
+# FP8 experts and FP8 dispatch, hierarchical EP64 over 8 nodes of 8, DualPipe over pp 2, 256 ranks in all
+V3_SHAPED = {
+    "model": {"vocab_size": 512, "hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 4,
+              "max_seq_len": 256, "first_k_dense": 1, "dense_ffn_size": 512, "num_experts": 64,
+              "num_shared_experts": 1, "expert_ffn_size": 128, "top_k": 8, "score_func": "sigmoid",
+              "num_groups": 8, "topk_groups": 4, "route_scale": 2.5, "seq_aux_loss_coeff": 0.0001,
+              "bias_update_rate": 0.001, "expert_precision": "fp8"},
+    "train": {"micro_batch_size": 1, "seq_len": 256, "grad_accum_steps": 512, "dtype": "bfloat16"},
+    "parallel": {"pp": 2, "dp": 128, "ep": 64, "gpus_per_node": 8, "schedule": "dualpipe",
+                 "dispatch_backend": "hierarchical", "dispatch_payload": "fp8"},
+}
+
+
+def _calls(result, kind: str) -> dict[int, int]:
+    """group size -> calls of one collective kind."""
+    return {group: calls for k, group, calls, _ in result.collectives.rows() if k == kind}
+
+
+def test_tiny_rehearsal_runs_the_step_of_the_largest_rank():
+    result = rehearse(load_config(TINY))
+    assert (result.rank, result.world_size) == (2, 4)  # moe-plan's busiest pipeline rank is pp 1 (ranks 2, 3)
+    assert result.peak["params"] == pytest.approx(result.planned["params"], rel=0.01)
+    assert result.peak["activations"] > 0 and result.peak["optimizer"] > 0
+    assert _calls(result, "alltoall_base_")[2] > 0   # EP dispatch over ep = 2
+    assert set(_calls(result, "send")) == {2}        # pipeline p2p between pp 2 ranks
+    assert 2 in _calls(result, "_reduce_scatter_base_")  # ZeRO-1 over dp = 2
+    assert 4 in _calls(result, "allreduce_")         # the step's one stats all-reduce over the world
+
+
+@pytest.mark.timeout(120)
+def test_v3_shaped_rehearsal_at_world_256_runs_on_meta():
+    result = rehearse(build_config(V3_SHAPED), rank=0)
+    assert result.world_size == 256
+    assert result.peak["params"] == pytest.approx(result.planned["params"], rel=0.01)
+    assert set(_calls(result, "alltoall_base_")) == {64}  # EP64 dispatch and combine
+    assert 256 in _calls(result, "allreduce_")
+
+
+def test_a_cpu_tensor_planted_in_the_step_fails_the_rehearsal_naming_it(monkeypatch):
+    real = launch.train.lm_loss
+
+    def planted(*args, **kwargs):
+        torch.ones(4)  # a tensor on the default device, as a careless line would make
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(launch.train, "lm_loss", planted)
+    with pytest.raises(DeviceError, match=r"aten\.ones\.default created a tensor of shape \[4\] on cpu.*"
+                                          r"test_rehearse\.py:\d+ \(torch\.ones\(4\)"):
+        rehearse(load_config(TINY, ["parallel.pp=1", "parallel.schedule='none'"]))
+
+
+def test_moe_train_rehearse_prints_memory_beside_the_plan_and_refuses_a_bad_rank(capsys):
+    assert main(["--config", str(TINY), "--rehearse", "--rank", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "rehearsal of rank 1 of 4" in out and "moe-plan" in out and "alltoall_base_" in out
+    assert main(["--config", str(TINY), "--rehearse", "--rank", "4"]) == 2
+    assert "--rank 4 is outside the layout's 4 ranks" in capsys.readouterr().err
