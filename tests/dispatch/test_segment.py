@@ -102,4 +102,6 @@ def test_permute_and_unpermute_gradients_equal_plain_autograd():
     (torch.zeros(40, 24, dtype=torch.float64).index_add(0, perm.row, pairs) * grad).sum().backward()
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-14, atol=0)
     torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-14, atol=0)
-    assert torch.autograd.gradcheck(lambda a, b: unpermute(permute(a, perm), perm, b, torch.float64), (x, w))
+    # fast mode: finite differences along random directions (the full Jacobian took ~2 min of CPU)
+    assert torch.autograd.gradcheck(lambda a, b: unpermute(permute(a, perm), perm, b, torch.float64), (x, w),
+                                    fast_mode=True)
