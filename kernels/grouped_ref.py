@@ -53,21 +53,9 @@ def fp8_grouped_gemm_dgrad_ref(dy: Tensor, dy_scale: Tensor, w: Tensor, w_scale:
 def fp8_grouped_gemm_wgrad_ref(a_t: Tensor, a_t_scale: Tensor, b_t: Tensor, b_t_scale: Tensor,
                                offs: Tensor) -> Tensor:
     """dw[g] = deq(a)[rows of g].T @ deq(b)[rows of g] in fp32 from two k-grouped operands -> [G, N, K]."""
-    if offs.is_meta:  # no row count on meta: the groups split the operands' padded columns evenly
-        return _wgrad_meta(a_t, a_t_scale, b_t, b_t_scale, offs)
     a = dequantize_kgrouped(a_t, a_t_scale, offs)
     b = dequantize_kgrouped(b_t, b_t_scale, offs)
     dw = a.new_zeros(offs.numel(), a.shape[1], b.shape[1])
     for g, (start, end) in enumerate(group_bounds(offs)):
         dw[g] = a[start:end].t() @ b[start:end]
-    return dw
-
-
-def _wgrad_meta(a_t: Tensor, a_t_scale: Tensor, b_t: Tensor, b_t_scale: Tensor, offs: Tensor) -> Tensor:
-    """fp8_grouped_gemm_wgrad_ref's shapes on meta tensors: each group reduces over its even share of
-    the k-grouped columns (the rehearsal rule, dispatch.rehearsal)."""
-    a, b = dequantize_activation(a_t, a_t_scale), dequantize_activation(b_t, b_t_scale)
-    dw = a.new_zeros(offs.numel(), a.shape[0], b.shape[0])
-    for g, (start, end) in enumerate(group_bounds(offs, a.shape[1])):
-        dw[g] = a[:, start:end] @ b[:, start:end].t()
     return dw

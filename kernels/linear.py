@@ -30,17 +30,18 @@ class FP8GroupedLinear(torch.autograd.Function):
         x = x.contiguous()
         w_q, w_scale = run("quantize_weight", backend, w)
         x_q, x_scale = run("quantize_activation", backend, x)
-        ctx.save_for_backward(x, w_q, w_scale, offs)
+        ctx.save_for_backward(x, w, offs)  # not w_q: an e4m3 copy per micro-batch in flight; backward requantises
         ctx.backend, ctx.w_dtype = backend, w.dtype
         return run("gemm", backend, x_q, x_scale, w_q, w_scale, offs, x.dtype)
 
     @staticmethod
     def backward(ctx, dy: Tensor):  # noqa: D102
-        x, w_q, w_scale, offs = ctx.saved_tensors
+        x, w, offs = ctx.saved_tensors
         backend, w_dtype = ctx.backend, ctx.w_dtype
         dy = dy.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
+            w_q, w_scale = run("quantize_weight", backend, w)
             dy_q, dy_scale = run("quantize_activation", backend, dy)
             dx = run("dgrad", backend, dy_q, dy_scale, w_q, w_scale, offs, x.dtype)
         if ctx.needs_input_grad[1]:  # inside a split backward's capture: computed by the W action

@@ -15,6 +15,7 @@ from torch import Tensor
 from kernels import checks
 from kernels.backend import use_triton
 from kernels.grouped_ref import fp8_grouped_gemm_dgrad_ref, fp8_grouped_gemm_ref, fp8_grouped_gemm_wgrad_ref
+from kernels.meta import META_KERNELS
 from kernels.quant_ref import quantize_activation_kgrouped_ref, quantize_activation_ref, quantize_weight_ref
 
 
@@ -31,6 +32,8 @@ KERNELS: dict[str, tuple[str, Callable]] = {
 def run(op: str, backend: str | None, *args):
     """Run KERNELS[op] on already validated args: Triton (imported lazily) or the reference, per use_triton()."""
     triton_name, reference = KERNELS[op]
+    if args[0].is_meta:  # a rehearsal: what the GPU kernel allocates, not the reference's intermediates
+        return META_KERNELS[op](*args)
     if use_triton(args[0], backend):
         module, name = triton_name.split(".")
         return getattr(importlib.import_module(f"kernels.{module}"), name)(*args)

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -53,6 +53,7 @@ class StepMemTracker(MemTracker):
         super().__init__()
         self.optimizer_buffers: dict[str, int] = {}
         self.final: dict[str, int] = {}
+        self.before_step: dict[str, int] = {}
 
     def _pre_fw_hook(self, module: torch.nn.Module, inputs: object) -> None:
         if not self.memory_tracking:  # the step's first forward: its peak starts here, not in the build's copies
@@ -68,25 +69,36 @@ class StepMemTracker(MemTracker):
             if self._peak_mem.get(dev, 0) < snap["Total"]:
                 self._peak_mem[dev], self._peak_mem_snap[dev] = snap["Total"], dict(snap)
 
+    def _peak_by_kind(self) -> dict[str, int]:
+        """The peak snapshot's bytes by MemTracker kind, summed over devices."""
+        return {kind: sum(snap.get(kind, 0) for snap in self.get_tracker_snapshot("peak").values())
+                for kind in ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "Other")}
+
     def __enter__(self) -> StepMemTracker:
+        def before_step(optimizer: torch.optim.Optimizer, *_: object) -> None:
+            if hasattr(optimizer, "buffer_bytes"):  # forward and backward are over: their peak is the step's
+                self.before_step = self._peak_by_kind()
+
         def after_step(optimizer: torch.optim.Optimizer, *_: object) -> None:
             if hasattr(optimizer, "buffer_bytes"):
                 self.optimizer_buffers = optimizer.buffer_bytes()
                 self.final = {kind: sum(snap.get(kind, 0) for snap in self._curr_mem_snap.values())
                               for kind in ("Optstate", "Activation", "Temp", "Other")}
-        self._step_hook = register_optimizer_step_post_hook(after_step)
+        self._step_hooks = (register_optimizer_step_pre_hook(before_step), register_optimizer_step_post_hook(after_step))
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
-        self._step_hook.remove()
+        for hook in self._step_hooks:
+            hook.remove()
         super().__exit__(*exc)
 
     def categories(self) -> dict[str, int]:
         """Bytes by category: model states as the step leaves them (params and buffers; grads with ZeRO-1's
-        fp32 sums and reduced shards; optimizer state with its separate fp32 masters), activations at the step's peak
-        (MemTracker's activation and temporary bytes there, less the ZeRO-1 buffers it counted among them)."""
-        peak = {kind: sum(snap.get(kind, 0) for snap in self.get_tracker_snapshot("peak").values())
-                for kind in ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "Other")}
+        fp32 sums and reduced shards; optimizer state with its separate fp32 masters), activations at the peak of
+        forward and backward (MemTracker's activation and temporary bytes there, less the ZeRO-1 buffers it counted
+        among them; the optimizer step's own temporaries, and the first step's lazily made AdamW state, which
+        MemTracker counts as activations while they are made, are not activations)."""
+        peak = self.before_step or self._peak_by_kind()
         extra = self.optimizer_buffers
         return {"params": peak["Parameter"] + peak["Buffer"],
                 "grads": peak["Gradient"] + extra.get("grad_sums", 0) + extra.get("grad_shards", 0),
@@ -182,7 +194,7 @@ def planned_memory(cfg: RunConfig) -> list[dict[str, float]]:
     machine = Machine(gpu_preset("h800"), cfg.parallel.gpus_per_node or cfg.parallel.world_size)
     plan = make_plan(cfg, machine, Options(), timed=False)
     return [{"params": r.states.params, "grads": r.states.grads, "optimizer": r.states.optimizer,
-             "activations": r.activations + r.transient} for r in plan.ranks]
+             "activations": r.activations + r.transient + r.workspace} for r in plan.ranks]
 
 
 def rehearsal_config(cfg: RunConfig, run_dir: Path) -> RunConfig:

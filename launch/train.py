@@ -361,7 +361,7 @@ def _loop(cfg: RunConfig, mesh: Mesh, stages: list[Stage], runtime: PipelineRunt
     step, saved = start, start
     while step < settings.steps:
         began = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=False)  # fp32 grads accumulate into ZeRO-1's flat buffer: no second copy
         micro = batches.next_step()
         lm_part, busy = forward_backward(stages, runtime, micro, cfg.chunks_per_step,
                                          guard.loss_scale(step, 1 / settings.grad_accum_steps))

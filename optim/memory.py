@@ -21,3 +21,10 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     params = [p for g in optimizer.param_groups for p in g["params"]]
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     return sum(t.numel() * t.element_size() for t in params + state)
+
+
+def held_optimizer_bytes(optimizer: ZeRO1) -> int:
+    """Bytes ZeRO-1 holds beyond the model's params: its state tensors plus fp32 masters kept apart from
+    the params (an fp32 param is its own master; its bytes are the model's)."""
+    state = optimizer.state_bytes()
+    return state["total"] - state["master"] + optimizer.buffer_bytes()["masters"]

@@ -28,6 +28,7 @@ from launch.plan.profile import profile
 from launch.plan.traffic import moe_layer_traffic
 from launch.device import rank_device
 from launch.train import build_model, build_optimizer, forward_backward
+from optim.memory import held_optimizer_bytes
 
 
 LOCAL_LINK_GBPS = 1.0  # gloo over loopback between local processes, the order of magnitude assumed
@@ -92,7 +93,7 @@ class RankMeasure:
     pp_rank: int
     dense_params: int
     expert_params: int
-    optimizer_bytes: int
+    optimizer_bytes: int                   # optim.memory.held_optimizer_bytes: state and masters kept apart
     activation_peak: int
     idle: float
     ep: dict[str, dict[str, int]]          # EPDispatcher counters summed over the rank's MoE layers, by kind
@@ -146,7 +147,7 @@ def measure_rank(rank: int, world: int, config: RunConfig, steps: int) -> RankMe
         _count_p2p(runtime, config.layout, p2p)
     idle, saved = [], SavedBytes(params)
     for step in range(steps):
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=False)
         for stage in stages:
             stage.reset_tallies()
         routes.clear()
@@ -171,7 +172,7 @@ def measure_rank(rank: int, world: int, config: RunConfig, steps: int) -> RankMe
             for kind, traffic in (meter.total.items() if meter else ()):
                 ep[kind] = ep.get(kind, Traffic()) + traffic
     return RankMeasure(rank, mesh.pp_rank, sum(p.numel() for p in params) - expert, expert,
-                       optimizer.state_bytes()["total"], saved.peak,
+                       held_optimizer_bytes(optimizer), saved.peak,
                        statistics.median(idle[1:] or idle) if idle else 0.0,
                        {k: v.as_dict() for k, v in ep.items()}, routes, dict(p2p))
 

@@ -164,6 +164,20 @@ class ActivationModel:
         return per_token * tokens
 
 
+def weight_grad_workspace(cfg: ModelConfig, layers: range, embedding: bool, head: bool, ep: int, tp: int,
+                          itemsize: int) -> float:
+    """The largest weight grad one op of these layers' backward holds before ZeRO-1 folds it into its fp32
+    sums: a grad in the training dtype (autograd's, before the post-accumulate hook moves it), or, for FP8
+    experts, the kernel's fp32 grad beside its cast. The embedding's and the LM head's (vocab split by TP)
+    are the largest on the end stages; an MoE layer's is its local experts' gate|up weight."""
+    h = cfg.hidden_size
+    fp8 = cfg.expert_precision == "fp8"
+    sizes = [2 * cfg.expert_ffn_size * h * (cfg.num_experts // ep) * (4 + itemsize if fp8 else itemsize)
+             if i >= cfg.first_k_dense else 2 * cfg.dense_ffn_size / tp * h * itemsize for i in layers]
+    sizes += [cfg.vocab_size / tp * h * itemsize] * (embedding + head)
+    return max(sizes, default=0.0)
+
+
 def schedule_peaks(schedule: Schedule, stage_bytes: Sequence[float],
                    pair_costs: Sequence[StageCost] | None = None) -> list[float]:
     """Per rank, the most activation bytes held at once: each forward adds its stage's chunk bytes

@@ -10,7 +10,7 @@ import torch
 from dispatch import Traffic
 from launch.config import RunConfig
 from launch.flops import head_flops, layer_flops, mixed_peak, model_flops_per_token
-from launch.plan.memory import ActivationModel, ModelStates, schedule_peaks, zero_model_states
+from launch.plan.memory import ActivationModel, ModelStates, schedule_peaks, weight_grad_workspace, zero_model_states
 from launch.plan.params import ModelParams, count_params
 from launch.plan.presets import GPU, MLA, RECIPES, StateBytes
 from launch.plan.timing import Rates, StageCost, simulate_step
@@ -67,12 +67,14 @@ class RankPlan:
     states: ModelStates
     activations: float
     transient: float
+    workspace: float = 0.0  # launch.plan.memory.weight_grad_workspace of the rank's stages
     bytes: dict[str, Traffic] = field(default_factory=dict)
 
     @property
     def peak(self) -> float:
-        """Model states plus the schedule's peak activations (and a recomputed layer's)."""
-        return self.states.total + self.activations + self.transient
+        """Model states plus the schedule's peak activations (and a recomputed layer's, and the largest
+        weight grad in flight)."""
+        return self.states.total + self.activations + self.transient + self.workspace
 
 
 @dataclass
@@ -211,7 +213,9 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
         dense_group, expert_group, dense_inter, expert_inter = _groups(config, gpn, rank)
         states = zero_model_states(dense, dense_group, 1, recipe) + zero_model_states(expert, expert_group, 1, recipe)
         transient = max(acts.transient_layer(i >= cfg.first_k_dense) for s in held for i in layers[s]) * tokens
-        plan = RankPlan(rank, held, dense, expert, states, peaks[rank], transient)
+        workspace = max(weight_grad_workspace(cfg, layers[s], s == 0, s == num_stages - 1, par.ep, par.tp, itemsize)
+                        for s in held)
+        plan = RankPlan(rank, held, dense, expert, states, peaks[rank], transient, workspace)
         grad_sync = [(dense, dense_group, dense_inter), (expert, expert_group, expert_inter)]
         ranks.append(plan)
         if timed:

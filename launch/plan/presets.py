@@ -82,8 +82,8 @@ RECIPES: dict[str, StateBytes] = {
                              "fp32 master + Adam moments (K = 12)"),
     "project-bf16": StateBytes("project-bf16", 2, 4, 12, "this project's ZeRO1 on bf16 weights: grads summed "
                                "in a full fp32 flat buffer, fp32 master + AdamW moments sharded", reduced_grad=4),
-    "project-fp32": StateBytes("project-fp32", 4, 4, 12, "this project's ZeRO1 on fp32 weights (CPU runs): the "
-                               "weights are their own masters, ZeRO1.state_bytes counts 4+4+4 per sharded param",
+    "project-fp32": StateBytes("project-fp32", 4, 4, 8, "this project's ZeRO1 on fp32 weights (CPU runs): the "
+                               "weights are their own masters (counted as params), AdamW moments sharded",
                                reduced_grad=4),
     "deepseek-v3": StateBytes("deepseek-v3", 2, 4, 8, "DeepSeek-V3 report section 3.3.3: BF16 weights, FP32 grads "
                               "and master weights, BF16 AdamW moments"),

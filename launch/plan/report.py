@@ -76,6 +76,7 @@ def to_dict(plan: Plan) -> dict:
         "ranks": [{"rank": r.rank, "stages": r.stages, "dense_params": r.dense_params,
                    "expert_params": r.expert_params, **{f"{k}_bytes": v for k, v in asdict(r.states).items()},
                    "activation_bytes": r.activations, "recompute_transient_bytes": r.transient,
+                   "weight_grad_workspace_bytes": r.workspace,
                    "peak_bytes": r.peak, "bytes_per_step": {k: v.as_dict() for k, v in r.bytes.items()}}
                   for r in plan.ranks],
         "activation_variants_gb": [{"sequence_parallel": sp, "recompute": m, "peak_gb": gb}
@@ -115,10 +116,10 @@ def render(plan: Plan) -> str:
              f"memory per GPU (bytes; ZeRO-1, recompute={plan.options.recompute}, sequence_parallel="
              f"{par.sequence_parallel}):",
              table(["pp rank", "stages", "dense params", "expert params", "params", "grads", "optimizer",
-                    "activations", "recompute", "peak"],
+                    "activations", "recompute", "wgrad", "peak"],
                    [[r.rank, ",".join(map(str, r.stages)), si(r.dense_params), si(r.expert_params),
                      *map(si, (r.states.params, r.states.grads, r.states.optimizer, r.activations, r.transient,
-                               r.peak))] for r in plan.ranks]),
+                               r.workspace, r.peak))] for r in plan.ranks]),
              f"peak {si(plan.peak_memory)}B of {gpu.memory_gb:g} GB: {'fits' if plan.fits else 'DOES NOT FIT'}",
              "",
              "activation peak of the busiest rank by sequence parallelism and recomputation:",

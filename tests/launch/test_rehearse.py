@@ -36,8 +36,9 @@ def _calls(result, kind: str) -> dict[int, int]:
 def test_tiny_rehearsal_runs_the_step_of_the_largest_rank():
     result = rehearse(load_config(TINY))
     assert (result.rank, result.world_size) == (2, 4)  # moe-plan's busiest pipeline rank is pp 1 (ranks 2, 3)
-    assert result.peak["params"] == pytest.approx(result.planned["params"], rel=0.01)
-    assert result.peak["activations"] > 0 and result.peak["optimizer"] > 0
+    for category in ("params", "grads", "optimizer"):  # fp32: the params are their own masters, grads bound
+        assert result.peak[category] == pytest.approx(result.planned[category], rel=0.01), category
+    assert result.peak["activations"] == pytest.approx(result.planned["activations"], rel=0.1)
     assert _calls(result, "alltoall_base_")[2] > 0   # EP dispatch over ep = 2
     assert set(_calls(result, "send")) == {2}        # pipeline p2p between pp 2 ranks
     assert 2 in _calls(result, "_reduce_scatter_base_")  # ZeRO-1 over dp = 2
