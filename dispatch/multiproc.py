@@ -140,11 +140,13 @@ class _LogStreams:
         return "\n".join([*self.tails[rank], self.partial[self.err_paths[rank]]]).strip()
 
 
-def _died(rank: int, exitcode: int, logs: _LogStreams | None) -> str:
+def _died(rank: int, exitcode: int, logs: _LogStreams | None, last_words: Callable[[int], str] | None) -> str:
     how = f"exit code {exitcode}"
     if exitcode < 0:
         how += f" ({signal.Signals(-exitcode).name})"
     text = f"rank {rank} died with {how} before reporting a result"
+    if last_words is not None:
+        text += last_words(rank)
     if logs is not None:
         tail = logs.tail(rank)
         path = logs.err_paths[rank]
@@ -174,7 +176,7 @@ def _forwarding(procs: dict[int, Any], signals: tuple[int, ...]) -> Iterator[Non
 
 
 def _collect(procs: dict[int, Any], results: Any, outputs: dict[int, Any], wait_s: float,
-             logs: _LogStreams | None) -> str | None:
+             logs: _LogStreams | None, last_words: Callable[[int], str] | None) -> str | None:
     """Fill outputs with each rank's result; return a message naming the failed ranks (died ones first), or None."""
     end = time.monotonic() + wait_s
     raised: dict[int, str] = {}
@@ -189,7 +191,7 @@ def _collect(procs: dict[int, Any], results: Any, outputs: dict[int, Any], wait_
         except queue.Empty:
             dead = {r for r, p in procs.items() if r not in outputs and r not in raised and p.exitcode is not None}
             for rank in dead & suspects - set(died):  # gone with no result over two polls: it will never report
-                died[rank] = _died(rank, procs[rank].exitcode, logs)
+                died[rank] = _died(rank, procs[rank].exitcode, logs, last_words)
             suspects = dead
             if time.monotonic() > end and not (raised or died):
                 missing = sorted(set(procs) - set(outputs))
@@ -225,6 +227,7 @@ def run_processes(
     master_addr: str = "127.0.0.1",
     master_port: int = 0,
     log_dir: str | Path | None = None,
+    on_death: Callable[[dist.Store, int], str] | None = None,
 ) -> list[Any]:
     """Run fn(rank, world_size, *args) on this node's share of world_size fresh processes; return their results.
 
@@ -237,8 +240,10 @@ def run_processes(
     If any rank raises, dies or runs out of time, every local rank is killed and a WorkerError
     names the failed ranks with the first one's traceback (or exit code, signal and last stderr
     lines); a rank that dies without reporting is noticed within about a second. A killed parent
-    takes its ranks with it (Linux). fn and its results must be picklable (define fn at module
-    level); tensors in results come back by value. Returns the results of this node's ranks.
+    takes its ranks with it (Linux). on_death(store, rank), on node 0, is told of a rank that died
+    (the rendezvous store in hand) and returns words the message adds about it. fn and its results
+    must be picklable (define fn at module level); tensors in results come back by value. Returns the
+    results of this node's ranks.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -276,7 +281,8 @@ def run_processes(
         for p in procs.values():
             p.start()
         with _forwarding(procs, (signal.SIGTERM,)):
-            failure = _collect(procs, results, outputs, run_timeout_s, logs)
+            last_words = (lambda rank: on_death(store, rank)) if on_death is not None and store is not None else None
+            failure = _collect(procs, results, outputs, run_timeout_s, logs, last_words)
     finally:
         for p in procs.values():
             if failure is not None and p.is_alive():

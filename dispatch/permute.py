@@ -26,18 +26,19 @@ def make_permutation(groups: Tensor, num_groups: int, counts: list[int] | None =
     Meta groups hold no values: there counts (pairs per group, from dispatch.rehearsal) must be given
     and give the sizes; real groups ignore it.
     """
+    rows, slots = groups.shape
     if groups.is_meta:
         if counts is None or len(counts) != num_groups:
             raise ValueError(f"make_permutation on meta tensors needs counts, one per group ({num_groups})")
         row = groups.new_empty(sum(counts), dtype=torch.int64)
         return Permutation(row, torch.empty_like(row), groups.new_empty(num_groups, dtype=torch.int64),
-                           segment_plan(row, groups.shape[0], counts))
+                           segment_plan(row, rows, slots))
     flat = groups.reshape(-1)
-    kept = torch.nonzero(flat >= 0).squeeze(1)
+    kept = torch.nonzero(flat >= 0).squeeze(1)  # host sync: the number of pairs sizes every tensor after it
     order = kept[torch.argsort(flat[kept], stable=True)]
-    row = order // groups.shape[1]
+    row = order // slots
     counts = torch.bincount(flat[kept], minlength=num_groups)
-    return Permutation(row, order % groups.shape[1], counts, segment_plan(row, groups.shape[0], counts.tolist()))
+    return Permutation(row, order % slots, counts, segment_plan(row, rows, slots))  # a row has at most k pairs
 
 
 class _Permute(torch.autograd.Function):
@@ -61,26 +62,20 @@ class _Unpermute(torch.autograd.Function):
         acc = torch.promote_types(y.dtype, torch.float32)
         pair_weight = weights[perm.row, perm.slot].to(acc)
         ctx.save_for_backward(y if ctx.needs_input_grad[1] else None, pair_weight)  # y only feeds weights' grad
-        ctx.perm, ctx.weights_like = perm, (weights.shape, weights.dtype)
+        ctx.perm, ctx.weights_like, ctx.y_dtype = perm, (weights.shape, weights.dtype), y.dtype
         return ordered_sum(y, perm.inverse, pair_weight, acc, dtype)
 
     @staticmethod
     def backward(ctx, grad: Tensor):  # noqa: D102
         y, pair_weight = ctx.saved_tensors
         perm, (shape, dtype) = ctx.perm, ctx.weights_like
-        grad_y = torch.empty_like(y) if ctx.needs_input_grad[0] else None
-        grad_pair = pair_weight.new_empty(y.shape[0]) if ctx.needs_input_grad[1] else None
-        for start, end in perm.inverse.runs():  # one run at a time: no [P, H] temporaries
-            g = grad.index_select(0, perm.row[start:end]).to(pair_weight.dtype)
-            if grad_y is not None:
-                grad_y[start:end] = g * pair_weight[start:end].unsqueeze(1)
-            if grad_pair is not None:
-                grad_pair[start:end] = (g * y[start:end]).sum(1)
+        g = grad.index_select(0, perm.row).to(pair_weight.dtype)  # [P, H] in the accumulation dtype, as is g * y
         grad_weights = None
-        if grad_pair is not None:
+        if ctx.needs_input_grad[1]:
             grad_weights = pair_weight.new_zeros(shape)
-            grad_weights[perm.row, perm.slot] = grad_pair
+            grad_weights[perm.row, perm.slot] = (g * y).sum(1)
             grad_weights = grad_weights.to(dtype)
+        grad_y = g.mul_(pair_weight.unsqueeze(1)).to(ctx.y_dtype) if ctx.needs_input_grad[0] else None
         return grad_y, grad_weights, None, None
 
 

@@ -27,9 +27,8 @@ an EP group of R ranks (L = E/R consecutive experts per rank, N nodes of G = R/N
 6. Wherever rows sorted by group are split over G groups without the counts at hand (grouped GEMM
    offsets, the FP8 weight grad's columns), M rows split as balanced_split(M, G): the
    same floor-plus-remainder-to-the-lowest-ids split as rule 1 (kernels.grouped_ref holds it, since
-   kernels may not import dispatch). A summation plan has one run per non-empty group (a token
-   appears once per destination and once per expert); a meta ordered sum allocates its buffers and
-   adds nothing (dispatch.segment).
+   kernels may not import dispatch). A fixed-order sum of P values into N rows (dispatch.segment)
+   takes them spread evenly over the rows: its pass j adds min(N, max(0, P - j*N)) of them.
 
 The router marks its meta indices with the capacity it applied (mark_capacity); a dispatcher reads
 it back (capacity_of). Unmarked indices count as dropless.
@@ -44,7 +43,6 @@ upper bound on the hierarchical inter-node hop (V3, T = 4096: 7 remote node copi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import accumulate
 
 from torch import Tensor
 
@@ -52,7 +50,7 @@ from dispatch.topology import Topology
 from kernels.grouped_ref import balanced_split
 
 __all__ = ["DispatchPlan", "balanced_split", "capacity_of", "expert_slots", "mark_capacity",
-           "node_rows", "plan_dispatch", "rank_rows", "received_counts", "segment_bounds"]
+           "node_rows", "pass_offsets", "plan_dispatch", "rank_rows", "received_counts"]
 
 _CAPACITY_ATTR = "_rehearsal_capacity"
 
@@ -119,9 +117,9 @@ def received_counts(send_splits: list[int], peers: list[int], rank: int) -> list
     return [send_splits[rank] if p in members else 0 for p in range(len(send_splits))]
 
 
-def segment_bounds(group_sizes: list[int]) -> list[int]:
-    """Rule 6: run bounds of a summation plan over groups of these sizes (a run per non-empty group)."""
-    return sorted({0, *accumulate(group_sizes)})
+def pass_offsets(values: int, targets: int, passes: int) -> list[int]:
+    """Rule 6: where each pass of a fixed-order sum of values into targets starts, then values."""
+    return [min(values, j * targets) for j in range(passes)] + [values]
 
 
 def mark_capacity(indices: Tensor, capacity: int | None) -> Tensor:

@@ -59,6 +59,7 @@ def plan_sends(ids: Tensor, stage: Stage, world_size: int) -> tuple[Tensor, list
     return send_row, member.sum(0).tolist()
 
 
-def make_hop(send_row: Tensor, send_splits: list[int], recv_splits: list[int], num_rows: int) -> Hop:
-    """A hop record with the reverse summation plan combine needs."""
-    return Hop(send_row, send_splits, recv_splits, segment_plan(send_row, num_rows, send_splits))
+def make_hop(send_row: Tensor, send_splits: list[int], recv_splits: list[int], num_rows: int,
+             max_copies: int) -> Hop:
+    """A hop record with the reverse summation plan combine needs; a row is sent at most max_copies times."""
+    return Hop(send_row, send_splits, recv_splits, segment_plan(send_row, num_rows, max_copies))

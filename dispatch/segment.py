@@ -1,8 +1,15 @@
-"""Fixed-order segment sums: add rows into targets run by run, in place, with no two adds to one row at once."""
+"""Fixed-order segment sums: each target's values added in ascending index order, one pass per slot.
+
+A plan ranks every value among the values of its target (its slot: 0 for the first, 1 for the
+second, ...). Pass j adds the slot-j value of every target at once, so each row is added to at most
+once per pass (deterministic on every device, no colliding atomics) and the passes keep each
+target's order. The number of passes is a bound the caller knows (top-k, the peers of a hop), never
+read from the data, so a sum issues the same torch operators for any number of values, targets,
+experts or runs; building a plan reads its pass sizes to the host once.
+"""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -10,49 +17,41 @@ from torch import Tensor
 
 from dispatch import rehearsal
 
-BLOCK_ELEMENTS = 1 << 20  # accumulator block: 4 MiB of fp32, reused for every block of target rows
-
 
 @dataclass
 class SegmentPlan:
-    """Sum of values[i] into row target[i], each row's values in ascending i, over runs of consecutive values."""
+    """Sum of values[i] into row target[i], each row's values in ascending i: pass j adds every row's j-th value."""
 
-    target: Tensor     # [P] int64 target row of each value
-    bounds: list[int]  # run j is values[bounds[j]:bounds[j + 1]]; targets strictly ascend inside a run
+    source: Tensor      # [P] int64 values by (slot, target): pass j's are source[offsets[j]:offsets[j + 1]]
+    target: Tensor      # [P] int64 their target rows (distinct, ascending within a pass)
+    offsets: list[int]  # [max_slots + 1] where each pass starts, then P
     num_targets: int
 
-    def runs(self) -> list[tuple[int, int]]:
-        """(start, end) of each run, in order."""
-        return list(zip(self.bounds[:-1], self.bounds[1:]))
+    @property
+    def max_slots(self) -> int:
+        """Passes of a sum: the most values any target may have."""
+        return len(self.offsets) - 1
+
+    def pass_span(self, slot: int) -> tuple[int, int]:
+        """(start, number of values) of pass `slot` in source and target."""
+        return self.offsets[slot], self.offsets[slot + 1] - self.offsets[slot]
 
 
-def segment_plan(target: Tensor, num_targets: int, group_sizes: list[int]) -> SegmentPlan:
-    """Plan over values laid out in consecutive groups of group_sizes, targets non-decreasing in each group.
-
-    A run starts at every group and wherever a target repeats inside its group, so every run
-    adds at most once to each row (deterministic everywhere, no colliding atomics).
-    """
-    if sum(group_sizes) != target.numel():
-        raise ValueError(f"group sizes sum to {sum(group_sizes)}, expected one per value ({target.numel()})")
-    if target.is_meta:  # a rehearsal: no values to cut at, a run per non-empty group (dispatch.rehearsal)
-        return SegmentPlan(target, rehearsal.segment_bounds(group_sizes), num_targets)
-    sizes = torch.tensor(group_sizes, dtype=torch.int64, device=target.device)
-    starts = torch.cumsum(sizes, 0) - sizes
-    first = torch.zeros(target.numel(), dtype=torch.bool, device=target.device)
-    first[starts[sizes > 0]] = True  # a group's first value
-    step = torch.diff(target, prepend=target[:1])
-    if bool(((step < 0) & ~first).any()):
-        raise ValueError("targets must be non-decreasing inside each group")
-    cuts = torch.nonzero(first | (step == 0)).squeeze(1).tolist()
-    return SegmentPlan(target, sorted({0, *cuts, target.numel()}), num_targets)
-
-
-def _block_edges(plan: SegmentPlan, block_rows: int) -> list[list[int]]:
-    """edges[j][b]: offset inside run j of its first value whose target lies in row block b or later."""
-    runs, blocks, device = len(plan.bounds) - 1, math.ceil(plan.num_targets / block_rows), plan.target.device
-    run = torch.repeat_interleave(torch.arange(runs, device=device), torch.tensor(plan.bounds, device=device).diff())
-    counts = torch.bincount(run * blocks + plan.target // block_rows, minlength=runs * blocks)
-    return torch.nn.functional.pad(counts.view(runs, blocks).cumsum(1), (1, 0)).tolist()
+def segment_plan(target: Tensor, num_targets: int, max_slots: int) -> SegmentPlan:
+    """Plan over values with target rows target [P] in [0, num_targets), at most max_slots values per row."""
+    device, num_values = target.device, target.numel()
+    order = torch.argsort(target, stable=True)  # values by target, ascending index within one
+    ordered = target[order]
+    slot = torch.arange(num_values, device=device) - torch.searchsorted(ordered, ordered)  # rank within its target
+    by_slot = torch.argsort(slot * num_targets + ordered)  # distinct keys: slot-major, targets ascending
+    slots = slot[by_slot]
+    if target.is_meta:  # a rehearsal: no ranks to count; the passes follow the rule (dispatch.rehearsal)
+        offsets = rehearsal.pass_offsets(num_values, num_targets, max_slots)
+    else:  # host sync: the values of each pass size its operators, read once per plan
+        offsets = torch.searchsorted(slots, torch.arange(max_slots + 1, device=device)).tolist()
+        if offsets[-1] < num_values:
+            raise ValueError(f"a target row has more than max_slots = {max_slots} values")
+    return SegmentPlan(order[by_slot], ordered[by_slot], offsets, num_targets)
 
 
 def ordered_sum(values: Tensor, plan: SegmentPlan, weights: Tensor | None = None, dtype: torch.dtype | None = None,
@@ -60,34 +59,26 @@ def ordered_sum(values: Tensor, plan: SegmentPlan, weights: Tensor | None = None
     """[num_targets, ...]: out[t] = sum over i with target t of weights[i] * values[i], in ascending i.
 
     Products and sums are taken in dtype (default: values' dtype promoted to at least fp32; weights
-    must be in it) and the sums rounded once to out_dtype (default dtype). Target rows are summed a
-    block at a time in one reused accumulator, and each run's values are converted (and weighted)
-    in one reused scratch buffer, then added in place.
+    must be in it) and the sums rounded once to out_dtype (default dtype). Memory besides the result:
+    a [num_targets, ...] accumulator in dtype (the result itself when out_dtype is dtype), and the
+    rows of the first pass (one per target that has values; later passes are smaller) gathered in
+    values' dtype (in the result when that is out_dtype) and converted to dtype (unless it is values').
     """
     dtype = dtype or torch.promote_types(values.dtype, torch.float32)
+    out_dtype = out_dtype or dtype
     rest = values.shape[1:]
-    out = torch.empty((plan.num_targets, *rest), dtype=out_dtype or dtype, device=values.device)
-    if not plan.num_targets:
-        return out
-    block_rows = max(1, min(plan.num_targets, BLOCK_ELEMENTS // max(1, math.prod(rest))))
-    accumulator = values.new_empty((block_rows, *rest), dtype=dtype)
-    local = plan.target % block_rows
-    direct = weights is None and values.dtype == dtype
-    scratch = None if direct else values.new_empty((block_rows, *rest), dtype=dtype)
-    if values.is_meta:  # a rehearsal: the buffers above are what the sum holds; meta adds change nothing
-        return out
-    edges = _block_edges(plan, block_rows)
-    for block, first_row in enumerate(range(0, plan.num_targets, block_rows)):
-        acc = accumulator[:min(block_rows, plan.num_targets - first_row)].zero_()
-        for (start, _), edge in zip(plan.runs(), edges):
-            lo, hi = start + edge[block], start + edge[block + 1]
-            if lo == hi:
-                continue
-            part = values[lo:hi]
-            if not direct:  # same-dtype kernels: mixed-dtype ones are not vectorised on CPU
-                part = scratch[:hi - lo].copy_(part)
-                if weights is not None:
-                    part.mul_(weights[lo:hi].view(-1, *[1] * len(rest)))
-            acc.index_add_(0, local[lo:hi], part)
-        out[first_row:first_row + acc.shape[0]] = acc
-    return out
+    acc = values.new_zeros((plan.num_targets, *rest), dtype=dtype)
+    rows = plan.pass_span(0)[1] if plan.max_slots else 0  # the first pass is the largest
+    out = None if out_dtype == dtype else values.new_empty((plan.num_targets, *rest), dtype=out_dtype)
+    gathered = out if out is not None and out_dtype == values.dtype else values.new_empty((rows, *rest))
+    converted = gathered if values.dtype == dtype else values.new_empty((rows, *rest), dtype=dtype)
+    for slot in range(plan.max_slots):  # a fixed number of passes: the plan's bound, not the data
+        start, rows = plan.pass_span(slot)  # narrow, not [:rows]: a slice of a whole tensor issues no operator
+        source = plan.source.narrow(0, start, rows)
+        part = torch.index_select(values, 0, source, out=gathered.narrow(0, 0, rows))
+        if converted is not gathered:  # same-dtype kernels: mixed-dtype ones are not vectorised on CPU
+            part = converted.narrow(0, 0, rows).copy_(part)
+        if weights is not None:
+            part.mul_(weights.index_select(0, source).view(-1, *[1] * len(rest)))
+        acc.index_add_(0, plan.target.narrow(0, start, rows), part)
+    return acc if out is None else out.copy_(acc)

@@ -90,7 +90,8 @@ def dispatch_steps(x: Tensor, weights: Tensor, indices: Tensor, stages: list[Sta
         counts = channel.start_counts(send_splits, stage.peers, "dispatch", x.device)
         yield counts
         recv_splits = counts.wait()
-        hop = make_hop(send_row, send_splits, recv_splits, ids.shape[0])
+        hop = make_hop(send_row, send_splits, recv_splits, ids.shape[0],  # once per rank, at most k ranks
+                       min(ids.shape[1], len(stage.peers)))
         rows = channel.start_exchange(wire.index_select(0, send_row), send_splits, recv_splits, "dispatch")
         metas = channel.start_exchange(meta.index_select(0, send_row), send_splits, recv_splits, "dispatch", "meta")
         yield rows

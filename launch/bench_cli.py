@@ -13,6 +13,7 @@ SUITES = {
     "kernels": "launch.bench.kernels",
     "train": "launch.bench.train",
     "tp": "launch.bench.tp",
+    "checkpoint": "launch.bench.checkpoint",
     "compare": "launch.bench.compare",
 }
 

@@ -1,309 +1,206 @@
-"""Sharded, atomic, reshardable checkpoints through torch.distributed.checkpoint (DCP).
+"""Sharded, atomic, reshardable checkpoints through torch.distributed.checkpoint (DCP): each rank writes its pieces.
 
-A checkpoint is one folder RUN_DIR/checkpoint/stepNNNNNNNN written by DCP: every tensor is keyed by
-its global name, experts one by one ("model/blocks.3.ffn.experts.w_down.5" is expert 5 of layer 3
-wherever it lived), so any layout (pp, dp, ep, process count) finds its pieces in any other's save.
-Tensor-parallel shards (params and their optimizer state) are gathered into the single-process
-tensors on save and sliced again on load (their TPSpec rows).
-Keys held by several ranks (replicas) are written once (DCP's planner deduplicates them), so each
-rank writes only a share of what it owns. Groups of keys: model/ (params and buffers such as router
-biases), optim/NAME/KEY (ZeRO-1 master and AdamW state per parameter, per expert), data/ (sampler
-position), sched/, meta/, rng/rankNNNNN. A master that is the param itself (fp32 params) is not written
-twice: model/ holds it.
+Format. A checkpoint is one folder RUN_DIR/checkpoint/stepNNNNNNNN written by DCP. Every tensor has the
+single-process key and full shape, experts one key each ("model/blocks.3.ffn.experts.w_down.5" is expert 5
+of layer 3 wherever it lived): model/KEY (params and buffers), optim/KEY/KIND (optimizer state: AdamW's
+exp_avg, exp_avg_sq, step; master only where it is not the param itself, e.g. bf16 params), data/, sched/,
+meta/, guard/ (the spike guard's history), rng/rankNNNNN. A tensor is stored as rectangles (DCP chunks),
+each written by the one rank that holds it: ZeRO-1 hands out, per param, the runs of its flattened
+elements its shard holds (ZeRO1.pieces: views, no gather); launch.keys maps a run to at most 2 * ndim - 1
+rectangles of the keys (a TP shard's rows split where they jump, e.g. fused qkv; an expert block split per
+expert). Replicated rectangles (TP replicas, buffers) are identical and written once (DCP deduplicates).
+Any layout (pp, dp, ep, tp, process count) reads what its own pieces overlap, then ZeRO-1 all-gathers the
+params from the loaded masters. The unit is "a rectangle of a single-process tensor", not a rank's flat
+shard: ZeRO-2/3 (params sharded too) or state offloaded to the host hand out the same pieces, so the
+format holds them unchanged. A save copies nothing (DCP clones a view for its write; at most this rank's
+pieces, one shard); an asynchronous one copies the pieces to reused host buffers on the training thread
+(HostStager) and DCP plans and writes on its own thread.
 
-Publication is atomic: DCP writes into .stepNNNNNNNN.tmp, every rank checksums the files it wrote,
-rank 0 writes manifest.json last and renames the folder into place; the newest folder whose manifest
-matches its files is the latest (a crash or a corrupted file leaves the previous one in charge).
-Only the newest `keep` folders stay. With async saves the write runs on a helper thread of DCP
-(its own gloo group) and is published at the next save or at finish().
+Publication is atomic: DCP writes into .stepNNNNNNNN.tmp, each rank checksums the files it wrote, rank 0
+gathers the tables, writes manifest.json last and renames the folder into place; the newest folder whose
+manifest matches its files is the latest (a crash or a corrupted file leaves the previous one in charge).
+On load each rank checks the CRCs of only the files it will read and the ranks agree (one all-reduce) on
+the newest folder that passed everywhere. Only the newest `keep` folders stay.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import os
-import re
 import shutil
 import sys
-import zlib
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from launch.materialize import expert_offset
-from moe.tp.layout import TPSpec, full_name
-from optim.zero1 import LAYOUT_KEYS
-
-MANIFEST = "manifest.json"
-STEP_DIR = re.compile(r"^step(\d{8})$")
-EXPERT_KEY = re.compile(r"^(.*\.experts\.[^.]+)\.(\d+)$")
-MASTER = "master"
+from launch.dcp_chunks import Chunks, HostStager, LoadPlanner, Reader, SavePlanner, Writer, files_read
+from launch.faults import StepGuard
+from launch.keys import EXPERT_KEY, Placement, placements
+from launch.manifest import MANIFEST, file_table, latest_valid, publish, published, verify
+from optim.shard import MASTER_KEY, Piece
+from optim.zero1 import ZeRO1
 
 
-def step_folder(root: Path, step: int) -> Path:
-    """Published folder of step's checkpoint."""
-    return Path(root) / f"step{step:08d}"
-
-
-def expert_items(name: str, value: Tensor, first_expert: int) -> Iterator[tuple[str, Tensor]]:
-    """(global key, tensor) pairs of one local tensor: a block of experts splits into one key per expert."""
-    if ".experts." not in name:
-        yield name, value
-        return
-    for j in range(value.shape[0]):
-        yield f"{name}.{first_expert + j}", value[j]
-
-
-def _tp_group(stages: list[nn.Module]) -> dist.ProcessGroup | None:
-    """The stages' TP process group (None without TP)."""
-    return next((s.tp.group for s in stages if getattr(s, "tp", None) is not None), None)
-
-
-@torch.no_grad()
-def _tp_full(name: str, value: Tensor, spec: TPSpec, group) -> tuple[str, Tensor]:
-    """(single-process name, tensor) of a TP shard (a collective over group): every TP rank's rows put in
-    place, zeros in rows no shard of this param holds (attn.kv's rows of attn.qkv.weight: add the two)."""
-    shape = list(value.shape)
-    shape[spec.dim] = spec.full_size
-    full = value.new_zeros(shape)
-    pieces = [torch.empty_like(value) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(pieces, value.contiguous(), group=group)
-    for rows, piece in zip(spec.indices, pieces):
-        full.index_copy_(spec.dim, rows, piece)
-    return full_name(name, spec), full
-
-
-def _put(flat: dict[str, object], key: str, value: Tensor) -> None:
-    """flat[key] = value, or added to the rows another TP param already put there (disjoint rows, zeros elsewhere)."""
-    flat[key] = flat[key] + value if key in flat and value.dim() else value
+def _add(flat: dict[str, object], fqn: str, place: Placement, start: int, data: Tensor, bind: bool = True) -> list[str]:
+    """Put the rectangles of data (a run of a stage tensor's elements from start) under fqn.format(key) as Chunks
+    (the views themselves, or only their geometry when not bind); returns the keys touched, in order."""
+    keys = []
+    for key, offsets, view in place.boxes(start, data):
+        name = fqn.format(key)
+        if name not in flat:
+            flat[name] = Chunks(place.full_shape, view.dtype)
+        flat[name].add(offsets, tuple(view.shape), view if bind else None)
+        keys.append(key)
+    return keys
 
 
 @dataclass
 class TrainState:
-    """What one rank checkpoints: its stages, its ZeRO-1 optimizer, the LR scheduler, the data sampler."""
+    """What one rank checkpoints: its stages, its ZeRO-1 optimizer, the LR scheduler, the data sampler, the
+    spike guard."""
 
     stages: list[nn.Module]
-    optimizer: torch.optim.Optimizer
+    optimizer: ZeRO1
     scheduler: torch.optim.lr_scheduler.LambdaLR
     data: object  # launch.data.DataFeed (state_dict / load_state_dict of its integer position)
+    guard: StepGuard | None = None
 
-    def param_names(self) -> list[str]:
-        """Stage-local names of the optimizer's params, in its state_dict order."""
-        names = {id(p): n for s in self.stages for n, p in s.named_parameters()}
-        return [names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
+    @functools.cached_property
+    def places(self) -> dict[str, Placement]:
+        """Stage-local name -> where its elements sit among the single-process keys."""
+        return placements(self.stages)
 
-    def expert_offsets(self) -> dict[str, int]:
-        """Global id of the first expert held here, per stage tensor name holding experts."""
-        out = {}
-        for stage in self.stages:
-            for name, value in stage.state_dict().items():
-                if ".experts." in name:
-                    out[name] = expert_offset(stage, name, value.shape[0])
-        return out
+    @functools.cached_property
+    def names(self) -> dict[int, str]:
+        """id(param) -> stage-local name."""
+        return {id(p): name for stage in self.stages for name, p in stage.named_parameters()}
+
+    def loose(self) -> list[tuple[str, Tensor]]:
+        """Stage tensors ZeRO-1 does not hold (buffers such as router biases): saved and loaded whole."""
+        held = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        return [(name, t.detach()) for stage in self.stages for name, t in stage.state_dict(keep_vars=True).items()
+                if id(t) not in held]
 
     def to_flat(self, step: int, config: dict) -> dict[str, object]:
-        """The DCP state dict of this rank (a collective: ZeRO-1 gathers each param's full state)."""
-        offsets = self.expert_offsets()
+        """This rank's DCP state dict: its ZeRO-1 pieces of every param (views of the live tensors: no copy,
+        no collective), its buffers and the small state (sampler, schedule, step, config, guard, RNG)."""
         flat: dict[str, object] = {}
-        specs, group = self.tp_specs, _tp_group(self.stages)
-        for stage in self.stages:
-            for name, value in stage.state_dict().items():
-                if name in specs:
-                    name, value = _tp_full(name, value, specs[name], group)
-                for key, piece in expert_items(name, value, offsets.get(name, 0)):
-                    _put(flat, f"model/{key}", piece)
-        full = self.optimizer.state_dict()
-        param_dtypes = {n: p.dtype for s in self.stages for n, p in s.named_parameters()}
-        for index, name in enumerate(self.param_names()):
-            entry, first = full["state"][index], offsets.get(name, 0)
-            for kind, value in entry.items():
-                value = torch.as_tensor(value)
-                if kind == MASTER and value.dtype == param_dtypes[name]:  # the param itself: model/ holds it
-                    continue
-                if name in specs:
-                    key, value = (_tp_full(name, value, specs[name], group) if value.dim()
-                                  else (full_name(name, specs[name]), value.clone()))
-                    items = [(key, value)]
-                elif value.shape == entry[MASTER].shape:
-                    items = expert_items(name, value, first)
-                else:  # a scalar (AdamW's step) shared by the block: one copy per expert key
-                    items = ((key, value.clone()) for key, _ in expert_items(name, entry[MASTER], first))
-                for key, piece in items:
-                    _put(flat, f"optim/{key}/{kind}", piece)
+        for piece in self.optimizer.pieces():
+            place = self.places[self.names[id(piece.param)]]
+            param = piece.param.detach().view(-1)[piece.start:piece.start + piece.length]
+            keys = _add(flat, "model/{}", place, piece.start, param)
+            for kind, view in piece.state.items():
+                if kind != MASTER_KEY or view.dtype != param.dtype:  # an fp32 param is its own master
+                    _add(flat, f"optim/{{}}/{kind}", place, piece.start, view)
+            for kind, value in piece.scalars.items():
+                flat.update({f"optim/{key}/{kind}": value for key in keys})
+        for name, tensor in self.loose():
+            _add(flat, "model/{}", self.places[name], 0, tensor.view(-1))
         for key, value in self.data.state_dict().items():
             flat[f"data/{key}"] = torch.tensor(value, dtype=torch.int64)
         flat["sched/last_epoch"] = torch.tensor(self.scheduler.last_epoch)
         flat["meta/step"] = torch.tensor(step)
         flat["meta/config"] = config
+        if self.guard is not None:
+            flat.update({f"guard/{k}": v for k, v in self.guard.state_dict().items()})
         flat[f"rng/rank{dist.get_rank():05d}"] = torch.get_rng_state()
-        return {k: v.detach() if isinstance(v, Tensor) else v for k, v in flat.items()}
+        return flat
 
-    def load_flat(self, folder: Path, restore_data: bool = True) -> int:
-        """Read this rank's pieces from a checkpoint of any layout into the stages, the optimizer, the
-        scheduler and (unless restore_data is false) the sampler; returns the checkpoint's step."""
-        metadata = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-        offsets = self.expert_offsets()
-        wanted: dict[str, Tensor] = {}
+    def read_request(self, metadata: Metadata, restore_data: bool, bind: bool) -> tuple[dict[str, object], list[Piece]]:
+        """(what this rank reads from a checkpoint, its pieces): the rectangles of its pieces and buffers and
+        the small state. With bind, the optimizer's state is first reset to the checkpoint's entries and the
+        rectangles are views of the live tensors DCP reads into; without, only their geometry (for planning)."""
+        saved = metadata.state_dict_metadata
+        pieces = self.optimizer.pieces()
+        elementwise, scalars = _saved_kinds(saved, self.places, self.names, pieces)
+        if bind:
+            self.optimizer.reset_state(elementwise, {k: torch.zeros(m.size, dtype=m.properties.dtype)
+                                                     for k, m in scalars.items()})
+            pieces = self.optimizer.pieces()
+        wanted: dict[str, object] = {}
+        for piece in pieces:
+            place = self.places[self.names[id(piece.param)]]
+            master = piece.state[MASTER_KEY]
+            own = master.dtype == piece.param.dtype
+            first = _add(wanted, "model/{}" if own else f"optim/{{}}/{MASTER_KEY}", place, piece.start, master,
+                         bind)[0]
+            for kind in elementwise:
+                _add(wanted, f"optim/{{}}/{kind}", place, piece.start, piece.state[kind] if bind else master, bind)
+            for kind, meta in scalars.items():
+                wanted[f"optim/{first}/{kind}"] = torch.empty(meta.size, dtype=meta.properties.dtype)
+        for name, tensor in self.loose():
+            _add(wanted, "model/{}", self.places[name], 0, tensor.view(-1), bind)
+        if "data/generator" in saved and restore_data:
+            raise ValueError("the checkpoint holds the sampler state of an older version (a shuffled order, "
+                             "not an epoch and cursor): this version cannot continue its data order")
+        keys = [*(f"data/{key}" for key in self.data.state_dict() if restore_data), "sched/last_epoch", "meta/step",
+                f"rng/rank{dist.get_rank():05d}"]
+        for key in keys:
+            if key in saved:
+                wanted[key] = torch.empty(saved[key].size, dtype=saved[key].properties.dtype)
+        if self.guard is not None:
+            wanted.update({f"guard/{k}": v for k, v in self.guard.state_dict().items() if f"guard/{k}" in saved})
+        for key, value in wanted.items():
+            meta = saved.get(key)
+            if key.startswith(("model/", "optim/")) and (not isinstance(meta, TensorStorageMetadata)
+                                                        or meta.size != value.size()):
+                raise ValueError(f"the checkpoint has no tensor {key!r} of shape {tuple(value.size())}: it was "
+                                 f"saved from another model ([model] section) than this run's")
+        return wanted, pieces
 
-        def want(key: str) -> Tensor:
-            meta = metadata.get(key)
-            if not isinstance(meta, TensorStorageMetadata):
-                raise ValueError(f"checkpoint {folder} has no tensor {key!r}: it was saved from another model "
-                                 f"([model] section) than this run's")
-            return wanted.setdefault(key, torch.empty(meta.size, dtype=meta.properties.dtype))
-
-        model_keys = {}
-        for stage in self.stages:
-            for name, value in stage.state_dict().items():
-                model_keys[name] = [want(f"model/{k}") for k in self._keys(name, value, offsets)]
-        names = self.param_names()
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        kinds = {}
-        for name, param in zip(names, params):
-            keys = self._keys(name, param, offsets)
-            kinds[name] = sorted(k.rsplit("/", 1)[1] for k in metadata if k.startswith(f"optim/{keys[0]}/"))
-            for kind in kinds[name]:
-                for key in keys:
-                    want(f"optim/{key}/{kind}")
-        data_keys = [f"data/{key}" for key in self.data.state_dict()] if restore_data else []
-        if "data/generator" in metadata and restore_data:
-            raise ValueError(f"checkpoint {folder} holds the sampler state of an older version (a shuffled order, "
-                             f"not an epoch and cursor): this version cannot continue its data order")
-        for key in (*data_keys, "sched/last_epoch", "meta/step"):
-            want(key)
-        rng = f"rng/rank{dist.get_rank():05d}"
-        if rng in metadata:
-            want(rng)
-        dcp.load(wanted, checkpoint_id=str(folder))
-
-        for stage in self.stages:
-            stage.load_state_dict({name: self._local(name, pieces) for name, pieces in model_keys.items()
-                                   if name in stage.state_dict()})
-        self._load_optimizer(wanted, names, kinds, offsets)
+    def restore(self, wanted: dict[str, object], pieces: list[Piece], restore_data: bool) -> int:
+        """After DCP read `wanted` (bound): the optimizer's scalars, the params gathered from the masters (a
+        collective), the schedule, sampler, guard and RNG; returns the checkpoint's step."""
+        for piece in pieces:
+            first = _first_key(self.places[self.names[id(piece.param)]], piece)
+            for kind, value in piece.scalars.items():
+                value.copy_(wanted[f"optim/{first}/{kind}"])
+        self.optimizer.gather_params()
         epoch = int(wanted["sched/last_epoch"])
         self.scheduler.last_epoch = epoch
         for group, base, rule in zip(self.optimizer.param_groups, self.scheduler.base_lrs, self.scheduler.lr_lambdas):
             group["lr"] = base * rule(epoch)
         self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
         if restore_data:
-            self.data.load_state_dict({key.split("/", 1)[1]: int(wanted[key]) for key in data_keys})
-        if rng in wanted:
-            torch.set_rng_state(wanted[rng])
+            self.data.load_state_dict({key: int(wanted[f"data/{key}"]) for key in self.data.state_dict()})
+        if self.guard is not None:
+            self.guard.load_state_dict({k: wanted.get(f"guard/{k}", v) for k, v in self.guard.state_dict().items()})
+        rng = wanted.get(f"rng/rank{dist.get_rank():05d}")
+        if rng is not None:
+            torch.set_rng_state(rng)
         return int(wanted["meta/step"])
 
-    @functools.cached_property
-    def tp_specs(self) -> dict[str, TPSpec]:
-        """Stage-local name -> TPSpec of every param holding rows of a larger single-process tensor."""
-        return {name: p.tp_spec for s in self.stages for name, p in s.named_parameters()
-                if getattr(p, "tp_spec", None) is not None and p.tp_spec.indices is not None}
 
-    def _keys(self, name: str, value: Tensor, offsets: dict[str, int]) -> list[str]:
-        """Checkpoint keys of a stage tensor: its single-process name under TP, else one per expert it holds."""
-        spec = self.tp_specs.get(name)
-        if spec is not None:
-            return [full_name(name, spec)]
-        return [k for k, _ in expert_items(name, value, offsets.get(name, 0))]
-
-    def _local(self, name: str, pieces: list[Tensor]) -> Tensor:
-        """This rank's stage tensor from its checkpoint pieces: experts stacked, TP rows sliced out."""
-        spec = self.tp_specs.get(name)
-        if spec is None:
-            return _join(name, pieces)
-        rank = next(s.tp.rank for s in self.stages if getattr(s, "tp", None) is not None)
-        return pieces[0].index_select(spec.dim, spec.indices[rank])
-
-    def _load_optimizer(self, wanted: dict[str, Tensor], names: list[str], kinds: dict[str, list[str]],
-                        offsets: dict[str, int]) -> None:
-        """Hand ZeRO-1 its full per-param state rebuilt from the per-expert pieces (it re-slices its shards)."""
-        state, elementwise, index = {}, [], 0
-        for group in self.optimizer.param_groups:
-            found = set()
-            for p in group["params"]:
-                name = names[index]
-                keys = self._keys(name, p, offsets)
-                pieces = {kind: [wanted[f"optim/{k}/{kind}"] for k in keys] for kind in kinds[name]}
-                pieces.setdefault(MASTER, [wanted[f"model/{k}"] for k in keys])  # saved as the param itself
-                entry = {}
-                for kind, parts in pieces.items():
-                    if parts[0].shape == pieces[MASTER][0].shape:
-                        entry[kind] = self._local(name, parts)
-                        found.add(kind)
-                    else:
-                        entry[kind] = parts[0]
-                state[index] = entry
-                index += 1
-            elementwise.append(sorted(found - {MASTER}))
-        first, groups = 0, []
-        for group in self.optimizer.param_groups:
-            groups.append({k: v for k, v in group.items() if k != "params" and k not in LAYOUT_KEYS})
-            groups[-1]["params"] = list(range(first, first + len(group["params"])))
-            first += len(group["params"])
-        self.optimizer.load_state_dict({"state": state, "param_groups": groups, "elementwise_keys": elementwise})
+def _first_key(place: Placement, piece: Piece) -> str:
+    """The first single-process key a piece has elements of."""
+    return next(place.boxes(piece.start, piece.state[MASTER_KEY]))[0]
 
 
-def _join(name: str, pieces: list[Tensor]) -> Tensor:
-    """A stage tensor from its global pieces (experts stacked back into their block)."""
-    return torch.stack(pieces) if ".experts." in name else pieces[0]
-
-
-def _crc(path: Path) -> int:
-    """CRC-32 of a file, read in 16 MiB blocks."""
-    value = 0
-    with path.open("rb") as handle:
-        while block := handle.read(1 << 24):
-            value = zlib.crc32(block, value)
-    return value
-
-
-def _file_table(folder: Path, names: list[str]) -> dict[str, list[int]]:
-    """{file name: [bytes, crc32]} of files in folder."""
-    return {n: [(folder / n).stat().st_size, _crc(folder / n)] for n in names}
-
-
-def verify(folder: Path) -> str | None:
-    """Why a published checkpoint folder cannot be used (missing manifest, missing, truncated or
-    corrupted file), or None when every file matches its manifest entry."""
-    manifest = folder / MANIFEST
-    if not manifest.is_file():
-        return f"{manifest} is missing (the save did not finish)"
-    try:
-        table = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError) as error:
-        return f"{manifest} is unreadable ({error})"
-    for name, (size, crc) in table.items():
-        path = folder / name
-        if not path.is_file():
-            return f"{path} is missing"
-        if path.stat().st_size != size:
-            return f"{path} has {path.stat().st_size} bytes, the manifest says {size} (truncated or overwritten)"
-        if _crc(path) != crc:
-            return f"{path} fails its CRC-32 check (corrupted)"
-    return None
-
-
-def published(root: Path) -> list[tuple[int, Path]]:
-    """(step, folder) of every published checkpoint under root, newest first (unverified)."""
-    root = Path(root)
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name))] if root.is_dir() else []
-    return sorted(found, reverse=True)
-
-
-def latest_valid(root: Path) -> Path | None:
-    """The newest published checkpoint that passes verify(); each refused one is reported on stderr with its reason."""
-    for _, folder in published(root):
-        reason = verify(folder)
-        if reason is None:
-            return folder
-        print(f"checkpoint {folder} refused: {reason}; trying the previous one", file=sys.stderr, flush=True)
-    return None
+def _saved_kinds(saved: dict, places: dict[str, Placement], names: dict[int, str], pieces: list[Piece]
+                 ) -> tuple[list[str], dict[str, TensorStorageMetadata]]:
+    """(elementwise optimizer-state kinds, scalar kinds -> their metadata) the checkpoint holds for these pieces'
+    params (those of the first piece's key: one optimizer class for all); none for a checkpoint without state."""
+    if not pieces:
+        return [], {}
+    place = places[names[id(pieces[0].param)]]
+    prefix = f"optim/{_first_key(place, pieces[0])}/"
+    elementwise, scalars = [], {}
+    for key, meta in saved.items():
+        if key.startswith(prefix) and key.count("/") == prefix.count("/"):
+            kind = key[len(prefix):]
+            if kind == MASTER_KEY:
+                continue
+            if tuple(meta.size) == place.full_shape:
+                elementwise.append(kind)
+            else:
+                scalars[kind] = meta
+    return sorted(elementwise), scalars
 
 
 class Checkpointer:
@@ -316,10 +213,13 @@ class Checkpointer:
         self.keep = keep
         self.asynchronous = asynchronous
         self.group = dist.new_group(backend="gloo")  # DCP's planning collectives, off the training groups
-        self._pending: tuple[Future, Path, int] | None = None
+        self.stager = HostStager() if asynchronous else None
+        self._pending: tuple[Future, Writer, Path, int] | None = None
 
     def save(self, state: TrainState, step: int, config: dict) -> None:
-        """Write step's checkpoint (every rank); returns once it is published, or at once when asynchronous."""
+        """Write step's checkpoint (every rank); returns once it is published, or, when asynchronous, once this
+        rank's pieces are copied to host buffers (DCP writes them on its thread; published at the next save or
+        at finish())."""
         self.finish()
         flat = state.to_flat(step, config)
         tmp = self.root / f".step{step:08d}.tmp"
@@ -327,62 +227,75 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist.barrier(self.group)
+        writer = Writer(str(tmp), lambda files: file_table(tmp, files))
         if self.asynchronous:
-            self._pending = (dcp.async_save(flat, checkpoint_id=str(tmp), process_group=self.group), tmp, step)
+            future = dcp.async_save(flat, storage_writer=writer, planner=SavePlanner(), process_group=self.group,
+                                    async_stager=self.stager)
+            self._pending = (future, writer, tmp, step)
         else:
-            dcp.save(flat, checkpoint_id=str(tmp), process_group=self.group)
-            self._publish(tmp, step)
+            dcp.save(flat, storage_writer=writer, planner=SavePlanner(), process_group=self.group)
+            self._publish(tmp, step, writer.result)
 
     def finish(self) -> None:
         """Wait for an asynchronous save in flight and publish it (every rank)."""
         if self._pending is not None:
-            future, tmp, step = self._pending
+            future, writer, tmp, step = self._pending
             self._pending = None
             future.result()
-            self._publish(tmp, step)
+            self._publish(tmp, step, writer.result)
 
-    def _publish(self, tmp: Path, step: int) -> None:
-        """Checksum each rank's files, then rank 0 writes the manifest, renames the folder into place and
-        drops checkpoints beyond the newest keep."""
-        mine = sorted(p.name for p in tmp.glob(f"__{dist.get_rank()}_*.distcp"))
-        tables = [None] * dist.get_world_size()
-        dist.all_gather_object(tables, _file_table(tmp, mine), group=self.group)
-        if dist.get_rank() == 0:
-            files = {k: v for t in tables for k, v in t.items()} | _file_table(tmp, [".metadata"])
-            _write_synced(tmp / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
-            final = step_folder(self.root, step)
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            _sync_dir(self.root)
-            for _, old in published(self.root)[self.keep:]:
-                shutil.rmtree(old, ignore_errors=True)
+    def _publish(self, tmp: Path, step: int, table: dict[str, list[int]]) -> None:
+        """Gather every rank's file table (bytes, CRC-32 of the files it wrote) on rank 0, which publishes the
+        folder (launch.manifest.publish); one gather and one barrier per rank."""
+        tables = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(table, tables, dst=0, group=self.group)
+        if tables is not None:
+            publish(tmp, self.root, step, {k: v for t in tables for k, v in t.items()}, self.keep)
         dist.barrier(self.group)
 
     def load(self, state: TrainState, restore_data: bool = True) -> int:
-        """Restore state from the latest valid checkpoint (any layout); returns its step, 0 when none."""
+        """Restore state from the newest checkpoint every rank finds valid (any layout); returns its step, 0 when
+        none. Each rank checks only the files it reads; one all-reduce per candidate folder agrees on it."""
         self.finish()
-        choice = [str(latest_valid(self.root)) if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(choice, src=0, group=self.group)
-        if choice[0] == "None":
-            return 0
-        return state.load_flat(Path(choice[0]), restore_data)
+        for step, folder in published(self.root):
+            reader = Reader(str(folder))
+            if self._agree(step, folder, *self._check(folder, reader, state, restore_data)):
+                wanted, pieces = state.read_request(reader.read_metadata(), restore_data, bind=True)
+                dcp.load(wanted, storage_reader=reader, planner=LoadPlanner(), process_group=self.group)
+                return state.restore(wanted, pieces, restore_data)
+        self._agree(-1, None, None, False)  # every rank is out of candidates at once
+        return 0
 
+    @staticmethod
+    def _check(folder: Path, reader: Reader, state: TrainState, restore_data: bool) -> tuple[str | None, bool]:
+        """(why this rank cannot load folder: its manifest, .metadata or a file it would read is bad, or None;
+        whether the checkpoint is of another model, which stops the run instead of falling back)."""
+        reason = verify(folder, [".metadata"])
+        if reason is not None:
+            return reason, False
+        metadata = reader.read_metadata()
+        try:
+            wanted, _ = state.read_request(metadata, restore_data, bind=False)
+        except ValueError as error:
+            return str(error), True
+        return verify(folder, files_read(wanted, metadata)), False
 
-def _write_synced(path: Path, text: str) -> None:
-    """Write text and fsync it."""
-    with path.open("w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-def _sync_dir(folder: Path) -> None:
-    """fsync a folder so a rename inside it is durable."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    def _agree(self, step: int, folder: Path | None, reason: str | None, fatal: bool) -> bool:
+        """Whether every rank can load this candidate (one all-reduce); refusals are reported by the ranks that
+        found them, a checkpoint of another model raises everywhere."""
+        if reason is not None:
+            print(f"checkpoint {folder} refused by rank {dist.get_rank()}: {reason}; trying the previous one",
+                  file=sys.stderr, flush=True)
+        verdict = torch.tensor([reason is not None, fatal, step, -step], dtype=torch.int64)
+        dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=self.group)
+        bad, fatal_anywhere, newest, oldest = verdict.tolist()
+        if newest != -oldest:
+            raise RuntimeError(f"ranks see different checkpoints under {self.root} (steps {-oldest}..{newest} "
+                               f"at the same position): is the folder shared by every rank?")
+        if fatal_anywhere:
+            raise ValueError(reason if fatal else f"checkpoint {folder} does not fit this model (see the rank "
+                                                  f"that refused it)")
+        return not bad
 
 
 def consolidate(path: str | Path) -> dict[str, Tensor]:

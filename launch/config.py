@@ -41,9 +41,10 @@ class TrainSettings:
     eval_batches: int = 4
     peak_tflops_per_gpu: float = 0.0  # for MFU; 0: from the GPU's name (none on CPU)
     tensorboard: bool = False  # also write TensorBoard events to run_dir/tensorboard
+    rank_metrics_every: int = 10  # steps between the records' per-rank sections (gathered to rank 0), and the last
 
     def __post_init__(self) -> None:
-        for name in ("steps", "micro_batch_size", "grad_accum_steps", "seq_len"):
+        for name in ("steps", "micro_batch_size", "grad_accum_steps", "seq_len", "rank_metrics_every"):
             check_positive(name, getattr(self, name))
         for name in ("warmup_steps", "checkpoint_every", "seed", "eval_every", "eval_batches"):
             check_positive(name, getattr(self, name), minimum=0)
@@ -176,6 +177,10 @@ class RunConfig:
                              f"{par.pp}: it needs >= {minimum}{even} chunks per pipeline step (raise "
                              f"train.grad_accum_steps or parallel.num_chunks)")
 
+        hang = self.ops.inject_hang
+        if hang and hang["rank"] >= par.world_size:
+            raise ValueError(f"ops.inject_hang.rank = {hang['rank']} must be < the world size parallel.pp x dp x tp = "
+                             f"{par.world_size}")
         check_tp_shapes(model, self.train.seq_len, par.tp, par.sequence_parallel)
         layout = self.layout
         nodes = layout.ep_nodes()

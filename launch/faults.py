@@ -1,4 +1,4 @@
-"""Fault handling for long runs: the [ops] settings, bad-step and loss-spike guards, preemption, a rank watchdog.
+"""Fault handling for long runs: the [ops] settings, bad-step and loss-spike guards, preemption.
 
 - StepGuard: a step whose loss or gradient norm is NaN/inf is skipped (no optimizer update); after
   ops.max_bad_steps such steps in a row the run stops with FaultError. A loss whose robust z-score
@@ -6,35 +6,29 @@
   spike: skipped, or the run rolls back to its latest checkpoint and goes on with the batches after it.
 - Preemption: SIGTERM (or SIGINT) sets a flag; the ranks agree on it after each step, save a
   checkpoint and leave the step loop, so the run exits 0.
-- Watchdog: each rank touches RUN_DIR/heartbeat/rankNNNNN every second; a thread of each rank checks
-  the others' and, when one has been silent for ops.heartbeat_timeout_s (killed, stopped, hung),
-  prints which rank and ends its own process, so the whole run ends within that bound.
+- Hangs: the step-progress watchdog (launch.watchdog) ends the run when a rank stops making progress for
+  ops.heartbeat_timeout_s (ops.long_phase_timeout_s in load, a first step, eval, save), naming the rank
+  and its phase; ops.max_restarts restarts the run from its latest checkpoint (launch.launcher).
 """
 
 from __future__ import annotations
 
 import math
-import os
 import signal
 import statistics
-import sys
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
+from launch.watchdog import HANG_KINDS, HEARTBEAT_S
 from moe.config import check_choice, check_positive
 
 SPIKE_POLICIES = ("none", "skip", "rollback")
 SPIKE_INJECTION_FACTOR = 1000.0  # an injected spike multiplies the step's loss (and gradients) by this
 MIN_SPIKE_HISTORY = 4  # accepted losses needed before a spike can be called
 MAD_TO_SIGMA = 1.4826  # a normal distribution's sigma / median absolute deviation
-WATCHDOG_EXIT = 3  # exit code of a rank whose watchdog found a silent peer
-HEARTBEAT_S = 1.0
+MIN_HEARTBEATS = 3  # ops.heartbeat_timeout_s spans at least this many of the watchdog's rounds
+HANG_FIELDS = ("rank", "step", "kind")
 
 
 class FaultError(RuntimeError):
@@ -43,10 +37,13 @@ class FaultError(RuntimeError):
 
 @dataclass
 class OpsSettings:
-    """[ops]: checkpoint retention and mode, bad-step and loss-spike policies, watchdog, fault drills.
+    """[ops]: checkpoint retention and mode, bad-step and loss-spike policies, watchdog, restarts, fault drills.
 
     inject_nan_steps / inject_spike_steps are drills: the loss of those steps (first time each is
-    reached) is multiplied by NaN / SPIKE_INJECTION_FACTOR before backward.
+    reached) is multiplied by NaN / SPIKE_INJECTION_FACTOR before backward. inject_hang = {rank, step,
+    kind} is a drill too: that rank hangs where it would enter the grad sync of that step (once per run
+    directory), by kind: "spin" (a Python loop), "sleep" (blocked before the collective), "stop"
+    (SIGSTOP), "kill" (SIGKILL).
     """
 
     keep_checkpoints: int = 3
@@ -55,23 +52,38 @@ class OpsSettings:
     spike_policy: str = "none"
     spike_window: int = 50
     spike_zscore: float = 6.0
-    heartbeat_timeout_s: float = 60.0
+    heartbeat_timeout_s: float = 60.0  # a rank making no progress this long ends the run (0: watchdog off)
+    long_phase_timeout_s: float = 240.0  # the same in load, a first step, eval, save (< the 300 s collective timeout)
+    max_restarts: int = 0  # restarts of a failed run from its latest checkpoint (moe-train's own spawn)
     inject_nan_steps: list = field(default_factory=list)
     inject_spike_steps: list = field(default_factory=list)
+    inject_hang: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("keep_checkpoints", "max_bad_steps"):
             check_positive(f"ops.{name}", getattr(self, name))
+        check_positive("ops.max_restarts", self.max_restarts, minimum=0)
         check_positive("ops.spike_window", self.spike_window, minimum=MIN_SPIKE_HISTORY)
         check_choice("ops.spike_policy", self.spike_policy, SPIKE_POLICIES)
         if not self.spike_zscore > 0:
             raise ValueError(f"ops.spike_zscore = {self.spike_zscore!r} must be > 0 (e.g. 6.0)")
-        if not 0 <= self.heartbeat_timeout_s < math.inf:
-            raise ValueError(f"ops.heartbeat_timeout_s = {self.heartbeat_timeout_s!r} must be >= 0 seconds "
-                             f"(0 turns the watchdog off; >= {3 * HEARTBEAT_S:g} to be useful)")
+        shortest = MIN_HEARTBEATS * HEARTBEAT_S
+        if not (self.heartbeat_timeout_s == 0 or shortest <= self.heartbeat_timeout_s < math.inf):
+            raise ValueError(f"ops.heartbeat_timeout_s = {self.heartbeat_timeout_s!r}; allowed: 0 (watchdog off) or "
+                             f">= {shortest:g} seconds ({MIN_HEARTBEATS} heartbeats), finite")
+        if not self.heartbeat_timeout_s <= self.long_phase_timeout_s < math.inf:
+            raise ValueError(f"ops.long_phase_timeout_s = {self.long_phase_timeout_s!r} must be finite and >= "
+                             f"ops.heartbeat_timeout_s = {self.heartbeat_timeout_s!r} seconds")
         for name in ("inject_nan_steps", "inject_spike_steps"):
             for value in getattr(self, name):
                 check_positive(f"ops.{name} entry", value, minimum=0)
+        if self.inject_hang:
+            if sorted(self.inject_hang) != sorted(HANG_FIELDS):
+                raise ValueError(f"ops.inject_hang = {self.inject_hang!r} must give exactly {', '.join(HANG_FIELDS)} "
+                                 f"(e.g. {{rank = 1, step = 2, kind = \"spin\"}})")
+            for name in ("rank", "step"):
+                check_positive(f"ops.inject_hang.{name}", self.inject_hang[name], minimum=0)
+            check_choice("ops.inject_hang.kind", self.inject_hang["kind"], HANG_KINDS)
 
 
 class StepGuard:
@@ -117,6 +129,14 @@ class StepGuard:
         self.history.append(loss)
         return "ok"
 
+    def state_dict(self) -> dict[str, list[float]]:
+        """The accepted-loss history (checkpointed: spike detection goes on after a resume or a rollback)."""
+        return {"history": list(self.history)}
+
+    def load_state_dict(self, state: dict[str, list[float]]) -> None:
+        """Restore a state_dict() (its newest ops.spike_window losses)."""
+        self.history = deque(state["history"], maxlen=self.ops.spike_window)
+
 
 class Preemption:
     """SIGTERM/SIGINT set a flag instead of killing the process (installed for the step loop, then restored)."""
@@ -144,48 +164,3 @@ class Preemption:
     def requested(self) -> bool:
         """Whether this rank got the signal (the trainer's stats all-reduce makes every rank stop after the same step)."""
         return self.received is not None
-
-
-class Watchdog:
-    """Heartbeat files under folder plus a thread that ends this process when a peer goes silent; enter it
-    after a collective (every rank alive), a rank leaving it removes its file."""
-
-    def __init__(self, folder: str | Path, rank: int, world_size: int, timeout_s: float) -> None:
-        self.folder = Path(folder)
-        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def path(self, rank: int) -> Path:
-        """Heartbeat file of rank."""
-        return self.folder / f"rank{rank:05d}"
-
-    def __enter__(self) -> Watchdog:
-        if self.timeout_s > 0 and self.world_size > 1:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            self.path(self.rank).touch()
-            self._thread = threading.Thread(target=self._run, name="moe-watchdog", daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self.path(self.rank).unlink(missing_ok=True)  # a finished rank is not a silent one
-
-    def _run(self) -> None:
-        started = time.time()
-        while not self._stop.wait(HEARTBEAT_S):
-            now = time.time()
-            os.utime(self.path(self.rank), (now, now))
-            for peer in range(self.world_size):
-                try:
-                    seen = max(self.path(peer).stat().st_mtime, started)
-                except FileNotFoundError:  # finished (or not started: the launcher sees ranks that never start)
-                    continue
-                if peer != self.rank and now - seen > self.timeout_s:
-                    print(f"watchdog on rank {self.rank}: rank {peer} stopped sending heartbeats {now - seen:.0f} s "
-                          f"ago (killed, stopped or hung; ops.heartbeat_timeout_s = {self.timeout_s:g}); "
-                          f"ending this rank", file=sys.stderr, flush=True)
-                    os._exit(WATCHDOG_EXIT)

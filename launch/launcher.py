@@ -12,6 +12,7 @@ import os
 import contextlib
 import re
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -21,9 +22,10 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from dispatch.multiproc import run_processes
+from dispatch.multiproc import WorkerError, run_processes
 from launch.config import RunConfig
 from launch.device import backend_for, check_device
+from launch.watchdog import on_rank_death
 
 COLLECTIVE_TIMEOUT_S = 300.0  # rendezvous and every collective; a hung rank ends the run after this
 REFUSAL_WAIT_S = 30.0  # a rank refusing its launcher's world waits at most this long for the others to refuse too
@@ -166,6 +168,11 @@ def check_launch(cfg: RunConfig, launch: Launch) -> None:
         raise LaunchError(f"{launch.launcher} started {launch.world_size} processes (this is rank {launch.rank}), but "
                           f"the config's layout needs {layout}: start {hint}, change [parallel], or run plain "
                           f"`moe-train --config ...`, which spawns the layout's ranks itself", launch)
+    if cfg.ops.max_restarts and (launch.launcher != "moe-train" or launch.nnodes > 1):
+        raise LaunchError(f"ops.max_restarts = {cfg.ops.max_restarts} restarts the ranks of moe-train's own spawn on "
+                          f"one node, not a run started by {launch.launcher} on {launch.nnodes} node(s): set "
+                          f"ops.max_restarts = 0 and restart with torchrun --max-restarts N plus moe-train --resume "
+                          f"(a run without a checkpoint starts afresh)", launch)
     if launch.nnodes > 1 and par.gpus_per_node != launch.local_ranks:
         raise LaunchError(f"parallel.gpus_per_node = {par.gpus_per_node} but {launch.launcher} puts "
                           f"{launch.local_ranks} ranks on each of {launch.nnodes} nodes: set parallel.gpus_per_node = "
@@ -256,27 +263,48 @@ def train_rank(rank: int, world_size: int, cfg: RunConfig, trainer: Trainer | No
     return (trainer or _default_trainer())(cfg, **train_kwargs)
 
 
+def _spawn(cfg: RunConfig, launch: Launch, backend: str, threads: int, trainer: Trainer | None,
+           train_kwargs: dict) -> list[dict]:
+    """moe-train's own spawn of this node's ranks; after a failure, up to ops.max_restarts fresh attempts, each
+    resuming from the latest valid checkpoint in RUN_DIR (as torchrun's elastic agent restarts its workers);
+    attempt n > 0 logs to RUN_DIR/logs/restartN."""
+    attempt = 0
+    while True:
+        kwargs = {**train_kwargs, "resume": True} if attempt else train_kwargs
+        logs = Path(cfg.train.run_dir) / "logs"
+        try:
+            results = run_processes(
+                train_rank, launch.world_size, cfg, trainer, kwargs, backend=backend, threads=threads,
+                timeout_s=COLLECTIVE_TIMEOUT_S, run_timeout_s=math.inf, nnodes=launch.nnodes,
+                node_rank=launch.node_rank, master_addr=launch.master_addr, master_port=launch.master_port,
+                log_dir=logs / f"restart{attempt}" if attempt else logs, on_death=on_rank_death)
+            return results[0] if launch.node_rank == 0 else []
+        except WorkerError as error:
+            if attempt == cfg.ops.max_restarts:
+                raise
+            attempt += 1
+            print(f"moe-train: the run failed ({str(error).splitlines()[0]}); restart {attempt} of ops.max_restarts "
+                  f"= {cfg.ops.max_restarts}, from the latest checkpoint in {Path(cfg.train.run_dir) / 'checkpoint'}",
+                  file=sys.stderr, flush=True)
+
+
 def launch_run(cfg: RunConfig, flags: NodeFlags = NodeFlags(), env: Mapping[str, str] | None = None,
                trainer: Trainer | None = None, **train_kwargs: Any) -> list[dict]:
     """Run cfg on the ranks its layout needs, however this process was started; rank 0's records ([] elsewhere).
 
     Raises LaunchError (before any process starts or any group forms) when the launch does not
     fit the layout, and dispatch.multiproc.WorkerError when a spawned rank fails (the message
-    names the rank, its exit code and its last traceback lines). trainer defaults to
-    launch.train.train; it runs on the current process group with train_kwargs.
+    names the rank, its exit code and its last traceback lines) in each of ops.max_restarts + 1
+    attempts. trainer defaults to launch.train.train; it runs on the current process group with
+    train_kwargs.
     """
     env = os.environ if env is None else env
     launch = detect_launch(cfg.parallel.world_size, flags, env)
     check_launch(cfg, launch)
     backend = resolve_backend(cfg, launch.local_ranks)
     threads = threads_per_rank(launch.local_ranks, env)
-    if launch.rank is None and launch.world_size > 1:
-        results = run_processes(
-            train_rank, launch.world_size, cfg, trainer, train_kwargs, backend=backend, threads=threads,
-            timeout_s=COLLECTIVE_TIMEOUT_S, run_timeout_s=math.inf, nnodes=launch.nnodes, node_rank=launch.node_rank,
-            master_addr=launch.master_addr, master_port=launch.master_port,
-            log_dir=Path(cfg.train.run_dir) / "logs")
-        return results[0] if launch.node_rank == 0 else []
+    if launch.rank is None and (launch.world_size > 1 or cfg.ops.max_restarts):
+        return _spawn(cfg, launch, backend, threads, trainer, train_kwargs)
     torch.set_num_threads(threads)
     if launch.world_size == 1:
         return (trainer or _default_trainer())(cfg, **train_kwargs)

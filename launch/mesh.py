@@ -8,8 +8,8 @@ pipeline ranks, so the replica groups of its parameters span both of them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import product
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -50,63 +50,63 @@ class Layout:
         """Node holding a global rank."""
         return rank // self.node_size
 
-    def pipeline_groups(self) -> list[list[int]]:
-        """Ranks that pass activations to each other, in stage order (one group per dp, tp)."""
-        return [[self.rank(p, d, t) for p in range(self.pp)] for d, t in product(range(self.dp), range(self.tp))]
+    def pipeline_group(self, rank: int) -> list[int]:
+        """Ranks that pass activations to and from rank, in stage order."""
+        _, d, t = self.coords(rank)
+        return [self.rank(p, d, t) for p in range(self.pp)]
 
-    def dp_groups(self) -> list[list[int]]:
-        """Ranks holding the same TP shard of the same stages (one group per pp, tp)."""
-        return [[self.rank(p, d, t) for d in range(self.dp)] for p, t in product(range(self.pp), range(self.tp))]
+    def dp_group(self, rank: int) -> list[int]:
+        """Ranks holding rank's TP shard of its stages."""
+        p, _, t = self.coords(rank)
+        return [self.rank(p, d, t) for d in range(self.dp)]
 
-    def tp_groups(self) -> list[list[int]]:
-        """Ranks sharing one layer's TP shards (one group per pp, dp)."""
-        return [[self.rank(p, d, t) for t in range(self.tp)] for p, d in product(range(self.pp), range(self.dp))]
+    def tp_group(self, rank: int) -> list[int]:
+        """Ranks sharing rank's layers' TP shards."""
+        p, d, _ = self.coords(rank)
+        return [self.rank(p, d, t) for t in range(self.tp)]
 
-    def _block(self, pp: int) -> list[int]:
-        """The dp x tp ranks of one pipeline stage, in rank order."""
-        return [self.rank(pp, d, t) for d, t in product(range(self.dp), range(self.tp))]
+    def ep_group(self, rank: int) -> list[int]:
+        """rank's ep consecutive ranks of its stage's dp x tp block: together they hold every expert once."""
+        start = rank - rank % self.ep  # blocks (dp x tp ranks) are whole numbers of EP groups
+        return list(range(start, start + self.ep))
+
+    def expert_dp_group(self, rank: int) -> list[int]:
+        """Ranks of rank's stage that hold its experts (dp * tp / ep of them)."""
+        block = self.dp * self.tp
+        first = rank - rank % block
+        return list(range(first + rank % self.ep, first + block, self.ep))
+
+    def _mirror(self, group: list[int]) -> list[int]:
+        """Under DualPipe, group joined with its twin on pipeline rank pp-1-p (the same stages' other copy)."""
+        if not self.mirrored:
+            return group
+        shift = (self.pp - 1 - 2 * self.coords(group[0])[0]) * self.dp * self.tp
+        return sorted(group + [r + shift for r in group])
+
+    def dense_replica_group(self, rank: int) -> list[int]:
+        """Ranks holding copies of rank's dense (non-expert) parameters: ZeRO-1 shards over them."""
+        return self._mirror(self.dp_group(rank))
+
+    def expert_replica_group(self, rank: int) -> list[int]:
+        """Ranks holding copies of rank's experts: ZeRO-1 shards expert state over them."""
+        return self._mirror(self.expert_dp_group(rank))
 
     def ep_groups(self) -> list[list[int]]:
-        """ep consecutive ranks of a stage's dp x tp block: together they hold every expert once."""
-        return [block[i:i + self.ep] for block in map(self._block, range(self.pp))
-                for i in range(0, len(block), self.ep)]
-
-    def expert_dp_groups(self) -> list[list[int]]:
-        """Ranks of a stage that hold the same experts (dp * tp / ep of them)."""
-        return [block[e::self.ep] for block in map(self._block, range(self.pp)) for e in range(self.ep)]
-
-    def _mirror(self, groups: list[list[int]]) -> list[list[int]]:
-        """Under DualPipe, join each group of pipeline rank p with its twin of rank pp-1-p."""
-        if not self.mirrored:
-            return groups
-        by_pp = {self.coords(g[0])[0]: [] for g in groups}
-        for g in groups:
-            by_pp[self.coords(g[0])[0]].append(g)
-        return [sorted(a + b) for p in range(self.pp // 2) for a, b in zip(by_pp[p], by_pp[self.pp - 1 - p])]
-
-    def dense_replica_groups(self) -> list[list[int]]:
-        """Ranks holding copies of the same dense (non-expert) parameters: ZeRO-1 shards over them."""
-        return self._mirror(self.dp_groups())
-
-    def expert_replica_groups(self) -> list[list[int]]:
-        """Ranks holding copies of the same experts: ZeRO-1 shards expert state over them."""
-        return self._mirror(self.expert_dp_groups())
+        """Every EP group, in rank order."""
+        return [self.ep_group(first) for first in range(0, self.world_size, self.ep)]
 
     def ep_nodes(self) -> int:
         """Nodes one EP group spans (each holding the same number of its ranks)."""
-        return len({self.node(r) for r in self.ep_groups()[0]})
+        return self.ep // self.ep_gpus_per_node()
 
     def ep_gpus_per_node(self) -> int:
-        """Members of an EP group per node, checked equal on every node it spans."""
-        for group in self.ep_groups():
-            counts = {}
-            for r in group:
-                counts[self.node(r)] = counts.get(self.node(r), 0) + 1
-            if len(set(counts.values())) > 1:
-                raise ValueError(f"parallel.ep = {self.ep} with parallel.gpus_per_node = {self.gpus_per_node}: the EP "
-                                 f"group {group} spans nodes unevenly ({counts} ranks per node); choose ep dividing "
-                                 f"gpus_per_node or a multiple of it")
-        return self.ep // self.ep_nodes()
+        """Members of an EP group per node; every EP group (ep consecutive ranks from a multiple of ep) spans its
+        nodes evenly exactly when ep divides the node size or the node size divides ep."""
+        node = self.node_size
+        if node % self.ep and self.ep % node:
+            raise ValueError(f"parallel.ep = {self.ep} with parallel.gpus_per_node = {self.gpus_per_node}: EP groups "
+                             f"would span nodes unevenly; choose ep dividing gpus_per_node or a multiple of it")
+        return min(self.ep, node)
 
     def describe(self) -> str:
         """One line per rank: its coordinates, EP index and node."""
@@ -131,22 +131,18 @@ class Mesh:
         self.rank = dist.get_rank()
         self.pp_rank, self.dp_rank, self.tp_rank = layout.coords(self.rank)
         self.world = dist.group.WORLD
-        self.pipeline = self._mine(layout.pipeline_groups())
-        self.dp = self._mine(layout.dp_groups())
-        self.tp = self._mine(layout.tp_groups())
-        self.tp_grad = self._mine(layout.tp_groups())  # TP collectives of backward, in flight beside a forward's
+        self.pipeline = self._mine(layout.pipeline_group)
+        self.dp = self._mine(layout.dp_group)
+        self.tp = self._mine(layout.tp_group)
+        self.tp_grad = self._mine(layout.tp_group)  # TP collectives of backward, in flight beside a forward's
         check_tp_group(self.tp, layout.tp)
-        self.ep = self._mine(layout.ep_groups())
-        self.ep_grad = self._mine(layout.ep_groups())  # EP gradient exchanges, in flight beside the forward's
-        self.expert_dp = self._mine(layout.expert_dp_groups())
-        self.dense_replicas = self._mine(layout.dense_replica_groups())
-        self.expert_replicas = self._mine(layout.expert_replica_groups())
+        self.ep = self._mine(layout.ep_group)
+        self.ep_grad = self._mine(layout.ep_group)  # EP gradient exchanges, in flight beside the forward's
+        self.expert_dp = self._mine(layout.expert_dp_group)
+        self.dense_replicas = self._mine(layout.dense_replica_group)
+        self.expert_replicas = self._mine(layout.expert_replica_group)
 
-    def _mine(self, groups: list[list[int]]) -> ProcessGroup:
-        """Create every group of the list (each rank must) and return the one holding this rank."""
-        mine = None
-        for ranks in groups:
-            group = dist.new_group(ranks)
-            if self.rank in ranks:
-                mine = group
-        return mine
+    def _mine(self, group_of: Callable[[int], list[int]]) -> ProcessGroup:
+        """This rank's group of one kind, created by its members only (a store barrier among them, none with
+        the rest of the world): O(group) work per rank whatever the world size."""
+        return dist.new_group(group_of(self.rank), use_local_synchronization=True)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed._tools import mod_tracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 import torch.nn.functional as F
@@ -41,7 +42,14 @@ from launch.plan.presets import gpu_preset
 
 META = torch.device("meta")
 CATEGORIES = ("params", "grads", "optimizer", "activations")
-SEND_BUFFERS_FROM = {"alltoall_base_": 1, "_allgather_base_": 1, "_reduce_scatter_base_": 1}  # arg 0 is the output
+SEND_BUFFERS_FROM = {"alltoall_base_": 1, "_allgather_base_": 1, "_reduce_scatter_base_": 1, "gather_": 1}  # arg 0: out
+
+
+class _NoHook:
+    """The handle of a hook not registered."""
+
+    def remove(self) -> None:
+        """Nothing to remove."""
 
 
 class StepMemTracker(MemTracker):
@@ -75,6 +83,13 @@ class StepMemTracker(MemTracker):
                 for kind in ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "Other")}
 
     def __enter__(self) -> StepMemTracker:
+        # ModTracker's backward hooks (register_multi_grad_hook on every module's inputs and outputs) keep each
+        # micro-batch's autograd graph alive through a cycle that runs through C++ nodes, and with it the stage
+        # inputs and their grads: a growing leak a GPU run does not have. Only the device's peak is read here,
+        # so backward module tracking is off.
+        self._real_multi_grad_hook = mod_tracker.register_multi_grad_hook
+        mod_tracker.register_multi_grad_hook = lambda *args, **kwargs: _NoHook()
+
         def before_step(optimizer: torch.optim.Optimizer, *_: object) -> None:
             if hasattr(optimizer, "buffer_bytes"):  # forward and backward are over: their peak is the step's
                 self.before_step = self._peak_by_kind()
@@ -88,6 +103,7 @@ class StepMemTracker(MemTracker):
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
+        mod_tracker.register_multi_grad_hook = self._real_multi_grad_hook
         for hook in self._step_hooks:
             hook.remove()
         super().__exit__(*exc)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dispatch.progress import LAYER, mark
 from launch.flops import head_flops, model_layer_flops
 from moe.config import ModelConfig
 from moe.layer import MoELayer, MoEStats
@@ -136,6 +137,7 @@ class Stage(nn.Module):
         seq = x.shape[1] * (self.tp.size if self.tp is not None and self.tp.sequence_parallel else 1)
         cos, sin = rope_tables(seq, self.cfg.hidden_size // self.cfg.num_heads, self.cfg.rope_theta, x.device)
         for i, block in self.blocks.items():
+            mark(f"layer {i}", LAYER)
             x, stats = yield from block.forward_steps(x, cos, sin)
             if stats is not None:
                 self.tallies[int(i)].add(stats, self.loss_scale)

@@ -24,16 +24,18 @@ from torch import Tensor
 from tqdm import tqdm
 
 from dispatch import EPDispatcher, Traffic
+from dispatch.progress import ACTION, mark
 from launch.checkpoint import Checkpointer, TrainState
 from launch.config import RunConfig
 from launch.data import DataFeed, MicroBatch
 from launch.device import rank_device, to_host
-from launch.faults import Preemption, StepGuard, Watchdog
+from launch.faults import Preemption, StepGuard
 from launch.materialize import materialize
 from launch.mesh import Mesh
 from launch.metrics import (JsonlWriter, TensorBoardWriter, expert_load_summary, mfu_peak, model_flops_per_token,
                             moe_layer_metrics, rank_metrics, step_record, throughput_metrics, traffic_metrics)
 from launch.stages import LOSS_KINDS, Stage, build_stages, lm_loss
+from launch.watchdog import Progress, run_watchdog
 from moe.model import MoETransformer
 from moe.tp import tp_replicated_params
 from optim import ZeRO1
@@ -145,9 +147,11 @@ def forward_backward(stages: list[Stage], runtime: PipelineRuntime | None, micro
     device = next(stages[0].parameters()).device
     total = torch.zeros((), dtype=torch.float64, device=device)
     if runtime is None:
-        for batch in micro:
+        for m, batch in enumerate(micro):
+            mark(f"forward of micro-batch {m}", ACTION)
             loss = lm_loss(stages[0](batch.inputs), batch.labels, loss_scale, stages[0].tp)
             if torch.is_grad_enabled():
+                mark(f"backward of micro-batch {m}", ACTION)
                 loss.backward()
             total += loss.detach()
         return total, 0.0
@@ -170,14 +174,16 @@ def forward_backward(stages: list[Stage], runtime: PipelineRuntime | None, micro
 
 
 def gather_step_stats(stages: list[Stage], cfg: RunConfig, mesh: Mesh, lm_part: Tensor, grad_norm: Tensor,
-                      idle: float, stop: bool) -> dict:
+                      idle: float, stop: bool, per_rank: bool) -> dict:
     """The step's one stats all-reduce and its one copy to the host: losses and per-layer routing statistics
     summed over every rank (each layer counted once per micro-batch, DualPipe's twin copies seeing disjoint
     chunks; losses, the same on every TP rank, divided by tp; TP ranks route disjoint tokens), expert biases
-    averaged over their holders, the EP traffic and every rank's peak memory and idle share, and whether any
-    rank was asked to stop. "loads_on_device" keeps the global loads on the device for the bias update."""
+    averaged over their holders, the EP-peer traffic matrix, and whether any rank was asked to stop; none of
+    it grows with the world. "loads_on_device" keeps the global loads on the device for the bias update.
+    per_rank (every train.rank_metrics_every steps): also each rank's traffic, peak memory and idle share,
+    gathered to rank 0 (launch.train.gather_rank_rows)."""
     device = lm_part.device
-    host_tables = np.concatenate([traffic_table(stages, mesh), rank_table(device, idle), [float(stop)]])
+    by_kind, peers = traffic_table(stages, mesh)
     first_moe, layers, experts = cfg.model.first_k_dense, cfg.model.num_moe_layers, cfg.model.num_experts
     loads = torch.zeros(layers, experts, dtype=torch.float64, device=device)
     biases = torch.zeros(layers, experts, dtype=torch.float64, device=device)
@@ -193,19 +199,22 @@ def gather_step_stats(stages: list[Stage], cfg: RunConfig, mesh: Mesh, lm_part: 
             extra[row, 3:] += tally.losses
         stage.reset_tallies()  # and the EP traffic counters, read above
     # host numbers to the device for the all-reduce (a blocking copy: the step's compute is done by now)
-    parts = [lm_part.view(1), loads, biases, extra, torch.tensor(host_tables.tolist(), dtype=torch.float64, device=device)]
+    host_tables = [*peers.ravel().tolist(), float(stop)]
+    parts = [lm_part.view(1), loads, biases, extra, torch.tensor(host_tables, dtype=torch.float64, device=device)]
     flat = torch.cat([p.flatten() for p in parts])
     dist.all_reduce(flat)
     host = to_host(torch.cat([flat, grad_norm.detach().view(1).double()]))  # the step's one device-to-host copy
     _, loads_h, biases_h, extra_h, tables, norm = (chunk.view_as(p) for chunk, p in zip(
         host.split([p.numel() for p in parts] + [1]), parts + [grad_norm.view(1)]))
-    tp = cfg.parallel.tp
+    tp, ep = cfg.parallel.tp, mesh.layout.ep
     extra_h[:, 1], extra_h[:, 3:] = extra_h[:, 1] / tp, extra_h[:, 3:] / tp
+    ranks = gather_rank_rows(np.concatenate([by_kind.ravel(), rank_row(device, idle)]), device) if per_rank else {}
     return {"lm_loss": float(host[0]) / tp, "loads": [row.long() for row in loads_h], "dropped": extra_h[:, 0],
             "aux_loss": float(extra_h[:, 1].sum()), "biases": biases_h / extra_h[:, 2:3].clamp(min=1),
             "losses": [dict(zip(LOSS_KINDS, row.tolist())) for row in extra_h[:, 3:]], "grad_norm": float(norm[0]),
             "stop": bool(tables[-1] > 0), "loads_on_device": flat[1:1 + loads.numel()].view_as(loads),
-            **decode_tables(tables[:-1], mesh)}
+            **traffic_metrics(tables[:-1].view(ep, ep).long().tolist(), mesh.layout.ep_gpus_per_node() if ep > 1 else 0),
+            **ranks}
 
 
 def update_expert_bias(stages: list[Stage], cfg: RunConfig, loads: Tensor) -> None:
@@ -216,24 +225,21 @@ def update_expert_bias(stages: list[Stage], cfg: RunConfig, loads: Tensor) -> No
                 layer.router.update_bias(loads[i - cfg.model.first_k_dense])
 
 
-def rank_table(device: torch.device, idle: float) -> np.ndarray:
-    """[world x 2] float64 host numbers, this rank's row filled: its peak memory (bytes allocated on a GPU,
-    the process's peak RSS on a CPU) and its pipeline idle share; summed over ranks in the stats all-reduce."""
+def rank_row(device: torch.device, idle: float) -> np.ndarray:
+    """This rank's peak memory (bytes allocated on a GPU, the process's peak RSS on a CPU) and pipeline idle share."""
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    table = np.zeros((dist.get_world_size(), 2))
-    table[dist.get_rank()] = peak, idle
-    return table.ravel()
+    return np.array([peak, idle], dtype=np.float64)
 
 
-def traffic_table(stages: list[Stage], mesh: Mesh) -> np.ndarray:
-    """This rank's EP traffic counters of the step (host numbers; Stage.reset_tallies restarts them), flat
-    float64: per rank and call kind [intra payload, inter payload, intra meta, inter meta], then the EP-peer
-    byte matrix by position in the EP group; summed over ranks in the stats all-reduce."""
-    world, ep = dist.get_world_size(), mesh.layout.ep
-    by_kind = np.zeros((world, len(TRAFFIC_KINDS), len(TRAFFIC_FIELDS)))
+def traffic_table(stages: list[Stage], mesh: Mesh) -> tuple[np.ndarray, np.ndarray]:
+    """This rank's EP traffic counters of the step (host numbers; Stage.reset_tallies restarts them): float64
+    [call kind, (intra payload, inter payload, intra meta, inter meta)], and its row of the EP-peer byte matrix
+    by position in the EP group ([ep, ep], summed over ranks in the stats all-reduce)."""
+    ep = mesh.layout.ep
+    by_kind = np.zeros((len(TRAFFIC_KINDS), len(TRAFFIC_FIELDS)))
     peers = np.zeros((ep, ep))
     me = dist.get_rank(mesh.ep)
     for stage in stages:
@@ -243,21 +249,25 @@ def traffic_table(stages: list[Stage], mesh: Mesh) -> np.ndarray:
                 continue
             for k, kind in enumerate(TRAFFIC_KINDS):
                 counts = meter.total.get(kind, Traffic())
-                by_kind[dist.get_rank(), k] += [getattr(counts, f) for f in TRAFFIC_FIELDS]
+                by_kind[k] += [getattr(counts, f) for f in TRAFFIC_FIELDS]
             for peer, nbytes in meter.sent_to.items():
                 peers[me, peer] += nbytes
-    return np.concatenate([by_kind.ravel(), peers.ravel()])
+    return by_kind, peers
 
 
-def decode_tables(tables: Tensor, mesh: Mesh) -> dict:
-    """The "traffic_bytes", "traffic" and "ranks" metrics sections from the summed traffic and rank tables."""
-    world, ep = dist.get_world_size(), mesh.layout.ep
-    sizes = [world * len(TRAFFIC_KINDS) * len(TRAFFIC_FIELDS), ep * ep, world * 2]
-    by_kind, peers, ranks = tables.split(sizes)
-    by_kind, peers, ranks = by_kind.view(world, len(TRAFFIC_KINDS), -1), peers.view(ep, ep), ranks.view(world, 2)
+def gather_rank_rows(row: np.ndarray, device: torch.device) -> dict:
+    """Every rank's row (traffic by kind, peak memory, idle share) gathered to rank 0 (O(1) bytes per other rank):
+    there, the "traffic_bytes" and "ranks" metrics sections; elsewhere nothing."""
+    mine = torch.tensor(row.tolist(), dtype=torch.float64, device=device)
+    lead = dist.get_rank() == 0
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())] if lead else None
+    dist.gather(mine, rows, dst=0)
+    if not lead:
+        return {}
+    table = to_host(torch.stack(rows))  # rank 0's copy of the gathered rows, on the rank-metrics steps only
+    by_kind = table[:, :-2].view(len(table), len(TRAFFIC_KINDS), len(TRAFFIC_FIELDS))
     return {"traffic_bytes": {kind: by_kind[:, k].long().tolist() for k, kind in enumerate(TRAFFIC_KINDS)},
-            **traffic_metrics(peers.long().tolist(), mesh.layout.ep_gpus_per_node() if ep > 1 else 0),
-            **rank_metrics(ranks[:, 0].long().tolist(), ranks[:, 1].tolist())}
+            **rank_metrics(table[:, -2].long().tolist(), table[:, -1].tolist())}
 
 
 def step_metrics(step: int, cfg: RunConfig, stats: dict, scalars: dict, tokens: int, seconds: float,
@@ -302,7 +312,7 @@ def train(cfg: RunConfig, metrics_out: str | Path | None = None, resume: bool = 
 
     device: where this rank computes; default train.device's choice (launch.device: cuda:LOCAL_RANK or
     the CPU). A rehearsal (launch.rehearse) hands in `meta` under a fake process group: the step runs
-    without storage, checkpoints and the heartbeat watchdog are skipped (it says so).
+    without storage, checkpoints and the step-progress watchdog are skipped (it says so).
     """
     device = device or rank_device(cfg.train.device)
     if device.type == "cuda":
@@ -327,17 +337,17 @@ def _train(cfg: RunConfig, metrics_out: str | Path | None, resume: bool, progres
                     if cfg.data.eval_fraction and settings.eval_batches else None)
     rehearsal = device.type == "meta"
     if rehearsal:
-        print("rehearsal on the meta device: checkpoints (DCP writes real storage) and the heartbeat watchdog "
-              "(files of every rank) are skipped", flush=True)
+        print("rehearsal on the meta device: checkpoints (DCP writes real storage) and the step-progress watchdog "
+              "(the rendezvous store of every rank) are skipped", flush=True)
     checkpointer = None if rehearsal else Checkpointer(checkpoint_dir(cfg), cfg.ops.keep_checkpoints,
                                                        cfg.ops.async_checkpoint)
-    state = TrainState(stages, optimizer, scheduler, batches)
-    start = checkpointer.load(state) if resume and checkpointer else 0
-    heartbeat = 0 if rehearsal else cfg.ops.heartbeat_timeout_s
-    with Preemption() as preemption, Watchdog(Path(settings.run_dir) / "heartbeat", mesh.rank,
-                                              mesh.layout.world_size, heartbeat):
+    state = TrainState(stages, optimizer, scheduler, batches, StepGuard(cfg.ops))
+    with Preemption() as preemption, run_watchdog(cfg.ops, settings.run_dir, mesh.rank, mesh.layout.world_size,
+                                                  enabled=not rehearsal) as phases:
+        phases.enter("load", long=True)
+        start = checkpointer.load(state) if resume and checkpointer else 0
         records = _loop(cfg, mesh, stages, runtime, state, checkpointer, eval_batches, start, metrics_out,
-                        progress, preemption)
+                        progress, preemption, phases)
     if checkpointer is not None:
         checkpointer.finish()
     return records
@@ -345,11 +355,12 @@ def _train(cfg: RunConfig, metrics_out: str | Path | None, resume: bool, progres
 
 def _loop(cfg: RunConfig, mesh: Mesh, stages: list[Stage], runtime: PipelineRuntime | None, state: TrainState,
           checkpointer: Checkpointer | None, eval_batches: DataFeed | None, start: int, metrics_out: str | Path | None,
-          progress: bool, preemption: Preemption) -> list[dict]:
-    """Steps start..train.steps (a spike may roll back, SIGTERM ends early); saves the last step reached."""
+          progress: bool, preemption: Preemption, phases: Progress) -> list[dict]:
+    """Steps start..train.steps (a spike may roll back, SIGTERM ends early); saves the last step reached.
+    Every rank enters the same phases in phases (launch.watchdog); the first step of a process is a long one."""
     settings, optimizer, scheduler, batches = cfg.train, state.optimizer, state.scheduler, state.data
     lead = mesh.rank == 0
-    guard = StepGuard(cfg.ops)
+    guard = state.guard
     skipped = 0
     writers = [JsonlWriter(Path(metrics_out) if metrics_out else Path(settings.run_dir) / "metrics.jsonl",
                            append=start > 0)] if lead else []
@@ -361,17 +372,22 @@ def _loop(cfg: RunConfig, mesh: Mesh, stages: list[Stage], runtime: PipelineRunt
     step, saved = start, start
     while step < settings.steps:
         began = time.perf_counter()
+        phases.enter("forward/backward", step, long=step == start)
         optimizer.zero_grad(set_to_none=False)  # fp32 grads accumulate into ZeRO-1's flat buffer: no second copy
         micro = batches.next_step()
         lm_part, busy = forward_backward(stages, runtime, micro, cfg.chunks_per_step,
                                          guard.loss_scale(step, 1 / settings.grad_accum_steps))
+        phases.enter("grad sync", step)
         sum_tp_partial_grads(stages, mesh)
         compute_s = time.perf_counter() - began
         grad_norm = optimizer.clip_grad_norm_(settings.grad_clip, group=mesh.world)
         lr = scheduler.get_last_lr()[0]
+        phases.enter("step stats", step)
+        per_rank = (step + 1) % settings.rank_metrics_every == 0 or step + 1 == settings.steps
         stats = gather_step_stats(stages, cfg, mesh, lm_part, grad_norm,
-                                  1 - busy / compute_s if runtime is not None else 0.0, preemption.requested)
+                                  1 - busy / compute_s if runtime is not None else 0.0, preemption.requested, per_rank)
         status = guard.verdict(step, stats["lm_loss"] + stats["aux_loss"], stats["grad_norm"])
+        phases.enter("optimizer", step)
         if status == "ok":
             optimizer.step()
             scheduler.step()
@@ -382,13 +398,15 @@ def _loop(cfg: RunConfig, mesh: Mesh, stages: list[Stage], runtime: PipelineRunt
         record = step_metrics(step, cfg, stats, {"grad_norm": stats["grad_norm"], "lr": lr, "step_status": status,
                                                  "skipped_steps": skipped}, global_tokens, elapsed,
                               lm_part.device)
-        record.update({key: stats[key] for key in ("traffic_bytes", "traffic", "ranks")})
+        record.update({key: stats[key] for key in ("traffic_bytes", "traffic", "ranks") if key in stats})
         if status == "spike" and cfg.ops.spike_policy == "rollback" and checkpointer:
+            phases.enter("load", step, long=True)
             back = checkpointer.load(state, restore_data=False)  # 0: no checkpoint yet, the spike is only skipped
             if back:
                 saved = record["rolled_back_to"] = back
         last = step + 1 == settings.steps
         if eval_batches is not None and (last or (settings.eval_every and step % settings.eval_every == 0)):
+            phases.enter("eval", step, long=True)
             record["eval_lm_loss"] = evaluate(stages, runtime, eval_batches, cfg)
         if lead:
             for writer in writers:
@@ -398,6 +416,7 @@ def _loop(cfg: RunConfig, mesh: Mesh, stages: list[Stage], runtime: PipelineRunt
             bar.update()
         step = record.get("rolled_back_to", step + 1)
         if checkpointer and settings.checkpoint_every and step % settings.checkpoint_every == 0 and step != saved:
+            phases.enter("save", step, long=True)
             checkpointer.save(state, step, dataclasses.asdict(cfg))
             saved = step
         if stats["stop"]:  # a rank got SIGTERM/SIGINT: every rank leaves after the same step
@@ -405,5 +424,6 @@ def _loop(cfg: RunConfig, mesh: Mesh, stages: list[Stage], runtime: PipelineRunt
     for writer in writers:
         writer.close()
     if step != saved and checkpointer is not None:
+        phases.enter("save", step, long=True)
         checkpointer.save(state, step, dataclasses.asdict(cfg))
     return records

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from dispatch.channel import run_steps
+from dispatch.progress import EXCHANGE, mark
 from moe.config import ModelConfig
 from moe.experts import GroupedExperts, SwiGLU
 from moe.local_dispatch import LocalDispatcher
@@ -79,9 +80,12 @@ class MoELayer(nn.Module):
         shared experts run while dispatch's first exchange is); same numbers as forward."""
         flat = x.reshape(-1, x.shape[-1])
         route = self.router(flat, seq_len)
+        mark("dispatch", EXCHANGE)
         dispatching = _steps(self.dispatcher, "dispatch", flat, route.indices, route.weights)
         (recv_x, recv_info, handle), shared = yield from _at_first_pause(dispatching, self._shared, flat)
+        mark("experts", EXCHANGE)
         y = self.experts(recv_x, recv_info.tokens_per_local_expert)
+        mark("combine", EXCHANGE)
         out = yield from _steps(self.dispatcher, "combine", y, handle)
         if shared is not None:
             out = out + shared

@@ -50,7 +50,25 @@ class LocalDispatcher:
 
     def combine(self, y: Tensor, handle: LocalHandle) -> Tensor:
         """out[t] = sum over t's rows of weight * y[row], accumulated in at least fp32."""
-        acc_dtype = torch.promote_types(y.dtype, torch.float32)
-        weighted = y.to(acc_dtype) * handle.weight_of_row.to(acc_dtype).unsqueeze(1)
-        out = weighted.new_zeros(handle.num_tokens, y.shape[1])
-        return out.index_add(0, handle.token_of_row, weighted).to(y.dtype)
+        return _Combine.apply(y, handle.weight_of_row, handle.token_of_row, handle.num_tokens).to(y.dtype)
+
+
+class _Combine(torch.autograd.Function):
+    """Weighted rows y [N, H] summed into their tokens in at least fp32, saving y in its own dtype (autograd's
+    cast, product and index_add would keep fp32 copies of every expert output for backward, as the EP combine,
+    dispatch.permute.unpermute, does not)."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, weight: Tensor, token: Tensor, num_tokens: int) -> Tensor:  # noqa: D102
+        acc = torch.promote_types(y.dtype, torch.float32)
+        ctx.save_for_backward(y, weight, token)
+        weighted = y.to(acc) * weight.to(acc).unsqueeze(1)
+        return weighted.new_zeros(num_tokens, y.shape[1]).index_add_(0, token, weighted)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None, None]:  # noqa: D102
+        y, weight, token = ctx.saved_tensors
+        rows = grad.index_select(0, token)
+        grad_y = (rows * weight.to(grad.dtype).unsqueeze(1)).to(y.dtype)
+        grad_weight = (rows * y.to(grad.dtype)).sum(1).to(weight.dtype)
+        return grad_y, grad_weight, None, None

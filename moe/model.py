@@ -14,6 +14,7 @@ from dispatch.channel import run_steps
 from moe.config import ModelConfig
 from moe.experts import SwiGLU
 from moe.layer import MoELayer, MoEStats
+from moe.norm import RMSNorm
 from moe.tp import (TPRegion, check_tp_shapes, parallelize_block, parallelize_embedding, parallelize_head,
                     vocab_parallel_cross_entropy)
 from moe.tp.comm import Group
@@ -77,9 +78,9 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, moe: bool) -> None:
         super().__init__()
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        self.attn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.attn_norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.attn = Attention(cfg, out_std)
-        self.ffn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.ffn = (MoELayer(cfg) if moe
                     else SwiGLU(cfg.hidden_size, cfg.dense_ffn_size, init_std=cfg.init_std, out_std=out_std))
         self.moe_tokens: TPRegion | None = None  # TP without SP: the MoE layer routes this rank's S/tp tokens
@@ -124,7 +125,7 @@ class MoETransformer(nn.Module):
         nn.init.normal_(self.embed.weight, std=cfg.init_std)
         self.blocks = nn.ModuleList(Block(cfg, moe=i >= cfg.first_k_dense)
                                     for i in range(cfg.num_layers))
-        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         nn.init.normal_(self.lm_head.weight, std=cfg.init_std)
         self.tp: TPRegion | None = None

@@ -101,3 +101,15 @@ class FlatLayout:
     def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's pieces of a full flat buffer, concatenated (a new tensor)."""
         return torch.cat([flat[b.owned] for b in self.buckets])
+
+    def owned_runs(self) -> list[tuple[int, int, int, int]]:
+        """(tensor index, first element in the flattened tensor, position in the local shard, length) of
+        every run of a tensor's elements this rank owns, in shard order (padding belongs to no tensor)."""
+        runs = []
+        for i, (offset, shape, b) in enumerate(zip(self.offsets, self.shapes, self.bucket_of)):
+            bucket = self.buckets[b]
+            owned = bucket.owned
+            lo, hi = max(offset, owned.start), min(offset + shape.numel(), owned.stop)
+            if lo < hi:
+                runs.append((i, lo - offset, bucket.shard_start + lo - owned.start, hi - lo))
+        return runs

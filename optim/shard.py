@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -14,6 +15,23 @@ from optim.flat_layout import Bucket, FlatLayout
 
 CHUNK = 2**20
 P2P_TAG = 0x2E01  # ZeRO1's own tag: other p2p traffic on the group cannot match its messages
+MASTER_KEY = "master"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A run of one param's flattened elements that this rank's shard holds, with views of its state there.
+
+    state maps "master" and every elementwise entry of the inner optimizer's state (AdamW: exp_avg,
+    exp_avg_sq) to a 1-D view of `length` elements of the live tensors (no copy); scalars are the live
+    per-chunk entries (AdamW's step), shared by the other pieces of the same chunk.
+    """
+
+    param: torch.Tensor
+    start: int
+    length: int
+    state: dict[str, torch.Tensor]
+    scalars: dict[str, torch.Tensor]
 
 
 class ShardedParams:
@@ -250,6 +268,42 @@ class ShardedParams:
         elementwise = {k: torch.cat([state[k] for _, state in states]) for k in keys}
         return elementwise, {k: v for k, v in first.items() if k not in keys}
 
+    def pieces(self) -> list[Piece]:
+        """This rank's runs of every param's elements, cut at the inner optimizers' chunk boundaries (see Piece)."""
+        out = []
+        for index, start, at, length in self.layout.owned_runs():
+            bucket = self.layout.bucket_of[index]
+            master, optim, chunks = self.masters[bucket], self.optims[bucket], self.bucket_chunks[bucket]
+            at -= self.layout.buckets[bucket].shard_start
+            while length:
+                chunk, offset = divmod(at, CHUNK)
+                n = min(length, CHUNK - offset)
+                entry = optim.state.get(chunks[chunk], {})
+                state = {MASTER_KEY: master[at:at + n]}
+                state.update({k: v[offset:offset + n] for k, v in entry.items() if _elementwise(v, chunks[chunk])})
+                scalars = {k: v for k, v in entry.items() if not _elementwise(v, chunks[chunk])}
+                out.append(Piece(self.params[index], start, n, state, scalars))
+                start, at, length = start + n, at + n, length - n
+        return out
+
+    def reset_state(self, elementwise: Sequence[str], scalars: Mapping[str, torch.Tensor]) -> None:
+        """Give every chunk fresh state: zeros for the elementwise entries, copies of scalars (none: no state)."""
+        for optim, chunks in zip(self.optims, self.bucket_chunks):
+            for chunk in chunks:
+                optim.state.pop(chunk, None)
+                if elementwise or scalars:
+                    entry = {k: v.to(chunk.device, copy=True) for k, v in scalars.items()}
+                    optim.state[chunk] = entry | {k: torch.zeros_like(chunk) for k in elementwise}
+
+    def gather_params(self) -> None:
+        """All-gather every rank's master pieces into the model params (after the masters were written)."""
+        works, pieces = [], []
+        for master, b in zip(self.masters, self.layout.buckets):
+            started, piece = self._gather_bucket(self.param_flat, master, b)
+            works += started
+            pieces.append(piece)
+        _wait(works)
+
     def set_state(self, elementwise: Mapping[str, torch.Tensor], scalars: Mapping[str, Any]) -> None:
         """Give the inner optimizers this shard's state (inverse of get_state)."""
         start = 0
@@ -259,6 +313,11 @@ class ShardedParams:
                 entry.update(copy.deepcopy(dict(scalars)))
                 optim.state[chunk] = entry
                 start += chunk.numel()
+
+
+def _elementwise(value: Any, chunk: torch.Tensor) -> bool:
+    """Whether an inner-optimizer state entry holds one value per element of its chunk."""
+    return torch.is_tensor(value) and value.shape == chunk.shape
 
 
 def _wait(works: list[dist.Work]) -> None:

@@ -11,10 +11,9 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from optim.grad_norm import global_sq_norm
-from optim.shard import ShardedParams
+from optim.shard import MASTER_KEY, Piece, ShardedParams
 
 LAYOUT_KEYS = ("process_group", "norm_groups", "grad_divisor", "norm_weight")
-MASTER_KEY = "master"
 COLLECTIVES = ("auto", "scatter_gather", "p2p")
 FUSED_BY_DEFAULT = (torch.optim.Adam, torch.optim.AdamW)
 IMPLEMENTATION_KEYS = ("fused", "foreach", "differentiable")
@@ -225,6 +224,26 @@ class ZeRO1(torch.optim.Optimizer):
                 "grad_shards": sum(s.grad.nbytes for s in self._shards),
                 "masters": sum(m.nbytes for s in self._shards for m in s.masters if m.dtype != s.param_flat.dtype),
                 "scratch": sum(s._scratch.nbytes for s in self._shards)}
+
+    def pieces(self) -> list[Piece]:
+        """This rank's pieces of every param: the runs of its flattened elements the local shards hold, each with
+        views of its master and optimizer state (no copy, no collective). A checkpoint writes and reads these
+        directly; every element of a param lies in exactly one piece across the param group's process group."""
+        return [piece for shard in self._shards for piece in shard.pieces()]
+
+    def reset_state(self, elementwise: Sequence[str], scalars: dict[str, torch.Tensor]) -> None:
+        """Replace the inner optimizers' state by zeros for the elementwise entries and copies of scalars, so
+        pieces() has views a checkpoint can be read into (nothing given: the state of a fresh optimizer)."""
+        for shard in self._shards:
+            shard.reset_state(elementwise, scalars)
+        self._reduced = False
+
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """All-gather the masters into the model params (a collective over every group's process group), after
+        the masters were written through pieces()."""
+        for shard in self._shards:
+            shard.gather_params()
 
     @torch.no_grad()
     def state_dict(self) -> dict[str, Any]:

@@ -116,13 +116,17 @@ class Channel:
         self.log: TransferLog | None = None  # set to record the times of messages
         self.fixed: list[TensorMeta] | None = None  # every message's tensors, when fixed: no header crosses
         self.blocked_s = 0.0  # seconds spent blocked on messages not yet arrived, all told
-        self._sends: list[tuple[dist.Work, Tensor]] = []
+        self._sends: list[tuple[dist.Work, Tensor | None]] = []
         self._sent: dict[tuple[int, int], int] = {}  # (peer, stream) -> payload bytes of the last message out
         self._expect: dict[tuple[int, int], int] = {}  # (peer, stream) -> payload bytes of the last message in
         self._queued: dict[tuple[int, int], deque[_Ticket]] = defaultdict(deque)
 
     def _isend(self, buf: Tensor, peer: int, stream: int) -> None:
-        self._sends.append((self._groups[stream].send([buf], peer, stream), buf))
+        # finished sends let go of their buffers now rather than at wait_sends (is_completed does not block)
+        self._sends = [(work, sent) for work, sent in self._sends if not work.is_completed()]
+        work = self._groups[stream].send([buf], peer, stream)
+        # a rehearsal's fake send is done once issued (its work never says so): it keeps no buffer
+        self._sends.append((work, None if buf.is_meta else buf))
 
     def _irecv(self, buf: Tensor, peer: int, stream: int) -> dist.Work:
         return self._groups[stream].recv([buf], peer, stream)

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from dispatch.progress import ACTION, mark
 from pipeline import schedules
 from pipeline.overlap import complete, start
 from pipeline.p2p import Channel, TensorMeta, TransferLog
@@ -117,7 +118,8 @@ class PipelineRuntime(nn.Module):
         self._posted: dict[tuple[Op, int, int], Any] = {}  # receives in flight
         self._outbox: dict[tuple[Op, int, int], list[Tensor]] = {}  # waiting for their SEND action
         self._saved: dict[tuple[int, int], tuple[list[Tensor], tuple]] = {}  # (inputs, outputs) for B
-        self._results: dict[int, tuple[Tensor, ...]] = {}
+        self._results: dict[int, tuple[Tensor, ...]] = {}  # last-stage outputs, kept only for return_outputs
+        self._keep_outputs = return_outputs
         self._losses: dict[int, Tensor] = {}
         self._sent_early: set[tuple[Op, int, int]] = set()
         self.forward_shares = {}
@@ -153,6 +155,7 @@ class PipelineRuntime(nn.Module):
     # -- actions -------------------------------------------------------------------------------
 
     def _run(self, act: Action) -> None:
+        mark(f"{act.op.value} of stage {self._stage(act.phase)} chunk {act.chunk}", ACTION)
         self.current_action = act
         self._waited = 0.0
         self._forward_busy: float | None = None
@@ -232,7 +235,8 @@ class PipelineRuntime(nn.Module):
         outputs = tuple(t for t in _as_tuple(out) if isinstance(t, Tensor))
         stage = self._stage(phase)
         if stage == self._layout.num_stages - 1:
-            self._results[chunk] = tuple(t.detach() for t in outputs)
+            if self._keep_outputs:  # else each chunk's logits would live until the step ends
+                self._results[chunk] = tuple(t.detach() for t in outputs)
             if self._criterion is None:
                 loss = outputs[0]
             else:

@@ -119,6 +119,15 @@ def write_json(path: str | Path, head: dict[str, Any], rows: list[dict], key: li
     Path(path).write_text(json.dumps(doc, indent=1, default=str))
 
 
+def emit(head: dict[str, Any], rows: list[dict], columns: list[Column], json_path: str | None, key: list[str],
+         metrics: dict[str, str], left: int = 1) -> None:
+    """Print the header line and the table, and write the JSON file when json_path is given."""
+    print(header_line(head))
+    print(table(rows, columns, left=left))
+    if json_path:
+        write_json(json_path, head, rows, key=key, metrics=metrics)
+
+
 def read_json(path: str | Path) -> dict[str, Any]:
     """A suite's JSON file, checked for the fields compare needs."""
     doc = json.loads(Path(path).read_text())

@@ -73,7 +73,8 @@ class CommMeter(TorchDispatchMode):
 
 
 class ActivationMeter:
-    """Bytes of distinct storages saved for backward while active, in total and inside the modules of `regions`."""
+    """Bytes of distinct storages (not parameters) saved for backward while active, in total and inside the modules
+    of `regions`."""
 
     def __init__(self, regions: list[nn.Module]) -> None:
         self.regions, self.seen = regions, set()
@@ -81,6 +82,8 @@ class ActivationMeter:
         self._depth = 0
 
     def _pack(self, t: Tensor) -> Tensor:
+        if isinstance(t, nn.Parameter):  # a weight kept for backward is no activation
+            return t
         local = t._local_tensor if isinstance(t, DTensor) else t
         storage = local.untyped_storage()
         if storage.data_ptr() not in self.seen:

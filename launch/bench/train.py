@@ -41,10 +41,11 @@ def _train_rank(rank: int, world: int, opts: dict) -> list[dict]:
 
 
 def with_layout(raw: dict, parallel: dict, steps: int) -> dict:
-    """raw with this [parallel] section, steps steps, no evaluation or checkpoints; validated."""
+    """raw with this [parallel] section, steps steps, no evaluation or checkpoints, every step's per-rank
+    figures; validated."""
     run = copy.deepcopy(raw)
     run["parallel"] = parallel
-    run.setdefault("train", {}).update(steps=steps, eval_batches=0, checkpoint_every=0)
+    run.setdefault("train", {}).update(steps=steps, eval_batches=0, checkpoint_every=0, rank_metrics_every=1)
     build_config(run)
     return run
 

@@ -51,12 +51,12 @@ def zero_model_states(num_params: float, shard_group: int, stage: int, recipe: S
 class ActivationModel:
     """Saved-for-backward bytes per token of each layer kind on one rank, by component formulas.
 
-    kernels="project" counts what this project's model (moe.model, moe.layer) saves op by op: an
-    RMSNorm keeps its input, the normalised tensor and an fp32 rstd, its consumer the output; k and v
+    kernels="project" counts what this project's model (moe.model, moe.layer) saves op by op on a GPU: an
+    RMSNorm (CUDA's fused kernel) keeps its input and an fp32 rstd per row, its consumer the output; k and v
     are expanded to every query head before attention (q, k, v, output and the fp32 log-sum-exp kept,
     no scores), the output projection keeps its own copy of the attention output; a SwiGLU keeps
-    gate|up, silu(gate) and the product; combine keeps each slot's expert output, its fp32 weighted
-    copy and the weight. kernels="fused" counts fused kernels (norm into its consumer, SwiGLU, combine;
+    gate|up, silu(gate) and the product; combine keeps each slot's expert output, its weight and its two
+    row ids. kernels="fused" counts fused kernels (norm into its consumer, SwiGLU, combine;
     GQA heads unexpanded); "fused-fp8" also caches the expert inputs and the SwiGLU inputs in FP8 (1x128
     tiles), DeepSeek-V3's low-precision activation storage (report section 3.3.2). TP splits the head/FFN widths;
     SP also splits the hidden-width tensors (norm inputs and outputs) that TP alone keeps whole. Recomputation:
@@ -89,13 +89,13 @@ class ActivationModel:
         return width / self.tp if self.sequence_parallel else width
 
     def _norm(self) -> float:
-        """An RMSNorm and its consumer: the norm's input and output (project: also the normalised
-        tensor and the fp32 rstd); selective recompute keeps the input only."""
+        """An RMSNorm and its consumer: the norm's input and output (project: also the fp32 rstd per row);
+        selective recompute keeps the input only."""
         if self.recompute == "selective":
             return self._hidden(1)
         if not self._project:
             return self._hidden(2)
-        return self._hidden(3) + 4 / (self.tp if self.sequence_parallel else 1)
+        return self._hidden(2) + 4 / (self.tp if self.sequence_parallel else 1)
 
     def _attention(self) -> float:
         a, t, att = self.itemsize, self.tp, self.attention
@@ -124,14 +124,14 @@ class ActivationModel:
 
     def _slot(self) -> float:
         """One routed slot: the expert input, its SwiGLU, the expert output kept for combine's weight
-        grad (project: also the fp32 weighted output, the weight and two int64 row ids); the FP8 expert
+        grad (project: also the fp32 weight and two int64 row ids); the FP8 expert
         linear keeps its input unquantised, so FP8 experts save the same bytes. fused-fp8: the input
         cached in FP8 and no expert output (the routing weight scales the SwiGLU output before the down
         projection, whose input grad and input give the weight's grad)."""
         h, a = self.cfg.hidden_size, self.itemsize
         if self.kernels == "fused-fp8":
             return h * FP8_CACHED + self._swiglu(self.cfg.expert_ffn_size)
-        combine = h * a + (h * max(a, 4) + 4 + 16 if self._project else 0)
+        combine = h * a + (4 + 16 if self._project else 0)
         return h * a + self._swiglu(self.cfg.expert_ffn_size) + combine
 
     def layer(self, moe: bool) -> float:
@@ -163,38 +163,75 @@ class ActivationModel:
         per_token += self.head() if has_head else 0.0
         return per_token * tokens
 
+    def _linear_pairs(self, width_in: float, width_out: float) -> float:
+        """A linear's input and output grad, kept for its deferred weight grad."""
+        return (width_in + width_out) * self.itemsize
 
-def weight_grad_workspace(cfg: ModelConfig, layers: range, embedding: bool, head: bool, ep: int, tp: int,
-                          itemsize: int) -> float:
-    """The largest weight grad one op of these layers' backward holds before ZeRO-1 folds it into its fp32
-    sums: a grad in the training dtype (autograd's, before the post-accumulate hook moves it), or, for FP8
-    experts, the kernel's fp32 grad beside its cast. The embedding's and the LM head's (vocab split by TP)
-    are the largest on the end stages; an MoE layer's is its local experts' gate|up weight."""
+    def deferred_layer(self, moe: bool) -> float:
+        """Bytes per token a layer keeps from a split backward (B) to its weight grads (W): every deferred
+        linear's input and output grad (attention's qkv and out, the experts' and shared experts' or the dense
+        FFN's gate|up and down; the router's grad is not deferred)."""
+        cfg, att, t, h = self.cfg, self.attention, self.tp, self.cfg.hidden_size
+        qkv = (att.heads * att.qk_head_dim + (att.heads if att.kind == "mla" else cfg.num_kv_heads)
+               * (att.qk_head_dim + att.v_head_dim)) / t
+        attention = self._linear_pairs(h, qkv) + self._linear_pairs(att.heads * att.v_head_dim / t, h)
+
+        def ffn(width: float) -> float:
+            return self._linear_pairs(h, 2 * width) + self._linear_pairs(width, h)
+
+        if not moe:
+            return attention + ffn(cfg.dense_ffn_size / t)
+        return (attention + cfg.top_k * ffn(cfg.expert_ffn_size) / t
+                + ffn(cfg.num_shared_experts * cfg.expert_ffn_size / t))
+
+    def deferred_stage(self, layers: range, has_head: bool, tokens: int) -> float:
+        """Bytes one chunk keeps from a split backward of the stage to its W (the LM head: its input and the
+        logits' grad)."""
+        per_token = sum(self.deferred_layer(i >= self.cfg.first_k_dense) for i in layers)
+        per_token += self._linear_pairs(self.cfg.hidden_size, self.cfg.vocab_size / self.tp) if has_head else 0.0
+        return per_token * tokens
+
+
+def backward_workspace(cfg: ModelConfig, layers: range, embedding: bool, head: bool, ep: int, tp: int,
+                       itemsize: int, tokens: int) -> float:
+    """The most bytes one op of these layers' backward holds beyond the saved activations: the largest weight
+    grad before ZeRO-1 folds it into its fp32 sums (a grad in the training dtype, autograd's until the
+    post-accumulate hook moves it; for FP8 experts the kernel's fp32 grad beside its cast: an MoE layer's
+    local experts' gate|up weight, the embedding's and the LM head's, vocab split by TP), or, on the last
+    stage, the cross-entropy's fp32 grads of the log-probabilities and of the logits of a chunk's tokens."""
     h = cfg.hidden_size
     fp8 = cfg.expert_precision == "fp8"
     sizes = [2 * cfg.expert_ffn_size * h * (cfg.num_experts // ep) * (4 + itemsize if fp8 else itemsize)
              if i >= cfg.first_k_dense else 2 * cfg.dense_ffn_size / tp * h * itemsize for i in layers]
     sizes += [cfg.vocab_size / tp * h * itemsize] * (embedding + head)
+    sizes += [2 * 4 * cfg.vocab_size / tp * tokens] * head
     return max(sizes, default=0.0)
 
 
 def schedule_peaks(schedule: Schedule, stage_bytes: Sequence[float],
-                   pair_costs: Sequence[StageCost] | None = None) -> list[float]:
+                   pair_costs: Sequence[StageCost] | None = None,
+                   deferred_bytes: Sequence[float] | None = None) -> list[float]:
     """Per rank, the most activation bytes held at once: each forward adds its stage's chunk bytes
-    until that chunk's backward (weight-grad leftovers of split backwards not counted).
+    until that chunk's backward; a split backward leaves deferred_bytes (per stage; none if not given)
+    held until its W.
 
     An F&B pair counts its forward, then its backward, unless pair_costs (per stage) says the runtime
     runs the two halves at once: the forward then allocates and the backward frees at even rates over
     their own durations, so the pair peaks when its forward ends, less what the backward freed by then."""
     layout = schedule.layout
+    deferred = deferred_bytes or [0.0] * len(stage_bytes)
     peaks = []
     for rank in range(layout.num_ranks):
         live = peak = 0.0
         for action in schedule.compute_actions(rank):
             halves = action.halves()
-            sizes = [stage_bytes[layout.stage_of(rank, half.phase)] for half in halves]
-            if pair_costs is not None and action.op is Op.FB:
-                f, b = (pair_costs[layout.stage_of(rank, h.phase)].compute(h.op, h.split) for h in halves)
+            stages = [layout.stage_of(rank, half.phase) for half in halves]
+            sizes = [stage_bytes[s] - (deferred[s] if half.op is Op.B and half.split else 0.0)
+                     for half, s in zip(halves, stages)]
+            if action.op is Op.W:
+                live -= deferred[stages[0]] * len(action.chunks)
+            elif pair_costs is not None and action.op is Op.FB:
+                f, b = (pair_costs[s].compute(h.op, h.split) for h, s in zip(halves, stages))
                 freed = sizes[1] * (min(1.0, f / b) if b > 0 else 1.0)
                 peak = max(peak, live + sizes[0] - freed)
                 live += sizes[0] - sizes[1]

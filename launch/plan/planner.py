@@ -10,7 +10,7 @@ import torch
 from dispatch import Traffic
 from launch.config import RunConfig
 from launch.flops import head_flops, layer_flops, mixed_peak, model_flops_per_token
-from launch.plan.memory import ActivationModel, ModelStates, schedule_peaks, weight_grad_workspace, zero_model_states
+from launch.plan.memory import ActivationModel, ModelStates, schedule_peaks, backward_workspace, zero_model_states
 from launch.plan.params import ModelParams, count_params
 from launch.plan.presets import GPU, MLA, RECIPES, StateBytes
 from launch.plan.timing import Rates, StageCost, simulate_step
@@ -67,13 +67,13 @@ class RankPlan:
     states: ModelStates
     activations: float
     transient: float
-    workspace: float = 0.0  # launch.plan.memory.weight_grad_workspace of the rank's stages
+    workspace: float = 0.0  # launch.plan.memory.backward_workspace of the rank's stages
     bytes: dict[str, Traffic] = field(default_factory=dict)
 
     @property
     def peak(self) -> float:
-        """Model states plus the schedule's peak activations (and a recomputed layer's, and the largest
-        weight grad in flight)."""
+        """Model states plus the schedule's peak activations (and a recomputed layer's, and the most one
+        backward op holds beyond them)."""
         return self.states.total + self.activations + self.transient + self.workspace
 
 
@@ -203,7 +203,9 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
              _stage_cost(config, params, layers[s], s == num_stages - 1, moe_layers[s], ep, rates, gpn, options)
              for s in range(num_stages)]
     # overlap: the runtime runs each F&B pair's halves at once (the backward on a helper thread)
-    peaks = schedule_peaks(schedule, stage_bytes, costs if par.overlap else None) if schedule else [stage_bytes[0]]
+    deferred = [acts.deferred_stage(layers[s], s == num_stages - 1, tokens) for s in range(num_stages)]
+    peaks = (schedule_peaks(schedule, stage_bytes, costs if par.overlap else None, deferred) if schedule
+             else [stage_bytes[0]])
     act_bytes = tokens * cfg.hidden_size * itemsize / (par.tp if par.sequence_parallel else 1)
     ranks, sync = [], 0.0
     for rank in range(par.pp):
@@ -213,8 +215,8 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
         dense_group, expert_group, dense_inter, expert_inter = _groups(config, gpn, rank)
         states = zero_model_states(dense, dense_group, 1, recipe) + zero_model_states(expert, expert_group, 1, recipe)
         transient = max(acts.transient_layer(i >= cfg.first_k_dense) for s in held for i in layers[s]) * tokens
-        workspace = max(weight_grad_workspace(cfg, layers[s], s == 0, s == num_stages - 1, par.ep, par.tp, itemsize)
-                        for s in held)
+        workspace = max(backward_workspace(cfg, layers[s], s == 0, s == num_stages - 1, par.ep, par.tp, itemsize,
+                                           tokens) for s in held)
         plan = RankPlan(rank, held, dense, expert, states, peaks[rank], transient, workspace)
         grad_sync = [(dense, dense_group, dense_inter), (expert, expert_group, expert_inter)]
         ranks.append(plan)

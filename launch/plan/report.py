@@ -48,7 +48,9 @@ def activation_variants(plan: Plan) -> list[tuple[bool, str, float]]:
         for mode in RECOMPUTE:
             model = replace(base, sequence_parallel=sp, recompute=mode)
             stage = [model.stage(span, s == len(plan.layers) - 1, tokens) for s, span in enumerate(plan.layers)]
-            peaks = schedule_peaks(schedule, stage) if schedule else [stage[0]]
+            deferred = [model.deferred_stage(span, s == len(plan.layers) - 1, tokens)
+                        for s, span in enumerate(plan.layers)]
+            peaks = schedule_peaks(schedule, stage, None, deferred) if schedule else [stage[0]]
             extra = max(model.transient_layer(i >= cfg.first_k_dense) for i in range(cfg.num_layers)) * tokens
             out.append((sp, mode, (max(peaks) + extra) / GB))
     return out
@@ -76,7 +78,7 @@ def to_dict(plan: Plan) -> dict:
         "ranks": [{"rank": r.rank, "stages": r.stages, "dense_params": r.dense_params,
                    "expert_params": r.expert_params, **{f"{k}_bytes": v for k, v in asdict(r.states).items()},
                    "activation_bytes": r.activations, "recompute_transient_bytes": r.transient,
-                   "weight_grad_workspace_bytes": r.workspace,
+                   "backward_workspace_bytes": r.workspace,
                    "peak_bytes": r.peak, "bytes_per_step": {k: v.as_dict() for k, v in r.bytes.items()}}
                   for r in plan.ranks],
         "activation_variants_gb": [{"sequence_parallel": sp, "recompute": m, "peak_gb": gb}
@@ -116,7 +118,7 @@ def render(plan: Plan) -> str:
              f"memory per GPU (bytes; ZeRO-1, recompute={plan.options.recompute}, sequence_parallel="
              f"{par.sequence_parallel}):",
              table(["pp rank", "stages", "dense params", "expert params", "params", "grads", "optimizer",
-                    "activations", "recompute", "wgrad", "peak"],
+                    "activations", "recompute", "bwd ws", "peak"],
                    [[r.rank, ",".join(map(str, r.stages)), si(r.dense_params), si(r.expert_params),
                      *map(si, (r.states.params, r.states.grads, r.states.optimizer, r.activations, r.transient,
                                r.workspace, r.peak))] for r in plan.ranks]),

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import dispatch.segment as segment
 from dispatch import make_permutation, permute, unpermute
 from dispatch.segment import ordered_sum, segment_plan
 
@@ -30,32 +29,30 @@ def _loop_sum(values: torch.Tensor, target: torch.Tensor, weights: torch.Tensor,
     return out
 
 
-def test_segment_plan_cuts_runs_at_groups_and_repeats():
-    target = torch.tensor([0, 2, 2, 5, 1, 1, 1, 3])
-    plan = segment_plan(target, 6, [4, 3, 0, 1])
-    assert plan.bounds == [0, 2, 4, 5, 6, 7, 8]
-    for start, end in plan.runs():
-        assert (target[start:end].diff() > 0).all()  # distinct, ascending: one add per row per run
-    assert segment_plan(torch.tensor([0, 1, 3]), 4, [3]).bounds == [0, 3]
-    assert segment_plan(torch.empty(0, dtype=torch.long), 4, [0, 0]).runs() == []
+def test_segment_plan_takes_each_rows_values_slot_by_slot():
+    target = torch.tensor([0, 2, 2, 5, 1, 1, 1, 3])  # row 1 has three values, row 2 two, row 4 none
+    plan = segment_plan(target, 6, max_slots=4)
+    assert plan.offsets == [0, 5, 7, 8, 8] and plan.max_slots == 4
+    assert plan.source.tolist() == [0, 4, 1, 7, 3, 5, 2, 6]  # per pass: each row's next value, rows ascending
+    assert plan.target.tolist() == [0, 1, 2, 3, 5, 1, 2, 1]
+    assert plan.pass_span(1) == (5, 2) and plan.pass_span(3) == (8, 0)
+    assert segment_plan(torch.empty(0, dtype=torch.long), 4, max_slots=2).offsets == [0, 0, 0]
 
 
-def test_segment_plan_rejects_unsorted_groups_and_wrong_sizes():
-    with pytest.raises(ValueError, match="non-decreasing inside each group"):
-        segment_plan(torch.tensor([0, 2, 1]), 3, [3])
-    segment_plan(torch.tensor([0, 2, 1]), 3, [2, 1])  # a new group may start lower
-    with pytest.raises(ValueError, match="group sizes sum to 2, expected one per value"):
-        segment_plan(torch.tensor([0, 2, 1]), 3, [2])
+def test_segment_plan_refuses_more_values_per_target_than_max_slots():
+    with pytest.raises(ValueError, match="a target row has more than max_slots = 2 values"):
+        segment_plan(torch.tensor([0, 2, 2, 2]), 3, max_slots=2)
 
 
-@pytest.mark.parametrize("block_elements", [segment.BLOCK_ELEMENTS, 3 * 24])  # one block; 3-row blocks
-def test_ordered_sum_takes_each_row_in_ascending_order_bitwise(monkeypatch, block_elements):
-    monkeypatch.setattr(segment, "BLOCK_ELEMENTS", block_elements)
+@pytest.mark.parametrize("grouped", [True, False])
+def test_ordered_sum_takes_each_row_in_ascending_order_bitwise(grouped):
     sizes, num_targets = [30, 0, 45, 25], 17
     target = _grouped_targets(sizes, num_targets, seed=1)
+    if not grouped:  # any order: each row's values are still taken in ascending index order
+        target = target[torch.randperm(target.numel(), generator=torch.Generator().manual_seed(7))]
     values = _wide_values(target.numel(), 24, seed=2)
     weights = torch.rand(target.numel(), generator=torch.Generator().manual_seed(3))
-    plan = segment_plan(target, num_targets, sizes)
+    plan = segment_plan(target, num_targets, max_slots=int(torch.bincount(target).max()))
     want = _loop_sum(values, target, weights, num_targets, range(target.numel()))
     backwards = _loop_sum(values, target, weights, num_targets, range(target.numel() - 1, -1, -1))
     assert not torch.equal(want, backwards)  # the data tells summation orders apart
@@ -64,13 +61,39 @@ def test_ordered_sum_takes_each_row_in_ascending_order_bitwise(monkeypatch, bloc
                        _loop_sum(values.bfloat16(), target, weights, num_targets, range(target.numel())).bfloat16())
     assert torch.equal(ordered_sum(values, plan), _loop_sum(values, target, torch.ones_like(weights), num_targets,
                                                             range(target.numel())))
+    roomy = segment_plan(target, num_targets, max_slots=plan.max_slots + 3)  # passes with nothing to add
+    assert torch.equal(ordered_sum(values, roomy, weights), want)
+
+
+def test_ordered_sum_over_many_groups_runs_and_rows_bitwise():
+    """256 groups of a top-8 routing (the cuts of the former run-by-run sum: ~2k runs, 4 row blocks)."""
+    gen = torch.Generator().manual_seed(11)
+    tokens, experts, k = 700, 256, 8
+    groups = torch.rand(tokens, experts, generator=gen).topk(k, dim=1).indices
+    groups[torch.rand(tokens, k, generator=gen) < 0.2] = -1  # drops: rows with 0..8 pairs
+    perm = make_permutation(groups, experts)
+    values = _wide_values(perm.row.numel(), 40, seed=12)
+    weights = torch.rand(perm.row.numel(), generator=gen)
+    want = _loop_sum(values, perm.row, weights, tokens, range(perm.row.numel()))
+    assert torch.equal(ordered_sum(values, perm.inverse, weights), want)
+    assert torch.equal(ordered_sum(values.bfloat16(), perm.inverse, weights, out_dtype=torch.bfloat16),
+                       _loop_sum(values.bfloat16(), perm.row, weights, tokens, range(perm.row.numel())).bfloat16())
 
 
 def test_ordered_sum_of_nothing_is_zero_rows():
-    plan = segment_plan(torch.empty(0, dtype=torch.long), 3, [0])
+    plan = segment_plan(torch.empty(0, dtype=torch.long), 3, max_slots=2)
     out = ordered_sum(torch.empty(0, 5, dtype=torch.bfloat16), plan)
     assert out.dtype == torch.float32 and torch.equal(out, torch.zeros(3, 5))
-    assert ordered_sum(torch.empty(0, 5), segment_plan(torch.empty(0, dtype=torch.long), 0, [])).shape == (0, 5)
+    assert ordered_sum(torch.empty(0, 5), segment_plan(torch.empty(0, dtype=torch.long), 0, 1)).shape == (0, 5)
+
+
+def test_ordered_sum_runs_on_meta_with_the_shapes_of_a_real_one():
+    target = torch.empty(40, dtype=torch.long, device="meta")
+    plan = segment_plan(target, 9, max_slots=8)  # dispatch.rehearsal's rule: 40 values spread over 9 rows
+    assert plan.source.is_meta and plan.source.shape == (40,) and plan.offsets == [0, 9, 18, 27, 36, 40, 40, 40, 40]
+    out = ordered_sum(torch.empty(40, 6, dtype=torch.bfloat16, device="meta"), plan,
+                      torch.empty(40, device="meta"), out_dtype=torch.bfloat16)
+    assert out.is_meta and out.shape == (9, 6) and out.dtype == torch.bfloat16
 
 
 def _routing(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

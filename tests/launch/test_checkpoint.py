@@ -27,6 +27,8 @@ STEPS = 6
 HALF = 3
 PP2_EP2 = {"pp": 2, "dp": 2, "ep": 2, "schedule": "dualpipev"}
 PP2_DP2 = {"pp": 2, "dp": 2, "schedule": "dualpipev"}
+PP2_V = {"pp": 2, "schedule": "dualpipev"}
+PP2_DUALPIPE = {"pp": 2, "schedule": "dualpipe"}
 DP2_EP2 = {"dp": 2, "ep": 2}
 
 
@@ -90,6 +92,19 @@ def test_reshard_between_layouts_continues_the_single_process_run(corpus, refere
         assert_same_model(consolidate(run / "checkpoint"), final)
 
 
+def test_reshard_through_plain_dualpipe_continues_the_single_process_run(corpus, reference, tmp_path):
+    """pp2 DualPipeV (steps 0-1) -> pp2 DualPipe (step 2: each rank holds both stage copies, ZeRO-1 shards a
+    stage over its two holders) -> 1 process (steps 3-5), all within the warmup's LRs up to the last cut."""
+    want, ref_dir = reference
+    run = tmp_path / "run"
+    first, second = run_processes(_runs, 2, [(config(run, corpus, PP2_V, steps=2), False),
+                                             (config(run, corpus, PP2_DUALPIPE, steps=HALF), True)], timeout_s=300)[0]
+    last = train(build_config(config(run, corpus, {})), resume=True, progress=False)
+    assert_continues(first + second + last, want, 0)
+    assert [s for s, _ in published(run / "checkpoint")] == [STEPS, HALF, 2]
+    assert_same_model(consolidate(run / "checkpoint"), consolidate(ref_dir / "checkpoint"))
+
+
 def test_damaged_checkpoints_are_refused_and_the_previous_one_used(corpus, reference, tmp_path, capfd):
     """Keep 2 of saves at 2, 4, 6; truncate then corrupt step 6: both refused by name, the run resumes at 4."""
     want, _ = reference
@@ -117,7 +132,7 @@ def _die_while_saving(rank: int, world: int, raw: dict) -> list[dict]:
     """Rank 1 truncates its step-4 shard file and kills itself before the checkpoint is published."""
     import launch.checkpoint as checkpoint
 
-    table = checkpoint._file_table
+    table = checkpoint.file_table
 
     def dying(folder, names):
         if rank == 1 and folder.name == ".step00000004.tmp":
@@ -127,7 +142,7 @@ def _die_while_saving(rank: int, world: int, raw: dict) -> list[dict]:
             os.kill(os.getpid(), signal.SIGKILL)
         return table(folder, names)
 
-    checkpoint._file_table = dying
+    checkpoint.file_table = dying
     return train(build_config(raw), progress=False)
 
 

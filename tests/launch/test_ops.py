@@ -56,6 +56,16 @@ def test_robust_zscore_calls_only_the_outlier():
     assert 30.0 not in guard.history
 
 
+def test_the_guards_loss_history_is_checkpointed(corpus, tmp_path):
+    """A spike on the first step after a resume is caught: the accepted losses came back with the checkpoint
+    (an empty history calls nothing before MIN_SPIKE_HISTORY losses)."""
+    run = tmp_path / "run"
+    train(build_config(config(run, corpus, {}, steps=5, spike_policy="skip")), progress=False)
+    records = train(build_config(config(run, corpus, {}, spike_policy="skip", inject_spike_steps=[5])),
+                    resume=True, progress=False)
+    assert [(r["step"], r["step_status"]) for r in records] == [(5, "spike")]
+
+
 def test_spike_skip_leaves_the_model_and_rollback_returns_to_the_checkpoint(corpus, tmp_path):
     skip, back = tmp_path / "skip", tmp_path / "back"
     records = train(build_config(config(skip, corpus, {}, every=1, keep_checkpoints=6, spike_policy="skip",
@@ -104,4 +114,4 @@ def test_dead_or_hung_rank_ends_the_run_naming_it(sig, corpus, tmp_path, capfd):
     if sig == signal.SIGKILL:
         assert "rank 1 died with exit code -9 (SIGKILL)" in text
     else:
-        assert "rank 1 stopped sending heartbeats" in text and "rank 0 died with exit code 3" in text
+        assert "rank 1 stopped publishing progress" in text and "rank 0 died with exit code 3" in text

@@ -20,6 +20,7 @@ CASES = [
     ("bool for int", {"parallel": {"dp": True}}, "parallel.dp"),
     ("steps zero", {"train": {"steps": 0}}, "train.steps"),
     ("micro batch zero", {"train": {"micro_batch_size": 0}}, "train.micro_batch_size"),
+    ("rank metrics every zero", {"train": {"rank_metrics_every": 0}}, "train.rank_metrics_every"),
     ("negative lr", {"train": {"lr": -1.0}}, "train.lr"),
     ("nan lr", {"train": {"lr": float("nan")}}, "train.lr"),
     ("inf grad clip", {"train": {"grad_clip": float("inf")}}, "train.grad_clip"),
@@ -60,6 +61,12 @@ CASES = [
     ("spike window", {"ops": {"spike_window": 2}}, "ops.spike_window"),
     ("heartbeat", {"ops": {"heartbeat_timeout_s": 1.0}}, "ops.heartbeat_timeout_s"),
     ("drill steps", {"ops": {"inject_nan_steps": [-1]}}, "ops.inject_nan_steps"),
+    ("max restarts", {"ops": {"max_restarts": -1}}, "ops.max_restarts"),
+    ("long phase timeout", {"ops": {"heartbeat_timeout_s": 60.0, "long_phase_timeout_s": 30.0}},
+     "ops.long_phase_timeout_s"),
+    ("hang drill fields", {"ops": {"inject_hang": {"rank": 1, "step": 2}}}, "ops.inject_hang"),
+    ("hang drill kind", {"ops": {"inject_hang": {"rank": 1, "step": 2, "kind": "freeze"}}}, "ops.inject_hang.kind"),
+    ("hang drill rank", {"ops": {"inject_hang": {"rank": 4, "step": 2, "kind": "spin"}}}, "ops.inject_hang.rank"),
 ]
 if not torch.cuda.is_available():
     CASES.append(("nccl without GPUs", {"parallel": {"comm_backend": "nccl"}}, "parallel.comm_backend"))
@@ -72,6 +79,8 @@ def toml_value(value) -> str:
         return "nan"
     if value == float("inf"):
         return "inf"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key} = {toml_value(item)}" for key, item in value.items()) + "}"
     if isinstance(value, (list, int, float)):
         return repr(value)
     return '"' + value + '"'

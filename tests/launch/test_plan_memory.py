@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from launch.config import load_config
-from launch.plan.memory import ActivationModel, schedule_peaks, weight_grad_workspace, zero_model_states
+from launch.plan.memory import ActivationModel, schedule_peaks, backward_workspace, zero_model_states
 from launch.plan.params import count_params
 from launch.plan.planner import Machine, Options, make_plan
 from launch.plan.presets import GPUS, MLA_PRESETS, RECIPES
@@ -103,15 +103,17 @@ def test_deepseek_v3_plan_holds_4_experts_per_gpu_and_reaches_at_most_4_nodes():
     assert plan.ranks[5].expert_params == 8 * 4 * 3 * 7168 * 2048  # 2 stages x 4 MoE layers x 4 experts
 
 
-def test_weight_grad_workspace_is_the_largest_grad_before_zero1_takes_it():
+def test_backward_workspace_is_the_largest_grad_before_zero1_takes_it():
     v3 = load_config(CONFIGS / "deepseek-v3.toml")
     cfg, par = v3.model, v3.parallel
     experts = cfg.num_experts // par.ep  # 4 per rank at EP64
     # an FP8 MoE layer: the kernel's fp32 gate|up grad of the rank's 4 experts beside its bf16 cast
-    assert weight_grad_workspace(cfg, range(3, 5), False, False, par.ep, 1, 2) == 4 * 2 * 2048 * 7168 * (4 + 2)
+    assert backward_workspace(cfg, range(3, 5), False, False, par.ep, 1, 2, 4096) == 4 * 2 * 2048 * 7168 * (4 + 2)
     assert experts == 4
-    # the LM head's bf16 grad (129280 x 7168) is larger on the last stage
-    assert weight_grad_workspace(cfg, range(58, 61), False, True, par.ep, 1, 2) == 129280 * 7168 * 2
+    # the first stage: the embedding's bf16 grad (129280 x 7168)
+    assert backward_workspace(cfg, range(0, 4), True, False, par.ep, 1, 2, 4096) == 129280 * 7168 * 2
+    # the last: the cross-entropy's two fp32 grads of a 4096-token chunk's logits (and log-probabilities)
+    assert backward_workspace(cfg, range(58, 61), False, True, par.ep, 1, 2, 4096) == 2 * 4 * 129280 * 4096
     plan = make_plan(v3, Machine(GPUS["h800"], 8), Options(), timed=False)
     assert plan.ranks[0].peak == pytest.approx(plan.ranks[0].states.total + plan.ranks[0].activations
                                                + plan.ranks[0].workspace)

@@ -73,3 +73,16 @@ def test_moe_train_rehearse_prints_memory_beside_the_plan_and_refuses_a_bad_rank
     assert "rehearsal of rank 1 of 4" in out and "moe-plan" in out and "alltoall_base_" in out
     assert main(["--config", str(TINY), "--rehearse", "--rank", "4"]) == 2
     assert "--rank 4 is outside the layout's 4 ranks" in capsys.readouterr().err
+
+
+def test_a_ranks_step_stats_do_not_grow_with_the_world():
+    """The stats all-reduce carries losses, loads and the EP-peer matrix, nothing per rank; the per-rank rows
+    (on the step's last, rank-metrics step) go to rank 0 by one gather of a fixed-size row."""
+    sent = {}
+    for dp in (2, 32):
+        result = rehearse(load_config(TINY, [f"parallel.dp={dp}", f"train.grad_accum_steps={4 * dp}"]), rank=1)
+        world = result.world_size
+        sent[world] = {k: (calls, nbytes) for k, group, calls, nbytes in result.collectives.rows()
+                       if group == world and k in ("allreduce_", "gather_")}
+    assert set(sent) == {4, 64}
+    assert sent[4] == sent[64] and sent[4]["gather_"][0] == 1

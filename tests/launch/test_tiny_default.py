@@ -4,7 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launch.checkpoint import latest_valid, step_folder
+from launch.manifest import latest_valid, step_folder
 from launch.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]

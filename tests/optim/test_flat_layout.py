@@ -34,3 +34,20 @@ def test_buckets_pad_to_world_and_shards_tile_the_buffer(world: int) -> None:
 def test_tensor_larger_than_cap_gets_its_own_bucket() -> None:
     layout = FlatLayout.build([torch.Size([100]), torch.Size([3])], 2, 0, bucket_cap=10)
     assert [(b.start, b.numel) for b in layout.buckets] == [(0, 100), (100, 4)]
+
+
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_owned_runs_tile_every_tensor_once(world: int) -> None:
+    seen = {i: [] for i in range(len(SHAPES))}
+    for rank in range(world):
+        layout = FlatLayout.build(SHAPES, world, rank, bucket_cap=24)
+        runs = layout.owned_runs()
+        assert [at for _, _, at, _ in runs] == sorted(at for _, _, at, _ in runs)
+        assert sum(n for *_, n in runs) <= layout.shard_numel
+        for index, start, at, length in runs:
+            bucket = layout.buckets[layout.bucket_of[index]]
+            assert bucket.owned.start + at - bucket.shard_start == layout.offsets[index] + start
+            seen[index].append((start, length))
+    for index, runs in seen.items():
+        covered = [e for start, length in runs for e in range(start, start + length)]
+        assert sorted(covered) == list(range(SHAPES[index].numel())), index

@@ -1,0 +1,33 @@
+"""Where a rank's main thread is, finer than the trainer's phases: marks that pipeline and MoE code leave
+through one module-level hook, a no-op until the trainer's watchdog (launch.watchdog) installs a sink.
+
+A mark is an in-memory assignment (no I/O); the watchdog's own thread publishes the latest marks.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+ACTION, LAYER, EXCHANGE = 0, 1, 2  # levels of a mark: a pipeline action or micro-batch, a layer, an exchange in it
+
+
+class Sink(Protocol):
+    """What receives the marks (launch.watchdog.Progress)."""
+
+    def mark(self, where: str, level: int) -> None:
+        """Record where at level, clearing the deeper levels."""
+
+
+_sink: Sink | None = None
+
+
+def install(sink: Sink | None) -> None:
+    """Send the marks to sink (None: drop them)."""
+    global _sink
+    _sink = sink
+
+
+def mark(where: str, level: int) -> None:
+    """This rank's main thread is now at where (e.g. "layer 3" at LAYER); free when no sink is installed."""
+    if _sink is not None:
+        _sink.mark(where, level)

@@ -1,0 +1,25 @@
+"""moe-bench checkpoint: the default is the 241M-parameter model on the tiny config's 4-process layout; the memory
+probe sees an allocation made and freed inside its block."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from launch.bench.checkpoint import DEFAULT_CONFIG, peak_rise, single_process_params, widened
+from launch.config import build_config, read_toml
+
+
+def test_the_default_is_241m_params_on_the_tiny_layout():
+    cfg = build_config(widened(read_toml(DEFAULT_CONFIG)))
+    assert round(single_process_params(cfg) / 1e6) == 241 and cfg.parallel.world_size == 4
+    assert cfg.train.dtype == "float32"
+
+
+def test_peak_rise_sees_memory_freed_inside_the_block():
+    with peak_rise() as peak:
+        held = torch.ones(64 * 2**20 // 4)
+        time.sleep(0.05)
+        del held
+    assert peak[0] >= 32 * 2**20
