@@ -11,7 +11,7 @@ import torch
 from launch.keys import Placement, rectangles, row_runs
 
 
-def covered(full: dict[str, torch.Tensor], place: Placement, local: torch.Tensor) -> None:
+def check_covered(full: dict[str, torch.Tensor], place: Placement, local: torch.Tensor) -> None:
     """Every run [a, b) of local's elements: its rectangles hold full's values there, b - a elements in all."""
     flat = local.flatten()
     for a in range(flat.numel() + 1):
@@ -41,13 +41,13 @@ def test_tp_rows_split_where_they_jump():
     full = torch.arange(8 * 5).view(8, 5)
     rows = torch.tensor([0, 1, 4, 5, 6])  # e.g. a fused qkv shard: q rows, then k/v rows further down
     assert row_runs(rows) == ((0, 0, 2), (2, 4, 3))
-    covered({"w": full}, Placement("w", (5, 5), (8, 5), runs=row_runs(rows)), full.index_select(0, rows))
+    check_covered({"w": full}, Placement("w", (5, 5), (8, 5), runs=row_runs(rows)), full.index_select(0, rows))
     wide = torch.arange(8 * 9).view(8, 9)
     cols = torch.tensor([2, 3, 7])  # a row-parallel shard: columns of the full weight
-    covered({"w": wide}, Placement("w", (8, 3), (8, 9), dim=1, runs=row_runs(cols)), wide.index_select(1, cols))
+    check_covered({"w": wide}, Placement("w", (8, 3), (8, 9), dim=1, runs=row_runs(cols)), wide.index_select(1, cols))
 
 
 def test_an_expert_block_splits_per_expert():
     experts = torch.arange(4 * 2 * 3).view(4, 2, 3)
     full = {f"e.{j}": experts[j] for j in range(4)}
-    covered(full, Placement("e", (2, 2, 3), (2, 3), first_expert=2), experts[2:4])
+    check_covered(full, Placement("e", (2, 2, 3), (2, 3), first_expert=2), experts[2:4])
