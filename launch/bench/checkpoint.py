@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 import launch.checkpoint
-from launch.bench.progress import Progress, run_ranks
+from launch.bench.progress import BudgetExceeded, Progress, call_budget, run_ranks, worker_progress
 from launch.bench.report import LOWER, emit, header
 from launch.checkpoint import Checkpointer, TrainState
 from launch.config import RunConfig, build_config, read_toml
@@ -80,10 +80,12 @@ def peak_rise() -> Iterator[list[int]]:
         peak[0] = max(peak[0], _rss() - base)
 
 
-def _timed(fn) -> float:
-    """Seconds fn() takes."""
+def _timed(fn, what: str, opts: dict) -> float:
+    """Seconds fn() takes, under the per-call budget (opts["call_budget"]); rank 0 says what runs."""
+    worker_progress("checkpoint", dist.get_rank(), opts)(what)
     began = time.perf_counter()
-    fn()
+    with call_budget(opts["call_budget"], what, opts):
+        fn()
     return time.perf_counter() - began
 
 
@@ -98,15 +100,15 @@ def _rank(rank: int, world: int, opts: dict) -> dict:
     state = TrainState(stages, optimizer, scheduler, Position())
     root = Path(opts["root"])
     checkpointer = Checkpointer(root / "checkpoint", keep=1, asynchronous=opts["mode"] == "async")
-    to_flat_s = _timed(lambda: state.to_flat(1, {}))
+    to_flat_s = _timed(lambda: state.to_flat(1, {}), "state dict of the trainer's state", opts)
     dist.barrier()
     with peak_rise() as peak:
-        first_s = _timed(lambda: (checkpointer.save(state, 1, {}), checkpointer.finish()))
+        first_s = _timed(lambda: (checkpointer.save(state, 1, {}), checkpointer.finish()), "first save", opts)
         dist.barrier()
-        save_s = _timed(lambda: checkpointer.save(state, 2, {}))
-        finish_s = _timed(checkpointer.finish)
+        save_s = _timed(lambda: checkpointer.save(state, 2, {}), "save", opts)
+        finish_s = _timed(checkpointer.finish, "finish of the save", opts)
     dist.barrier()
-    load_s = _timed(lambda: checkpointer.load(state))
+    load_s = _timed(lambda: checkpointer.load(state), "load", opts)
     shards = [(s.masters, s.get_state()) for s in optimizer._shards]
 
     def peer() -> None:
@@ -114,7 +116,7 @@ def _rank(rank: int, world: int, opts: dict) -> dict:
             torch.save(shards, handle)
             handle.flush()
             os.fsync(handle.fileno())
-    peer_s = _timed(peer)
+    peer_s = _timed(peer, "peer: torch.save of the rank's own shards", opts)
     disk = sum(f.stat().st_size for f in (root / "checkpoint").glob("step*/*")) if rank == 0 else 0
     return {"first_s": first_s, "save_s": save_s, "to_flat_s": to_flat_s, "finish_s": finish_s, "load_s": load_s,
             "peak_extra_mib": peak[0] / 2**20, "disk_mb": disk / 1e6, "peer_s": peer_s,
@@ -130,12 +132,12 @@ def widened(raw: dict) -> dict:
     return run
 
 
-def measure(mode: str, raw: dict, progress: Progress) -> dict:
+def measure(mode: str, raw: dict, progress: Progress, call_budget_s: float = 0.0) -> dict:
     """The saves and the load in `mode` ("sync" or "async") on the config's layout: the row (slowest rank's
     seconds, largest rise of a rank's memory)."""
     cfg = build_config(raw)
     with tempfile.TemporaryDirectory(prefix="moe-bench-checkpoint-") as root:
-        ranks = run_ranks(_rank, cfg.parallel.world_size, {"raw": raw, "root": root, "mode": mode},
+        ranks = run_ranks(_rank, cfg.parallel.world_size, {"raw": raw, "root": root, "mode": mode, "call_budget": call_budget_s},
                           "choose a smaller --config", progress=progress)
     row = {"mode": mode, "ranks": cfg.parallel.world_size, "params_m": single_process_params(cfg) / 1e6,
            "checkpoint_module": ranks[0]["checkpoint_module"]}
@@ -158,14 +160,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="TOML config (default: configs/tiny.toml)")
     parser.add_argument("--as-is", action="store_true", help="keep the config's [model] (default: widen it to 241M)")
     parser.add_argument("--json", help="also write the rows with the common header to this file")
+    parser.add_argument("--call-budget", type=float, default=600.0,
+                        help="seconds one save, load or peer call may take before the run stops naming it (0: none)")
     args = parser.parse_args(argv)
+    if args.call_budget < 0:
+        parser.error(f"--call-budget = {args.call_budget} must be >= 0 seconds (0: no budget)")
     raw = read_toml(args.config)
     raw = raw if args.as_is else widened(raw)
     progress = Progress("checkpoint")
     rows = []
-    for mode in ("sync", "async"):
-        progress(f"{mode} save and load")
-        rows.append(measure(mode, raw, progress))
+    try:
+        for mode in ("sync", "async"):
+            progress(f"{mode} save and load")
+            rows.append(measure(mode, raw, progress, args.call_budget))
+    except BudgetExceeded as err:
+        print(f"moe-bench checkpoint: stopped: {err}", file=sys.stderr)
+        return 3
     head = header("checkpoint", list(sys.argv[2:] if argv is None else argv),
                   [f"config {args.config}{'' if args.as_is else ' widened to ' + str(WIDE)}; slowest rank's "
                    f"seconds, largest rank's memory rise; checkpoint code {rows[0]['checkpoint_module']}"])

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from launch.bench.checkpoint import DEFAULT_CONFIG, peak_rise, single_process_params, widened
+from launch.bench.checkpoint import DEFAULT_CONFIG, main, peak_rise, single_process_params, widened
 from launch.config import build_config, read_toml
 
 
@@ -23,3 +23,9 @@ def test_peak_rise_sees_memory_freed_inside_the_block():
         time.sleep(0.05)
         del held
     assert peak[0] >= 32 * 2**20
+
+
+def test_a_call_over_the_budget_stops_the_run_naming_it(capsys):
+    assert main(["--as-is", "--call-budget", "1e-9"]) == 3
+    err = capsys.readouterr().err
+    assert "moe-bench checkpoint: stopped:" in err and "state dict of the trainer's state" in err

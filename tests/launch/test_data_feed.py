@@ -237,9 +237,7 @@ MEASURE = """
 import json, sys, torch
 from launch.config import build_config
 from launch.data import DataFeed
-
-def rss_anon():
-    return int(next(l for l in open("/proc/self/status") if l.startswith("RssAnon:")).split()[1]) * 1024
+from tests.launch.build_rss import rss_anon
 
 corpus, run_dir = sys.argv[1:3]
 cfg = build_config({"train": {"micro_batch_size": 8, "grad_accum_steps": 4, "seq_len": 128, "run_dir": run_dir},
