@@ -176,8 +176,10 @@ def _forwarding(procs: dict[int, Any], signals: tuple[int, ...]) -> Iterator[Non
 
 
 def _collect(procs: dict[int, Any], results: Any, outputs: dict[int, Any], wait_s: float,
-             logs: _LogStreams | None, last_words: Callable[[int], str] | None) -> str | None:
-    """Fill outputs with each rank's result; return a message naming the failed ranks (died ones first), or None."""
+             logs: _LogStreams | None, last_words: Callable[[int], str] | None,
+             verdict_exit: int | None = None) -> str | None:
+    """Fill outputs with each rank's result; return a message naming the failed ranks (died ones first), or None.
+    A rank that exits with verdict_exit ended the run on a verdict it printed: no grace for the others."""
     end = time.monotonic() + wait_s
     raised: dict[int, str] = {}
     died: dict[int, str] = {}
@@ -192,6 +194,8 @@ def _collect(procs: dict[int, Any], results: Any, outputs: dict[int, Any], wait_
             dead = {r for r, p in procs.items() if r not in outputs and r not in raised and p.exitcode is not None}
             for rank in dead & suspects - set(died):  # gone with no result over two polls: it will never report
                 died[rank] = _died(rank, procs[rank].exitcode, logs, last_words)
+                if procs[rank].exitcode == verdict_exit:
+                    grace_end = time.monotonic()
             suspects = dead
             if time.monotonic() > end and not (raised or died):
                 missing = sorted(set(procs) - set(outputs))
@@ -228,6 +232,7 @@ def run_processes(
     master_port: int = 0,
     log_dir: str | Path | None = None,
     on_death: Callable[[dist.Store, int], str] | None = None,
+    verdict_exit: int | None = None,
 ) -> list[Any]:
     """Run fn(rank, world_size, *args) on this node's share of world_size fresh processes; return their results.
 
@@ -241,7 +246,9 @@ def run_processes(
     names the failed ranks with the first one's traceback (or exit code, signal and last stderr
     lines); a rank that dies without reporting is noticed within about a second. A killed parent
     takes its ranks with it (Linux). on_death(store, rank), on node 0, is told of a rank that died
-    (the rendezvous store in hand) and returns words the message adds about it. fn and its results
+    (the rendezvous store in hand) and returns words the message adds about it. A rank exiting with
+    verdict_exit ended the run on a verdict of its own (a watchdog's, after the live ranks' last words): the
+    ranks still running are killed at once instead of after a grace period. fn and its results
     must be picklable (define fn at module level); tensors in results come back by value. Returns the
     results of this node's ranks.
     """
@@ -282,7 +289,7 @@ def run_processes(
             p.start()
         with _forwarding(procs, (signal.SIGTERM,)):
             last_words = (lambda rank: on_death(store, rank)) if on_death is not None and store is not None else None
-            failure = _collect(procs, results, outputs, run_timeout_s, logs, last_words)
+            failure = _collect(procs, results, outputs, run_timeout_s, logs, last_words, verdict_exit)
     finally:
         for p in procs.values():
             if failure is not None and p.is_alive():

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from dispatch.multiproc import WorkerError, run_processes
 from launch.config import RunConfig
 from launch.device import backend_for, check_device
-from launch.watchdog import on_rank_death
+from launch.watchdog import WATCHDOG_EXIT, on_rank_death
 
 COLLECTIVE_TIMEOUT_S = 300.0  # rendezvous and every collective; a hung rank ends the run after this
 REFUSAL_WAIT_S = 30.0  # a rank refusing its launcher's world waits at most this long for the others to refuse too
@@ -277,7 +277,8 @@ def _spawn(cfg: RunConfig, launch: Launch, backend: str, threads: int, trainer: 
                 train_rank, launch.world_size, cfg, trainer, kwargs, backend=backend, threads=threads,
                 timeout_s=COLLECTIVE_TIMEOUT_S, run_timeout_s=math.inf, nnodes=launch.nnodes,
                 node_rank=launch.node_rank, master_addr=launch.master_addr, master_port=launch.master_port,
-                log_dir=logs / f"restart{attempt}" if attempt else logs, on_death=on_rank_death)
+                log_dir=logs / f"restart{attempt}" if attempt else logs, on_death=on_rank_death,
+                verdict_exit=WATCHDOG_EXIT)
             return results[0] if launch.node_rank == 0 else []
         except WorkerError as error:
             if attempt == cfg.ops.max_restarts:

@@ -15,8 +15,9 @@ others move on ends the run within its budget, named with the phase it is stuck 
   once that rank has not moved for its budget: ops.heartbeat_timeout_s, or ops.long_phase_timeout_s while it
   is in a phase entered as long (load, a process's first step, eval, save).
 - The verdict reaches every rank through the abort key; each live rank writes its Python stacks to
-  RUN_DIR/hang/rankNNNNN.txt, waits (at most DUMP_WAIT_S) for the others' and exits with WATCHDOG_EXIT, and
-  the launcher ends the job (restarting it under ops.max_restarts). The other ranks watch the monitor's tick:
+  RUN_DIR/hang/rankNNNNN.txt, waits for the other live ranks' (at most DUMP_WAIT_S: the ranks the verdict found
+  silent, and a rank the launcher saw die, are counted as dumped, since they cannot write) and exits with
+  WATCHDOG_EXIT, and the launcher ends the job at once (restarting it under ops.max_restarts). The other ranks watch the monitor's tick:
   rank 0 silent for its budget ends them too. Where the launcher holds the store (own spawn, node 0), a rank
   that died is named with its last phase and the abort key tells the others at once (on_rank_death).
 """
@@ -138,6 +139,7 @@ class Monitor:
     def __init__(self, timeout_s: float, long_timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.timeout_s, self.long_timeout_s, self.clock = timeout_s, long_timeout_s, clock
         self.seen: dict[int, _Seen] = {}
+        self.silent: list[int] = []  # at a verdict: the ranks whose beats had paused (they cannot write stacks)
 
     def budget(self, long: bool) -> float:
         """Seconds a rank in a phase (long or not) may go without moving."""
@@ -159,6 +161,7 @@ class Monitor:
             return None
         silent = {r: now - s.beat_at for r, s in self.seen.items()}
         stopped = [r for r, s in self.seen.items() if silent[r] > self.budget(s.long) / 2]  # beats paused
+        self.silent = stopped
         rank = min(self.seen, key=lambda r: (self.seen[r].seq, self.seen[r].moved_at, r))  # the furthest behind
         laggard = self.seen[rank]
         stalled = now - laggard.moved_at > self.budget(laggard.long)
@@ -245,6 +248,7 @@ class Watchdog:
         values[self.rank] = mine
         verdict = self.monitor.observe(values)
         if verdict is not None:
+            self.store.add(self.keys.dumped, len(self.monitor.silent))  # the silent ranks' stacks are not awaited
             return self._abort(verdict)
         self.store.multi_set([self.keys.ranks[self.rank], self.keys.monitor],
                              [mine, f"tick {self.beat} {int(self.progress.long)}"])
@@ -324,5 +328,7 @@ def on_rank_death(store: dist.Store, rank: int) -> str:
     if value == DONE:
         return ""
     where = value.split(" ", 4)[-1]
-    store.compare_set(keys.abort, NO_ABORT, f"rank {rank} died in {where!r} (seen by the launcher)")
+    verdict = f"rank {rank} died in {where!r} (seen by the launcher)"
+    if store.compare_set(keys.abort, NO_ABORT, verdict).decode() == verdict:
+        store.add(keys.dumped, 1)  # the live ranks do not wait for the dead rank's stacks
     return f"; its last published phase: {where!r}"
