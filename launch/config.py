@@ -12,6 +12,7 @@ from launch.device import DEVICES
 from launch.faults import OpsSettings
 from launch.mesh import Layout
 from moe.config import ModelConfig, check_choice, check_positive
+from pipeline.schedules import min_chunks
 from moe.tp import check_tp_shapes
 
 DTYPES = ("float32", "bfloat16", "float64")
@@ -76,7 +77,7 @@ class DataSettings:
                              f"(give a path to text files, or \"stdlib\" for the shipped default)")
 
 
-SCHEDULES = ("none", "dualpipev", "dualpipe", "1f1b", "zb1p")
+SCHEDULES = ("none", "dualpipev", "dualpipe", "1f1b", "zb1p", "afab")
 COMM_BACKENDS = ("auto", "gloo", "nccl")
 DISPATCH_BACKENDS = ("flat", "hierarchical")
 DISPATCH_PAYLOADS = ("bf16", "fp8")
@@ -170,7 +171,7 @@ class RunConfig:
         if per_rank % chunks:
             raise ValueError(f"parallel.num_chunks = {chunks} must divide the {per_rank} micro-batches each DP rank "
                              f"runs per step (train.grad_accum_steps / parallel.dp)")
-        minimum = {"dualpipe": 2 * par.pp, "dualpipev": 2 * par.pp, "1f1b": par.pp, "zb1p": par.pp}.get(par.schedule, 1)
+        minimum = 1 if par.schedule == "none" else min_chunks(par.schedule, par.pp)
         if chunks < minimum or (par.schedule == "dualpipe" and chunks % 2):
             even = " and even" if par.schedule == "dualpipe" else ""
             raise ValueError(f"parallel.num_chunks = {chunks} is too small for schedule {par.schedule!r} with pp = "

@@ -40,10 +40,10 @@ from moe.model import MoETransformer
 from moe.tp import tp_replicated_params
 from optim import ZeRO1
 from optim.lr_schedule import warmup_cosine
-from pipeline import ZB1P, DualPipe, DualPipeV, OneFOneB, PipelineRuntime, build
+from pipeline import AFAB, ZB1P, DualPipe, DualPipeV, OneFOneB, PipelineRuntime, build
 from pipeline.p2p import TensorMeta
 
-RUNTIMES = {"dualpipev": DualPipeV, "dualpipe": DualPipe, "1f1b": OneFOneB, "zb1p": ZB1P}
+RUNTIMES = {"dualpipev": DualPipeV, "dualpipe": DualPipe, "1f1b": OneFOneB, "zb1p": ZB1P, "afab": AFAB}
 TRAFFIC_KINDS = ("dispatch", "combine", "dispatch_backward", "combine_backward")
 TRAFFIC_FIELDS = ("intra_payload", "inter_payload", "intra_meta", "inter_meta")
 

@@ -4,16 +4,17 @@ import importlib
 from typing import Any
 
 from pipeline.overlap import OverlapSequential
-from pipeline.runtime import ZB1P, DualPipe, DualPipeV, OneFOneB, PipelineRuntime
-from pipeline.schedules import (SCHEDULES, Action, Layout, Op, Schedule, build, dualpipe, dualpipev,
-                                forward_only, merge_weight_grads, one_f_one_b, with_communication, without_split,
-                                zb1p)
+from pipeline.runtime import AFAB, ZB1P, DualPipe, DualPipeV, OneFOneB, PipelineRuntime
+from pipeline.schedules import (SCHEDULES, Action, Layout, Op, Schedule, afab, build, dualpipe, dualpipev,
+                                forward_only, merge_weight_grads, min_chunks, one_f_one_b, with_communication,
+                                without_split, zb1p)
 from pipeline.wgrad import WeightGradStore, accumulate_grad, defer_weight_grad, install_split_linear
 
 _SIMULATOR = ("Costs", "SimResult", "render_svg", "render_text", "simulate")
 
-__all__ = ["DualPipe", "DualPipeV", "OneFOneB", "ZB1P", "PipelineRuntime", "OverlapSequential", "SCHEDULES", "Action", "Layout",
-           "Op", "Schedule", "build", "dualpipe", "dualpipev", "forward_only", "merge_weight_grads", "one_f_one_b",
+__all__ = ["AFAB", "DualPipe", "DualPipeV", "OneFOneB", "ZB1P", "PipelineRuntime", "OverlapSequential", "SCHEDULES",
+           "Action", "Layout", "Op", "Schedule", "afab", "build", "dualpipe", "dualpipev", "forward_only",
+           "merge_weight_grads", "min_chunks", "one_f_one_b",
            "with_communication", "without_split", "zb1p", "WeightGradStore", "accumulate_grad",
            "defer_weight_grad", "install_split_linear", *_SIMULATOR]
 

@@ -343,6 +343,12 @@ class OneFOneB(PipelineRuntime):
     modules_per_rank = 1
 
 
+class AFAB(OneFOneB):
+    """All forward, all backward (GPipe): one stage per rank; every chunk's activations held until the backwards."""
+
+    schedule_name = "afab"
+
+
 class ZB1P(OneFOneB):
     """Zero-bubble ZB-H1: 1F1B whose backwards are split and whose weight passes fill the bubbles."""
 

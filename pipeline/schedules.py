@@ -12,7 +12,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, replace
 from enum import Enum
 
-SCHEDULES = ("1f1b", "zb1p", "dualpipe", "dualpipev")
+SCHEDULES = ("afab", "1f1b", "zb1p", "dualpipe", "dualpipev")
 
 
 class Op(str, Enum):
@@ -163,9 +163,24 @@ class _Builder:
         return self.actions
 
 
+def afab(num_ranks: int, num_chunks: int) -> Schedule:
+    """All forward, all backward (GPipe): every rank runs its forwards of all chunks, then their backwards in the
+    same order; activations of every chunk are held at once, the bubble is 1F1B's."""
+    _check_common(num_ranks, num_chunks, 1)
+    ranks = []
+    for _ in range(num_ranks):
+        bld = _Builder((list(range(num_chunks)), []))
+        for _ in range(num_chunks):
+            bld.f(0)
+        for _ in range(num_chunks):
+            bld.b(0)
+        ranks.append(bld.finish())
+    return Schedule("afab", Layout("linear", num_ranks, num_chunks), ranks)
+
+
 def one_f_one_b(num_ranks: int, num_chunks: int) -> Schedule:
     """Classic 1F1B: rank r warms up with PP-1-r forwards, then alternates F and B."""
-    _check_common(num_ranks, num_chunks, min_chunks=1)
+    _check_common(num_ranks, num_chunks, 1)
     layout = Layout("linear", num_ranks, num_chunks)
     ranks = []
     for r in range(num_ranks):
@@ -184,7 +199,7 @@ def one_f_one_b(num_ranks: int, num_chunks: int) -> Schedule:
 
 def zb1p(num_ranks: int, num_chunks: int) -> Schedule:
     """Zero-bubble ZB-H1: 1F1B with split backwards; rank r postpones its first r weight passes."""
-    _check_common(num_ranks, num_chunks, min_chunks=num_ranks)
+    _check_common(num_ranks, num_chunks, min_chunks("zb1p", num_ranks))
     layout = Layout("linear", num_ranks, num_chunks)
     ranks = []
     for r in range(num_ranks):
@@ -243,7 +258,7 @@ def _dual_rank(bld: _Builder, half_rank: int, half_ranks: int, half_chunks: int,
 
 def dualpipe(num_ranks: int, num_chunks: int) -> Schedule:
     """DualPipe: rank r holds stages r and PP-1-r; half the chunks enter at each end."""
-    _check_common(num_ranks, num_chunks, min_chunks=2 * num_ranks)
+    _check_common(num_ranks, num_chunks, min_chunks("dualpipe", num_ranks))
     if num_ranks % 2:
         raise ValueError(f"DualPipe needs an even number of ranks, got {num_ranks}")
     if num_chunks % 2:
@@ -263,24 +278,31 @@ def dualpipe(num_ranks: int, num_chunks: int) -> Schedule:
 
 def dualpipev(num_ranks: int, num_chunks: int) -> Schedule:
     """DualPipeV: 2N stages on N ranks in a V, rank r holds stages r and 2N-1-r."""
-    _check_common(num_ranks, num_chunks, min_chunks=2 * num_ranks)
+    _check_common(num_ranks, num_chunks, min_chunks("dualpipev", num_ranks))
     layout = Layout("v", num_ranks, num_chunks)
     ids = (list(range(num_chunks)), list(range(num_chunks)))
     ranks = [_dual_rank(_Builder(ids), r, num_ranks, num_chunks, r == num_ranks - 1) for r in range(num_ranks)]
     return Schedule("dualpipev", layout, ranks)
 
 
-def _check_common(num_ranks: int, num_chunks: int, min_chunks: int) -> None:
+def _check_common(num_ranks: int, num_chunks: int, fewest: int) -> None:
     if not isinstance(num_ranks, int) or num_ranks < 1:
         raise ValueError(f"num_ranks must be an integer >= 1, got {num_ranks!r}")
-    if not isinstance(num_chunks, int) or num_chunks < min_chunks:
-        raise ValueError(f"num_chunks = {num_chunks!r} is too few: this schedule needs >= {min_chunks} "
+    if not isinstance(num_chunks, int) or num_chunks < fewest:
+        raise ValueError(f"num_chunks = {num_chunks!r} is too few: this schedule needs >= {fewest} "
                          f"for {num_ranks} ranks")
+
+
+def min_chunks(name: str, num_ranks: int) -> int:
+    """The fewest chunks per step the trainer and the planner run schedule name (one of SCHEDULES) with on
+    num_ranks pipeline ranks: enough to fill the pipeline (the builders take fewer where the order allows)."""
+    return {"afab": num_ranks, "1f1b": num_ranks, "zb1p": num_ranks, "dualpipe": 2 * num_ranks,
+            "dualpipev": 2 * num_ranks}[name]
 
 
 def build(name: str, num_ranks: int, num_chunks: int, split_bw: bool = True) -> Schedule:
     """Build a schedule by name (one of SCHEDULES); split_bw=False folds every W back into its B."""
-    builders = {"1f1b": one_f_one_b, "zb1p": zb1p, "dualpipe": dualpipe, "dualpipev": dualpipev}
+    builders = {"afab": afab, "1f1b": one_f_one_b, "zb1p": zb1p, "dualpipe": dualpipe, "dualpipev": dualpipev}
     if name not in builders:
         raise ValueError(f"schedule = {name!r} is not known; choose one of {', '.join(SCHEDULES)}")
     schedule = builders[name](num_ranks, num_chunks)

@@ -12,12 +12,13 @@ from torch import nn
 
 from launch.bench.pipeline_models import MoEBlock, mse, partition
 from pipeline.overlap import OverlapSequential
-from pipeline.runtime import DualPipe, DualPipeV, PipelineRuntime
+from pipeline.runtime import AFAB, DualPipe, DualPipeV, OneFOneB, PipelineRuntime
 from pipeline.schedules import COMPUTE_OPS
 
 PER_CHUNK_W = "ours DualPipeV, W per chunk"  # merge_w=1 whatever the bench's --merge-w
-OURS = ("ours DualPipeV", PER_CHUNK_W, "ours DualPipe")
-TORCH = ("torch DualPipeV", "torch ZBVZeroBubble", "torch 1F1B", "torch Interleaved1F1B")
+OURS = ("ours DualPipeV", PER_CHUNK_W, "ours DualPipe", "ours 1F1B", "ours AFAB")
+TORCH = ("torch DualPipeV", "torch ZBVZeroBubble", "torch 1F1B", "torch GPipe", "torch Interleaved1F1B")
+LINEAR = {"ours 1F1B": OneFOneB, "ours AFAB": AFAB}  # one stage per rank
 
 
 @dataclass
@@ -50,7 +51,7 @@ class Runner:
 def torch_runner(name: str, rank: int, world: int, layers: list[nn.Module], chunks: int) -> Runner:
     """One of torch.distributed.pipelining's schedules over the same layers."""
     from torch.distributed import pipelining as pp
-    if name == "torch 1F1B":
+    if name in ("torch 1F1B", "torch GPipe"):
         stage_ids, num_stages = [rank], world
     elif name == "torch Interleaved1F1B":
         stage_ids, num_stages = [rank, rank + world], 2 * world
@@ -65,7 +66,8 @@ def torch_runner(name: str, rank: int, world: int, layers: list[nn.Module], chun
             setattr(st, meth, runner.timer(getattr(st, meth)))
         stages.append(st)
     cls = {"torch DualPipeV": pp.ScheduleDualPipeV, "torch ZBVZeroBubble": pp.ScheduleZBVZeroBubble,
-           "torch 1F1B": pp.Schedule1F1B, "torch Interleaved1F1B": pp.ScheduleInterleaved1F1B}[name]
+           "torch 1F1B": pp.Schedule1F1B, "torch GPipe": pp.ScheduleGPipe,
+           "torch Interleaved1F1B": pp.ScheduleInterleaved1F1B}[name]
     sched = cls(stages[0] if len(stages) == 1 else stages, n_microbatches=chunks, loss_fn=mse)
     first, last = 0 in stage_ids, num_stages - 1 in stage_ids
 
@@ -78,20 +80,26 @@ def torch_runner(name: str, rank: int, world: int, layers: list[nn.Module], chun
 
 def our_runner(name: str, rank: int, world: int, layers: list[nn.Module], chunks: int, opts: dict,
                group: Any = None, ep_group: Any = None) -> Runner:
-    """Our DualPipeV or DualPipe over the same layers (group: the pipeline's ranks, default all; ep_group:
+    """One of our schedules (OURS) over the same layers (group: the pipeline's ranks, default all; ep_group:
     spread the MoE blocks' experts over it)."""
-    v = name.startswith("ours DualPipeV")
+    v, linear = name.startswith("ours DualPipeV"), LINEAR.get(name)
     num_stages = 2 * world if v else world
     mods = partition(layers, num_stages, OverlapSequential)
     if ep_group is not None:
         for block in (b for m in mods for b in m if isinstance(b, MoEBlock)):
             block.expert_parallel(ep_group)
-    pipe = (DualPipeV if v else DualPipe)((mods[rank], mods[num_stages - 1 - rank]), group,
-                                          split_bw=opts["split_bw"], overlap=opts["overlap"],
-                                          merge_w=1 if name == PER_CHUNK_W else opts["merge_w"])
+    if linear is not None:
+        pipe = linear((mods[rank],), group, split_bw=False)  # whole backwards, as torch's 1F1B and GPipe
+    else:
+        pipe = (DualPipeV if v else DualPipe)((mods[rank], mods[num_stages - 1 - rank]), group,
+                                              split_bw=opts["split_bw"], overlap=opts["overlap"],
+                                              merge_w=1 if name == PER_CHUNK_W else opts["merge_w"])
 
     def step(x: torch.Tensor, target: torch.Tensor) -> None:
-        if v:
+        if linear is not None:
+            inputs = (x,) if rank == 0 else ()
+            labels = (target,) if rank == world - 1 else ()
+        elif v:
             inputs, labels = ((x,), (target,)) if rank == 0 else ((), ())
         else:
             xs, ts = x.chunk(2), target.chunk(2)

@@ -21,7 +21,8 @@ from pipeline.schedules import Layout, Schedule, build, merge_weight_grads
 if TYPE_CHECKING:
     from launch.plan.profile import Profile
 
-LAYOUT_KINDS = {"none": "linear", "1f1b": "linear", "zb1p": "linear", "dualpipe": "bidirectional", "dualpipev": "v"}
+LAYOUT_KINDS = {"none": "linear", "afab": "linear", "1f1b": "linear", "zb1p": "linear", "dualpipe": "bidirectional",
+                "dualpipev": "v"}
 COMM_SM_SHARE = 20 / 132  # DeepSeek-V3 (report section 3.2.2): 20 of an H800's 132 SMs drive its communication
 
 

@@ -8,8 +8,9 @@ from dataclasses import dataclass, replace
 from launch.config import RunConfig
 from launch.plan.memory import RECOMPUTE
 from launch.plan.planner import Machine, Options, Plan, make_plan
+from pipeline.schedules import SCHEDULES, min_chunks
 
-PIPELINE_SCHEDULES = ("1f1b", "zb1p", "dualpipe", "dualpipev")
+PIPELINE_SCHEDULES = SCHEDULES
 
 
 @dataclass
@@ -43,7 +44,7 @@ def candidates(config: RunConfig, gpus: int, gpus_per_node: int) -> Iterator[dic
                     continue
                 for schedule in PIPELINE_SCHEDULES if pp > 1 else ("none",):
                     micro = config.train.grad_accum_steps // dp if config.train.grad_accum_steps % dp == 0 else 0
-                    minimum = {"1f1b": pp, "zb1p": pp, "dualpipe": 2 * pp, "dualpipev": 2 * pp}.get(schedule, 1)
+                    minimum = 1 if schedule == "none" else min_chunks(schedule, pp)
                     valid = [c for c in _divisors(micro) if c >= minimum and not (schedule == "dualpipe" and c % 2)]
                     for chunks in sorted({valid[0], valid[-1]}) if valid else [micro or 1]:
                         yield dict(pp=pp, dp=dp, tp=tp, ep=ep, schedule=schedule,
@@ -52,7 +53,8 @@ def candidates(config: RunConfig, gpus: int, gpus_per_node: int) -> Iterator[dic
 
 
 def search(config: RunConfig, gpus: int, machine: Machine, options: Options = Options()) -> SearchResult:
-    """Plan every candidate layout; keep the ones that fit (the cheapest recompute that does), fastest first."""
+    """Plan every candidate layout; keep the ones that fit (the cheapest recompute that does), fastest first, then
+    the least memory."""
     if gpus % machine.gpus_per_node:
         raise ValueError(f"--gpus {gpus} must be a multiple of --gpus-per-node {machine.gpus_per_node}")
     ranked, cut = [], []
@@ -74,5 +76,5 @@ def search(config: RunConfig, gpus: int, machine: Machine, options: Options = Op
                         f"does not fit: {peak / 1e9:.1f} GB > {machine.gpu.memory_gb:g} GB even with full recompute"))
         else:
             ranked.append(plan)
-    ranked.sort(key=lambda p: p.step_seconds)
+    ranked.sort(key=lambda p: (p.step_seconds, p.peak_memory))  # equal times: the lighter layout first (1F1B, AFAB)
     return SearchResult(ranked, cut)

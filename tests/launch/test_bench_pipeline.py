@@ -18,8 +18,9 @@ def test_bench_writes_a_row_per_schedule(tmp_path, capsys) -> None:
                  "--warmup", "0", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     names = [r["schedule"] for r in rows]
-    assert names == ["1 process", "ours DualPipeV", "ours DualPipeV, W per chunk", "ours DualPipe", "torch DualPipeV",
-                     "torch ZBVZeroBubble", "torch 1F1B", "torch Interleaved1F1B"]
+    assert names == ["1 process", "ours DualPipeV", "ours DualPipeV, W per chunk", "ours DualPipe", "ours 1F1B",
+                     "ours AFAB", "torch DualPipeV", "torch ZBVZeroBubble", "torch 1F1B", "torch GPipe",
+                     "torch Interleaved1F1B"]
     for r in rows:
         assert FIELDS <= set(r) and r["world_size"] == 2 and r["num_chunks"] == 4
         assert r["step_ms"] > 0 and len(r["idle_fraction"]) == 2 and r["peak_mem_bytes"] > 0

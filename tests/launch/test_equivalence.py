@@ -23,6 +23,7 @@ LAYOUTS = {
     "pp2 dualpipev": {"pp": 2, "schedule": "dualpipev"},
     "pp2 dualpipe": {"pp": 2, "schedule": "dualpipe"},
     "pp2 1f1b": {"pp": 2, "schedule": "1f1b"},
+    "pp2 afab": {"pp": 2, "schedule": "afab"},
     "dp2 zero1": {"dp": 2},
     "dp2 ep2 flat": {"dp": 2, "ep": 2},
     "dp2 ep2 hierarchical": {"dp": 2, "ep": 2, "dispatch_backend": "hierarchical", "gpus_per_node": 1},

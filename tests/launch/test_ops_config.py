@@ -49,6 +49,8 @@ CASES = [
      "parallel.gpus_per_node"),
     ("tensor parallel shapes", {"parallel": {"tp": 3}}, "parallel.tp"),
     ("num chunks", {"parallel": {"pp": 2, "schedule": "1f1b", "num_chunks": 3}}, "parallel.num_chunks"),
+    ("afab chunks", {"parallel": {"pp": 4, "schedule": "afab", "num_chunks": 2}, "model": {"num_layers": 8}},
+     "parallel.num_chunks"),
     ("too few layers", {"parallel": {"pp": 4, "schedule": "dualpipev"}, "train": {"grad_accum_steps": 8}},
      "model.num_layers"),
     ("dispatch backend", {"parallel": {"dispatch_backend": "nvshmem"}}, "parallel.dispatch_backend"),

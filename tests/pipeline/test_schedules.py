@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from pipeline import (Costs, Op, build, dualpipe, dualpipev, merge_weight_grads, one_f_one_b, simulate,
-                      with_communication, zb1p)
+from pipeline import (Costs, Op, afab, build, dualpipe, dualpipev, merge_weight_grads, min_chunks, one_f_one_b,
+                      simulate, with_communication, zb1p)
 from pipeline.schedules import Schedule
 from pipeline.simulator import main as simulate_main
 from pipeline.simulator import simulate_shared
@@ -32,6 +32,26 @@ def test_1f1b_and_zb1p_bubbles(pp: int, c: Costs) -> None:
 
 @pytest.mark.parametrize("pp", PPS)
 @pytest.mark.parametrize("c", COSTS)
+def test_afab_has_1f1b_bubble_and_holds_every_chunk(pp: int, c: Costs) -> None:
+    """GPipe: every rank runs all forwards, then all backwards; the bubble is (PP-1)(F+B) like 1F1B's, but each
+    rank holds the activations of every chunk at once (1F1B: PP - r)."""
+    for chunks in _chunk_counts(pp):
+        result = simulate(afab(pp, chunks), c)
+        assert result.bubble == pytest.approx((pp - 1) * (c.f + c.b))
+        assert result.peak_activations == [chunks] * pp
+        for rank in range(pp):
+            ops = [a.op for a in afab(pp, chunks).compute_actions(rank)]
+            assert ops == [Op.F] * chunks + [Op.B] * chunks
+
+
+def test_min_chunks_fill_the_pipeline() -> None:
+    assert [min_chunks(name, 4) for name in ("afab", "1f1b", "zb1p", "dualpipe", "dualpipev")] == [4, 4, 4, 8, 8]
+    for name in ("afab", "1f1b", "zb1p", "dualpipev"):
+        build(name, 4, min_chunks(name, 4))  # each builder takes its minimum
+
+
+@pytest.mark.parametrize("pp", PPS)
+@pytest.mark.parametrize("c", COSTS)
 def test_dualpipe_and_dualpipev_bubbles(pp: int, c: Costs) -> None:
     want = (pp / 2 - 1) * (c.fb + c.b - 3 * c.w)
     for chunks in _chunk_counts(pp):
@@ -51,7 +71,7 @@ def test_peak_activations_and_param_copies(pp: int) -> None:
         assert simulate(zb1p(pp, chunks), c).param_copies == 1
 
 
-@pytest.mark.parametrize("name,ranks,merge", [("1f1b", 4, 1), ("zb1p", 4, 1), ("dualpipe", 4, 1), ("dualpipev", 2, 1),
+@pytest.mark.parametrize("name,ranks,merge", [("afab", 4, 1), ("afab", 4, 3), ("1f1b", 4, 1), ("zb1p", 4, 1), ("dualpipe", 4, 1), ("dualpipev", 2, 1),
                                               ("dualpipe", 4, 3), ("dualpipev", 2, 4), ("dualpipev", 2, 10)])
 def test_every_chunk_passes_every_stage_once(name: str, ranks: int, merge: int) -> None:
     sched = build(name, ranks, 10 if name != "dualpipe" else 8)
@@ -180,7 +200,7 @@ def _random_durations(schedule: Schedule) -> dict:
             for act in schedule.compute_actions(r)}
 
 
-SHARED = [one_f_one_b(4, 8), zb1p(4, 8), dualpipe(4, 8), dualpipev(2, 8)]
+SHARED = [afab(4, 8), one_f_one_b(4, 8), zb1p(4, 8), dualpipe(4, 8), dualpipev(2, 8)]
 
 
 @pytest.mark.parametrize("schedule", SHARED, ids=lambda s: s.name)
