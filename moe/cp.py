@@ -1,0 +1,265 @@
+"""Context parallelism: causal attention over a sequence split across the ranks of a CP group.
+
+Zig-zag layout: the sequence is cut into 2 x cp chunks and rank r holds chunks r and 2cp-1-r (one early,
+one late), so every rank has the same causal work. Two ways to attend over the whole sequence:
+
+- `ring_attention`: K/V blocks travel around the ring, cp - 1 hops; each hop's transfer is in flight while
+  the block in hand is attended (online softmax: partial outputs merged by their log-sum-exp). With the
+  zig-zag layout a block from an earlier rank is seen by all local queries and only its first chunk
+  counts; a block from a later rank is seen by the local late chunk only; so each hop is half a block's
+  work. The backward runs the ring again with the K/V blocks, their dK/dV accumulators travelling with
+  them and reaching their owner after a last hop.
+- `allgather_attention`: every rank all-gathers K and V (backward: reduce-scatter of their grads) and
+  attends its own queries to the whole sequence: one collective, cp x the K/V memory; for short rings.
+
+q [B, Hq, S_local, Dqk], k [B, Hkv, S_local, Dqk], v [B, Hkv, S_local, Dv] hold this rank's zig-zag shard
+(S_local = 2 x S / (2 cp)); Hq a multiple of Hkv (GQA: K/V travel unrepeated). Blocks are attended in plain
+torch, in at least float32 (a fused kernel returning the log-sum-exp plugs in at _attend / _block_grads).
+Process groups are passed
+explicitly; grad_group (default: group) carries the backward's transfers, so a concurrent forward on group
+(DualPipe's F&B pairs) never interleaves with them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from moe.tp.comm import Group, gather_for_region
+
+CP_METHODS = ("ring", "allgather")
+
+
+def zigzag_chunks(cp: int, rank: int) -> tuple[int, int]:
+    """The two of the sequence's 2 x cp chunks that rank holds: an early and a late one."""
+    return rank, 2 * cp - 1 - rank
+
+
+def zigzag_shard(x: Tensor, cp: int, rank: int, dim: int = 1) -> Tensor:
+    """Rank's zig-zag shard of x along dim (its two chunks, concatenated)."""
+    if x.shape[dim] % (2 * cp):
+        raise ValueError(f"sequence length {x.shape[dim]} must be divisible by 2 x cp = {2 * cp} (zig-zag chunks)")
+    chunks = x.chunk(2 * cp, dim)
+    return torch.cat([chunks[c] for c in zigzag_chunks(cp, rank)], dim)
+
+
+def zigzag_positions(seq_len: int, cp: int, rank: int, device: torch.device) -> Tensor:
+    """Global positions of rank's zig-zag shard of a seq_len sequence."""
+    return zigzag_shard(torch.arange(seq_len, device=device), cp, rank, dim=0)
+
+
+def _scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
+    """q [B, Hq, Sq, D] x k [B, Hkv, Sk, D] -> [B, Hkv, Hq/Hkv, Sq, Sk] (GQA without repeating k)."""
+    b, hq, sq, d = q.shape
+    return torch.einsum("bgrqd,bgkd->bgrqk", q.view(b, k.shape[1], hq // k.shape[1], sq, d), k) * scale
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    """Output [B, Hq, Sq, Dv] and log-sum-exp [B, Hq, Sq] of q over one K/V block (causal: Sq == Sk, aligned)."""
+    s = _scores(q, k, scale)
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.einsum("bgrqk,bgkd->bgrqd", torch.exp(s - lse.unsqueeze(-1)), v)
+    return out.flatten(1, 2), lse.flatten(1, 2)
+
+
+def _merge(out: Tensor, lse: Tensor, part: Tensor, part_lse: Tensor) -> tuple[Tensor, Tensor]:
+    """Online softmax: (out, lse) and a further block's (part, part_lse) of the same query rows, merged."""
+    new = torch.logaddexp(lse, part_lse)
+    return out * torch.exp(lse - new).unsqueeze(-1) + part * torch.exp(part_lse - new).unsqueeze(-1), new
+
+
+def _block_grads(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, scale: float,
+                 causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv of one block's share of the attention, from the final output and log-sum-exp of its rows."""
+    b, hq, sq, _ = q.shape
+    g = k.shape[1]
+    s = _scores(q, k, scale)
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), -math.inf)
+    p = torch.exp(s - lse.view(b, g, hq // g, sq).unsqueeze(-1))
+    do = dout.view(b, g, hq // g, sq, -1)
+    dv = torch.einsum("bgrqk,bgrqd->bgkd", p, do)
+    dp = torch.einsum("bgrqd,bgkd->bgrqk", do, v)
+    delta = (do * out.view_as(do)).sum(-1, keepdim=True)
+    ds = p * (dp - delta) * scale
+    dq = torch.einsum("bgrqk,bgkd->bgrqd", ds, k).flatten(1, 2)
+    dk = torch.einsum("bgrqk,bgrqd->bgkd", ds, q.view(b, g, hq // g, sq, -1))
+    return dq, dk, dv
+
+
+class _Ring:
+    """Transfers around a CP ring: tensors go to the next rank, like tensors come from the previous one. Every
+    rank posts its sends and receives in the same order, so no tags are needed (NCCL matches by order)."""
+
+    def __init__(self, group: Group) -> None:
+        self.group = group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+
+    def send(self, tensors: list[Tensor]) -> list:
+        """Post the sends of tensors to the next rank; returns their requests."""
+        return [dist.isend(t.contiguous(), self.next, self.group) for t in tensors]
+
+    def recv(self, like: list[Tensor]) -> tuple[list[Tensor], list]:
+        """Post receives of tensors like these from the previous rank; returns (buffers, requests)."""
+        buffers = [torch.empty_like(t) for t in like]
+        return buffers, [dist.irecv(b, self.prev, self.group) for b in buffers]
+
+    def source(self, hop: int) -> int:
+        """The CP rank whose K/V block this rank holds after hop transfers."""
+        return (self.rank - hop) % self.size
+
+
+def _wait(requests: list) -> None:
+    for request in requests:
+        request.wait()
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, scale: float, group: Group,  # noqa: D102
+                grad_group: Group) -> Tensor:
+        ring, half = _Ring(group), q.shape[2] // 2
+        held, out, lse = [k, v], None, None
+        for hop in range(ring.size):
+            last = hop == ring.size - 1
+            if not last:  # the next block crosses while the held one is attended
+                sends = ring.send(held)
+                incoming, recvs = ring.recv(held)
+            bk, bv = held
+            if hop == 0:
+                out, lse = _diagonal(q, bk, bv, scale)
+            elif ring.source(hop) < ring.rank:  # an earlier rank's block: every query sees its early chunk
+                out, lse = _merge(out, lse, *_attend(q, bk[:, :, :half], bv[:, :, :half], scale, causal=False))
+            else:  # a later rank's block: only the late chunk's queries see it, all of it
+                late, late_lse = _merge(out[:, :, half:], lse[:, :, half:], *_attend(q[:, :, half:], bk, bv, scale,
+                                                                                     causal=False))
+                out, lse = torch.cat((out[:, :, :half], late), 2), torch.cat((lse[:, :, :half], late_lse), 2)
+            if not last:
+                _wait(sends + recvs)
+                held = incoming
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.grad_group = scale, grad_group
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):  # noqa: D102
+        """The ring again: K/V blocks travel ahead (overlapped with the block in hand); each block's dK/dV
+        accumulator follows one hop behind, and a last hop brings it to the block's owner."""
+        q, k, v, out, lse = ctx.saved_tensors
+        scale, ring, half = ctx.scale, _Ring(ctx.grad_group), q.shape[2] // 2
+        dout = dout.contiguous()
+        held, dq, pending = [k, v], None, []
+        for hop in range(ring.size):
+            last = hop == ring.size - 1
+            if hop:
+                acc, acc_recvs = ring.recv(held)  # the previous rank's accumulator of the block in hand
+            if not last:
+                pending += ring.send(held)
+                incoming, recvs = ring.recv(held)
+            bk, bv = held
+            if hop == 0:
+                dq, dk, dv = _diagonal_grads(q, bk, bv, out, lse, dout, scale)
+            elif ring.source(hop) < ring.rank:
+                gq, gk, gv = _block_grads(q, bk[:, :, :half], bv[:, :, :half], out, lse, dout, scale, causal=False)
+                dq = dq + gq
+                dk, dv = (F.pad(g, (0, 0, 0, g.shape[2])) for g in (gk, gv))
+            else:
+                gq, gk, gv = _block_grads(q[:, :, half:], bk, bv, out[:, :, half:], lse[:, :, half:],
+                                          dout[:, :, half:], scale, causal=False)
+                dq = torch.cat((dq[:, :, :half], dq[:, :, half:] + gq), 2)
+                dk, dv = gk, gv
+            if hop:
+                _wait(acc_recvs)
+                dk, dv = dk + acc[0], dv + acc[1]
+            if ring.size > 1:
+                pending += ring.send([dk, dv])
+            if not last:
+                _wait(recvs)
+                held = incoming
+        if ring.size > 1:  # the accumulator of this rank's own block, back from its last visit
+            (dk, dv), recvs = ring.recv([k, v])
+            _wait(recvs + pending)
+        return dq, dk, dv, None, None, None
+
+
+def _diagonal(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """The rank's own block: each chunk attends causally to itself, the late chunk fully to the early one."""
+    half = q.shape[2] // 2
+    early, early_lse = _attend(q[:, :, :half], k[:, :, :half], v[:, :, :half], scale, causal=True)
+    late, late_lse = _attend(q[:, :, half:], k[:, :, half:], v[:, :, half:], scale, causal=True)
+    cross, cross_lse = _attend(q[:, :, half:], k[:, :, :half], v[:, :, :half], scale, causal=False)
+    late, late_lse = _merge(late, late_lse, cross, cross_lse)
+    return torch.cat((early, late), 2), torch.cat((early_lse, late_lse), 2)
+
+
+def _diagonal_grads(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
+                    scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv of the rank's own block (the three parts of _diagonal)."""
+    half = q.shape[2] // 2
+    e, l_ = slice(None, half), slice(half, None)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for rows, cols, causal in ((e, e, True), (l_, l_, True), (l_, e, False)):
+        gq, gk, gv = _block_grads(q[:, :, rows], k[:, :, cols], v[:, :, cols], out[:, :, rows], lse[:, :, rows],
+                                  dout[:, :, rows], scale, causal)
+        dq[:, :, rows] += gq
+        dk[:, :, cols] += gk
+        dv[:, :, cols] += gv
+    return dq, dk, dv
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
+    if q.shape[2] % 2 or q.shape[2] != k.shape[2] or k.shape[2] != v.shape[2]:
+        raise ValueError(f"q, k, v hold {q.shape[2]}, {k.shape[2]}, {v.shape[2]} positions: a zig-zag shard is two "
+                         f"equal chunks, the same for q, k and v")
+    if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads must be a multiple of the {k.shape[1]} K/V heads")
+
+
+def _prepare(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> tuple[Tensor, Tensor, Tensor, float]:
+    """Checked inputs in at least float32 (softmax statistics), and the softmax scale (default 1/sqrt(D))."""
+    _check(q, k, v)
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    return q.to(dtype), k.to(dtype), v.to(dtype), q.shape[-1] ** -0.5 if scale is None else scale
+
+
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: Group, scale: float | None = None,
+                   grad_group: Group | None = None) -> Tensor:
+    """Causal attention of this rank's zig-zag shard over the whole sequence, K/V passed around the ring."""
+    dtype = q.dtype
+    q, k, v, scale = _prepare(q, k, v, scale)
+    return _RingAttention.apply(q, k, v, scale, group, grad_group or group).to(dtype)
+
+
+def allgather_attention(q: Tensor, k: Tensor, v: Tensor, group: Group, scale: float | None = None,
+                        grad_group: Group | None = None) -> Tensor:
+    """Causal attention of this rank's zig-zag shard over the whole sequence, K/V all-gathered."""
+    dtype = q.dtype
+    q, k, v, scale = _prepare(q, k, v, scale)
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    chunk = q.shape[2] // 2
+    # gathered in rank order, rank r's early chunk r in slot 2r and its late chunk 2cp-1-r in slot 2r+1
+    k_all, v_all = (gather_for_region(t.contiguous(), 2, group, grad_group) for t in (k, v))
+    slot = torch.tensor([2 * min(c, 2 * cp - 1 - c) + (c >= cp) for c in range(2 * cp)], device=q.device)
+    keys = slot.repeat_interleave(chunk) * chunk + torch.arange(chunk, device=q.device).repeat(2 * cp)
+    k_all, v_all = k_all.index_select(2, keys), v_all.index_select(2, keys)  # in global order
+    mine = zigzag_positions(2 * cp * chunk, cp, rank, q.device)
+    visible = mine.unsqueeze(1) >= torch.arange(2 * cp * chunk, device=q.device).unsqueeze(0)
+    s = _scores(q, k_all, scale).masked_fill(~visible, -math.inf)
+    out = torch.einsum("bgrqk,bgkd->bgrqd", torch.softmax(s, dim=-1), v_all)
+    return out.flatten(1, 2).to(dtype)
+
+
+def cp_attention(method: str, q: Tensor, k: Tensor, v: Tensor, group: Group, scale: float | None = None,
+                 grad_group: Group | None = None) -> Tensor:
+    """Causal attention over a CP group by method (one of CP_METHODS)."""
+    if method not in CP_METHODS:
+        raise ValueError(f"context-parallel method {method!r} is not one of {', '.join(CP_METHODS)}")
+    return (ring_attention if method == "ring" else allgather_attention)(q, k, v, group, scale, grad_group)
