@@ -14,6 +14,7 @@ SUITES = {
     "train": "launch.bench.train",
     "tp": "launch.bench.tp",
     "checkpoint": "launch.bench.checkpoint",
+    "cp": "launch.bench.cp",
     "compare": "launch.bench.compare",
 }
 

@@ -97,14 +97,16 @@ class _Ring:
     """Transfers around a CP ring: tensors go to the next rank, like tensors come from the previous one. Every
     rank posts its sends and receives in the same order, so no tags are needed (NCCL matches by order)."""
 
-    def __init__(self, group: Group) -> None:
-        self.group = group
+    def __init__(self, group: Group, traffic: dict[str, int] | None) -> None:
+        self.group, self.traffic = group, traffic
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
 
     def send(self, tensors: list[Tensor]) -> list:
         """Post the sends of tensors to the next rank; returns their requests."""
+        if self.traffic is not None:
+            self.traffic["sent_bytes"] = self.traffic.get("sent_bytes", 0) + sum(t.nbytes for t in tensors)
         return [dist.isend(t.contiguous(), self.next, self.group) for t in tensors]
 
     def recv(self, like: list[Tensor]) -> tuple[list[Tensor], list]:
@@ -125,8 +127,8 @@ def _wait(requests: list) -> None:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, scale: float, group: Group,  # noqa: D102
-                grad_group: Group) -> Tensor:
-        ring, half = _Ring(group), q.shape[2] // 2
+                grad_group: Group, traffic: dict[str, int] | None) -> Tensor:
+        ring, half = _Ring(group, traffic), q.shape[2] // 2
         held, out, lse = [k, v], None, None
         for hop in range(ring.size):
             last = hop == ring.size - 1
@@ -146,7 +148,7 @@ class _RingAttention(torch.autograd.Function):
                 _wait(sends + recvs)
                 held = incoming
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.grad_group = scale, grad_group
+        ctx.scale, ctx.grad_group, ctx.traffic = scale, grad_group, traffic
         return out
 
     @staticmethod
@@ -154,7 +156,7 @@ class _RingAttention(torch.autograd.Function):
         """The ring again: K/V blocks travel ahead (overlapped with the block in hand); each block's dK/dV
         accumulator follows one hop behind, and a last hop brings it to the block's owner."""
         q, k, v, out, lse = ctx.saved_tensors
-        scale, ring, half = ctx.scale, _Ring(ctx.grad_group), q.shape[2] // 2
+        scale, ring, half = ctx.scale, _Ring(ctx.grad_group, ctx.traffic), q.shape[2] // 2
         dout = dout.contiguous()
         held, dq, pending = [k, v], None, []
         for hop in range(ring.size):
@@ -187,7 +189,7 @@ class _RingAttention(torch.autograd.Function):
         if ring.size > 1:  # the accumulator of this rank's own block, back from its last visit
             (dk, dv), recvs = ring.recv([k, v])
             _wait(recvs + pending)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def _diagonal(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
@@ -231,19 +233,24 @@ def _prepare(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> tuple[Tens
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: Group, scale: float | None = None,
-                   grad_group: Group | None = None) -> Tensor:
-    """Causal attention of this rank's zig-zag shard over the whole sequence, K/V passed around the ring."""
+                   grad_group: Group | None = None, traffic: dict[str, int] | None = None) -> Tensor:
+    """Causal attention of this rank's zig-zag shard over the whole sequence, K/V passed around the ring.
+    traffic: a dict whose "sent_bytes" gets the bytes this rank sends, forward and backward."""
     dtype = q.dtype
     q, k, v, scale = _prepare(q, k, v, scale)
-    return _RingAttention.apply(q, k, v, scale, group, grad_group or group).to(dtype)
+    return _RingAttention.apply(q, k, v, scale, group, grad_group or group, traffic).to(dtype)
 
 
 def allgather_attention(q: Tensor, k: Tensor, v: Tensor, group: Group, scale: float | None = None,
-                        grad_group: Group | None = None) -> Tensor:
-    """Causal attention of this rank's zig-zag shard over the whole sequence, K/V all-gathered."""
+                        grad_group: Group | None = None, traffic: dict[str, int] | None = None) -> Tensor:
+    """Causal attention of this rank's zig-zag shard over the whole sequence, K/V all-gathered.
+    traffic: a dict whose "sent_bytes" gets the bytes this rank sends (ring model of the all-gather and of the
+    backward's reduce-scatter: (cp - 1) x its K/V shard each)."""
     dtype = q.dtype
     q, k, v, scale = _prepare(q, k, v, scale)
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    if traffic is not None:
+        traffic["sent_bytes"] = traffic.get("sent_bytes", 0) + 2 * (cp - 1) * (k.nbytes + v.nbytes)
     chunk = q.shape[2] // 2
     # gathered in rank order, rank r's early chunk r in slot 2r and its late chunk 2cp-1-r in slot 2r+1
     k_all, v_all = (gather_for_region(t.contiguous(), 2, group, grad_group) for t in (k, v))
@@ -252,14 +259,15 @@ def allgather_attention(q: Tensor, k: Tensor, v: Tensor, group: Group, scale: fl
     k_all, v_all = k_all.index_select(2, keys), v_all.index_select(2, keys)  # in global order
     mine = zigzag_positions(2 * cp * chunk, cp, rank, q.device)
     visible = mine.unsqueeze(1) >= torch.arange(2 * cp * chunk, device=q.device).unsqueeze(0)
-    s = _scores(q, k_all, scale).masked_fill(~visible, -math.inf)
-    out = torch.einsum("bgrqk,bgkd->bgrqd", torch.softmax(s, dim=-1), v_all)
-    return out.flatten(1, 2).to(dtype)
+    repeat = q.shape[1] // k.shape[1]
+    out = F.scaled_dot_product_attention(q, k_all.repeat_interleave(repeat, 1), v_all.repeat_interleave(repeat, 1),
+                                         attn_mask=visible, scale=scale)
+    return out.to(dtype)
 
 
 def cp_attention(method: str, q: Tensor, k: Tensor, v: Tensor, group: Group, scale: float | None = None,
-                 grad_group: Group | None = None) -> Tensor:
+                 grad_group: Group | None = None, traffic: dict[str, int] | None = None) -> Tensor:
     """Causal attention over a CP group by method (one of CP_METHODS)."""
     if method not in CP_METHODS:
         raise ValueError(f"context-parallel method {method!r} is not one of {', '.join(CP_METHODS)}")
-    return (ring_attention if method == "ring" else allgather_attention)(q, k, v, group, scale, grad_group)
+    return (ring_attention if method == "ring" else allgather_attention)(q, k, v, group, scale, grad_group, traffic)

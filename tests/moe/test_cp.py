@@ -37,9 +37,10 @@ def shard_worker(rank: int, world: int, method: str) -> list[torch.Tensor]:
     group = dist.group.WORLD
     q, k, v, dout = (zigzag_shard(t, world, rank, dim=2) for t in inputs())
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    out = cp_attention(method, q, k, v, group, scale=SCALE)
+    traffic: dict[str, int] = {}
+    out = cp_attention(method, q, k, v, group, scale=SCALE, traffic=traffic)
     out.backward(dout)
-    return [out.detach(), q.grad, k.grad, v.grad]
+    return [out.detach(), q.grad, k.grad, v.grad, traffic["sent_bytes"]]
 
 
 @pytest.mark.timeout(300)
@@ -47,7 +48,12 @@ def shard_worker(rank: int, world: int, method: str) -> list[torch.Tensor]:
 @pytest.mark.parametrize("method", CP_METHODS)
 def test_cp_attention_equals_one_process(method, world):
     want = [zigzag_shard(t, world, r, dim=2) for r in range(world) for t in reference()]
-    got = [t for result in run_processes(shard_worker, world, method, timeout_s=120) for t in result]
+    results = run_processes(shard_worker, world, method, timeout_s=120)
+    kv_bytes = B * HKV * (S // world) * (DQK + DV) * 8  # one rank's K and V shards, float64
+    # ring: K/V forward and backward over cp - 1 hops, dK/dV over cp hops; all-gather: (cp - 1) x K/V each way
+    sent = (3 * world - 2) * kv_bytes if method == "ring" else 2 * (world - 1) * kv_bytes
+    assert [result.pop() for result in results] == [sent] * world
+    got = [t for result in results for t in result]
     for i, (g, w) in enumerate(zip(got, want)):
         assert g.dtype == torch.float64 and g.shape == w.shape
         assert torch.allclose(g, w, rtol=1e-12, atol=1e-12), (i % 4, (g - w).abs().max())

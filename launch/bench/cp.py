@@ -1,0 +1,174 @@
+"""`moe-bench cp`: context-parallel causal attention, ring vs all-gather-KV vs no CP, per sequence length.
+
+Every contender runs the forward and backward of one causal GQA attention over the same sequence (the same
+q, k, v and output grad, float32) in the same gloo processes, round-robin step by step so a shared machine's
+load hits all alike:
+- "no CP": the whole sequence on rank 0 alone through torch's scaled_dot_product_attention (the model's
+  attention today); the other ranks wait;
+- "ring" and "all-gather KV": moe.cp over all ranks, each holding its zig-zag shard (2 of 2 x cp chunks).
+Per contender: step_ms, the median over steps of the slowest rank; sent_mib, bytes one rank sends per step
+(moe.cp's count: ring transfers as sent, the all-gather and its backward's reduce-scatter by the ring model);
+act_mib, the peak bytes saved for backward on the busiest rank (pipeline.memory.SavedTensorMeter: inputs
+and everything the backward keeps). moe.cp attends blocks in plain torch (scores materialised per block);
+torch's SDPA is a fused kernel, so times compare our schedule plus unfused math against a fused whole.
+Outputs are checked against the no-CP run (exit 1 if they differ).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from launch.bench.progress import Progress, call_budget, run_ranks, worker_progress
+from launch.bench.report import LOWER, emit, header
+from moe.cp import cp_attention, zigzag_shard
+from pipeline.memory import SavedTensorMeter
+
+NO_CP, RING, ALLGATHER = "no CP", "ring", "all-gather KV"
+CONTENDERS = (NO_CP, RING, ALLGATHER)
+
+
+def _inputs(seq: int, opts: dict[str, Any]) -> list[Tensor]:
+    g = torch.Generator().manual_seed(seq)
+    b, hq, hkv, d = opts["batch"], opts["heads"], opts["kv_heads"], opts["head_dim"]
+    return [torch.randn(shape, generator=g) for shape in ((b, hq, seq, d), (b, hkv, seq, d), (b, hkv, seq, d),
+                                                          (b, hq, seq, d))]
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, traffic: dict[str, int]) -> Tensor:
+    repeat = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1),
+                                          is_causal=True)
+
+
+def _step_fn(name: str, rank: int, world: int, tensors: list[Tensor]) -> Callable[[dict], Tensor | None]:
+    """One forward and backward of contender name on this rank (None where the rank has no part)."""
+    if name == NO_CP:
+        if rank:
+            return lambda traffic: None
+        q, k, v, dout = tensors
+        attend = _sdpa
+    else:
+        q, k, v, dout = (zigzag_shard(t, world, rank, dim=2) for t in tensors)
+        method = "ring" if name == RING else "allgather"
+
+        def attend(q: Tensor, k: Tensor, v: Tensor, traffic: dict[str, int]) -> Tensor:
+            return cp_attention(method, q, k, v, dist.group.WORLD, traffic=traffic)
+
+    def step(traffic: dict[str, int]) -> Tensor:
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = attend(*leaves, traffic)
+        out.backward(dout)
+        return out.detach()
+
+    return step
+
+
+def worker(rank: int, world: int, opts: dict[str, Any]) -> list[dict[str, Any]]:
+    """Measure every contender at every sequence length on this rank."""
+    progress = worker_progress("cp", rank, opts)
+    rows = []
+    for seq in opts["seqs"]:
+        tensors = _inputs(seq, opts)
+        steps = {name: _step_fn(name, rank, world, tensors) for name in CONTENDERS}
+        reference = _sdpa(*tensors[:3], {})  # every rank checks its own output against it
+        figures: dict[str, dict[str, Any]] = {}
+        for name, step in steps.items():
+            meter, traffic = SavedTensorMeter(), {}
+            with meter.hooks():
+                out = step(traffic)
+            diff = None
+            if out is not None:
+                mine = reference if name == NO_CP else zigzag_shard(reference, world, rank, dim=2)
+                diff = (out - mine).abs().max().item()
+            figures[name] = {"act_bytes": meter.peak, "sent_bytes": traffic.get("sent_bytes", 0), "diff": diff,
+                             "times": []}
+        order = list(CONTENDERS)
+        for i in range(opts["warmup"] + opts["steps"]):
+            progress(f"seq {seq}: round {i + 1} of {opts['warmup'] + opts['steps']}")
+            for name in order[i % 3:] + order[:i % 3]:
+                dist.barrier()
+                t0 = time.perf_counter()
+                with call_budget(opts["call_budget"], f"a {name} step at seq {seq}", opts):
+                    steps[name]({})
+                    dist.barrier()  # the step ends when its slowest rank does
+                if i >= opts["warmup"]:
+                    figures[name]["times"].append(time.perf_counter() - t0)
+        rows += [{"seq": seq, "contender": name, **f} for name, f in figures.items()]
+    return rows
+
+
+def rows_from(results: list[list[dict[str, Any]]], world: int) -> list[dict[str, Any]]:
+    """One row per (sequence length, contender): median step, the busiest rank's bytes, ratios to no CP."""
+    rows = []
+    for per_rank in zip(*results):
+        first = per_rank[0]
+        diffs = [r["diff"] for r in per_rank if r["diff"] is not None]
+        rows.append({"seq": first["seq"], "contender": first["contender"], "ranks": 1 if first["contender"] == NO_CP
+                     else world, "step_ms": statistics.median(first["times"]) * 1e3,
+                     "sent_mib": max(r["sent_bytes"] for r in per_rank) / 2**20,
+                     "act_mib": max(r["act_bytes"] for r in per_rank) / 2**20,
+                     "max_diff": max(diffs) if diffs else None})
+    for row in rows:
+        base = next(r for r in rows if r["seq"] == row["seq"] and r["contender"] == NO_CP)
+        row["vs_no_cp_time"] = row["step_ms"] / base["step_ms"]
+        row["vs_no_cp_act"] = row["act_mib"] / base["act_mib"]
+    return rows
+
+
+COLUMNS = [("seq", "seq", "d"), ("contender", "contender", ""), ("ranks", "ranks", "d"), ("step ms", "step_ms", ".1f"),
+           ("x no CP", "vs_no_cp_time", ".2f"), ("sent MiB/rank", "sent_mib", ".2f"), ("act MiB/rank", "act_mib", ".1f"),
+           ("x no CP", "vs_no_cp_act", ".2f"), ("max |diff|", "max_diff", ".1e")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse options, run the benchmark, print the table, optionally write JSON."""
+    p = argparse.ArgumentParser(prog="moe-bench cp", description=__doc__.splitlines()[0])
+    p.add_argument("--cp", type=int, default=2, help="CP ranks (gloo processes)")
+    p.add_argument("--seq", type=int, nargs="+", default=[4096, 8192], help="sequence lengths (tokens)")
+    p.add_argument("--batch", type=int, default=1, help="sequences per step")
+    p.add_argument("--heads", type=int, default=4, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=2, help="K/V heads (dividing --heads)")
+    p.add_argument("--head-dim", type=int, default=64, help="head size")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per contender and length")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per contender and length")
+    p.add_argument("--tolerance", type=float, default=1e-4, help="max |output - no CP| allowed (float32)")
+    p.add_argument("--call-budget", type=float, default=300.0,
+                   help="seconds one step may take before the run stops naming it (0: no budget)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
+    args = p.parse_args(argv)
+    for name in ("cp", "batch", "heads", "kv_heads", "head_dim", "steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.cp < 2:
+        p.error(f"--cp {args.cp}: context parallelism needs >= 2 ranks")
+    if args.heads % args.kv_heads:
+        p.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
+    bad = [s for s in args.seq if s < 1 or s % (2 * args.cp)]
+    if bad:
+        p.error(f"--seq {bad}: each length must be a positive multiple of 2 x --cp = {2 * args.cp} (zig-zag chunks)")
+    opts = {"seqs": args.seq, "batch": args.batch, "heads": args.heads, "kv_heads": args.kv_heads,
+            "head_dim": args.head_dim, "steps": args.steps, "warmup": args.warmup, "call_budget": args.call_budget,
+            "quiet": args.quiet}
+    progress = Progress("cp", enabled=not args.quiet)
+    results = run_ranks(worker, args.cp, opts, "try shorter --seq or fewer --steps", progress=progress)
+    rows = rows_from(results, args.cp)
+    emit(header("cp", list(argv or []), notes=[__doc__]), rows, COLUMNS, args.json, key=["seq", "contender"],
+         metrics={"step_ms": LOWER, "sent_mib": LOWER, "act_mib": LOWER}, left=2)
+    wrong = [f"{r['contender']} at seq {r['seq']}" for r in rows if (r["max_diff"] or 0) > args.tolerance]
+    if wrong:
+        print(f"moe-bench cp: outputs differ from no CP: {', '.join(wrong)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
