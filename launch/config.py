@@ -12,6 +12,7 @@ from launch.device import DEVICES
 from launch.faults import OpsSettings
 from launch.mesh import Layout
 from moe.config import ModelConfig, check_choice, check_positive
+from moe.cp import CP_METHODS
 from pipeline.schedules import min_chunks
 from moe.tp import check_tp_shapes
 
@@ -85,16 +86,21 @@ DISPATCH_PAYLOADS = ("bf16", "fp8")
 
 @dataclass
 class ParallelSettings:
-    """The layout: world = pp x dp x tp ranks (TP innermost, then DP, then PP); EP folded over a stage's dp x tp ranks.
+    """The layout: world = pp x dp x cp x tp ranks (TP innermost, then CP, DP, PP); EP folded over a stage's
+    dp x cp x tp ranks.
 
     gpus_per_node 0 puts every rank on one node; num_chunks 0 runs all of a DP rank's
-    micro-batches in one pipeline step. Experts are replicated over dp * tp / ep ranks.
+    micro-batches in one pipeline step. Experts are replicated over dp * cp * tp / ep ranks. cp splits each
+    sequence over cp ranks in zig-zag chunks (moe.cp; cp_method "ring" or "allgather"); CP ranks are data
+    replicas for gradient sums.
     """
 
     pp: int = 1
     dp: int = 1
     tp: int = 1
     ep: int = 1
+    cp: int = 1
+    cp_method: str = "ring"
     sequence_parallel: bool = False
     gpus_per_node: int = 0
     schedule: str = "none"
@@ -107,8 +113,12 @@ class ParallelSettings:
     comm_backend: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("pp", "dp", "tp", "ep", "merge_w"):
+        for name in ("pp", "dp", "tp", "ep", "cp", "merge_w"):
             check_positive(f"parallel.{name}", getattr(self, name))
+        check_choice("parallel.cp_method", self.cp_method, CP_METHODS)
+        if self.cp > 1 and self.tp > 1:
+            raise ValueError(f"parallel.cp = {self.cp} with parallel.tp = {self.tp}: context parallelism does not "
+                             f"compose with tensor parallelism yet (allowed: cp = 1 or tp = 1)")
         for name in ("gpus_per_node", "num_chunks"):
             check_positive(f"parallel.{name}", getattr(self, name), minimum=0)
         check_choice("parallel.schedule", self.schedule, SCHEDULES)
@@ -120,19 +130,24 @@ class ParallelSettings:
             raise ValueError(f"parallel.schedule = {self.schedule!r} with parallel.pp = {self.pp}: allowed {allowed}")
         if self.schedule == "dualpipe" and self.pp % 2:
             raise ValueError(f"parallel.pp = {self.pp}: schedule 'dualpipe' needs an even pp (allowed: 2, 4, 6, ...)")
-        if (self.dp * self.tp) % self.ep:
-            allowed = [d for d in range(1, self.dp * self.tp + 1) if (self.dp * self.tp) % d == 0]
-            raise ValueError(f"parallel.ep = {self.ep} must divide dp x tp = {self.dp * self.tp} "
+        if self.stage_ranks % self.ep:
+            allowed = [d for d in range(1, self.stage_ranks + 1) if self.stage_ranks % d == 0]
+            raise ValueError(f"parallel.ep = {self.ep} must divide dp x cp x tp = {self.stage_ranks} "
                              f"(allowed: {', '.join(map(str, allowed))})")
         if self.gpus_per_node and self.world_size % self.gpus_per_node:
             allowed = [d for d in range(1, self.world_size + 1) if self.world_size % d == 0]
             raise ValueError(f"parallel.gpus_per_node = {self.gpus_per_node} must divide the world size "
-                             f"pp x dp x tp = {self.world_size} (allowed: 0, {', '.join(map(str, allowed))})")
+                             f"pp x dp x cp x tp = {self.world_size} (allowed: 0, {', '.join(map(str, allowed))})")
+
+    @property
+    def stage_ranks(self) -> int:
+        """Ranks holding one pipeline stage (dp x cp x tp): the EP groups fold over them."""
+        return self.dp * self.cp * self.tp
 
     @property
     def world_size(self) -> int:
         """Ranks the layout needs."""
-        return self.pp * self.dp * self.tp
+        return self.pp * self.stage_ranks
 
     @property
     def num_stages(self) -> int:
@@ -156,9 +171,12 @@ class RunConfig:
                              f"{self.model.max_seq_len}")
         par, model = self.parallel, self.model
         if model.num_experts % par.ep:
-            allowed = [d for d in range(1, par.dp * par.tp + 1) if (par.dp * par.tp) % d == 0 and model.num_experts % d == 0]
+            allowed = [d for d in range(1, par.stage_ranks + 1) if par.stage_ranks % d == 0 and model.num_experts % d == 0]
             raise ValueError(f"parallel.ep = {par.ep} must divide model.num_experts = {model.num_experts} "
-                             f"(allowed with dp x tp = {par.dp * par.tp}: {', '.join(map(str, allowed))})")
+                             f"(allowed with dp x cp x tp = {par.stage_ranks}: {', '.join(map(str, allowed))})")
+        if self.train.seq_len % (2 * par.cp):
+            raise ValueError(f"train.seq_len = {self.train.seq_len} must be divisible by 2 x parallel.cp = {2 * par.cp} "
+                             f"(each sequence is cut into 2 x cp zig-zag chunks)")
         if model.num_layers < par.num_stages:
             raise ValueError(f"model.num_layers = {model.num_layers} is fewer than the {par.num_stages} pipeline "
                              f"stages of parallel.pp = {par.pp} with schedule {par.schedule!r} (allowed: "
@@ -180,7 +198,7 @@ class RunConfig:
 
         hang = self.ops.inject_hang
         if hang and hang["rank"] >= par.world_size:
-            raise ValueError(f"ops.inject_hang.rank = {hang['rank']} must be < the world size parallel.pp x dp x tp = "
+            raise ValueError(f"ops.inject_hang.rank = {hang['rank']} must be < the world size parallel.pp x dp x cp x tp = "
                              f"{par.world_size}")
         check_tp_shapes(model, self.train.seq_len, par.tp, par.sequence_parallel)
         layout = self.layout
@@ -194,7 +212,8 @@ class RunConfig:
     def layout(self) -> Layout:
         """The rank layout of [parallel] (no communication)."""
         par = self.parallel
-        return Layout(par.pp, par.dp, par.tp, par.ep, par.gpus_per_node, mirrored=par.schedule == "dualpipe")
+        return Layout(par.pp, par.dp, par.tp, par.ep, par.gpus_per_node, mirrored=par.schedule == "dualpipe",
+                      cp=par.cp)
 
     @property
     def chunks_per_step(self) -> int:

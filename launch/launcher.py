@@ -104,7 +104,7 @@ def _refuse_flags(flags: NodeFlags, launcher: str) -> None:
 def _own_spawn(world: int, flags: NodeFlags, env: Mapping[str, str], nnodes: int, node_rank: int,
                master_addr: str | None) -> Launch:
     if nnodes < 1 or world % nnodes:
-        raise LaunchError(f"--nnodes {nnodes} must divide the config's world size parallel.pp x dp x tp = {world} "
+        raise LaunchError(f"--nnodes {nnodes} must divide the config's world size parallel.pp x dp x cp x tp = {world} "
                           f"(allowed: {', '.join(str(n) for n in range(1, world + 1) if world % n == 0)})")
     if not 0 <= node_rank < nnodes:
         raise LaunchError(f"--node-rank {node_rank} must lie in [0, {nnodes - 1}] for --nnodes {nnodes}")
@@ -162,7 +162,7 @@ _HOW_TO_START = {"torchrun": "torchrun with --nnodes x --nproc-per-node = {world
 def check_launch(cfg: RunConfig, launch: Launch) -> None:
     """Refuse a launcher world that differs from the layout's, and real nodes that differ from parallel.gpus_per_node."""
     par = cfg.parallel
-    layout = f"parallel.pp x dp x tp = {par.pp} x {par.dp} x {par.tp} = {par.world_size}"
+    layout = f"parallel.pp x dp x cp x tp = {par.pp} x {par.dp} x {par.cp} x {par.tp} = {par.world_size}"
     if launch.world_size != par.world_size:
         hint = _HOW_TO_START[launch.launcher].format(world=par.world_size)
         raise LaunchError(f"{launch.launcher} started {launch.world_size} processes (this is rank {launch.rank}), but "

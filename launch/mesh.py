@@ -1,9 +1,10 @@
-"""The device mesh: rank <-> (pp, dp, tp) coordinates, simulated nodes, and every process group, built once.
+"""The device mesh: rank <-> (pp, dp, cp, tp) coordinates, simulated nodes, and every process group, built once.
 
-Rank order puts TP innermost, then DP, then PP: rank = (pp * dp_size + dp) * tp_size + tp. EP groups
-are `ep` consecutive ranks of one stage's dp x tp block; expert-data-parallel groups join the ranks
-of a stage that hold the same experts. Under DualPipe the stage pair (p, pp-1-p) is held by two
-pipeline ranks, so the replica groups of its parameters span both of them.
+Rank order puts TP innermost, then CP, then DP, then PP: rank = ((pp * dp_size + dp) * cp_size + cp) * tp_size + tp.
+CP ranks see the same micro-batches (each its zig-zag share of every sequence): like DP ranks they are data
+replicas of the stage's dense parameters. EP groups are `ep` consecutive ranks of one stage's dp x cp x tp
+block; expert-data-parallel groups join the ranks of a stage that hold the same experts. Under DualPipe the
+stage pair (p, pp-1-p) is held by two pipeline ranks, so the replica groups of its parameters span both of them.
 """
 
 from __future__ import annotations
@@ -27,24 +28,34 @@ class Layout:
     ep: int
     gpus_per_node: int  # 0: every rank on one node
     mirrored: bool = False  # DualPipe: pipeline ranks p and pp-1-p hold copies of the same two stages
+    cp: int = 1  # context-parallel ranks per sequence
+
+    @property
+    def stage_ranks(self) -> int:
+        """Ranks holding one pipeline stage: dp x cp x tp."""
+        return self.dp * self.cp * self.tp
 
     @property
     def world_size(self) -> int:
         """Ranks in the layout."""
-        return self.pp * self.dp * self.tp
+        return self.pp * self.stage_ranks
 
     @property
     def node_size(self) -> int:
         """Ranks per (real or simulated) node."""
         return self.gpus_per_node or self.world_size
 
-    def rank(self, pp: int, dp: int, tp: int) -> int:
-        """Global rank at coordinates (pp, dp, tp)."""
-        return (pp * self.dp + dp) * self.tp + tp
+    def rank(self, pp: int, dp: int, tp: int, cp: int = 0) -> int:
+        """Global rank at coordinates (pp, dp, tp, cp)."""
+        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
 
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """(pp, dp, tp) coordinates of a global rank."""
-        return rank // (self.dp * self.tp), rank // self.tp % self.dp, rank % self.tp
+        """(pp, dp, tp) coordinates of a global rank (its CP index: cp_rank)."""
+        return rank // self.stage_ranks, rank // (self.cp * self.tp) % self.dp, rank % self.tp
+
+    def cp_rank(self, rank: int) -> int:
+        """A global rank's index in its CP group."""
+        return rank // self.tp % self.cp
 
     def node(self, rank: int) -> int:
         """Node holding a global rank."""
@@ -53,26 +64,31 @@ class Layout:
     def pipeline_group(self, rank: int) -> list[int]:
         """Ranks that pass activations to and from rank, in stage order."""
         _, d, t = self.coords(rank)
-        return [self.rank(p, d, t) for p in range(self.pp)]
+        return [self.rank(p, d, t, self.cp_rank(rank)) for p in range(self.pp)]
 
     def dp_group(self, rank: int) -> list[int]:
-        """Ranks holding rank's TP shard of its stages."""
+        """Ranks holding rank's TP shard of its stages: its data replicas, over DP and CP."""
         p, _, t = self.coords(rank)
-        return [self.rank(p, d, t) for d in range(self.dp)]
+        return [self.rank(p, d, t, c) for d in range(self.dp) for c in range(self.cp)]
+
+    def cp_group(self, rank: int) -> list[int]:
+        """Ranks sharing rank's sequences (each a zig-zag share of them), in CP order."""
+        p, d, t = self.coords(rank)
+        return [self.rank(p, d, t, c) for c in range(self.cp)]
 
     def tp_group(self, rank: int) -> list[int]:
         """Ranks sharing rank's layers' TP shards."""
         p, d, _ = self.coords(rank)
-        return [self.rank(p, d, t) for t in range(self.tp)]
+        return [self.rank(p, d, t, self.cp_rank(rank)) for t in range(self.tp)]
 
     def ep_group(self, rank: int) -> list[int]:
-        """rank's ep consecutive ranks of its stage's dp x tp block: together they hold every expert once."""
-        start = rank - rank % self.ep  # blocks (dp x tp ranks) are whole numbers of EP groups
+        """rank's ep consecutive ranks of its stage's dp x cp x tp block: together they hold every expert once."""
+        start = rank - rank % self.ep  # blocks (dp x cp x tp ranks) are whole numbers of EP groups
         return list(range(start, start + self.ep))
 
     def expert_dp_group(self, rank: int) -> list[int]:
-        """Ranks of rank's stage that hold its experts (dp * tp / ep of them)."""
-        block = self.dp * self.tp
+        """Ranks of rank's stage that hold its experts (dp * cp * tp / ep of them)."""
+        block = self.stage_ranks
         first = rank - rank % block
         return list(range(first + rank % self.ep, first + block, self.ep))
 
@@ -80,7 +96,7 @@ class Layout:
         """Under DualPipe, group joined with its twin on pipeline rank pp-1-p (the same stages' other copy)."""
         if not self.mirrored:
             return group
-        shift = (self.pp - 1 - 2 * self.coords(group[0])[0]) * self.dp * self.tp
+        shift = (self.pp - 1 - 2 * self.coords(group[0])[0]) * self.stage_ranks
         return sorted(group + [r + shift for r in group])
 
     def dense_replica_group(self, rank: int) -> list[int]:
@@ -110,11 +126,13 @@ class Layout:
 
     def describe(self) -> str:
         """One line per rank: its coordinates, EP index and node."""
-        lines = [f"layout: pp={self.pp} dp={self.dp} tp={self.tp} ep={self.ep} on {self.world_size // self.node_size} "
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        lines = [f"layout: pp={self.pp} dp={self.dp}{cp} tp={self.tp} ep={self.ep} on {self.world_size // self.node_size} "
                  f"node(s) of {self.node_size}" + (" (DualPipe: stage pairs mirrored)" if self.mirrored else "")]
         for r in range(self.world_size):
             p, d, t = self.coords(r)
-            lines.append(f"  rank {r}: pp={p} dp={d} tp={t} ep={(d * self.tp + t) % self.ep} node={self.node(r)}")
+            c = f" cp={self.cp_rank(r)}" if self.cp > 1 else ""
+            lines.append(f"  rank {r}: pp={p} dp={d}{c} tp={t} ep={r % self.stage_ranks % self.ep} node={self.node(r)}")
         return "\n".join(lines)
 
 
@@ -126,10 +144,12 @@ class Mesh:
             raise RuntimeError("Mesh needs torch.distributed initialised (launch.train does it for one process)")
         if dist.get_world_size() != layout.world_size:
             raise ValueError(f"the launcher started {dist.get_world_size()} ranks but the config's layout "
-                             f"parallel.pp x dp x tp = {layout.pp} x {layout.dp} x {layout.tp} needs {layout.world_size}")
+                             f"parallel.pp x dp x cp x tp = {layout.pp} x {layout.dp} x {layout.cp} x {layout.tp} needs "
+                             f"{layout.world_size}")
         self.layout = layout
         self.rank = dist.get_rank()
         self.pp_rank, self.dp_rank, self.tp_rank = layout.coords(self.rank)
+        self.cp_rank = layout.cp_rank(self.rank)
         self.world = dist.group.WORLD
         self.pipeline = self._mine(layout.pipeline_group)
         self.dp = self._mine(layout.dp_group)
@@ -139,6 +159,9 @@ class Mesh:
         self.ep = self._mine(layout.ep_group)
         self.ep_grad = self._mine(layout.ep_group)  # EP gradient exchanges, in flight beside the forward's
         self.expert_dp = self._mine(layout.expert_dp_group)
+        # CP ring transfers, forward and (in flight beside a forward's) backward; only where sequences are split
+        self.cp = self._mine(layout.cp_group) if layout.cp > 1 else None
+        self.cp_grad = self._mine(layout.cp_group) if layout.cp > 1 else None
         self.dense_replicas = self._mine(layout.dense_replica_group)
         self.expert_replicas = self._mine(layout.expert_replica_group)
 

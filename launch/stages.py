@@ -12,8 +12,9 @@ from torch import Tensor, nn
 from dispatch.progress import LAYER, mark
 from launch.flops import head_flops, model_layer_flops
 from moe.config import ModelConfig
+from moe.cp import CPRegion
 from moe.layer import MoELayer, MoEStats
-from moe.model import MoETransformer, rope_tables
+from moe.model import MoETransformer, position_tables
 from moe.tp import TPRegion, vocab_parallel_cross_entropy
 from moe.tp import concurrent_backward as tp_concurrent_backward
 from pipeline.overlap import complete
@@ -107,6 +108,7 @@ class Stage(nn.Module):
         self.norm = model.norm if last else None
         self.lm_head = model.lm_head if last else None
         self.tp: TPRegion | None = model.tp  # under TP+SP the residual stream holds S/tp positions
+        self.cp = model.cp  # under CP it holds this rank's zig-zag share of each sequence
         self.loss_scale = 1.0  # the micro-batch's share of the step's loss: the trainer sets it for each step
         self.tallies: dict[int, LayerTally] = {}
 
@@ -118,7 +120,8 @@ class Stage(nn.Module):
     def concurrent_backward(self) -> bool:
         """Whether this stage's backward may run beside another chunk's forward (pipeline.overlap): true
         when every MoE layer and TP region exchanges gradients on a group of its own."""
-        return all(layer.concurrent_backward for layer in self.moe_layers().values()) and tp_concurrent_backward(self)
+        return (all(layer.concurrent_backward for layer in self.moe_layers().values()) and tp_concurrent_backward(self)
+                and (self.cp is None or self.cp.concurrent_backward))
 
     def reset_tallies(self) -> None:
         """Start a new step's routing statistics and EP traffic counters."""
@@ -133,9 +136,8 @@ class Stage(nn.Module):
         """tokens [B, S] (first stage) or hidden [B, S, H] -> hidden, or logits on the last stage;
         pauses while an MoE layer's communication is in flight (pipeline.overlap)."""
         if self.embed is not None:
-            x = self.embed(x)
-        seq = x.shape[1] * (self.tp.size if self.tp is not None and self.tp.sequence_parallel else 1)
-        cos, sin = rope_tables(seq, self.cfg.hidden_size // self.cfg.num_heads, self.cfg.rope_theta, x.device)
+            x = self.embed(x if self.cp is None else self.cp.shard(x))
+        cos, sin = position_tables(self.cfg, x.shape[1], x.device, self.tp, self.cp)
         for i, block in self.blocks.items():
             mark(f"layer {i}", LAYER)
             x, stats = yield from block.forward_steps(x, cos, sin)
@@ -152,9 +154,14 @@ class Stage(nn.Module):
         return complete(self.forward_steps(x))
 
 
-def lm_loss(logits: Tensor, labels: Tensor, scale: float, tp: TPRegion | None = None) -> Tensor:
+def lm_loss(logits: Tensor, labels: Tensor, scale: float, tp: TPRegion | None = None,
+            cp: CPRegion | None = None) -> Tensor:
     """Mean next-token cross-entropy of one micro-batch times its share of the step's loss; under TP
-    logits are this rank's vocab block and the loss is the same scalar on every TP rank."""
+    logits are this rank's vocab block and the loss is the same scalar on every TP rank; under CP labels are
+    whole sequences, logits this rank's zig-zag share, and the loss is this share's mean over cp (the CP
+    ranks' losses add up to the micro-batch's)."""
+    if cp is not None:
+        labels, scale = cp.shard(labels), scale / cp.size
     logits = logits.flatten(0, 1)
     if tp is not None:
         return vocab_parallel_cross_entropy(logits, labels.flatten(), tp.group) * scale

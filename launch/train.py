@@ -36,6 +36,7 @@ from launch.metrics import (JsonlWriter, TensorBoardWriter, expert_load_summary,
                             moe_layer_metrics, rank_metrics, step_record, throughput_metrics, traffic_metrics)
 from launch.stages import LOSS_KINDS, Stage, build_stages, lm_loss
 from launch.watchdog import Progress, run_watchdog
+from moe.cp import CPRegion
 from moe.model import MoETransformer
 from moe.tp import tp_replicated_params
 from optim import ZeRO1
@@ -79,6 +80,8 @@ def build_model(cfg: RunConfig, mesh: Mesh, device: torch.device) -> tuple[list[
         model = MoETransformer(cfg.model).to(getattr(torch, cfg.train.dtype))
     if par.tp > 1:  # before the runtime is built, so its B/W split patches every TP linear
         model.to_tensor_parallel(mesh.tp, par.sequence_parallel, grad_group=mesh.tp_grad)
+    if par.cp > 1:
+        model.to_context_parallel(CPRegion(mesh.cp, par.cp_method, mesh.cp_grad))
     stages = build_stages(model, cfg.train.seq_len, par.num_stages, stage_ids(cfg, mesh.pp_rank))
     if par.ep > 1:
         for stage in stages:
@@ -99,8 +102,9 @@ def build_model(cfg: RunConfig, mesh: Mesh, device: torch.device) -> tuple[list[
 
 
 def boundary_meta(cfg: RunConfig) -> list[TensorMeta]:
-    """What crosses every pipeline stage boundary: one micro-batch's hidden states [B, S (S/tp with SP), H]."""
-    seq = cfg.train.seq_len // (cfg.parallel.tp if cfg.parallel.sequence_parallel else 1)
+    """What crosses every pipeline stage boundary: one micro-batch's hidden states [B, S (S/tp with SP, S/cp with
+    CP), H]."""
+    seq = cfg.train.seq_len // (cfg.parallel.tp if cfg.parallel.sequence_parallel else 1) // cfg.parallel.cp
     return [TensorMeta(getattr(torch, cfg.train.dtype), True,
                        (cfg.train.micro_batch_size, seq, cfg.model.hidden_size))]
 
@@ -149,7 +153,7 @@ def forward_backward(stages: list[Stage], runtime: PipelineRuntime | None, micro
     if runtime is None:
         for m, batch in enumerate(micro):
             mark(f"forward of micro-batch {m}", ACTION)
-            loss = lm_loss(stages[0](batch.inputs), batch.labels, loss_scale, stages[0].tp)
+            loss = lm_loss(stages[0](batch.inputs), batch.labels, loss_scale, stages[0].tp, stages[0].cp)
             if torch.is_grad_enabled():
                 mark(f"backward of micro-batch {m}", ACTION)
                 loss.backward()
@@ -164,7 +168,8 @@ def forward_backward(stages: list[Stage], runtime: PipelineRuntime | None, micro
         labels = torch.cat([step[c].labels for c in exit_]) if exit_ else None
         runtime.timeline = []
         losses, _ = runtime.step(*([inputs] if entry else []), num_chunks=chunks,
-                                 criterion=lambda logits, y: lm_loss(logits, y, loss_scale, stages[0].tp),
+                                 criterion=lambda logits, y: lm_loss(logits, y, loss_scale, stages[0].tp,
+                                                                     stages[0].cp),
                                  labels=(labels,) if exit_ else ())
         busy += sum(b for *_, b in runtime.timeline)
         runtime.timeline = None
@@ -177,7 +182,7 @@ def gather_step_stats(stages: list[Stage], cfg: RunConfig, mesh: Mesh, lm_part: 
                       idle: float, stop: bool, per_rank: bool) -> dict:
     """The step's one stats all-reduce and its one copy to the host: losses and per-layer routing statistics
     summed over every rank (each layer counted once per micro-batch, DualPipe's twin copies seeing disjoint
-    chunks; losses, the same on every TP rank, divided by tp; TP ranks route disjoint tokens), expert biases
+    chunks; router losses, the same on every TP and CP rank, divided by tp x cp; they route disjoint tokens), expert biases
     averaged over their holders, the EP-peer traffic matrix, and whether any rank was asked to stop; none of
     it grows with the world. "loads_on_device" keeps the global loads on the device for the bias update.
     per_rank (every train.rank_metrics_every steps): also each rank's traffic, peak memory and idle share,
@@ -207,7 +212,8 @@ def gather_step_stats(stages: list[Stage], cfg: RunConfig, mesh: Mesh, lm_part: 
     _, loads_h, biases_h, extra_h, tables, norm = (chunk.view_as(p) for chunk, p in zip(
         host.split([p.numel() for p in parts] + [1]), parts + [grad_norm.view(1)]))
     tp, ep = cfg.parallel.tp, mesh.layout.ep
-    extra_h[:, 1], extra_h[:, 3:] = extra_h[:, 1] / tp, extra_h[:, 3:] / tp
+    shards = tp * cfg.parallel.cp  # the router losses are the same on every TP and CP rank of a sequence
+    extra_h[:, 1], extra_h[:, 3:] = extra_h[:, 1] / shards, extra_h[:, 3:] / shards
     ranks = gather_rank_rows(np.concatenate([by_kind.ravel(), rank_row(device, idle)]), device) if per_rank else {}
     return {"lm_loss": float(host[0]) / tp, "loads": [row.long() for row in loads_h], "dropped": extra_h[:, 0],
             "aux_loss": float(extra_h[:, 1].sum()), "biases": biases_h / extra_h[:, 2:3].clamp(min=1),

@@ -23,6 +23,7 @@ explicitly; grad_group (default: group) carries the backward's transfers, so a c
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -111,7 +112,7 @@ class _Ring:
 
     def recv(self, like: list[Tensor]) -> tuple[list[Tensor], list]:
         """Post receives of tensors like these from the previous rank; returns (buffers, requests)."""
-        buffers = [torch.empty_like(t) for t in like]
+        buffers = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in like]
         return buffers, [dist.irecv(b, self.prev, self.group) for b in buffers]
 
     def source(self, hop: int) -> int:
@@ -129,6 +130,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, scale: float, group: Group,  # noqa: D102
                 grad_group: Group, traffic: dict[str, int] | None) -> Tensor:
         ring, half = _Ring(group, traffic), q.shape[2] // 2
+        k, v = k.contiguous(), v.contiguous()  # sent as they are, hop after hop
         held, out, lse = [k, v], None, None
         for hop in range(ring.size):
             last = hop == ring.size - 1
@@ -263,6 +265,51 @@ def allgather_attention(q: Tensor, k: Tensor, v: Tensor, group: Group, scale: fl
     out = F.scaled_dot_product_attention(q, k_all.repeat_interleave(repeat, 1), v_all.repeat_interleave(repeat, 1),
                                          attn_mask=visible, scale=scale)
     return out.to(dtype)
+
+
+@dataclass(frozen=True)
+class CPRegion:
+    """How a model's sequences are split over a CP group: the group, the attention method (one of CP_METHODS) and
+    the group the backward's transfers use (None: group; a twin lets a backward run beside a forward)."""
+
+    group: Group
+    method: str = "ring"
+    grad_group: Group | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in CP_METHODS:
+            raise ValueError(f"context-parallel method {self.method!r} is not one of {', '.join(CP_METHODS)}")
+
+    def __deepcopy__(self, memo: dict) -> CPRegion:
+        """Copies of a converted module share the process groups (they cannot be copied)."""
+        return self
+
+    @property
+    def size(self) -> int:
+        """Ranks in the CP group."""
+        return dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        """This rank's index in the CP group."""
+        return dist.get_rank(self.group)
+
+    @property
+    def concurrent_backward(self) -> bool:
+        """Whether the backward's transfers run on a group of their own."""
+        return self.grad_group is not None
+
+    def shard(self, x: Tensor, dim: int = 1) -> Tensor:
+        """This rank's zig-zag shard of a whole-sequence x."""
+        return zigzag_shard(x, self.size, self.rank, dim)
+
+    def positions(self, seq_len: int, device: torch.device) -> Tensor:
+        """Global positions of this rank's shard of a seq_len sequence."""
+        return zigzag_positions(seq_len, self.size, self.rank, device)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
+        """Causal attention of this rank's shard over the whole sequence (moe.cp.cp_attention)."""
+        return cp_attention(self.method, q, k, v, self.group, scale, self.grad_group)
 
 
 def cp_attention(method: str, q: Tensor, k: Tensor, v: Tensor, group: Group, scale: float | None = None,

@@ -12,11 +12,12 @@ from torch import Tensor, nn
 
 from dispatch.channel import run_steps
 from moe.config import ModelConfig
+from moe.cp import CPRegion
 from moe.experts import SwiGLU
 from moe.layer import MoELayer, MoEStats
 from moe.norm import RMSNorm
-from moe.tp import (TPRegion, check_tp_shapes, parallelize_block, parallelize_embedding, parallelize_head,
-                    vocab_parallel_cross_entropy)
+from moe.tp import (TensorParallelRouter, TPRegion, check_tp_shapes, parallelize_block, parallelize_embedding,
+                    parallelize_head, vocab_parallel_cross_entropy)
 from moe.tp.comm import Group
 from moe.tp.layout import mark_replicated
 
@@ -26,6 +27,18 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device 
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
+
+
+def position_tables(cfg: ModelConfig, local_len: int, device: torch.device, tp: TPRegion | None = None,
+                    cp: CPRegion | None = None) -> tuple[Tensor, Tensor]:
+    """RoPE cos and sin rows for a residual stream of local_len positions: the whole sequence's under TP with
+    SP (attention gathers it), this rank's zig-zag positions under CP."""
+    seq = local_len * (tp.size if tp is not None and tp.sequence_parallel else 1) * (cp.size if cp is not None else 1)
+    cos, sin = rope_tables(seq, cfg.hidden_size // cfg.num_heads, cfg.rope_theta, device)
+    if cp is None:
+        return cos, sin
+    rows = cp.positions(seq, device)
+    return cos[rows], sin[rows]
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -53,9 +66,11 @@ class Attention(nn.Module):
         self.kv: nn.Linear | None = None
         self.kv_head: int | None = None
         self.tp: TPRegion | None = None
+        self.cp: CPRegion | None = None  # context parallelism: x holds this rank's zig-zag share of each sequence
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """x [B, S, H] -> [B, S, H] (under TP with SP: sequence shards [B, S/tp, H] in and out)."""
+        """x [B, S, H] -> [B, S, H] (under TP with SP: sequence shards [B, S/tp, H] in and out; under CP: zig-zag
+        shards, cos and sin their positions' rows)."""
         if self.tp is not None:
             x = self.tp.enter(x)
         batch, seq, _ = x.shape
@@ -65,9 +80,12 @@ class Attention(nn.Module):
         if self.kv_head is not None:
             k, v = k[:, self.kv_head:self.kv_head + 1], v[:, self.kv_head:self.kv_head + 1]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        repeat = self.num_heads // k.shape[1]
-        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.cp is not None:
+            attn = self.cp.attend(q, k, v)
+        else:
+            repeat = self.num_heads // k.shape[1]
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         out = self.out(attn.transpose(1, 2).reshape(batch, seq, -1))
         return out if self.tp is None else self.tp.leave(out)
 
@@ -129,6 +147,20 @@ class MoETransformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         nn.init.normal_(self.lm_head.weight, std=cfg.init_std)
         self.tp: TPRegion | None = None
+        self.cp: CPRegion | None = None
+
+    def to_context_parallel(self, region: CPRegion) -> None:
+        """Split every sequence over region's ranks (zig-zag): attention attends across them (moe.cp) and each
+        MoE router balances with statistics summed over them (as under TP); the caller feeds each rank its
+        shard of the tokens and labels (region.shard) and the RoPE rows of its positions."""
+        if self.tp is not None or self.cp is not None:
+            raise ValueError("context parallelism is applied once, to a model without tensor parallelism")
+        self.cp = region
+        for block in self.blocks:
+            block.attn.cp = region
+            if isinstance(block.ffn, MoELayer):
+                block.ffn.router.__class__ = TensorParallelRouter
+                block.ffn.router.tp = TPRegion(region.group, False, 1, region.grad_group)
 
     def to_tensor_parallel(self, tp_group: Group, sequence_parallel: bool, grad_group: Group | None = None) -> None:
         """Keep this TP rank's shard of every layer in place (vocab rows, heads, FFN columns; see moe.tp).
@@ -158,7 +190,10 @@ class MoETransformer(nn.Module):
             raise ValueError(f"sequence length {seq} exceeds max_seq_len = {self.cfg.max_seq_len}")
         if self.tp is not None:
             check_tp_shapes(self.cfg, seq, self.tp.size, self.tp.sequence_parallel)
-        cos, sin = rope_tables(seq, self.cfg.hidden_size // self.cfg.num_heads, self.cfg.rope_theta, tokens.device)
+        if self.cp is not None:  # tokens and labels: whole sequences, of which this rank takes its zig-zag shard
+            tokens = self.cp.shard(tokens)
+            labels = None if labels is None else self.cp.shard(labels)
+        cos, sin = position_tables(self.cfg, tokens.shape[1], tokens.device, cp=self.cp)
         x = self.embed(tokens)
         stats = []
         for block in self.blocks:

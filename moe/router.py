@@ -55,14 +55,15 @@ class TopKRouter(nn.Module):
         """Route x [T, H]; seq_len (tokens per sequence) is needed for the sequence-wise loss."""
         if x.dim() != 2 or x.shape[1] != self.weight.shape[1]:
             raise ValueError(f"router input must be [T, {self.weight.shape[1]}], got {list(x.shape)}")
-        logits = F.linear(x.float(), self.weight.float())
+        dtype = torch.promote_types(x.dtype, torch.float32)  # scores and balance statistics in fp32 at least
+        logits = F.linear(x.to(dtype), self.weight.to(dtype))
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
         choice = self._limit_groups(scores.detach() + self.expert_bias)
         indices = choice.topk(self.top_k, dim=-1).indices
         weights = scores.gather(1, indices)
         if self.norm_topk:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        weights = weights * self.route_scale
+        weights = (weights * self.route_scale).float()  # the dispatchers carry float32 combine weights
         losses = self._balance_losses(logits, scores, indices, seq_len)
         aux_loss = sum((c * losses[n] for n, c in self._coefficients() if c), logits.new_zeros(()))
         kept = self._capacity_mask(indices, scores.detach().gather(1, indices))

@@ -28,7 +28,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-plan", description=__doc__)
     p.add_argument("config", help="TOML run config (launch.config)")
     p.add_argument("--search", action="store_true", help="rank every layout on --gpus GPUs that fits")
-    p.add_argument("--gpus", type=int, help="GPUs (plan: must equal the config's pp x dp x tp; search: required)")
+    p.add_argument("--gpus", type=int, help="GPUs (plan: must equal the config's pp x dp x cp x tp; search: required)")
     p.add_argument("--gpus-per-node", type=int, help="default: the config's parallel.gpus_per_node, else 8")
     p.add_argument("--gpu", help=f"preset: {', '.join(GPUS)} (default h800 unless every figure below is given)")
     p.add_argument("--peak-tflops", type=float, help="dense BF16 TFLOPS per GPU")
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> dict:
         return {"ranked": [to_dict(p) for p in result.ranked], "cut": [{"layout": l, "reason": r}
                                                                       for l, r in result.cut]}
     if args.gpus is not None and args.gpus != par.world_size:
-        raise ValueError(f"--gpus {args.gpus} differs from the config's layout pp x dp x tp = {par.world_size} "
+        raise ValueError(f"--gpus {args.gpus} differs from the config's layout pp x dp x cp x tp = {par.world_size} "
                          f"(change [parallel] or use --search)")
     if args.measure:
         return run_measured(args, config, options)

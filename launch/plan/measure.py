@@ -178,7 +178,7 @@ def measure_rank(rank: int, world: int, config: RunConfig, steps: int) -> RankMe
 
 
 def measure(config: RunConfig, steps: int = 2, timeout_s: float = 300.0) -> list[RankMeasure]:
-    """Every rank's figures of config's layout (world = pp x dp x tp local gloo processes)."""
+    """Every rank's figures of config's layout (world = pp x dp x cp x tp local gloo processes)."""
     return run_processes(measure_rank, config.parallel.world_size, config, steps, timeout_s=timeout_s)
 
 

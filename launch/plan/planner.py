@@ -173,9 +173,12 @@ def _groups(config: RunConfig, gpus_per_node: int, rank: int) -> tuple[int, int,
 def make_plan(config: RunConfig, machine: Machine, options: Options = Options(), timed: bool = True) -> Plan:
     """Predict memory, traffic and time of config on machine (timed=False: memory only, no traffic or time)."""
     par, cfg, train = config.parallel, config.model, config.train
+    if par.cp > 1:
+        raise ValueError(f"parallel.cp = {par.cp}: moe-plan does not model context parallelism yet (its ring "
+                         f"traffic, per-rank sequence shards and attention time); plan the layout with cp = 1")
     gpn = min(machine.gpus_per_node, par.world_size)  # a world smaller than a node sits in one
     if par.world_size % gpn:
-        raise ValueError(f"gpus_per_node = {gpn} must divide the world size pp x dp x tp = {par.world_size}")
+        raise ValueError(f"gpus_per_node = {gpn} must divide the world size pp x dp x cp x tp = {par.world_size}")
     machine = replace(machine, gpus_per_node=gpn)
     num_stages = par.num_stages
     layers = stage_ranges(cfg, train.seq_len, num_stages)  # the trainer's own split

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
     ({"train": {"seq_len": 512}}, "train.seq_len = 512 must be <= model.max_seq_len"),
     ({"model": {"ep_size": 2}}, "unknown key model.ep_size"),
     ({"parallel": {"pp": 2, "dp": 1}}, "parallel.schedule = 'none' with parallel.pp = 2"),
-    ({"parallel": {"ep": 3, "dp": 4}}, "parallel.ep = 3 must divide dp x tp = 4 .allowed: 1, 2, 4."),
+    ({"parallel": {"ep": 3, "dp": 4}}, "parallel.ep = 3 must divide dp x cp x tp = 4 .allowed: 1, 2, 4."),
     ({"parallel": {"ep": 4, "dp": 4}, "model": {"num_experts": 6, "num_groups": 1}, "train": {"grad_accum_steps": 4}},
      "parallel.ep = 4 must divide model.num_experts = 6"),
     ({"parallel": {"pp": 3, "schedule": "dualpipe"}}, "parallel.pp = 3: schedule 'dualpipe' needs an even pp"),

@@ -58,16 +58,16 @@ def _no_training(*args, **kwargs):
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    (["parallel.ep=3"], "parallel.ep = 3 must divide dp x tp = 2 (allowed: 1, 2)"),
+    (["parallel.ep=3"], "parallel.ep = 3 must divide dp x cp x tp = 2 (allowed: 1, 2)"),
     (["parallel.pp=1", "parallel.schedule=none", "parallel.dp=4", "parallel.ep=4", "model.num_experts=6"],
-     "parallel.ep = 4 must divide model.num_experts = 6 (allowed with dp x tp = 4: 1, 2)"),
+     "parallel.ep = 4 must divide model.num_experts = 6 (allowed with dp x cp x tp = 4: 1, 2)"),
     (["model.num_layers=3"], "model.num_layers = 3 is fewer than the 4 pipeline stages of parallel.pp = 2 with "
                              "schedule 'dualpipev' (allowed: model.num_layers >= 4"),
     (["parallel.num_chunks=2"], "parallel.num_chunks = 2 is too small for schedule 'dualpipev' with pp = 2: it needs "
                                 ">= 4 chunks"),
     (["parallel.schedule=dualpipe", "parallel.pp=3", "train.grad_accum_steps=12"],
      "parallel.pp = 3: schedule 'dualpipe' needs an even pp (allowed: 2, 4, 6, ...)"),
-    (["parallel.gpus_per_node=3"], "parallel.gpus_per_node = 3 must divide the world size pp x dp x tp = 4 "
+    (["parallel.gpus_per_node=3"], "parallel.gpus_per_node = 3 must divide the world size pp x dp x cp x tp = 4 "
                                    "(allowed: 0, 1, 2, 4)"),
 ])
 def test_a_bad_layout_is_refused_before_any_process_naming_field_and_allowed_values(nothing_may_start, capsys,
@@ -91,14 +91,14 @@ def test_every_rank_of_a_launcher_world_unlike_the_layout_refuses(nothing_may_st
     for key, value in launcher_env.items():
         monkeypatch.setenv(key, value.format(rank=rank))
     err = refusal(["--config", TINY], nothing_may_start, capsys)
-    assert f"{name} started 2 processes (this is rank {rank}), but the config's layout needs parallel.pp x dp x tp = " \
-           f"2 x 2 x 1 = 4: {hint}" in err
+    assert f"{name} started 2 processes (this is rank {rank}), but the config's layout needs parallel.pp x dp x cp x tp = " \
+           f"2 x 2 x 1 x 1 = 4: {hint}" in err
     [refused] = nothing_may_start[1]  # after printing, this rank waits for its launcher's other ranks to refuse
     assert (refused.launcher, refused.world_size, refused.rank) == (name, 2, rank)
 
 
 @pytest.mark.parametrize("flags, expected", [
-    (["--nnodes", "3"], "--nnodes 3 must divide the config's world size parallel.pp x dp x tp = 4 (allowed: 1, 2, 4)"),
+    (["--nnodes", "3"], "--nnodes 3 must divide the config's world size parallel.pp x dp x cp x tp = 4 (allowed: 1, 2, 4)"),
     (["--nnodes", "2", "--node-rank", "2"], "--node-rank 2 must lie in [0, 1] for --nnodes 2"),
     (["--nnodes", "2", "--node-rank", "1"], "parallel.gpus_per_node = 1 but moe-train puts 2 ranks on each of 2 nodes: "
                                             "set parallel.gpus_per_node = 2"),

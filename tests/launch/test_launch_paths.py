@@ -88,7 +88,7 @@ def test_a_launcher_world_unlike_the_layout_is_an_error_on_every_rank(tmp_path, 
                             text=True, timeout=300)
     output = result.stdout + result.stderr
     assert result.returncode != 0, output[-3000:]
-    assert "parallel.pp x dp x tp = 2 x 2 x 1 = 4" in output, output[-3000:]
+    assert "parallel.pp x dp x cp x tp = 2 x 2 x 1 x 1 = 4" in output, output[-3000:]
     for rank in (0, 1):  # neither launcher stops a rank before it printed its refusal
         assert f"{launcher} started 2 processes (this is rank {rank})" in output, output[-3000:]
     assert "layout:" not in output and not (tmp_path / "run").exists()
