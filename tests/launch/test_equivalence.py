@@ -153,10 +153,11 @@ def _train_runs(rank: int, world: int, runs: list[tuple[dict, bool]]) -> list[li
     return [train(build_config(raw), resume=resume, progress=False) for raw, resume in runs]
 
 
-def test_tp_checkpoints_reshard_to_and_from_one_process(corpus, tmp_path):
-    """A 1-process checkpoint resumes under tp2 SP and a tp2 SP one in 1 process: both continue the
+@pytest.mark.parametrize("layout", ["tp2 sp", "cp2 ring"])
+def test_tp_and_cp_checkpoints_reshard_to_and_from_one_process(layout, corpus, tmp_path):
+    """A 1-process checkpoint resumes under tp2 SP (cp2) and a tp2 SP (cp2) one in 1 process: both continue the
     uninterrupted 1-process run (the warmup covers the cut at step 3, so LRs do not depend on train.steps)."""
-    tp, cut = LAYOUTS["tp2 sp"], 3
+    tp, cut = LAYOUTS[layout], 3
 
     def raw(name: str, parallel: dict, steps: int) -> dict:
         out = raw_config(str(tmp_path / name), corpus, parallel, None)
