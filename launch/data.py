@@ -210,7 +210,7 @@ def _estimated_segment(data: DataSettings) -> Segment:
 
 
 def _open_source(path: str, digest: str, device: torch.device) -> Segment:
-    data = Prepared(path, digest, field=f"data source {path!r}")
+    data = Prepared(path, digest, field="data source")
     return Segment(data if device.type != "meta" else None, 0, data.tokens)
 
 

@@ -337,7 +337,7 @@ MEASURE = """
 import json, sys, torch
 from launch.config import build_config
 from launch.data import DataFeed
-from tests.launch.build_rss import rss_anon
+from launch.bench.data import rss_anon
 
 source, run_dir = sys.argv[1:3]
 cfg = build_config({"train": {"micro_batch_size": 8, "grad_accum_steps": 4, "seq_len": 128, "run_dir": run_dir},
