@@ -118,7 +118,8 @@ def prepare_folder(folder: Path, fresh: dict, pieces: Callable[[int], Iterator[t
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     manifest = read_manifest(folder)
-    same = manifest is not None and all(manifest[k] == fresh[k] for k in ("key", "tokenizer", "dtype"))
+    same = manifest is not None and (manifest["key"], manifest["tokenizer"]["digest"], manifest["dtype"]) == (
+        fresh["key"], fresh["tokenizer"]["digest"], fresh["dtype"])  # the tokenizer by content, not by path
     if manifest is not None and not same:
         if not replace:
             raise ValueError(f"{folder} holds a prepared dataset of other inputs or another tokenizer; give an "
