@@ -26,7 +26,7 @@ from launch.shards import new_manifest, prepare_folder
 from launch.tokenizer import Tokenizer, load_tokenizer, train_tokenizer
 
 KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # anything else: text
-BATCH = 1000  # documents per tokenizer call and per read
+BATCH = 64  # documents per tokenizer call and per read (its encodings hold ~100 B per token)
 
 
 def input_files(inputs: list[str]) -> tuple[str, list[Path]]:

@@ -3,7 +3,8 @@ in-memory tensor peer, with the anonymous memory (RssAnon) each holds.
 
 The corpus is Python's standard-library sources repeated up to --mbytes MB of text files. Prepare rows: ours
 tokenises into shards on disk (launch.data_cli.prepare); the peer loads the same files with `datasets`, maps the
-same tokenizer over them and concatenates every token into one int64 tensor in memory. Loader rows: DP rank 0
+same tokenizer over them (its default batches) and concatenates every token into one int64 tensor in memory;
+each runs in a fresh process. Loader rows: DP rank 0
 of --dp ranks takes --steps global batches of --micro-batch x --seq-len token rows (its share: grad_accum / dp
 micro-batches) from our DataFeed over the prepared shards (prefetch off and on: with nothing to overlap, the
 thread cannot hide the reads, so the two should be close), and from random rows of the peer's tensor. Memory is
@@ -22,11 +23,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from launch.bench.progress import Progress
+from launch.bench.progress import Progress, run_ranks
 from launch.bench.report import HIGHER, LOWER, header, header_line, table, write_json
 from launch.config import build_config
 from launch.data import DataFeed, corpus_files
 from launch.data_cli import _tokenise, load_documents, prepare
+from launch.shards import Prepared
 from launch.tokenizer import load_tokenizer
 
 DEFAULT_TOKENIZER = Path(__file__).resolve().parents[2] / "configs" / "tiny-bpe.json"
@@ -56,6 +58,20 @@ def timed(fn):
     before, began = rss_anon(), time.perf_counter()
     out = fn()
     return out, time.perf_counter() - began, (rss_anon() - before) / 2**20
+
+
+def _prepare_rank(rank: int, world: int, opts: dict) -> dict:
+    """In a fresh process: (tokens, seconds, RssAnon rise MiB) of ours ("ours") or the peer's prepare."""
+    import datasets  # noqa: F401  (imported before timing: both prepare paths use it)
+
+    tmp, num_proc = Path(opts["tmp"]), opts["num_proc"]
+    if opts["ours"]:
+        manifest, seconds, rise = timed(lambda: prepare(opts["inputs"], opts["tokenizer"], tmp / "dataset", "text",
+                                                        num_proc, progress=False))
+        return {"tokens": manifest["tokens"], "seconds": seconds, "rise": rise}
+    tensor, seconds, rise = timed(lambda: peer_prepare(opts["inputs"], opts["tokenizer"], tmp / "peer-cache",
+                                                       num_proc))
+    return {"tokens": tensor.numel(), "seconds": seconds, "rise": rise}
 
 
 def peer_prepare(inputs: list[str], tokenizer_spec: str, cache: Path, num_proc: int) -> torch.Tensor:
@@ -125,20 +141,23 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} = {getattr(args, name)} must be > 0")
     progress = Progress("data", not args.quiet)
     tmp = Path(tempfile.mkdtemp(prefix="moe-bench-data-"))
+    rows: list[dict] = []
     try:
         inputs = write_corpus(tmp / "corpus", args.mbytes)
-        import datasets  # noqa: F401  (imported before timing: both prepare paths use it)
-
-        progress(f"prepare {args.mbytes:g} MB with {args.num_proc} process(es)")
-        manifest, seconds, rise = timed(lambda: prepare(inputs, args.tokenizer, tmp / "dataset", "text",
-                                                        args.num_proc, progress=False))
-        rows = [{"path": "moe-data prepare (shards on disk)", "stage": "prepare", "rss_anon_mib": rise,
-                 "tokens_per_s": manifest["tokens"] / seconds}]
-        progress("peer: datasets.map + in-memory tensor")
-        tensor, seconds, rise = timed(lambda: peer_prepare(inputs, args.tokenizer, tmp / "peer-cache", args.num_proc))
-        assert tensor.numel() == manifest["tokens"], "the peer tokenised a different stream"
-        rows.append({"path": "datasets.map + in-memory tensor", "stage": "prepare", "rss_anon_mib": rise,
-                     "tokens_per_s": tensor.numel() / seconds})
+        prepared = {}
+        for ours, name in ((True, "moe-data prepare (shards on disk)"), (False, "datasets.map + in-memory tensor")):
+            progress(f"{name}: {args.mbytes:g} MB, {args.num_proc} process(es)")
+            opts = {"tmp": str(tmp), "inputs": inputs, "tokenizer": args.tokenizer, "num_proc": args.num_proc,
+                    "ours": ours}
+            prepared[ours] = run_ranks(_prepare_rank, 1, opts, "lower --mbytes")[0]
+            rows.append({"path": name, "stage": "prepare", "rss_anon_mib": prepared[ours]["rise"],
+                         "tokens_per_s": prepared[ours]["tokens"] / prepared[ours]["seconds"]})
+        if prepared[True]["tokens"] != prepared[False]["tokens"]:
+            print(f"moe-bench data: the peer made {prepared[False]['tokens']} tokens, ours "
+                  f"{prepared[True]['tokens']}: not the same stream", file=sys.stderr)
+            return 1
+        dataset = Prepared(tmp / "dataset")
+        tensor = torch.from_numpy(dataset.read([0], dataset.tokens)[0].astype(np.int64))  # the peer's tensor
         stage = f"load, DP rank 0 of {args.dp}"
         for prefetch in (0, 1):
             progress(f"DataFeed, prefetch {prefetch}: {args.steps} steps")
@@ -152,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     head = header("data", list(sys.argv[2:] if argv is None else argv),
                   [f"{args.mbytes:g} MB of stdlib text, tokenizer {args.tokenizer} "
-                   f"({manifest['tokens']} tokens); loader rows {args.micro_batch} x {args.seq_len}, {args.steps} "
-                   f"steps; the peer's loader memory counts its whole tensor"])
+                   f"({dataset.tokens} tokens); each prepare in a fresh process; loader rows {args.micro_batch} x "
+                   f"{args.seq_len}, {args.steps} steps; the peer's loader memory counts its whole tensor"])
     print(header_line(head))
     print(table(rows, COLUMNS))
     if args.json:
