@@ -135,3 +135,18 @@ def test_train_tokenizer_makes_a_small_byte_level_bpe(tmp_path, monkeypatch):
     monkeypatch.setattr(cli, "BATCH", 7)  # reading in small batches gives the same documents
     assert main(["train-tokenizer", "--vocab-size", "300", "--out", str(tmp_path / "y.json"), str(corpus)]) == 0
     assert BPETokenizer(tmp_path / "y.json").digest == tok.digest
+
+
+def test_a_model_folder_names_its_eos_token(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes(SHIPPED_TOKENIZER.read_bytes())
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|endoftext|>"}}))
+    tok = load_tokenizer(str(folder))
+    assert tok.eos_id == 0 and tok.vocab_size == 512 and tok.digest == load_tokenizer(str(SHIPPED_TOKENIZER)).digest
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    with pytest.raises(ValueError, match="no end-of-document token .*</s>"):
+        load_tokenizer(str(folder))
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="not a tokenizers JSON file"):
+        load_tokenizer(str(tmp_path / "bad.json"))
