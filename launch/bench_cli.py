@@ -15,6 +15,7 @@ SUITES = {
     "tp": "launch.bench.tp",
     "checkpoint": "launch.bench.checkpoint",
     "cp": "launch.bench.cp",
+    "data": "launch.bench.data",
     "compare": "launch.bench.compare",
 }
 

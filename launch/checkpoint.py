@@ -68,7 +68,7 @@ class TrainState:
     stages: list[nn.Module]
     optimizer: ZeRO1
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    data: object  # launch.data.DataFeed (state_dict / load_state_dict of its integer position)
+    data: object  # launch.data.DataFeed (state_dict / load_state_dict of its integer position; it refuses others)
     guard: StepGuard | None = None
 
     @functools.cached_property
@@ -168,7 +168,7 @@ class TrainState:
             group["lr"] = base * rule(epoch)
         self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
         if restore_data:
-            self.data.load_state_dict({key: int(wanted[f"data/{key}"]) for key in self.data.state_dict()})
+            self.data.load_state_dict({key[5:]: int(value) for key, value in wanted.items() if key.startswith("data/")})
         if self.guard is not None:
             self.guard.load_state_dict({k: wanted.get(f"guard/{k}", v) for k, v in self.guard.state_dict().items()})
         rng = wanted.get(f"rng/rank{dist.get_rank():05d}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import tomllib
 import types
 import typing
@@ -63,19 +64,59 @@ class TrainSettings:
 
 @dataclass
 class DataSettings:
-    """Where the training text comes from: "stdlib" (Python's own sources) or a file/folder path."""
+    """Where the training tokens come from: data.sources (datasets `moe-data prepare` made, blended by weight), or
+    data.corpus ("stdlib" = Python's own sources, or a text file/folder) prepared into the run directory."""
 
     corpus: str = "stdlib"
-    max_bytes: int = 4_000_000
-    eval_fraction: float = 0.02
+    max_bytes: int = 4_000_000  # the corpus's tokens are cut here (bytes, with the byte tokenizer)
+    eval_fraction: float = 0.02  # the corpus's held-out tail
+    # A compact block: the prepared-data path (launch.data, launch.shards). Paths written in a config file are
+    # relative to that file.
+    tokenizer: str = "bytes"  # "bytes", a tokenizer.json, or a Hugging Face model folder holding one
+    sources: list = field(default_factory=list)  # [{path = PREPARED_FOLDER, weight = W}, ...]; replaces corpus
+    eval_sources: list = field(default_factory=list)  # [{path = PREPARED_FOLDER}, ...]: held-out data of sources
+    prefetch_steps: int = 1  # steps whose rows a background thread reads ahead (0: read when first used)
 
     def __post_init__(self) -> None:
         check_positive("data.max_bytes", self.max_bytes)
+        check_positive("data.prefetch_steps", self.prefetch_steps, minimum=0)
         if not 0 <= self.eval_fraction < 0.5:
             raise ValueError(f"data.eval_fraction = {self.eval_fraction!r} must be in [0, 0.5)")
         if self.corpus != "stdlib" and not Path(self.corpus).exists():
             raise ValueError(f"data.corpus = {self.corpus!r}: no such file or folder "
                              f"(give a path to text files, or \"stdlib\" for the shipped default)")
+        train = [_check_source("data.sources", i, s, ("path", "weight")) for i, s in enumerate(self.sources)]
+        held = [_check_source("data.eval_sources", i, s, ("path",)) for i, s in enumerate(self.eval_sources)]
+        if self.eval_sources and not self.sources:
+            raise ValueError("data.eval_sources needs data.sources (the corpus holds out data.eval_fraction itself)")
+        for i, path in enumerate(held):
+            if path in train:
+                raise ValueError(f"data.eval_sources[{i}].path = {self.eval_sources[i]['path']!r} is also a training "
+                                 f"source (data.sources[{train.index(path)}]): held-out data must differ")
+
+    @property
+    def has_held_out(self) -> bool:
+        """Whether the run has held-out data: data.eval_sources, or the corpus's data.eval_fraction."""
+        return bool(self.eval_sources) if self.sources else self.eval_fraction > 0
+
+
+def _check_source(field_name: str, index: int, source: object, keys: tuple[str, ...]) -> Path:
+    """A source table {path, weight}: its keys, a path to an existing folder, a finite weight > 0; its resolved path."""
+    name = f"{field_name}[{index}]"
+    if not isinstance(source, dict):
+        raise ValueError(f"{name} = {source!r} must be a table {{{', '.join(f'{k} = ...' for k in keys)}}}")
+    for key in keys:
+        if key not in source:
+            raise ValueError(f"{name}.{key} is missing (each entry gives {', '.join(keys)})")
+    for key in source:
+        if key not in keys:
+            raise ValueError(f"unknown key {name}.{key}; allowed: {', '.join(keys)}")
+    if not isinstance(source["path"], str) or not Path(source["path"]).is_dir():
+        raise ValueError(f"{name}.path = {source['path']!r}: no such folder (a dataset `moe-data prepare` made)")
+    weight = source.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
+        raise ValueError(f"{name}.weight = {weight!r} must be a finite number > 0")
+    return Path(source["path"]).resolve()
 
 
 SCHEDULES = ("none", "dualpipev", "dualpipe", "1f1b", "zb1p", "afab")
@@ -280,6 +321,7 @@ def read_toml(path: str | Path, seen: tuple[Path, ...] = ()) -> dict:
         raise ValueError(f"config file {str(path)!r} names itself as a base (through {', '.join(map(str, seen))})")
     with path.open("rb") as handle:
         raw = tomllib.load(handle)
+    _resolve_data_paths(raw.get("data"), path.parent)
     base = raw.pop("base", None)
     if base is None:
         return raw
@@ -292,6 +334,19 @@ def read_toml(path: str | Path, seen: tuple[Path, ...] = ()) -> dict:
         else:
             merged[section] = values
     return merged
+
+
+def _resolve_data_paths(data: object, folder: Path) -> None:
+    """data.tokenizer and the sources' paths written in a config file are relative to that file's folder."""
+    if not isinstance(data, dict):
+        return
+    tokenizer = data.get("tokenizer")
+    if isinstance(tokenizer, str) and tokenizer != "bytes":
+        data["tokenizer"] = str(folder / tokenizer)
+    for key in ("sources", "eval_sources"):
+        for source in data.get(key, []) if isinstance(data.get(key), list) else []:
+            if isinstance(source, dict) and isinstance(source.get("path"), str):
+                source["path"] = str(folder / source["path"])
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:

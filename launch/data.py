@@ -1,25 +1,24 @@
-"""Training text per rank: a byte-level tokenizer, a token file written once, and an index-only sampler.
+"""Training data per rank: prepared token shards, a weighted blend of sources, an index-only sampler, prefetch.
 
-The corpus's documents are tokenised once into a flat uint16 file under RUN_DIR/data/ (reused while
-the corpus files, data.max_bytes and the tokenizer are unchanged; written atomically, so ranks that
-race each write the same bytes and none uses a half-written file). Each rank memory-maps it and reads
-only the rows of its own micro-batches, when they are first asked for. The stream is cut into rows
-of seq_len + 1 tokens: the training rows first, then the held-out tail (data.eval_fraction). Within
-an epoch the training rows are visited in the order of a seeded bijective permutation computed per
-index (a keyed Feistel network with cycle-walking), so the sampler's state is two integers and its
-memory does not grow with the corpus; the global batch order depends only on the seed and the corpus,
-so every layout sees the same global batches.
+With data.sources the run reads datasets `moe-data prepare` made (launch.shards); otherwise data.corpus is
+prepared once, through the same tokenizer and shard writer, into RUN_DIR/data/ (reused while the corpus files,
+data.max_bytes and the tokenizer are unchanged; ranks on one machine take a lock, the first writes). Each
+source's token stream is cut into rows of seq_len + 1 tokens (the corpus: its training rows first, then the
+held-out tail of data.eval_fraction). The global order of samples (launch.sampler) depends only on the seed,
+the blend and the row counts, so every layout sees the same global batches; each DP rank memory-maps the
+shards and reads only its own micro-batches' rows, a background thread reading data.prefetch_steps steps
+ahead (into pinned memory on CUDA).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import hashlib
-import json
-import os
 import sysconfig
-import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -27,33 +26,18 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from launch.sampler import Blend
+from launch.shards import Prepared, new_manifest, prepare_folder
+from launch.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+
 if TYPE_CHECKING:
-    from launch.config import RunConfig
+    from launch.config import DataSettings, RunConfig
+
+__all__ = ["ByteTokenizer", "DataFeed", "MicroBatch", "corpus_files", "prepare_corpus"]
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")
-TOKEN_DTYPE = np.dtype("<u2")  # uint16, little-endian on every platform
 READ_CHARS = 1 << 20  # characters read per piece while tokenising: memory stays flat on any corpus
-FEISTEL_ROUNDS = 6
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as token ids 0..255; id 0 (NUL, absent from text) separates documents."""
-
-    vocab_size = 256
-    eos_id = 0
-    name = "utf8-bytes/eos0"  # part of the token file's key
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of text."""
-        return list(text.encode("utf-8"))
-
-    def encode_bytes(self, text: str) -> bytes:
-        """Token ids of text as bytes (one byte per id; what the token file is written from)."""
-        return text.encode("utf-8")
-
-    def decode(self, ids: list[int]) -> str:
-        """Text of token ids (separators dropped, bad bytes replaced)."""
-        return bytes(i for i in ids if i != self.eos_id).decode("utf-8", errors="replace")
+CORPUS_SHARD_TOKENS = 1 << 26
 
 
 def corpus_files(corpus: str) -> list[Path]:
@@ -71,38 +55,62 @@ def corpus_files(corpus: str) -> list[Path]:
     raise ValueError(f"data.corpus = {corpus!r}: no such file or folder")
 
 
-def _token_key(corpus: str, max_bytes: int, tokenizer: ByteTokenizer) -> dict:
-    """What a token file is made from: the corpus files (paths, sizes, mtimes; as a digest), data.max_bytes
-    and the tokenizer."""
-    files = corpus_files(corpus)
+def _corpus_key(data: DataSettings) -> dict:
+    """What the run directory's prepared corpus is made from: the corpus files (paths, sizes, mtimes; as a
+    digest) and data.max_bytes (the tokenizer is the manifest's own field)."""
+    files = corpus_files(data.corpus)
     listing = hashlib.sha256()
     for file in files:
         stat = file.stat()
         listing.update(f"{file.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
-    return {"corpus": corpus, "files": len(files), "files_sha256": listing.hexdigest(), "max_bytes": max_bytes,
-            "tokenizer": tokenizer.name, "dtype": TOKEN_DTYPE.str}
+    return {"corpus": data.corpus, "files": len(files), "files_sha256": listing.hexdigest(),
+            "max_tokens": data.max_bytes}
 
 
-def _write_atomically(path: Path, write: Callable[[object], None]) -> None:
-    """write(f) into a temporary file beside path, then rename it over path (never half-written)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+def _text_pieces(corpus: str, skip: int) -> Iterator[tuple[str, bool]]:
+    """(text, whether it ends its document) of each file after the first skip, in pieces of READ_CHARS
+    characters (universal newlines: "\\r\\n" and "\\r" read as "\\n")."""
+    for file in corpus_files(corpus)[skip:]:
+        with open(file, encoding="utf-8") as text:
+            piece = text.read(READ_CHARS)
+            while True:
+                following = text.read(READ_CHARS)
+                yield piece, not following
+                if not following:
+                    break
+                piece = following
+
+
+def corpus_pieces(corpus: str, tokenizer: Tokenizer, skip: int = 0) -> Iterator[tuple[np.ndarray, bool]]:
+    """(token ids, whether the piece ends its document) of the corpus's files after the first skip; about
+    READ_CHARS characters go to the tokenizer per call (which spreads them over its threads)."""
+    batch: list[tuple[str, bool]] = []
+    for piece in _text_pieces(corpus, skip):
+        batch.append(piece)
+        if sum(len(text) for text, _ in batch) >= READ_CHARS:
+            yield from zip(tokenizer.encode_batch([t for t, _ in batch]), [e for _, e in batch])
+            batch = []
+    if batch:
+        yield from zip(tokenizer.encode_batch([t for t, _ in batch]), [e for _, e in batch])
+
+
+def prepare_corpus(data: DataSettings, folder: str | Path, tokenizer: Tokenizer | None = None) -> Prepared:
+    """data.corpus tokenised by data.tokenizer into the prepared folder (reused when made from the same corpus,
+    max_bytes and tokenizer; continued after a crash; rebuilt otherwise), opened for reading."""
+    tokenizer = tokenizer or load_tokenizer(data.tokenizer)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    with _file_lock(folder / "prepare.lock"):
+        prepare_folder(folder, new_manifest(tokenizer, _corpus_key(data)),
+                       lambda skip: corpus_pieces(data.corpus, tokenizer, skip), CORPUS_SHARD_TOKENS,
+                       max_tokens=data.max_bytes, replace=True)
+    return Prepared(folder, tokenizer.digest, field="data.corpus")
 
 
 @contextlib.contextmanager
 def _file_lock(path: Path) -> Iterator[None]:
     """An exclusive lock on path, so ranks on one machine tokenise once; none where the filesystem
-    refuses locks (then racing ranks each write the same bytes, which the atomic rename makes safe)."""
+    refuses locks (then racing ranks each write the same bytes, which the atomic renames make safe)."""
     try:
         import fcntl
         f = open(path, "a")
@@ -110,112 +118,59 @@ def _file_lock(path: Path) -> Iterator[None]:
         yield
         return
     with f:
-        try:
+        with contextlib.suppress(OSError):
             fcntl.flock(f, fcntl.LOCK_EX)
-        except OSError:
-            pass
         yield
 
 
-def token_file(corpus: str, max_bytes: int, folder: str | Path,
-               tokenizer: ByteTokenizer | None = None) -> tuple[Path, int]:
-    """The corpus's token stream (documents tokenised and joined by eos, cut at max_bytes tokens) as a flat
-    uint16 file folder/tokens.u16 with a JSON sidecar tokens.json (token count and the key it was made from);
-    reused when the sidecar's key matches, rebuilt otherwise. Returns (path, token count)."""
-    tokenizer = tokenizer or ByteTokenizer()
-    if tokenizer.vocab_size > np.iinfo(TOKEN_DTYPE).max + 1:
-        raise ValueError(f"a vocabulary of {tokenizer.vocab_size} ids does not fit the uint16 token file")
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    path, sidecar = folder / "tokens.u16", folder / "tokens.json"
-    key = _token_key(corpus, max_bytes, tokenizer)
-    with _file_lock(folder / "tokens.lock"):
-        count = _reusable(path, sidecar, key)
-        if count is None:
-            count = _tokenise(corpus, max_bytes, tokenizer, path)
-            _write_atomically(sidecar, lambda f: f.write(json.dumps({"tokens": count, "key": key}, indent=1).encode()))
-    return path, count
+@dataclass
+class Segment:
+    """Tokens [first, end) of a prepared stream (data None: counted only, on the meta device)."""
+
+    data: Prepared | None
+    first: int
+    end: int
 
 
-def _reusable(path: Path, sidecar: Path, key: dict) -> int | None:
-    """The token count of an existing token file made from key, or None."""
-    try:
-        meta = json.loads(sidecar.read_text())
-        if meta["key"] == key and path.stat().st_size == meta["tokens"] * TOKEN_DTYPE.itemsize:
-            return int(meta["tokens"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    return None
+class Rows:
+    """Rows of width tokens cut from segments in order, numbered across them."""
+
+    def __init__(self, segments: list[Segment], width: int) -> None:
+        self.segments, self.width = segments, width
+        self.bounds = np.cumsum([0] + [(s.end - s.first) // width for s in segments])
+        self.count = int(self.bounds[-1])
+
+    def read(self, rows: np.ndarray) -> np.ndarray:
+        """Rows [len(rows), width] as int64 (only these tokens are read)."""
+        out = np.empty((rows.size, self.width), dtype=np.int64)
+        where = np.searchsorted(self.bounds, rows, side="right") - 1
+        for k in np.unique(where).tolist():
+            pick = where == k
+            seg = self.segments[k]
+            out[pick] = seg.data.read(seg.first + (rows[pick] - self.bounds[k]) * self.width, self.width)
+        return out
 
 
-def _tokenise(corpus: str, max_bytes: int, tokenizer: ByteTokenizer, path: Path) -> int:
-    """Write the token stream to path (atomically, piece by piece); returns its token count."""
-    count = 0
-
-    def write(f) -> None:
-        nonlocal count
-        for file in corpus_files(corpus):
-            with open(file, encoding="utf-8") as text:  # universal newlines: "\r\n" and "\r" read as "\n"
-                while piece := text.read(READ_CHARS):
-                    ids = np.frombuffer(tokenizer.encode_bytes(piece)[: max_bytes - count], dtype=np.uint8)
-                    f.write(ids.astype(TOKEN_DTYPE).tobytes())
-                    count += ids.size
-                    if count == max_bytes:
-                        return
-            f.write(np.array([tokenizer.eos_id], dtype=TOKEN_DTYPE).tobytes())
-            count += 1
-            if count == max_bytes:
-                return
-
-    _write_atomically(path, write)
-    return count
+def _read_rows(rows: Rows, indices: np.ndarray) -> np.ndarray:
+    """The rows of one micro-batch of one source (the only data a rank reads)."""
+    return rows.read(indices)
 
 
-def _mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser on uint64 (wrapping arithmetic, the same on every platform)."""
-    x = x ^ (x >> np.uint64(30))
-    x = x * np.uint64(0xBF58476D1CE4E5B9)
-    x = x ^ (x >> np.uint64(27))
-    x = x * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
-class RowPermutation:
-    """A seeded bijection of [0, size), evaluated per index in O(1) memory: a balanced Feistel network on
-    the smallest even number of bits covering size (round keys from blake2b of seed and epoch, round
-    function splitmix64's finaliser), cycle-walking any image >= size back into range."""
-
-    def __init__(self, size: int, seed: int, epoch: int) -> None:
-        self.size = size
-        self.half = max(1, ((size - 1).bit_length() + 1) // 2)
-        self.mask = np.uint64((1 << self.half) - 1)
-        digest = hashlib.blake2b(f"rows/{seed}/{epoch}".encode(), digest_size=8 * FEISTEL_ROUNDS).digest()
-        self.keys = np.frombuffer(digest, dtype="<u8").astype(np.uint64)
-
-    def _encrypt(self, x: np.ndarray) -> np.ndarray:
-        shift = np.uint64(self.half)
-        left, right = x >> shift, x & self.mask
-        for key in self.keys:
-            left, right = right, left ^ (_mix64(right ^ key) & self.mask)
-        return (left << shift) | right
-
-    def __call__(self, indices: np.ndarray) -> np.ndarray:
-        """The images of indices (each in [0, size)) as int64."""
-        out = self._encrypt(np.atleast_1d(np.asarray(indices, dtype=np.uint64)))
-        walking = out >= self.size
-        while walking.any():
-            out[walking] = self._encrypt(out[walking])
-            walking = out >= self.size
-        return out.astype(np.int64)
+def _host_batch(read: Callable[[], np.ndarray], pin: bool) -> tuple[Tensor, Tensor]:
+    """(inputs, labels) int64 host tensors of the rows read() returns (pinned for a copy to a GPU)."""
+    rows = torch.from_numpy(read())
+    pair = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+    return tuple(t.pin_memory() for t in pair) if pin else pair
 
 
 class MicroBatch:
-    """One micro-batch of one rank: inputs and labels [B, S] int64 on the feed's device, its rows read from
-    the token file when first asked for (never on the meta device, where they are uninitialised)."""
+    """One micro-batch of one rank: inputs and labels [B, S] int64 on the feed's device, read when first asked
+    for or ahead by the feed's prefetch thread (never on the meta device, where they are uninitialised)."""
 
-    def __init__(self, read: Callable[[], np.ndarray] | None, shape: tuple[int, int], device: torch.device) -> None:
-        self._read, self._shape, self._device = read, shape, device
-        self._rows: np.ndarray | None = None
+    def __init__(self, load: Callable[[], tuple[Tensor, Tensor]] | None, shape: tuple[int, int],
+                 device: torch.device) -> None:
+        self._load, self._shape, self._device = load, shape, device
+        self._host: tuple[Tensor, Tensor] | None = None
         self._tensors: dict[str, Tensor] = {}
 
     @classmethod
@@ -228,91 +183,124 @@ class MicroBatch:
     @property
     def inputs(self) -> Tensor:
         """Tokens [B, S] (int64)."""
-        return self._tensor("inputs", slice(None, -1))
+        return self._tensor("inputs", 0)
 
     @property
     def labels(self) -> Tensor:
         """Next tokens [B, S] (int64): the rows shifted by one."""
-        return self._tensor("labels", slice(1, None))
+        return self._tensor("labels", 1)
 
-    def _tensor(self, name: str, columns: slice) -> Tensor:
+    def _tensor(self, name: str, which: int) -> Tensor:
         if name not in self._tensors:
             if self._device.type == "meta":
                 self._tensors[name] = torch.empty(self._shape, dtype=torch.int64, device=self._device)
             else:
-                if self._rows is None:
-                    self._rows = self._read()
-                host = torch.from_numpy(self._rows[:, columns].astype(np.int64))
-                if self._device.type == "cuda":
-                    host = host.pin_memory()
-                self._tensors[name] = host.to(self._device, non_blocking=True)
+                if self._host is None:
+                    self._host = self._load()
+                self._tensors[name] = self._host[which].to(self._device, non_blocking=True)
                 if len(self._tensors) == 2:
-                    self._rows = None
+                    self._host = None
         return self._tensors[name]
 
 
-def _read_rows(tokens: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """The rows [B, seq_len + 1] of a memory-mapped [rows, seq_len + 1] token view (the only data read)."""
-    return np.asarray(tokens[rows])
+def _estimated_segment(data: DataSettings) -> Segment:
+    """The corpus counted from its files' sizes, read nowhere (the meta device)."""
+    total = min(sum(f.stat().st_size + 1 for f in corpus_files(data.corpus)), data.max_bytes)
+    return Segment(None, 0, total)
+
+
+def _open_source(path: str, digest: str, device: torch.device) -> Segment:
+    data = Prepared(path, digest, field="data source")
+    return Segment(data if device.type != "meta" else None, 0, data.tokens)
+
+
+def data_segments(cfg: RunConfig, split: str, device: torch.device) -> tuple[list[list[Segment]], list[float]]:
+    """(per source the segments of split, the sources' weights): data.sources (train) or data.eval_sources
+    (eval, read in order as one source), else the prepared corpus's training rows or its held-out tail."""
+    data = cfg.data
+    if data.sources:
+        digest = load_tokenizer(data.tokenizer).digest
+        if split == "eval":
+            return [[_open_source(s["path"], digest, device) for s in data.eval_sources]], [1.0]
+        return [[_open_source(s["path"], digest, device)] for s in data.sources], [s["weight"] for s in data.sources]
+    if device.type == "meta":
+        whole = _estimated_segment(data)
+    else:
+        prepared = prepare_corpus(data, Path(cfg.train.run_dir) / "data")
+        whole = Segment(prepared, 0, prepared.tokens)
+    held = int(whole.end * data.eval_fraction)
+    if split == "eval":
+        return [[Segment(whole.data, whole.end - held, whole.end)]], [1.0]
+    return [[Segment(whole.data, 0, whole.end - held)]], [1.0]
 
 
 class DataFeed:
-    """This DP rank's micro-batches of cfg's corpus (split "train": the sampled training rows; "eval": the
-    held-out tail in stored order), read through a memory map of the token file in RUN_DIR/data/. On the
-    meta device nothing is tokenised or read: the row count is estimated from the corpus's file sizes."""
+    """This DP rank's micro-batches of cfg's data (split "train": the blended, sampled training rows; "eval": the
+    held-out rows in stored order), read through memory maps of the prepared shards. On the meta device nothing is
+    tokenised or read (the corpus's row count is estimated from its files' sizes)."""
 
     def __init__(self, cfg: RunConfig, dp_rank: int, device: torch.device, split: str = "train") -> None:
         if split not in ("train", "eval"):
             raise ValueError(f"split = {split!r}; allowed: 'train', 'eval'")
-        settings, data = cfg.train, cfg.data
+        settings = cfg.train
         self.device, self.split, self.seed = torch.device(device), split, settings.seed
         self.batch_size, self.seq_len = settings.micro_batch_size, settings.seq_len
         self.grad_accum, self.dp, self.dp_rank = settings.grad_accum_steps, cfg.parallel.dp, dp_rank
+        segments, weights = data_segments(cfg, split, self.device)
+        self.sources = [Rows(s, self.seq_len + 1) for s in segments]
+        self.rows = sum(s.count for s in self.sources)
+        if split == "train":
+            for rows, path in zip(self.sources, [s["path"] for s in cfg.data.sources] or [cfg.data.corpus]):
+                if rows.count < 1:
+                    raise ValueError(f"data source {path!r} holds fewer tokens than one row of train.seq_len + 1 = "
+                                     f"{self.seq_len + 1}")
+            if self.rows < self.batch_size:
+                raise ValueError(f"the training data has {self.rows} rows of {self.seq_len + 1} tokens: fewer than "
+                                 f"one micro-batch; lower train.micro_batch_size or train.seq_len")
+        self._blend = Blend(weights)
+        self._taken = [0] * len(self.sources)
+        self._consumed = self._position()
+        self.prefetch = cfg.data.prefetch_steps if self.device.type != "meta" else 0
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="data-prefetch") if self.prefetch else None
+        self._ahead: collections.deque[tuple[list[MicroBatch], dict[str, int]]] = collections.deque()
+
+    def _sample_rows(self, picks: list[tuple[int, int]]) -> np.ndarray:
+        """The rows [B, seq_len + 1] of picks ((source, index within the source) of each sample)."""
+        chosen = self._blend.rows(picks, [s.count for s in self.sources], self.seed)
+        out = np.empty((len(chosen), self.seq_len + 1), dtype=np.int64)
+        for source in sorted({s for s, _ in chosen}):
+            at = [i for i, (s, _) in enumerate(chosen) if s == source]
+            out[at] = _read_rows(self.sources[source], np.array([chosen[i][1] for i in at], dtype=np.int64))
+        return out
+
+    def _batch(self, read: Callable[[], np.ndarray]) -> MicroBatch:
+        shape = (self.batch_size, self.seq_len)
         if self.device.type == "meta":
-            path = None
-            total = min(sum(f.stat().st_size + 1 for f in corpus_files(data.corpus)), data.max_bytes)
-        else:
-            path, total = token_file(data.corpus, data.max_bytes, Path(settings.run_dir) / "data")
-        eval_tokens = int(total * data.eval_fraction)
-        first, end = (0, total - eval_tokens) if split == "train" else (total - eval_tokens, total)
-        width = self.seq_len + 1
-        self.rows = (end - first) // width
-        if split == "train" and self.rows < self.batch_size:
-            raise ValueError(f"corpus has {end - first} training tokens: fewer than one micro-batch of "
-                             f"{self.batch_size} x {width}; lower train.micro_batch_size or train.seq_len")
-        self._path, self._total, self._first = path, total, first
-        self.epoch, self.cursor = 0, 0
+            return MicroBatch(None, shape, self.device)
+        load = functools.partial(_host_batch, read, self.device.type == "cuda")
+        if self._pool is not None:
+            load = self._pool.submit(load).result
+        return MicroBatch(load, shape, self.device)
 
-    @functools.cached_property
-    def _tokens(self) -> np.ndarray:
-        """The split's rows [rows, seq_len + 1] as a view of the memory-mapped token file (nothing read yet)."""
-        width = self.seq_len + 1
-        mapped = np.memmap(self._path, dtype=TOKEN_DTYPE, mode="r")
-        if mapped.size != self._total:
-            raise RuntimeError(f"{self._path} changed under this run: {mapped.size} tokens, not {self._total}")
-        return mapped[self._first: self._first + self.rows * width].reshape(self.rows, width)
+    def _plan_step(self) -> tuple[list[MicroBatch], dict[str, int]]:
+        """The next global batch's samples (every rank assigns all of them: the same order everywhere); this
+        rank's micro-batches of it (DP rank d takes [d * share, (d + 1) * share)), and the state after it."""
+        picks = self._blend.assign(self._taken, self.grad_accum * self.batch_size)
+        share, b = self.grad_accum // self.dp, self.batch_size
+        out = [self._batch(functools.partial(self._sample_rows, picks[k * b:(k + 1) * b]))
+               for k in range(self.dp_rank * share, (self.dp_rank + 1) * share)]
+        return out, self._position()
 
-    def _batch(self, rows: Callable[[], np.ndarray]) -> MicroBatch:
-        read = None if self.device.type == "meta" else lambda: _read_rows(self._tokens, rows())
-        return MicroBatch(read, (self.batch_size, self.seq_len), self.device)
-
-    def _sampled(self, epoch: int, start: int) -> np.ndarray:
-        return RowPermutation(self.rows, self.seed, epoch)(np.arange(start, start + self.batch_size))
+    def _position(self) -> dict[str, int]:
+        return {f"source{s}": n for s, n in enumerate(self._taken)}
 
     def next_step(self) -> list[MicroBatch]:
-        """This DP rank's micro-batches of the next global batch (train.grad_accum_steps micro-batches,
-        DP rank d takes [d * share, (d + 1) * share)); advances the sampler by the whole global batch
-        (indices only: nothing is read). An epoch ends when fewer rows than one micro-batch's remain."""
-        share = self.grad_accum // self.dp
-        mine = range(self.dp_rank * share, (self.dp_rank + 1) * share)
-        out = []
-        for k in range(self.grad_accum):
-            if self.cursor + self.batch_size > self.rows:
-                self.epoch, self.cursor = self.epoch + 1, 0
-            if k in mine:
-                out.append(self._batch(functools.partial(self._sampled, self.epoch, self.cursor)))
-            self.cursor += self.batch_size
-        return out
+        """This DP rank's micro-batches of the next global batch (train.grad_accum_steps micro-batches over all
+        DP ranks); with prefetch, the reads of this and the next data.prefetch_steps steps are under way."""
+        while len(self._ahead) <= self.prefetch:
+            self._ahead.append(self._plan_step())
+        batches, self._consumed = self._ahead.popleft()
+        return batches
 
     def held_out(self, count: int) -> list[MicroBatch]:
         """This DP rank's contiguous share of the first `count` micro-batches of rows in stored order
@@ -322,15 +310,27 @@ class DataFeed:
         available = self.rows // self.batch_size
         if available < count:
             raise ValueError(f"the held-out data has {available} micro-batches, fewer than the {count} evaluation "
-                             f"needs: raise data.eval_fraction or lower train.eval_batches")
+                             f"needs: raise data.eval_fraction (or add data.eval_sources) or lower "
+                             f"train.eval_batches")
         share, b = count // self.dp, self.batch_size
-        return [self._batch(functools.partial(np.arange, k * b, (k + 1) * b))
+        return [self._batch(functools.partial(_read_rows, self.sources[0], np.arange(k * b, (k + 1) * b)))
                 for k in range(self.dp_rank * share, (self.dp_rank + 1) * share)]
 
+    def close(self) -> None:
+        """Stop the prefetch thread (reads under way finish; queued ones are dropped)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
     def state_dict(self) -> dict[str, int]:
-        """The sampler's position: the epoch and the rows taken in it."""
-        return {"epoch": self.epoch, "cursor": self.cursor}
+        """The sampler's position after the last step handed out: samples taken from each source."""
+        return dict(self._consumed)
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue from a position saved by state_dict."""
-        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        """Continue from a position saved by state_dict (in any layout); drops steps read ahead."""
+        wanted = [f"source{s}" for s in range(len(self.sources))]
+        if sorted(state) != sorted(wanted):
+            raise ValueError(f"the checkpoint's sampler state has keys {sorted(state)}, this run's data has "
+                             f"{len(wanted)} source(s) ({', '.join(wanted)}): the data order cannot be continued")
+        self._ahead.clear()
+        self._taken = [int(state[k]) for k in wanted]
+        self._consumed = self._position()

@@ -340,7 +340,7 @@ def _train(cfg: RunConfig, metrics_out: str | Path | None, resume: bool, progres
         optimizer, lambda s: warmup_cosine(s, settings.warmup_steps, settings.steps, settings.min_lr_ratio))
     batches = DataFeed(cfg, mesh.dp_rank, device)
     eval_batches = (DataFeed(cfg, mesh.dp_rank, device, "eval")
-                    if cfg.data.eval_fraction and settings.eval_batches else None)
+                    if cfg.data.has_held_out and settings.eval_batches else None)
     rehearsal = device.type == "meta"
     if rehearsal:
         print("rehearsal on the meta device: checkpoints (DCP writes real storage) and the step-progress watchdog "

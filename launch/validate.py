@@ -2,7 +2,9 @@
 
 build_config already refuses unknown sections and keys, wrong types, out-of-range values and
 inconsistent layouts; check_run adds what needs the whole config or the machine: finite numbers,
-optimizer ranges, the corpus (readable, large enough for one micro-batch) and a writable run directory.
+optimizer ranges, the tokenizer (its vocabulary within model.vocab_size), the data (the corpus readable and
+large enough for one micro-batch; prepared sources complete, of the configured tokenizer, every shard's CRC-32
+intact) and a writable run directory.
 Every error names the field and what is allowed.
 """
 
@@ -15,6 +17,8 @@ from pathlib import Path
 
 from launch.config import RunConfig, load_config
 from launch.data import corpus_files
+from launch.shards import Prepared
+from launch.tokenizer import load_tokenizer
 from launch.device import check_device
 
 
@@ -52,6 +56,31 @@ def _check_corpus(cfg: RunConfig) -> None:
                          f"= {needed}): give a larger corpus or lower those fields")
 
 
+def _check_data(cfg: RunConfig) -> None:
+    """The tokenizer loads and model.vocab_size covers it; then the corpus, or every prepared source (manifest
+    complete, made by this tokenizer, shards of the listed sizes and CRC-32s, at least one row each)."""
+    data, width = cfg.data, cfg.train.seq_len + 1
+    tokenizer = load_tokenizer(data.tokenizer)
+    if cfg.model.vocab_size < tokenizer.vocab_size:
+        raise ValueError(f"model.vocab_size = {cfg.model.vocab_size} is smaller than the vocabulary of data.tokenizer "
+                         f"= {data.tokenizer!r} ({tokenizer.vocab_size} ids): allowed model.vocab_size >= "
+                         f"{tokenizer.vocab_size}")
+    if not data.sources:
+        _check_corpus(cfg)
+        return
+    rows = 0
+    for name, entries in (("data.sources", data.sources), ("data.eval_sources", data.eval_sources)):
+        for i, source in enumerate(entries):
+            tokens = Prepared(source["path"], tokenizer.digest, verify=True, field=f"{name}[{i}].path").tokens
+            if tokens < width:
+                raise ValueError(f"{name}[{i}].path = {source['path']!r} holds {tokens} tokens, fewer than one row "
+                                 f"of train.seq_len + 1 = {width}")
+            rows += tokens // width if name == "data.sources" else 0
+    if rows < cfg.train.micro_batch_size:
+        raise ValueError(f"data.sources hold {rows} rows of train.seq_len + 1 = {width} tokens, fewer than one "
+                         f"micro-batch (train.micro_batch_size = {cfg.train.micro_batch_size})")
+
+
 def _check_run_dir(cfg: RunConfig) -> None:
     """train.run_dir is a folder this process can create or write into."""
     path = Path(cfg.train.run_dir).resolve()
@@ -70,7 +99,7 @@ def _check_machine(cfg: RunConfig) -> None:
 
 def check_run(cfg: RunConfig) -> None:
     """Raise ValueError naming the field unless the whole run can start (no process is spawned)."""
-    for check in (_check_finite, _check_optimizer, _check_machine, _check_corpus, _check_run_dir):
+    for check in (_check_finite, _check_optimizer, _check_machine, _check_data, _check_run_dir):
         check(cfg)
 
 

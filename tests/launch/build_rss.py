@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from launch.bench.data import rss_anon
 from launch.config import build_config
 from launch.mesh import Mesh
 from launch.train import build_model
@@ -19,12 +20,6 @@ CONFIG = {
     "train": {"micro_batch_size": 1, "grad_accum_steps": 8, "seq_len": 64},
     "parallel": {"pp": 2, "dp": 4, "ep": 4, "schedule": "1f1b"},
 }
-
-
-def rss_anon() -> int:
-    """This process's anonymous resident bytes (mapped files excluded)."""
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon:"))
 
 
 def main() -> None:

@@ -76,7 +76,8 @@ def test_own_spawn_torchrun_and_mpiexec_give_identical_losses(tmp_path):
         assert [r["step"] for r in records] == list(range(STEPS)), name
         losses[name] = [r["lm_loss"] for r in records]
     assert losses["torchrun"] == losses["moe-train"] and losses["mpiexec"] == losses["moe-train"], losses
-    assert losses["moe-train"][-1] < 0.9 * losses["moe-train"][0]
+    # it learns: halfway through the 20-step warmup the default's BPE loss is ~9% below ln 512 (6.25 -> 5.69)
+    assert losses["moe-train"][-1] < 0.95 * losses["moe-train"][0]
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "mpiexec"])

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from launch.config import build_config
-from launch.data import ByteTokenizer, DataFeed, corpus_files, token_file
+from launch.data import ByteTokenizer, DataFeed, corpus_files, prepare_corpus
 from launch.metrics import read_jsonl
 from launch.train import train
 
@@ -58,12 +58,12 @@ def test_packing_and_tokenizer_roundtrip(tmp_path):
     (corpus / "a.txt").write_text("héllo wörld\n" * 50)
     (corpus / "b.md").write_text("second document\n" * 50)
     tokenizer = ByteTokenizer()
-    path, _ = token_file(str(corpus), 10_000, tmp_path / "run" / "data", tokenizer)
-    assert [p.name for p in corpus_files(str(corpus))] == ["a.txt", "b.md"]
-    tokens = np.fromfile(path, dtype=np.uint16).tolist()
-    assert tokenizer.decode(tokens) == "héllo wörld\n" * 50 + "second document\n" * 50
     cfg = build_config({"train": {"micro_batch_size": 4, "seq_len": 16, "run_dir": str(tmp_path / "run")},
                         "data": {"corpus": str(corpus), "max_bytes": 10_000}})
+    prepare_corpus(cfg.data, tmp_path / "run" / "data", tokenizer)
+    assert [p.name for p in corpus_files(str(corpus))] == ["a.txt", "b.md"]
+    tokens = np.fromfile(tmp_path / "run" / "data" / "00000.tokens", dtype=np.uint16).tolist()
+    assert tokenizer.decode(tokens) == "héllo wörld\n" * 50 + "second document\n" * 50
     batch = DataFeed(cfg, 0, torch.device("cpu")).next_step()[0]
     assert batch.inputs.shape == batch.labels.shape == (4, 16)
     assert (batch.inputs[:, 1:] == batch.labels[:, :-1]).all()
