@@ -215,7 +215,7 @@ class RunConfig:
             allowed = [d for d in range(1, par.stage_ranks + 1) if par.stage_ranks % d == 0 and model.num_experts % d == 0]
             raise ValueError(f"parallel.ep = {par.ep} must divide model.num_experts = {model.num_experts} "
                              f"(allowed with dp x cp x tp = {par.stage_ranks}: {', '.join(map(str, allowed))})")
-        if self.train.seq_len % (2 * par.cp):
+        if par.cp > 1 and self.train.seq_len % (2 * par.cp):
             raise ValueError(f"train.seq_len = {self.train.seq_len} must be divisible by 2 x parallel.cp = {2 * par.cp} "
                              f"(each sequence is cut into 2 x cp zig-zag chunks)")
         if model.num_layers < par.num_stages:
