@@ -14,6 +14,7 @@ SUITES = {
     "train": "launch.bench.train",
     "tp": "launch.bench.tp",
     "checkpoint": "launch.bench.checkpoint",
+    "layer": "launch.bench.layer",
     "compare": "launch.bench.compare",
 }
 
