@@ -6,7 +6,10 @@ started by dispatch.multiproc.run_processes, each peer in its own interpreter (a
 environment: launch/bench/peers/setup.sh) running launch/bench/peers/<peer>_moe.py, which imports only
 torch and the peer library; the same processes start those, one per rank. All time the same loop
 (launch/bench/peers/fwdbwd.py): warm-up steps, then repeats of drop grads, forward, backward of a fixed
-output gradient, a barrier before each under EP. A row's time is the median over repeats of the slowest
+output gradient, a barrier before each under EP. Every contender loads the same weights (ours, at --seed)
+and first checks its output on each rank's tokens against one process of our layer in float64 ("rel diff":
+max |out - reference| / max |reference|; the run fails when it exceeds 1e-4, or 5e-2 where experts compute in
+bf16), so all run the same routing and experts. A row's time is the median over repeats of the slowest
 rank; "x ours" is its time over ours at the same EP. Contenders run one after another (rounds rotate
 the order; the ratio's range across rounds says how much the machine drifted). A peer that is not
 installed or fails says why in its row.
@@ -21,6 +24,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +33,8 @@ import torch.distributed as dist
 
 from dispatch import EPDispatcher
 from dispatch.layout import check_num_experts
-from launch.bench.peers.fwdbwd import fwd_bwd, inputs, time_steps
+from dispatch.multiproc import PEER_LOST
+from launch.bench.peers.fwdbwd import fwd_bwd, inputs, relative_error, time_steps
 from launch.bench.progress import BudgetExceeded, Progress, call_budget, run_ranks
 from launch.bench.report import LOWER, emit, header
 from moe.config import ModelConfig
@@ -50,6 +55,7 @@ RUNS = {  # what each contender runs beyond the common routing (softmax, top-k r
     "megatron": "MoELayer: SequentialMLP (one MLP per expert, in turn; grouped GEMM needs Transformer Engine on "
                 "a GPU), MoEAlltoAllTokenDispatcher; its torch.cuda stream calls are no-ops on CPU",
 }
+TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}  # rel diff allowed, by the dtype the experts compute in
 HINT = "run a smaller shape (--shape small, --seq, --hidden) or raise --call-budget"
 
 
@@ -60,19 +66,47 @@ def model_config(spec: dict[str, Any]) -> ModelConfig:
                        num_shared_experts=0, score_func="softmax", norm_topk=True)
 
 
+def our_weights(layer: MoELayer) -> dict[str, torch.Tensor]:
+    """The weights every contender loads (fwdbwd's layout)."""
+    return {"router": layer.router.weight.detach(), "w_gate_up": layer.experts.w_gate_up.detach(),
+            "w_down": layer.experts.w_down.detach()}
+
+
+def load_weights(layer: MoELayer, weights: dict[str, torch.Tensor]) -> MoELayer:
+    """layer holding weights (all experts: before to_expert_parallel)."""
+    with torch.no_grad():
+        for param, value in zip((layer.router.weight, layer.experts.w_gate_up, layer.experts.w_down),
+                                (weights["router"], weights["w_gate_up"], weights["w_down"])):
+            param.copy_(value)
+    return layer
+
+
+def write_weights(spec: dict[str, Any], ranks: int, path: Path) -> None:
+    """Our layer's weights at spec["seed"] and, for each of `ranks` ranks, the float64 output of one process of
+    it on that rank's tokens, to path (torch.save)."""
+    torch.manual_seed(spec["seed"])
+    weights = our_weights(MoELayer(model_config(spec)))
+    reference = load_weights(MoELayer(model_config(spec)).double(), weights)
+    with torch.no_grad():
+        outputs = [reference(inputs(spec, rank)[0].double())[0] for rank in range(ranks)]
+    torch.save({**weights, "reference": outputs}, path)
+
+
 def ours_worker(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     """This rank's seconds per timed forward+backward of our MoELayer (experts split over the world when > 1)."""
     spec = opts["spec"]
-    torch.manual_seed(spec["seed"])
-    layer = MoELayer(model_config(spec)).to(getattr(torch, spec["dtype"]))
+    weights = torch.load(spec["weights"], weights_only=True)
+    layer = load_weights(MoELayer(model_config(spec)), weights).to(getattr(torch, spec["dtype"]))
     if world > 1:
         layer.to_expert_parallel(EPDispatcher(spec["experts"]))
     x, dy = inputs(spec, rank)
+    with torch.no_grad():
+        diff = relative_error(layer(x)[0], weights["reference"][rank])
     what = f"{OURS} EP={world} forward+backward"
     seconds = time_steps(fwd_bwd(layer, lambda t: layer(t)[0], x, dy), spec["warmup"], spec["repeats"],
                          barrier=dist.barrier if world > 1 else None,
                          guard=lambda _: call_budget(opts["call_budget"], what, opts))
-    return {"seconds": seconds, "info": {"library": "moe-pretrain (this checkout)",
+    return {"seconds": seconds, "max_rel_diff": diff, "info": {"library": "moe-pretrain (this checkout)",
                                          "local_experts": layer.experts.w_down.shape[0]}}
 
 
@@ -125,10 +159,11 @@ def measure(name: str, ep: int, args: argparse.Namespace, progress: Progress) ->
                              f"or $MOE_BENCH_PEERS) or pass --peer-python {name}=PYTHON"}
         results = run_ranks(peer_worker, ep, {**opts, "peer": name, "python": python,
                                               "peer_timeout": args.peer_timeout}, HINT)
-    failed = next((r["error"] for r in results if "error" in r), None)
-    if failed is not None:
-        return {"error": failed}
-    return {"seconds": [max(ranks) for ranks in zip(*(r["seconds"] for r in results))], "info": results[0]["info"]}
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:  # the cause, not a rank that lost its peer because of it
+        return {"error": next((e for e in errors if not PEER_LOST.search(e)), errors[0])}
+    return {"seconds": [max(ranks) for ranks in zip(*(r["seconds"] for r in results))],
+            "max_rel_diff": max(r["max_rel_diff"] for r in results), "info": results[0]["info"]}
 
 
 def _quartiles(seconds: list[float]) -> tuple[float, float, float]:
@@ -150,8 +185,13 @@ def summarise(runs: dict[tuple[str, int], list[dict[str, Any]]], args: argparse.
             rows.append({**row, "status": error, "median_ms": None, "spread_ms": None})
             continue
         q1, median, q3 = _quartiles([s for r in rounds for s in r["seconds"]])
-        rows.append({**row, "status": "ok", "median_ms": 1e3 * median, "spread_ms": 1e3 * (q3 - q1),
-                     "round_medians_ms": [1e3 * statistics.median(r["seconds"]) for r in rounds], **rounds[-1]["info"]})
+        info = rounds[-1]["info"]
+        diff = max(r["max_rel_diff"] for r in rounds)
+        tolerance = TOLERANCE[info.get("expert_dtype", args.spec["dtype"])]
+        rows.append({**row, **info, "median_ms": 1e3 * median, "spread_ms": 1e3 * (q3 - q1),
+                     "round_medians_ms": [1e3 * statistics.median(r["seconds"]) for r in rounds],
+                     "max_rel_diff": diff, "tolerance": tolerance,
+                     "status": "ok" if diff <= tolerance else f"OUTPUT DIFFERS from the reference (> {tolerance:g})"})
     for row in rows:
         ours = next(r for r in rows if r["contender"] == OURS and r["ep"] == row["ep"])
         if row["median_ms"] is None or ours["median_ms"] is None:
@@ -164,7 +204,7 @@ def summarise(runs: dict[tuple[str, int], list[dict[str, Any]]], args: argparse.
 
 
 COLUMNS = [("contender", "contender", ""), ("EP", "ep", "d"), ("fwd+bwd ms", "median_ms", ".2f"),
-           ("IQR ms", "spread_ms", ".2f"), ("x ours", "vs_ours", ".2f"), ("min", "vs_ours_min", ".2f"),
+           ("IQR ms", "spread_ms", ".2f"), ("rel diff", "max_rel_diff", ".1e"), ("x ours", "vs_ours", ".2f"), ("min", "vs_ours_min", ".2f"),
            ("max", "vs_ours_max", ".2f"), ("experts/rank", "local_experts", "d"), ("library", "library", ""),
            ("status", "status", "")]
 
@@ -247,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.setup_peers:
         return subprocess.run(["bash", str(PEERS_DIR / "setup.sh"), args.setup_peers]).returncode
     progress = Progress("layer", not args.quiet)
+    weights_dir = tempfile.TemporaryDirectory(prefix="moe-bench-layer-")
+    args.spec["weights"] = str(Path(weights_dir.name) / "weights.pt")
+    write_weights(args.spec, max(args.ep), Path(args.spec["weights"]))
     contenders = [(name, ep) for ep in args.ep for name in (OURS, *args.peer_list)]
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {key: [] for key in contenders}
     try:
@@ -256,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     except BudgetExceeded as err:
         print(f"moe-bench layer: stopped: {err}", file=sys.stderr)
         return 3
+    finally:
+        weights_dir.cleanup()
     rows = summarise(runs, args)
     s = args.spec
     notes = [f"hidden {s['hidden']}, expert ffn {s['ffn']}, {s['experts']} experts top-{s['top_k']}, tokens "
@@ -269,7 +314,11 @@ def main(argv: list[str] | None = None) -> int:
     emit(head, rows, COLUMNS, args.json, ["contender", "ep", *SHAPES["small"], "dtype"],
          {"median_ms": LOWER, "spread_ms": LOWER})
     print("\n".join(f"note: {note}" for note in notes))
-    return 0
+    bad = [f"{r['contender']} EP={r['ep']}" for r in rows if r["status"].startswith("OUTPUT DIFFERS")]
+    if bad:
+        print(f"moe-bench layer: outputs differ from one process of our layer in float64: {', '.join(bad)}",
+              file=sys.stderr)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

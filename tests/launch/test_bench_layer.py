@@ -1,5 +1,6 @@
-"""moe-bench layer without the peers installed (as in CI): our rows at EP 1 and 2, each missing or failing peer's
-row says why, the JSON has the suite fields, bad options are refused before anything starts."""
+"""moe-bench layer without the peers installed (as in CI): our rows at EP 1 and 2 (outputs checked against one
+float64 process), each missing or failing peer's row says why, the JSON has the suite fields, bad options are
+refused before anything starts."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def test_our_rows_and_a_missing_peers_reason(tmp_path, monkeypatch, capsys):
     for ep, local in ((1, 4), (2, 2)):
         ours = rows["ours", ep]
         assert ours["status"] == "ok" and ours["median_ms"] > 0 and ours["spread_ms"] >= 0
+        assert ours["max_rel_diff"] < 1e-5 and ours["tolerance"] == 1e-4
         assert ours["repeats"] == 4 and len(ours["round_medians_ms"]) == 2 and ours["vs_ours"] == 1.0
         assert ours["local_experts"] == local and (ours["hidden"], ours["experts"], ours["dtype"]) == (16, 4, "float32")
         for peer in ("torchtitan", "megatron"):

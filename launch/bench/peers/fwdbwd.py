@@ -1,11 +1,15 @@
 """Forward+backward timing of an MoE layer, and the peer scripts' protocol; imports torch only.
 
 A peer script is run as `PYTHON SCRIPT SPEC_JSON` with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set
-(WORLD_SIZE 1: one process); its last stdout line is {"seconds": [...], "info": {...}} or {"error": "..."}.
+(WORLD_SIZE 1: one process). spec["weights"] names a torch.save'd dict every contender loads, in our layout:
+"router" [E, H], "w_gate_up" [E, 2F, H] (gate rows first), "w_down" [E, H, F], and "reference": per rank, the
+float64 output of one process's layer on that rank's tokens. Its last stdout line is {"seconds": [...],
+"max_rel_diff": max |out - reference| / max |reference|, "info": {...}} or {"error": "..."}.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -54,26 +58,42 @@ def fwd_bwd(module: torch.nn.Module, forward: Callable[[Tensor], Tensor], x: Ten
     return step
 
 
+def relative_error(out: Tensor, reference: Tensor) -> float:
+    """max |out - reference| / max |reference|."""
+    return ((out.double() - reference).abs().max() / reference.abs().max()).item()
+
+
 def _init_process_group(spec: dict[str, Any]) -> None:
     dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
                             timeout=timedelta(seconds=spec["timeout_s"]))
 
 
-def peer_main(build: Callable[[dict[str, Any], int, int], tuple[torch.nn.Module, Callable[[Tensor], Tensor],
-                                                                  dict[str, Any]]]) -> int:
-    """A peer script's whole run: spec from argv[1], gloo group from the environment, build(spec, rank, world)
-    -> (module, forward on [batch, seq, hidden], info), timed steps, one JSON line on stdout."""
+Build = Callable[[dict[str, Any], int, int, dict[str, Tensor]],
+                 tuple[torch.nn.Module, Callable[[Tensor], Tensor], dict[str, Any]]]
+
+
+def peer_main(build: Build, library: str) -> int:
+    """A peer script's whole run: spec from argv[1], gloo group from the environment, build(spec, rank, world,
+    weights) -> (module holding the weights, forward on [batch, seq, hidden], info), the output checked against
+    the reference, timed steps, one JSON line on stdout. Without `library` (its top-level package) every rank
+    says so before any rendezvous."""
     spec = json.loads(sys.argv[1])
     torch.set_num_threads(spec["threads"])
+    if importlib.util.find_spec(library) is None:
+        print(json.dumps({"error": f"not importable: No module named {library!r}"}), flush=True)
+        return EXIT_MISSING
     try:
         _init_process_group(spec)
         rank, world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(spec["seed"])
-        module, forward, info = build(spec, rank, world)
+        weights = torch.load(spec["weights"], weights_only=True)
+        module, forward, info = build(spec, rank, world, weights)
         x, dy = inputs(spec, rank)
+        diff = relative_error(forward(x).detach(), weights["reference"][rank])
         seconds = time_steps(fwd_bwd(module, forward, x, dy), spec["warmup"], spec["repeats"],
                              barrier=dist.barrier if world > 1 else None)
-        print(json.dumps({"seconds": seconds, "info": {**info, "torch": torch.__version__}}), flush=True)
+        print(json.dumps({"seconds": seconds, "max_rel_diff": diff, "info": {**info, "torch": torch.__version__}}),
+              flush=True)
         return 0
     except ImportError as err:
         print(json.dumps({"error": f"not importable: {err}"}), flush=True)

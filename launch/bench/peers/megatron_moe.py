@@ -63,8 +63,20 @@ def host_splits_as_on_gpu(dispatcher_module: Any) -> None:
     dispatcher_module.maybe_move_tensor_to_cpu = to_host
 
 
-def build(spec: dict[str, Any], rank: int, world: int):
-    """(module, forward, info): the MoELayer, its forward on [batch, seq, hidden], what it runs."""
+def load(layer: torch.nn.Module, weights: dict[str, torch.Tensor], rank: int) -> None:
+    """Our layout's weights into the layer: the router's, and this rank's experts' fc1 (gate rows first, as its
+    gated linear unit splits them) and fc2."""
+    local = layer.experts.local_experts
+    first = rank * len(local)
+    with torch.no_grad():
+        layer.router.weight.copy_(weights["router"])
+        for i, mlp in enumerate(local):
+            mlp.linear_fc1.weight.copy_(weights["w_gate_up"][first + i])
+            mlp.linear_fc2.weight.copy_(weights["w_down"][first + i])
+
+
+def build(spec: dict[str, Any], rank: int, world: int, weights: dict[str, torch.Tensor]):
+    """(module, forward, info): the MoELayer holding `weights`, its forward on [batch, seq, hidden], what it runs."""
     cpu = not torch.cuda.is_available()
     if cpu:
         redirect_cuda()
@@ -87,6 +99,7 @@ def build(spec: dict[str, Any], rank: int, world: int):
         bf16=dtype == torch.bfloat16, init_method_std=0.02)
     layer = get_moe_module_spec(use_te=False, num_experts=spec["experts"], moe_grouped_gemm=False)(config=cfg)
     layer.to(dtype)
+    load(layer, weights, rank)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         out = layer(x.transpose(0, 1).contiguous())  # its activations are [seq, batch, hidden] (a 0.1 ms copy)
@@ -98,4 +111,4 @@ def build(spec: dict[str, Any], rank: int, world: int):
 
 
 if __name__ == "__main__":
-    raise SystemExit(peer_main(build))
+    raise SystemExit(peer_main(build, "megatron"))

@@ -17,8 +17,18 @@ import torch
 from fwdbwd import peer_main
 
 
-def build(spec: dict[str, Any], rank: int, world: int):
-    """(module, forward, info): the MoE, its forward on [batch, seq, hidden], what it runs."""
+def load(module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Our layout's weights into the MoE (w1 = gate, w3 = up, w2 = down), before any sharding."""
+    experts = module.routed_experts.inner_experts
+    gate, up = weights["w_gate_up"].chunk(2, dim=1)
+    with torch.no_grad():
+        for param, value in ((module.router.gate.weight, weights["router"]), (experts.w1_EFD, gate),
+                             (experts.w3_EFD, up), (experts.w2_EDF, weights["w_down"])):
+            param.copy_(value)
+
+
+def build(spec: dict[str, Any], rank: int, world: int, weights: dict[str, torch.Tensor]):
+    """(module, forward, info): the MoE holding `weights`, its forward on [batch, seq, hidden], what it runs."""
     import torchtitan.distributed.parallel_dims as parallel_dims
     import spmd_types as spmd  # torchtitan's own dependency
     from torchtitan.distributed.utils import set_spmd_backend
@@ -40,17 +50,18 @@ def build(spec: dict[str, Any], rank: int, world: int):
             "w1_EFD": spmd.S(1), "w2_EDF": spmd.S(2), "w3_EFD": spmd.S(1)})  # its TP placements; EP shards dim 0
     module = cfg.build().to(getattr(torch, spec["dtype"]))
     module.init_states(buffer_device=torch.device("cpu"))
+    load(module, weights)
     if world > 1:
         dims = parallel_dims.ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=world,
                                           world_size=world, spmd_backend="partial_dtensor")
         module.parallelize(dims)
     w1 = module.routed_experts.inner_experts.w1_EFD
     local = w1.to_local() if hasattr(w1, "to_local") else w1
-    info = {"local_experts": local.shape[0], "library": f"torchtitan {metadata.version('torchtitan')}", "dispatcher":
+    info = {"local_experts": local.shape[0], "expert_dtype": "bfloat16", "library": f"torchtitan {metadata.version('torchtitan')}", "dispatcher":
             "all-to-all (AllToAllTokenDispatcher)" if world > 1 else "local (LocalTokenDispatcher)",
             "experts": "GroupedExperts, torch._grouped_mm in bf16"}
     return module, module, info
 
 
 if __name__ == "__main__":
-    raise SystemExit(peer_main(build))
+    raise SystemExit(peer_main(build, "torchtitan"))
