@@ -204,7 +204,8 @@ def summarise(runs: dict[tuple[str, int], list[dict[str, Any]]], args: argparse.
 
 
 COLUMNS = [("contender", "contender", ""), ("EP", "ep", "d"), ("fwd+bwd ms", "median_ms", ".2f"),
-           ("IQR ms", "spread_ms", ".2f"), ("rel diff", "max_rel_diff", ".1e"), ("x ours", "vs_ours", ".2f"), ("min", "vs_ours_min", ".2f"),
+           ("IQR ms", "spread_ms", ".2f"), ("rel diff", "max_rel_diff", ".1e"), ("x ours", "vs_ours", ".2f"),
+           ("min", "vs_ours_min", ".2f"),
            ("max", "vs_ours_max", ".2f"), ("experts/rank", "local_experts", "d"), ("library", "library", ""),
            ("status", "status", "")]
 

@@ -57,8 +57,9 @@ def build(spec: dict[str, Any], rank: int, world: int, weights: dict[str, torch.
         module.parallelize(dims)
     w1 = module.routed_experts.inner_experts.w1_EFD
     local = w1.to_local() if hasattr(w1, "to_local") else w1
-    info = {"local_experts": local.shape[0], "expert_dtype": "bfloat16", "library": f"torchtitan {metadata.version('torchtitan')}", "dispatcher":
-            "all-to-all (AllToAllTokenDispatcher)" if world > 1 else "local (LocalTokenDispatcher)",
+    info = {"local_experts": local.shape[0], "expert_dtype": "bfloat16",
+            "library": f"torchtitan {metadata.version('torchtitan')}",
+            "dispatcher": "all-to-all (AllToAllTokenDispatcher)" if world > 1 else "local (LocalTokenDispatcher)",
             "experts": "GroupedExperts, torch._grouped_mm in bf16"}
     return module, module, info
 
