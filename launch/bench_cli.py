@@ -16,6 +16,7 @@ SUITES = {
     "checkpoint": "launch.bench.checkpoint",
     "cp": "launch.bench.cp",
     "data": "launch.bench.data",
+    "layer": "launch.bench.layer",
     "compare": "launch.bench.compare",
 }
 
