@@ -135,7 +135,7 @@ class Stage(nn.Module):
         if self.embed is not None:
             x = self.embed(x)
         seq = x.shape[1] * (self.tp.size if self.tp is not None and self.tp.sequence_parallel else 1)
-        cos, sin = rope_tables(seq, self.cfg.hidden_size // self.cfg.num_heads, self.cfg.rope_theta, x.device)
+        cos, sin = rope_tables(seq, self.cfg.attention_head_dim, self.cfg.rope_theta, x.device)
         for i, block in self.blocks.items():
             mark(f"layer {i}", LAYER)
             x, stats = yield from block.forward_steps(x, cos, sin)

@@ -45,9 +45,9 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, out_std: float) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
-        self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.head_dim = cfg.attention_head_dim
         self.qkv = nn.Linear(cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * self.head_dim, bias=False)
-        self.out = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.out = nn.Linear(cfg.num_heads * self.head_dim, cfg.hidden_size, bias=False)
         nn.init.normal_(self.qkv.weight, std=cfg.init_std)
         nn.init.normal_(self.out.weight, std=out_std)
         self.kv: nn.Linear | None = None
@@ -158,7 +158,7 @@ class MoETransformer(nn.Module):
             raise ValueError(f"sequence length {seq} exceeds max_seq_len = {self.cfg.max_seq_len}")
         if self.tp is not None:
             check_tp_shapes(self.cfg, seq, self.tp.size, self.tp.sequence_parallel)
-        cos, sin = rope_tables(seq, self.cfg.hidden_size // self.cfg.num_heads, self.cfg.rope_theta, tokens.device)
+        cos, sin = rope_tables(seq, self.cfg.attention_head_dim, self.cfg.rope_theta, tokens.device)
         x = self.embed(tokens)
         stats = []
         for block in self.blocks:

@@ -229,7 +229,7 @@ def worker(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     group = dist.group.WORLD
     cfg = bench_config(opts)
     stacks = build_stacks(cfg, group)
-    cos, sin = rope_tables(opts["seq"], cfg.hidden_size // cfg.num_heads, cfg.rope_theta)
+    cos, sin = rope_tables(opts["seq"], cfg.attention_head_dim, cfg.rope_theta)
     x = torch.randn(opts["batch"], opts["seq"], cfg.hidden_size)
     dy = torch.randn_like(x)
     shard = list(range(rank * opts["seq"] // world, (rank + 1) * opts["seq"] // world))
