@@ -12,6 +12,7 @@ from pathlib import Path
 from launch.config import RunConfig, load_config
 from launch.plan.calibrate import render as render_checks
 from launch.plan.calibrate import to_dicts, validate
+from launch.plan.efficiency import PRECISIONS
 from launch.plan.memory import KERNELS, RECOMPUTE
 from launch.plan.measure import compare, cpu_machine, measure
 from launch.plan.planner import COMM_SM_SHARE, Machine, Options, make_plan
@@ -51,6 +52,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute", choices=RECOMPUTE, default="none")
     p.add_argument("--recipe", choices=tuple(RECIPES), help="bytes per param of weights/grads/optimizer "
                    "(default: this project's ZeRO-1 for train.dtype)")
+    p.add_argument("--linears", choices=PRECISIONS, help="precision of every linear layer's GEMMs (default: BF16, "
+                   "the routed experts as model.expert_precision says; the router and LM head stay BF16)")
+    p.add_argument("--virtual-stages", type=int, default=1, help="1f1b: model chunks per rank of an interleaved "
+                   "1F1B (Megatron's VPP): the bubble shrinks by this factor")
+    p.add_argument("--paired-1f1b", action="store_true", help="1f1b: steady-state F and B run as overlapped pairs "
+                   "hiding each other's EP exchanges (Megatron-Core's EP all-to-all overlap)")
+    p.add_argument("--overlap-dp", action="store_true", help="the DP grad reduce runs behind the step's last backward")
     p.add_argument("--sample-tokens", type=int, default=1024, help="tokens per EP rank routed for the traffic")
     p.add_argument("--kernels", choices=KERNELS, default="project",
                    help="activation bytes of this project's ops or of fused kernels (DeepSeek-V3's)")
@@ -101,7 +109,8 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError("give a CONFIG to plan (or --validate)")
     config = load_config(args.config, args.set)
     par = config.parallel
-    options = Options(MLA_PRESETS.get(args.attention), args.recompute, args.kernels, args.recipe, args.sample_tokens)
+    options = Options(MLA_PRESETS.get(args.attention), args.recompute, args.kernels, args.recipe, args.sample_tokens,
+                      args.linears, args.virtual_stages, args.paired_1f1b, args.overlap_dp)
     if args.search:
         if not args.gpus or args.gpus < 1:
             raise ValueError("--search needs --gpus N (N >= 1)")

@@ -11,8 +11,8 @@ from dispatch import Traffic
 from launch.config import RunConfig
 from launch.flops import mixed_peak, model_flops_per_token
 from launch.plan.compute import Precisions, Seconds, elementwise_seconds, head_seconds, layer_seconds
-from launch.plan.efficiency import GemmModel
-from launch.plan.memory import ActivationModel, ModelStates, schedule_peaks, backward_workspace, zero_model_states
+from launch.plan.efficiency import PRECISIONS, GemmModel
+from launch.plan.memory import FP8_CACHED, ActivationModel, ModelStates, schedule_peaks, backward_workspace, zero_model_states
 from launch.plan.params import ModelParams, count_params
 from launch.plan.presets import GPU, MLA, RECIPES, StateBytes
 from launch.plan.timing import Rates, StageCost, interleave, paired, simulate_step
@@ -186,6 +186,7 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
     if par.world_size % gpn:
         raise ValueError(f"gpus_per_node = {gpn} must divide the world size pp x dp x tp = {par.world_size}")
     machine = replace(machine, gpus_per_node=gpn)
+    _check_options(config, options)
     num_stages = par.num_stages
     layers = stage_ranges(cfg, train.seq_len, num_stages)  # the trainer's own split
     params = count_params(cfg, layers, options.mla)
@@ -256,6 +257,19 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
                 train.grad_accum_steps // par.dp // chunks, list(idles))
 
 
+def _check_options(config: RunConfig, options: Options) -> None:
+    """Planner options that only apply to some layouts: a clear error naming the option otherwise."""
+    schedule = config.parallel.schedule
+    if options.virtual_stages < 1:
+        raise ValueError(f"virtual stages = {options.virtual_stages} must be >= 1")
+    for name, used in (("virtual stages", options.virtual_stages > 1), ("paired 1F1B", options.paired)):
+        if used and schedule != "1f1b":
+            raise ValueError(f"{name} apply to parallel.schedule = '1f1b' only (this config: {schedule!r})")
+    if options.linears is not None and options.linears not in PRECISIONS:
+        raise ValueError(f"linear precision {options.linears!r} is not allowed; choose one of "
+                         f"{', '.join(PRECISIONS)}")
+
+
 def _add(bucket: dict[str, Traffic], kind: str, inter: bool, nbytes: float) -> None:
     bucket.setdefault(kind, Traffic()).add(inter, "payload", round(nbytes))
 
@@ -308,11 +322,16 @@ def _stage_cost(config: RunConfig, params: ModelParams, layers: range, has_head:
                                                                        precisions.dense))
     ep_f = ep_b = 0.0
     if ep is not None and moe_layers:
-        forward = ep.layer["dispatch"] + ep.layer["combine"]
+        # an FP8 dispatch moves no faster than a BF16 one: DeepEP's internode rates (ANCHORS.md, ~50 GB/s at
+        # EP16-64 for FP8 dispatch and BF16 combine alike) count BF16 bytes, so its rows cross at BF16 cost
+        slow = 2 / FP8_CACHED if par.dispatch_payload == "fp8" else 1.0
+        dispatch, combine = ep.layer["dispatch"], ep.layer["combine"]
         backward = ep.layer["dispatch_backward"] + ep.layer["combine_backward"]
         # exchanges per hop: dispatch sends counts then rows, combine rows; backward one each way
         hops = 2 if par.dispatch_backend == "hierarchical" and 1 < ep.nodes < ep.ep else 1
-        ep_f = moe_layers * (rates.link_seconds(forward.intra_node, forward.inter_node) + 3 * hops * rates.exchange_s)
+        ep_f = moe_layers * (rates.link_seconds(slow * dispatch.intra_node + combine.intra_node,
+                                                slow * dispatch.inter_node + combine.inter_node)
+                             + 3 * hops * rates.exchange_s)
         ep_b = moe_layers * (rates.link_seconds(backward.intra_node, backward.inter_node) + 2 * hops * rates.exchange_s)
     tp = 0.0
     if par.tp > 1:
