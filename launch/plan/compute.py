@@ -85,20 +85,19 @@ def elementwise_seconds(model: GemmModel, cfg: ModelConfig, attention: Attention
                         tp: int, sequence_parallel: bool, itemsize: int, precisions: Precisions) -> Seconds:
     """The memory-bound ops of one chunk through layer `index` on one TP rank (see the module doc)."""
     h, kv = cfg.hidden_size, attention.heads if attention.kind == "mla" else cfg.num_kv_heads
-    elements = 10 * h / (tp if sequence_parallel else 1) + 2 * (attention.heads + kv) * attention.qk_head_dim / tp
-    # (inputs, output widths) of the dense and the routed-expert linears, per token
-    dense = [h + attention.heads * attention.v_head_dim / tp, attention.sharded / h / tp + h]
-    ffn = cfg.dense_ffn_size if index < cfg.first_k_dense else cfg.num_shared_experts * cfg.expert_ffn_size
-    elements += 3 * ffn / tp
-    dense = [dense[0] + (h + ffn / tp) * bool(ffn), dense[1] + (2 * ffn / tp + h) * bool(ffn)]
-    expert = [0.0, 0.0]
-    if index >= cfg.first_k_dense:
-        slots, width = cfg.top_k / tp, cfg.expert_ffn_size
-        elements += slots * (3 * width + 2 * h + h) + h / tp
-        expert = [slots * (h + width), slots * (2 * width + h)]
-    forward = elements * itemsize + QUANTIZE_BYTES[precisions.dense] * dense[0] + QUANTIZE_BYTES[precisions.expert] * expert[0]
-    backward = 2 * elements * itemsize + (QUANTIZE_BYTES[precisions.dense] * dense[1]
-                                          + QUANTIZE_BYTES[precisions.expert] * expert[1])
+    moe = index >= cfg.first_k_dense
+    ffn = (cfg.num_shared_experts * cfg.expert_ffn_size if moe else cfg.dense_ffn_size) / tp  # dense or shared
+    slots, width = (cfg.top_k / tp if moe else 0.0), cfg.expert_ffn_size  # routed slots per token on this rank
+    elements = (10 * h / (tp if sequence_parallel else 1)                 # two norms, two residual adds
+                + 2 * (attention.heads + kv) * attention.qk_head_dim / tp  # RoPE on q and k
+                + 3 * ffn + slots * 3 * width                              # SwiGLU activations
+                + slots * 3 * h + (h / tp if moe else 0.0))                # permutation out and back, combine
+    # FP8 linears quantise their inputs in forward and their output grads in backward
+    dense_in = h + attention.heads * attention.v_head_dim / tp + (h + ffn if ffn else 0.0)
+    dense_out = attention.sharded / h / tp + h + (2 * ffn + h if ffn else 0.0)
+    dense_q, expert_q = QUANTIZE_BYTES[precisions.dense], QUANTIZE_BYTES[precisions.expert]
+    forward = elements * itemsize + dense_q * dense_in + expert_q * slots * (h + width)
+    backward = 2 * elements * itemsize + dense_q * dense_out + expert_q * slots * (2 * width + h)
     return Seconds(model.memory(forward * tokens), model.memory(backward * tokens), 0.0)
 
 

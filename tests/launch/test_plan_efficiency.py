@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from launch.config import load_config
+from launch.flops import attention_shape
+from launch.plan.compute import Precisions, elementwise_seconds
 from launch.plan.efficiency import PRECISIONS, TENSOR_EFFICIENCY, GemmModel
 from launch.plan.planner import Machine, Options, make_plan
 from launch.plan.presets import GPUS, MLA_PRESETS
@@ -89,3 +91,13 @@ def test_interleaved_stages_shrink_the_bubble_not_the_work():
     assert seven.makespan < one.makespan
     busy = [(1 - i) * one.makespan for i in one.idle_fractions]
     assert [(1 - i) * seven.makespan for i in seven.idle_fractions] == pytest.approx(busy)
+
+
+def test_memory_bound_ops_grow_with_the_quantisation_fp8_linears_need():
+    cfg = load_config(CONFIGS / "qwen3-235b-a22b.toml").model
+    attention = attention_shape(cfg)
+    seconds = {p: elementwise_seconds(H100, cfg, attention, 5, 4096, 2, True, 2, Precisions(p, p)) for p in PRECISIONS}
+    assert seconds["bf16"].f < seconds["fp8-block"].f < seconds["fp8-tensor"].f  # an amax pass more than 1x128 tiles
+    assert seconds["bf16"].b == pytest.approx(2 * seconds["bf16"].f) and seconds["bf16"].w == 0
+    assert elementwise_seconds(GemmModel(GPUS["h100"], 0.6), cfg, attention, 5, 4096, 2, True, 2,
+                               Precisions()).f == 0  # a flat efficiency prices FLOPs only
