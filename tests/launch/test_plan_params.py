@@ -94,6 +94,7 @@ def test_a_head_width_apart_from_hidden_over_heads_is_built_and_counted():
 @pytest.mark.parametrize("config, total, activated", [
     ("qwen3-235b-a22b.toml", 235e9, 22e9),  # Qwen3 technical report: 235B total, 22B activated
     ("mixtral-8x22b.toml", 141e9, 39e9),    # Mistral's announcement: 141B total, 39B active
+    ("qwen3-30b-a3b.toml", 30.5e9, 3.3e9),  # Qwen3 model card: 30.5B total, 3.3B activated
 ])
 def test_calibration_models_have_their_published_sizes(config, total, activated):
     counts = count_params(load_config(CONFIGS / config).model)
