@@ -54,9 +54,9 @@ def attention_shape(cfg: ModelConfig, mla: MLA | None = None) -> AttentionShape:
     """GQA as moe.model.Attention builds it, or MLA (q/kv down-projections replicated over TP)."""
     h, heads = cfg.hidden_size, cfg.num_heads
     if mla is None:
-        head = h // heads
+        head = cfg.attention_head_dim
         qkv = h * (heads + 2 * cfg.num_kv_heads) * head
-        return AttentionShape(qkv + h * h, 0, 0, heads, head, head, "gqa")
+        return AttentionShape(qkv + heads * head * h, 0, 0, heads, head, head, "gqa")
     qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
     down = h * mla.q_lora_rank + h * (mla.kv_lora_rank + mla.qk_rope_head_dim)
     up = (mla.q_lora_rank * heads * qk + mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim)

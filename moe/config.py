@@ -55,6 +55,7 @@ class ModelConfig:
     num_layers: int = 4
     num_heads: int = 4
     num_kv_heads: int = 2
+    head_dim: int = 0  # width of one attention head; 0: hidden_size / num_heads (Qwen3: 128 with 64 heads of hidden 4096)
     max_seq_len: int = 256
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
@@ -84,10 +85,13 @@ class ModelConfig:
             check_positive(name, getattr(self, name))
         check_positive("first_k_dense", self.first_k_dense, minimum=0)
         check_positive("num_shared_experts", self.num_shared_experts, minimum=0)
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size = {self.hidden_size} must be divisible by num_heads = {self.num_heads}")
-        if (self.hidden_size // self.num_heads) % 2:
-            raise ValueError(f"head size hidden_size/num_heads = {self.hidden_size // self.num_heads} must be even for RoPE")
+        check_positive("head_dim", self.head_dim, minimum=0)
+        if not self.head_dim and self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size = {self.hidden_size} must be divisible by num_heads = {self.num_heads} "
+                             f"(or set head_dim)")
+        if self.attention_head_dim % 2:
+            raise ValueError(f"head size (head_dim, or hidden_size/num_heads) = {self.attention_head_dim} must be even "
+                             f"for RoPE")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads = {self.num_heads} must be divisible by num_kv_heads = {self.num_kv_heads}")
         if self.first_k_dense > self.num_layers:
@@ -95,6 +99,11 @@ class ModelConfig:
         check_router_settings(self.num_experts, self.top_k, self.score_func, self.num_groups,
                               self.topk_groups, self.capacity_factor, self.drop_policy)
         check_choice("expert_precision", self.expert_precision, EXPERT_PRECISIONS)
+
+    @property
+    def attention_head_dim(self) -> int:
+        """Width of one attention head: head_dim, or hidden_size / num_heads when head_dim is 0."""
+        return self.head_dim or self.hidden_size // self.num_heads
 
     @property
     def num_moe_layers(self) -> int:

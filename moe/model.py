@@ -34,7 +34,7 @@ def position_tables(cfg: ModelConfig, local_len: int, device: torch.device, tp: 
     """RoPE cos and sin rows for a residual stream of local_len positions: the whole sequence's under TP with
     SP (attention gathers it), this rank's zig-zag positions under CP."""
     seq = local_len * (tp.size if tp is not None and tp.sequence_parallel else 1) * (cp.size if cp is not None else 1)
-    cos, sin = rope_tables(seq, cfg.hidden_size // cfg.num_heads, cfg.rope_theta, device)
+    cos, sin = rope_tables(seq, cfg.attention_head_dim, cfg.rope_theta, device)
     if cp is None:
         return cos, sin
     rows = cp.positions(seq, device)
@@ -58,9 +58,9 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, out_std: float) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
-        self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.head_dim = cfg.attention_head_dim
         self.qkv = nn.Linear(cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * self.head_dim, bias=False)
-        self.out = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.out = nn.Linear(cfg.num_heads * self.head_dim, cfg.hidden_size, bias=False)
         nn.init.normal_(self.qkv.weight, std=cfg.init_std)
         nn.init.normal_(self.out.weight, std=out_std)
         self.kv: nn.Linear | None = None

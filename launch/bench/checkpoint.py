@@ -5,10 +5,11 @@ build_optimizer; the default is configs/tiny.toml's 4-process layout widened to 
 optimizer step so AdamW's state exists, then saves two checkpoints through launch.checkpoint.Checkpointer,
 synchronously in one run and asynchronously in another (fresh processes, so one mode's freed memory does not
 hide the other's). Per mode, slowest rank: the first save (save() and finish(): first-call setup, host
-buffers allocated); the second save's time in save() (asynchronous: the training thread's stall) and in
-finish() (the wait and the publication); TrainState.to_flat alone (the state dict handed to DCP); the load of
-the second checkpoint; and the largest rise of a rank's resident memory above its level before the saves,
-and the checkpoint's bytes on disk. Peer, in the same processes: each rank torch.save's its own ZeRO-1 shards
+buffers allocated) and the largest rise of a rank's resident memory above its level before the saves over
+it and a second save; then --repeats rounds (launch.bench.harness) of a save's time in save() (asynchronous:
+the training thread's stall) and in finish() (the wait and the publication), a load of the newest
+checkpoint, TrainState.to_flat alone (the state dict handed to DCP) and the peer, each with its spread; and
+the checkpoint's bytes on disk. Peer, in the same processes: each rank torch.save's its own ZeRO-1 shards
 (master and AdamW state, one file, fsync'd), the floor of writing a rank's share.
 """
 
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 import launch.checkpoint
+from launch.bench.harness import fields, ratio_fields, rounds, slowest
 from launch.bench.progress import BudgetExceeded, Progress, call_budget, run_ranks, worker_progress
 from launch.bench.report import LOWER, emit, header
 from launch.checkpoint import Checkpointer, TrainState
@@ -40,10 +42,10 @@ from moe.model import MoETransformer
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"
 WIDE = {"hidden_size": 1024, "dense_ffn_size": 5120, "expert_ffn_size": 2560, "num_heads": 8, "num_kv_heads": 4}
 COLUMNS = [("mode", "mode", "s"), ("params M", "params_m", ".0f"), ("ranks", "ranks", "d"),
-           ("first save s", "first_s", ".2f"), ("save s", "save_s", ".2f"),
+           ("first save s", "first_s", ".2f"), ("save s", "save_s", ".2f"), ("spread", "save_s_spread", ".0%"),
            ("to_flat s", "to_flat_s", ".2f"), ("finish s", "finish_s", ".2f"), ("load s", "load_s", ".2f"),
            ("peak extra MiB", "peak_extra_mib", ".0f"), ("disk MB", "disk_mb", ".0f"),
-           ("peer save s", "peer_s", ".2f"), ("save / peer", "ratio", ".2f")]
+           ("peer save s", "peer_s", ".2f"), ("save / peer", "ratio", ".2f"), ("spread", "ratio_spread", ".0%")]
 
 
 class Position:
@@ -100,27 +102,44 @@ def _rank(rank: int, world: int, opts: dict) -> dict:
     state = TrainState(stages, optimizer, scheduler, Position())
     root = Path(opts["root"])
     checkpointer = Checkpointer(root / "checkpoint", keep=1, asynchronous=opts["mode"] == "async")
-    to_flat_s = _timed(lambda: state.to_flat(1, {}), "state dict of the trainer's state", opts)
+    _timed(lambda: state.to_flat(1, {}), "state dict of the trainer's state", opts)
     dist.barrier()
     with peak_rise() as peak:
         first_s = _timed(lambda: (checkpointer.save(state, 1, {}), checkpointer.finish()), "first save", opts)
         dist.barrier()
-        save_s = _timed(lambda: checkpointer.save(state, 2, {}), "save", opts)
-        finish_s = _timed(checkpointer.finish, "finish of the save", opts)
-    dist.barrier()
-    load_s = _timed(lambda: checkpointer.load(state), "load", opts)
+        _timed(lambda: (checkpointer.save(state, 2, {}), checkpointer.finish()), "second save", opts)
     shards = [(s.masters, s.get_state()) for s in optimizer._shards]
+    step = iter(range(3, 3 + opts["repeats"]))
+
+    def save() -> dict[str, float]:
+        dist.barrier()
+        began = time.perf_counter()
+        checkpointer.save(state, next(step), {})
+        mid = time.perf_counter()
+        checkpointer.finish()
+        return {"save": mid - began, "finish": time.perf_counter() - mid}
+
+    def load() -> float:
+        dist.barrier()
+        began = time.perf_counter()
+        checkpointer.load(state)
+        return time.perf_counter() - began
 
     def peer() -> None:
         with (root / f"peer{rank}.pt").open("wb") as handle:
             torch.save(shards, handle)
             handle.flush()
             os.fsync(handle.fileno())
-    peer_s = _timed(peer, "peer: torch.save of the rank's own shards", opts)
+
+    def to_flat() -> None:
+        state.to_flat(1, {})
+
+    timed = rounds({"save": save, "load": load, "to_flat": to_flat, "peer": peer}, 0,
+                   opts["repeats"], opts["call_budget"], opts, "call", progress=worker_progress("checkpoint", rank, opts))
     disk = sum(f.stat().st_size for f in (root / "checkpoint").glob("step*/*")) if rank == 0 else 0
-    return {"first_s": first_s, "save_s": save_s, "to_flat_s": to_flat_s, "finish_s": finish_s, "load_s": load_s,
-            "peak_extra_mib": peak[0] / 2**20, "disk_mb": disk / 1e6, "peer_s": peer_s,
-            "checkpoint_module": launch.checkpoint.__file__}
+    return {"first_s": first_s, "save_s": timed["save"]["save"], "finish_s": timed["save"]["finish"],
+            "to_flat_s": timed["to_flat"]["time"], "load_s": timed["load"]["time"], "peer_s": timed["peer"]["time"],
+            "peak_extra_mib": peak[0] / 2**20, "disk_mb": disk / 1e6, "checkpoint_module": launch.checkpoint.__file__}
 
 
 def widened(raw: dict) -> dict:
@@ -132,19 +151,23 @@ def widened(raw: dict) -> dict:
     return run
 
 
-def measure(mode: str, raw: dict, progress: Progress, call_budget_s: float = 0.0) -> dict:
+def measure(mode: str, raw: dict, progress: Progress, call_budget_s: float = 0.0, repeats: int = 3) -> dict:
     """The saves and the load in `mode` ("sync" or "async") on the config's layout: the row (slowest rank's
     seconds, largest rise of a rank's memory)."""
     cfg = build_config(raw)
     with tempfile.TemporaryDirectory(prefix="moe-bench-checkpoint-") as root:
-        ranks = run_ranks(_rank, cfg.parallel.world_size, {"raw": raw, "root": root, "mode": mode, "call_budget": call_budget_s},
+        ranks = run_ranks(_rank, cfg.parallel.world_size, {"raw": raw, "root": root, "mode": mode, "call_budget": call_budget_s,
+                                                                  "repeats": repeats},
                           "choose a smaller --config", progress=progress)
     row = {"mode": mode, "ranks": cfg.parallel.world_size, "params_m": single_process_params(cfg) / 1e6,
            "checkpoint_module": ranks[0]["checkpoint_module"]}
-    for key in ("first_s", "save_s", "to_flat_s", "finish_s", "load_s", "peak_extra_mib", "peer_s"):
+    for key in ("first_s", "peak_extra_mib"):
         row[key] = max(r[key] for r in ranks)
+    timings = {key: slowest([r[key] for r in ranks]) for key in ("save_s", "finish_s", "to_flat_s", "load_s", "peer_s")}
+    for key, timing in timings.items():
+        row.update(fields(key, timing, scale=1.0))
     row["disk_mb"] = ranks[0]["disk_mb"]
-    row["ratio"] = (row["save_s"] + row["finish_s"]) / row["peer_s"]
+    row.update(ratio_fields("ratio", (timings["save_s"] + timings["finish_s"]) / timings["peer_s"]))  # round by round
     return row
 
 
@@ -160,11 +183,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="TOML config (default: configs/tiny.toml)")
     parser.add_argument("--as-is", action="store_true", help="keep the config's [model] (default: widen it to 241M)")
     parser.add_argument("--json", help="also write the rows with the common header to this file")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds of save, load, state dict and peer")
     parser.add_argument("--call-budget", type=float, default=600.0,
                         help="seconds one save, load or peer call may take before the run stops naming it (0: none)")
     args = parser.parse_args(argv)
     if args.call_budget < 0:
         parser.error(f"--call-budget = {args.call_budget} must be >= 0 seconds (0: no budget)")
+    if args.repeats < 1:
+        parser.error(f"--repeats = {args.repeats} must be >= 1")
     raw = read_toml(args.config)
     raw = raw if args.as_is else widened(raw)
     progress = Progress("checkpoint")
@@ -172,13 +198,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for mode in ("sync", "async"):
             progress(f"{mode} save and load")
-            rows.append(measure(mode, raw, progress, args.call_budget))
+            rows.append(measure(mode, raw, progress, args.call_budget, args.repeats))
     except BudgetExceeded as err:
         print(f"moe-bench checkpoint: stopped: {err}", file=sys.stderr)
         return 3
     head = header("checkpoint", list(sys.argv[2:] if argv is None else argv),
-                  [f"config {args.config}{'' if args.as_is else ' widened to ' + str(WIDE)}; slowest rank's "
-                   f"seconds, largest rank's memory rise; checkpoint code {rows[0]['checkpoint_module']}"])
+                  [f"config {args.config}{'' if args.as_is else ' widened to ' + str(WIDE)}; {args.repeats} rounds of "
+                   f"save, load, state dict and peer in turn after two saves (the first timed alone, both under the "
+                   f"memory probe): median of each round's slowest rank (spread = IQR / median; ratio round by "
+                   f"round), largest rank's memory rise; checkpoint code {rows[0]['checkpoint_module']}"])
     emit(head, rows, COLUMNS, args.json, ["mode"],
          {"save_s": LOWER, "finish_s": LOWER, "load_s": LOWER, "peak_extra_mib": LOWER})
     return 0

@@ -2,11 +2,11 @@
 
 Every contender runs the forward and backward of one causal GQA attention over the same sequence (the same
 q, k, v and output grad, float32) in the same gloo processes, round-robin step by step so a shared machine's
-load hits all alike:
+load hits all alike (launch.bench.harness: rounds A B C, rotated):
 - "no CP": the whole sequence on rank 0 alone through torch's scaled_dot_product_attention (the model's
   attention today); the other ranks wait;
 - "ring" and "all-gather KV": moe.cp over all ranks, each holding its zig-zag shard (2 of 2 x cp chunks).
-Per contender: step_ms, the median over steps of the slowest rank; sent_mib, bytes one rank sends per step
+Per contender: step_ms, the median over rounds of the slowest rank, and its spread; sent_mib, bytes one rank sends per step
 (moe.cp's count: ring transfers as sent, the all-gather and its backward's reduce-scatter by the ring model);
 act_mib, the peak bytes saved for backward on the busiest rank (pipeline.memory.SavedTensorMeter: inputs
 and everything the backward keeps). moe.cp attends blocks in plain torch (scores materialised per block);
@@ -17,8 +17,6 @@ Outputs are checked against the no-CP run (exit 1 if they differ).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from typing import Any, Callable
 
 import torch
@@ -26,7 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from launch.bench.progress import Progress, call_budget, run_ranks, worker_progress
+from launch.bench.harness import Timing, fields, ratio_fields, rounds, slowest
+from launch.bench.progress import Progress, run_ranks, worker_progress
 from launch.bench.report import LOWER, emit, header
 from moe.cp import cp_attention, zigzag_shard
 from pipeline.memory import SavedTensorMeter
@@ -88,43 +87,44 @@ def worker(rank: int, world: int, opts: dict[str, Any]) -> list[dict[str, Any]]:
             if out is not None:
                 mine = reference if name == NO_CP else zigzag_shard(reference, world, rank, dim=2)
                 diff = (out - mine).abs().max().item()
-            figures[name] = {"act_bytes": meter.peak, "sent_bytes": traffic.get("sent_bytes", 0), "diff": diff,
-                             "times": []}
-        order = list(CONTENDERS)
-        for i in range(opts["warmup"] + opts["steps"]):
-            progress(f"seq {seq}: round {i + 1} of {opts['warmup'] + opts['steps']}")
-            for name in order[i % 3:] + order[:i % 3]:
-                dist.barrier()
-                t0 = time.perf_counter()
-                with call_budget(opts["call_budget"], f"a {name} step at seq {seq}", opts):
-                    steps[name]({})
-                    dist.barrier()  # the step ends when its slowest rank does
-                if i >= opts["warmup"]:
-                    figures[name]["times"].append(time.perf_counter() - t0)
-        rows += [{"seq": seq, "contender": name, **f} for name, f in figures.items()]
+            figures[name] = {"act_bytes": meter.peak, "sent_bytes": traffic.get("sent_bytes", 0), "diff": diff}
+        timings = rounds({name: lambda step=step: _synced(step) for name, step in steps.items()}, opts["warmup"],
+                         opts["steps"], opts["call_budget"], opts, f"step at seq {seq}", rotate=True,
+                         progress=lambda line: progress(f"seq {seq}: {line}"))
+        rows += [{"seq": seq, "contender": name, **f, "times": timings[name]["time"].samples}
+                 for name, f in figures.items()]
     return rows
 
 
+def _synced(step: Callable[[dict], Tensor | None]) -> None:
+    """One step on every rank, from a barrier to a barrier: it ends when its slowest rank does."""
+    dist.barrier()
+    step({})
+    dist.barrier()
+
+
 def rows_from(results: list[list[dict[str, Any]]], world: int) -> list[dict[str, Any]]:
-    """One row per (sequence length, contender): median step, the busiest rank's bytes, ratios to no CP."""
-    rows = []
+    """One row per (sequence length, contender): median step of the slowest rank and its spread, the busiest rank's
+    bytes, ratios to no CP (time: round by round)."""
+    rows, times = [], {}
     for per_rank in zip(*results):
         first = per_rank[0]
         diffs = [r["diff"] for r in per_rank if r["diff"] is not None]
+        times[first["seq"], first["contender"]] = slowest([Timing(r["times"]) for r in per_rank])
         rows.append({"seq": first["seq"], "contender": first["contender"], "ranks": 1 if first["contender"] == NO_CP
-                     else world, "step_ms": statistics.median(first["times"]) * 1e3,
+                     else world, **fields("step_ms", times[first["seq"], first["contender"]]),
                      "sent_mib": max(r["sent_bytes"] for r in per_rank) / 2**20,
                      "act_mib": max(r["act_bytes"] for r in per_rank) / 2**20,
                      "max_diff": max(diffs) if diffs else None})
     for row in rows:
         base = next(r for r in rows if r["seq"] == row["seq"] and r["contender"] == NO_CP)
-        row["vs_no_cp_time"] = row["step_ms"] / base["step_ms"]
+        row.update(ratio_fields("vs_no_cp_time", times[row["seq"], row["contender"]] / times[row["seq"], NO_CP]))
         row["vs_no_cp_act"] = row["act_mib"] / base["act_mib"]
     return rows
 
 
 COLUMNS = [("seq", "seq", "d"), ("contender", "contender", ""), ("ranks", "ranks", "d"), ("step ms", "step_ms", ".1f"),
-           ("x no CP", "vs_no_cp_time", ".2f"), ("sent MiB/rank", "sent_mib", ".2f"), ("act MiB/rank", "act_mib", ".1f"),
+           ("spread", "step_ms_spread", ".2f"), ("x no CP", "vs_no_cp_time", ".2f"), ("sent MiB/rank", "sent_mib", ".2f"), ("act MiB/rank", "act_mib", ".1f"),
            ("x no CP", "vs_no_cp_act", ".2f"), ("max |diff|", "max_diff", ".1e")]
 
 

@@ -7,8 +7,9 @@ same tokenizer over them (its default batches) and concatenates every token into
 each runs in a fresh process. Loader rows: DP rank 0
 of --dp ranks takes --steps global batches of --micro-batch x --seq-len token rows (its share: grad_accum / dp
 micro-batches) from our DataFeed over the prepared shards (prefetch off and on: with nothing to overlap, the
-thread cannot hide the reads, so the two should be close), and from random rows of the peer's tensor. Memory is
-the RssAnon rise of this process while the row's structure is built and used (mapped shard pages excluded).
+thread cannot hide the reads, so the two should be close), and from random rows of the peer's tensor, one step of
+each in turn per round (launch.bench.harness). Memory is the RssAnon rise of this process while the loader is built
+and takes its first step (mapped shard pages excluded; the peer's: its whole tensor).
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from launch.bench.harness import fields, rounds
 from launch.bench.progress import Progress, run_ranks
 from launch.bench.report import HIGHER, LOWER, header, header_line, table, write_json
 from launch.config import build_config
@@ -33,7 +36,7 @@ from launch.tokenizer import load_tokenizer
 
 DEFAULT_TOKENIZER = Path(__file__).resolve().parents[2] / "configs" / "tiny-bpe.json"
 COLUMNS = [("path", "path", "s"), ("stage", "stage", "s"), ("tokens/s", "tokens_per_s", ".0f"),
-           ("RssAnon MiB", "rss_anon_mib", ".1f")]
+           ("step ms", "step_ms", ".2f"), ("spread", "step_ms_spread", ".2f"), ("RssAnon MiB", "rss_anon_mib", ".1f")]
 
 
 def rss_anon() -> int:
@@ -85,8 +88,9 @@ def peer_prepare(inputs: list[str], tokenizer_spec: str, cache: Path, num_proc: 
                             .astype(np.int64))
 
 
-def loader_rows(dataset: Path, args, prefetch: int) -> tuple[int, float, float]:
-    """(tokens DP rank 0 took, seconds, RssAnon rise MiB) of --steps steps of our DataFeed over dataset."""
+def loader_steps(dataset: Path, args, prefetch: int) -> tuple[Callable[[], int], float, DataFeed]:
+    """One step of our DataFeed over dataset as DP rank 0 (returns the tokens it took), the RssAnon rise in MiB
+    of building the feed and taking its first step, and the feed (to close)."""
     vocab = load_tokenizer(args.tokenizer).vocab_size
     cfg = build_config({"model": {"max_seq_len": args.seq_len, "vocab_size": max(vocab, 256)},
                         "train": {"micro_batch_size": args.micro_batch, "grad_accum_steps": 2 * args.dp,
@@ -95,32 +99,29 @@ def loader_rows(dataset: Path, args, prefetch: int) -> tuple[int, float, float]:
                         "data": {"sources": [{"path": str(dataset), "weight": 1.0}], "prefetch_steps": prefetch,
                                  "tokenizer": args.tokenizer}})
 
-    def run() -> int:
-        feed = DataFeed(cfg, 0, torch.device("cpu"))
-        taken = 0
-        for _ in range(args.steps):
-            for mb in feed.next_step():
-                taken += mb.inputs.shape.numel() + 0 * mb.labels.shape.numel()  # both made
-        feed.close()
-        return taken
+    def step() -> int:
+        return sum(mb.inputs.shape.numel() + 0 * mb.labels.shape.numel() for mb in feed.next_step())  # both made
 
-    return timed(run)
+    before = rss_anon()
+    feed = DataFeed(cfg, 0, torch.device("cpu"))
+    step()
+    return step, (rss_anon() - before) / 2**20, feed
 
 
-def peer_loader(tokens: torch.Tensor, args) -> tuple[int, float, float]:
-    """(tokens, seconds, RssAnon rise MiB) of the same number of random rows gathered from the in-memory tensor."""
+def peer_steps(tokens: torch.Tensor, args) -> Callable[[], int]:
+    """One step's random rows (grad_accum / dp = 2 micro-batches) gathered from the peer's in-memory tensor."""
     width, generator = args.seq_len + 1, torch.Generator().manual_seed(0)
 
-    def run() -> int:
+    def step() -> int:
         taken = 0
-        for _ in range(args.steps * 2):  # grad_accum / dp = 2 micro-batches per rank per step
+        for _ in range(2):
             starts = torch.randint(0, tokens.numel() - width, (args.micro_batch,), generator=generator)
             rows = torch.stack([tokens[s:s + width] for s in starts.tolist()])
             inputs, labels = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
             taken += inputs.numel() + 0 * labels.numel()
         return taken
 
-    return timed(run)
+    return step
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,14 +160,21 @@ def main(argv: list[str] | None = None) -> int:
         dataset = Prepared(tmp / "dataset")
         tensor = torch.from_numpy(dataset.read([0], dataset.tokens)[0].astype(np.int64))  # the peer's tensor
         stage = f"load, DP rank 0 of {args.dp}"
+        steps, rises, feeds = {}, {}, []
         for prefetch in (0, 1):
-            progress(f"DataFeed, prefetch {prefetch}: {args.steps} steps")
-            taken, seconds, rise = loader_rows(tmp / "dataset", args, prefetch)
-            rows.append({"path": f"DataFeed over shards, prefetch {prefetch}", "stage": stage,
-                         "tokens_per_s": taken / seconds, "rss_anon_mib": rise})
-        taken, seconds, rise = peer_loader(tensor, args)
-        rows.append({"path": "random rows of the in-memory tensor", "stage": stage, "tokens_per_s": taken / seconds,
-                     "rss_anon_mib": rise + tensor.nbytes / 2**20})
+            name = f"DataFeed over shards, prefetch {prefetch}"
+            steps[name], rises[name], feed = loader_steps(tmp / "dataset", args, prefetch)
+            feeds.append(feed)
+        peer = "random rows of the in-memory tensor"
+        steps[peer], rises[peer] = peer_steps(tensor, args), tensor.nbytes / 2**20
+        tokens = {name: step() for name, step in steps.items()}  # per step, the same for every contender
+        progress(f"loaders: {args.steps} rounds of one step each")
+        timings = rounds({name: lambda step=step: step() and None for name, step in steps.items()}, 0, args.steps)
+        for feed in feeds:
+            feed.close()
+        for name, timing in timings.items():
+            rows.append({"path": name, "stage": stage, **fields("step_ms", timing["time"]),
+                         "tokens_per_s": tokens[name] / timing["time"].median, "rss_anon_mib": rises[name]})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     head = header("data", list(sys.argv[2:] if argv is None else argv),
@@ -177,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows, COLUMNS))
     if args.json:
         write_json(args.json, head, rows, key=["path", "stage"],
-                   metrics={"tokens_per_s": HIGHER, "rss_anon_mib": LOWER})
+                   metrics={"tokens_per_s": HIGHER, "step_ms": LOWER, "rss_anon_mib": LOWER})
     return 0
 
 

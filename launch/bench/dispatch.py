@@ -1,9 +1,10 @@
 """`moe-bench dispatch`: flat and hierarchical EP dispatch (bf16/fp8) against the standard per-expert all-to-all
 (Megatron-Core's alltoall dispatcher) and the classic one-hot capacity dispatch (GShard).
 
-All eight contenders run side by side, round-robin, in the same EP processes (gloo on CPU with simulated nodes,
-NCCL on GPUs). Each call starts after a barrier and is timed on every rank; a repeat's time is its slowest
-rank's, and the table shows the median over repeats. Experts are the identity, so every point checks
+All eight contenders run side by side, in rounds (launch.bench.harness), in the same EP processes (gloo on CPU
+with simulated nodes, NCCL on GPUs). Each call starts after a barrier and is timed on every rank; a round's
+time is its slowest rank's, and the table shows the median over rounds with its spread; the speedups over the
+peers are taken round by round. Experts are the identity, so every point checks
 combine(dispatch(x)) == x * kept routing weights (calc_diff). Byte counts are the dispatchers' own counters,
 checked against the prediction made from the routing alone. --sweep runs a grid of any options and plots it.
 """
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ import torch
 from dispatch.layout import check_num_experts
 from dispatch.predict import predict_traffic
 from dispatch.routing import ROUTINGS
+from launch.bench.harness import fields, ratio_fields, slowest
 from dispatch.topology import make_topology
 from launch.bench.alltoall import per_expert_traffic
 from launch.bench.dispatch_model import V3, LinkModel, byte_fields, moved_bytes, predict_v3, projected_fields
@@ -60,11 +61,6 @@ def predicted_traffic(backend: str, payload: str, indices: list[torch.Tensor], o
     return predict_traffic(indices, opts["experts"], topology, opts["hidden"], backend, payload)
 
 
-def _median_of_slowest(results: list[dict], key: tuple[str, str], kind: str) -> float:
-    per_repeat = zip(*(r["seconds"][key][kind] for r in results))
-    return 1e3 * statistics.median(max(ranks) for ranks in per_repeat)
-
-
 def _row(rows: list[dict], backend: str, payload: str) -> dict:
     return next(r for r in rows if r["backend"] == backend and r["payload"] == payload)
 
@@ -81,7 +77,8 @@ def summarise(results: list[dict], opts: dict[str, Any], link: LinkModel | None)
     for key in CONTENDERS:
         measured = {kind: [r["traffic"][key][kind] for r in results] for kind in KINDS}
         expected = predicted_traffic(*key, indices, opts)
-        times = {f"{kind}_ms": _median_of_slowest(results, key, kind) for kind in KINDS}
+        timings = {kind: slowest([r["seconds"][key][kind] for r in results]) for kind in KINDS}
+        times = {name: value for kind in KINDS for name, value in fields(f"{kind}_ms", timings[kind]).items()}
         diff = max(r["calc_diff"][key] for r in results)
         bytes_ok = all(m == e[kind] for kind in KINDS for m, e in zip(measured[kind], expected))
         row = {
@@ -94,14 +91,15 @@ def summarise(results: list[dict], opts: dict[str, Any], link: LinkModel | None)
             "dropped_fraction": dropped if key[0] == ONEHOT else 0.0,
             "capacity": capacity if key[0] == ONEHOT else None,
             **projected_fields(measured, key[0], link, moved),
-            **{name: opts[name] for name in (*SHAPE, "comm", "repeats")},
+            **{name: opts[name] for name in (*SHAPE, "comm")}, "_total": timings["dispatch"] + timings["combine"],
         }
         row["bytes_per_token"] = row["inter_node_bytes_per_token"] + row["intra_node_bytes_per_token"]
         rows.append(row)
-    for row in rows:
+    for row in rows:  # ratios round by round: dispatch + combine of the peer over this contender's
         for peer, field in ((ONEHOT, "speedup_vs_onehot"), (PER_EXPERT, "speedup_vs_per_expert")):
-            other = _row(rows, peer, row["payload"])
-            row[field] = (other["dispatch_ms"] + other["combine_ms"]) / (row["dispatch_ms"] + row["combine_ms"])
+            row.update(ratio_fields(field, _row(rows, peer, row["payload"])["_total"] / row["_total"]))
+    for row in rows:
+        del row["_total"]
     return rows
 
 
@@ -114,9 +112,10 @@ BYTES = [(part.replace("_", " ").replace("payload", "pay"), f"{part}_bytes_per_t
          for part in ("inter_payload", "inter_meta", "intra_payload", "intra_meta")]
 PROJECTED = [("proj disp ms", "projected_dispatch_ms", ".4f"), ("proj comb ms", "projected_combine_ms", ".4f"),
              ("proj disp GB/s", "projected_algbw_gbps", ".1f")]
-TIMES = [("disp ms", "dispatch_ms", ".1f"), ("comb ms", "combine_ms", ".1f"), ("disp GB/s", "algbw_gbps", ".3f"),
-         ("comb GB/s", "combine_algbw_gbps", ".3f"), ("x 1-hot", "speedup_vs_onehot", ".1f"),
-         ("x per-exp", "speedup_vs_per_expert", ".2f")]
+TIMES = [("disp ms", "dispatch_ms", ".1f"), ("spread", "dispatch_ms_spread", ".0%"), ("comb ms", "combine_ms", ".1f"),
+         ("disp GB/s", "algbw_gbps", ".3f"), ("comb GB/s", "combine_algbw_gbps", ".3f"),
+         ("x 1-hot", "speedup_vs_onehot", ".1f"), ("x per-exp", "speedup_vs_per_expert", ".2f"),
+         ("spread", "speedup_vs_per_expert_spread", ".0%")]
 CHECKS = [("calc_diff", "calc_diff", ".1e"), ("bytes=pred", "bytes_match_prediction", ""), ("ok", "correct", "")]
 MEASURED = [*NAMES, *TIMES, *BYTES, *CHECKS]
 SWEEP = [("point", "point_label", ""), *NAMES, *TIMES[:4], ("bytes/token", "bytes_per_token", ".0f"), *CHECKS]
@@ -171,8 +170,8 @@ def caption(args: argparse.Namespace) -> str:
         f"dispatch benchmark: {args.nproc} ranks = {args.nproc // args.gpus_per_node} nodes x {args.gpus_per_node} "
         f"({args.comm}, {device}); {args.tokens} tokens/rank, hidden {args.hidden}, {args.experts} experts, "
         f"top-{args.top_k}, routing {args.routing}{groups}, x bf16, identity experts",
-        f"times: slowest rank of each repeat (barrier before every call), median of {args.repeats} repeats after "
-        f"{args.warmup} warmup; GB/s = received token rows per rank x hidden x 2 B / time (DeepEP's count, same "
+        f"times: slowest rank of each round (barrier before every call), median of {args.repeats} rounds of the "
+        f"contenders in turn after {args.warmup} warmup (spread = IQR / median); GB/s = received token rows per rank x hidden x 2 B / time (DeepEP's count, same "
         f"numerator for every row)",
         "bytes per token: one dispatch's sends, all ranks, / all tokens; meta = routing weights, expert ids, row "
         "counts; x 1-hot, x per-exp = that peer's time / this time (dispatch+combine, same payload); calc_diff: "

@@ -1,8 +1,10 @@
-"""The timed part of `moe-bench dispatch`: each EP rank runs every contender round-robin, a barrier before each call."""
+"""The timed part of `moe-bench dispatch`: each EP rank runs every contender in rounds (launch.bench.harness), a barrier
+before each call."""
 
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -16,6 +18,7 @@ from dispatch.routing import synthetic_routing
 from dispatch.traffic import Traffic
 from kernels.metrics import calc_diff
 from launch.bench.alltoall import PerExpertDispatcher
+from launch.bench.harness import rounds
 from launch.bench.onehot import OneHotDispatcher
 from launch.bench.progress import call_budget, worker_progress
 from launch.bench.sweep import point_label
@@ -81,42 +84,38 @@ def timed(call: Callable[..., Any], device: torch.device, *args: Any) -> tuple[A
 
 
 def bench_worker(rank: int, world_size: int, opts: dict[str, Any]) -> dict[str, Any]:
-    """Per contender: this rank's dispatch/combine seconds per timed repeat, the traffic of its last calls and
-    calc_diff of its last combine against x * kept weights (experts are the identity).
+    """Per contender: this rank's dispatch/combine seconds per timed round (launch.bench.harness: the contenders
+    in turn), the traffic of its last calls and calc_diff of its last combine against x * kept weights (experts
+    are the identity).
 
-    Every call runs under the per-call budget (opts["call_budget"]); rank 0 prints a line per repeat.
+    Every call runs under the per-call budget (opts["call_budget"]); rank 0 prints a line per round.
     """
     device = torch.device("cuda", torch.cuda.current_device()) if opts["comm"] == "nccl" else torch.device("cpu")
     indices, weights = (t.to(device) for t in rank_routing(opts, rank))
     gen = torch.Generator().manual_seed(10_000 + rank)
     x = torch.randn(opts["tokens"], opts["hidden"], generator=gen).to(device, torch.bfloat16)
     dispatchers = {key: make_dispatcher(*key, opts) for key in CONTENDERS}
-    seconds: dict[tuple[str, str], dict[str, list[float]]] = {key: {k: [] for k in KINDS} for key in CONTENDERS}
-    diffs: dict[tuple[str, str], float] = {}
+    last: dict[tuple[str, str], tuple[Tensor, Any]] = {}
     progress = worker_progress(f"dispatch {point_label(opts['point'])}".strip(), rank, opts)
-    total = opts["warmup"] + opts["repeats"]
-    progress(f"{world_size} ranks up; {len(CONTENDERS)} contenders x {total} repeats, round-robin")
-    for rep in range(total):
-        shift = rep % len(CONTENDERS)
-        spent = []
-        for key in CONTENDERS[shift:] + CONTENDERS[:shift]:
-            dispatcher, name = dispatchers[key], " ".join(key)
-            with call_budget(opts["call_budget"], f"contender {name!r} dispatch", opts):
-                sent, dispatch_s = timed(dispatcher.dispatch, device, x, indices, weights)
-            with call_budget(opts["call_budget"], f"contender {name!r} combine", opts):
-                out, combine_s = timed(dispatcher.combine, device, sent[0], sent[-1])
-            if rep >= opts["warmup"]:
-                seconds[key]["dispatch"].append(dispatch_s)
-                seconds[key]["combine"].append(combine_s)
-            if rep == total - 1:
-                diffs[key] = calc_diff(out, x.double() * kept_weight(key[0], weights, sent[-1]).double().unsqueeze(1))
-            spent.append(f"{name} {dispatch_s + combine_s:.2f}")
-            del sent, out
-        progress(f"repeat {rep + 1}/{total}{' (warmup)' if rep < opts['warmup'] else ''}, seconds per "
-                 f"dispatch+combine: " + ", ".join(spent))
+    progress(f"{world_size} ranks up; {len(CONTENDERS)} contenders x {opts['warmup'] + opts['repeats']} rounds")
+
+    def call(key: tuple[str, str]) -> dict[str, float]:
+        dispatcher, name = dispatchers[key], " ".join(key)
+        with call_budget(opts["call_budget"], f"contender {name!r} dispatch", opts):
+            sent, dispatch_s = timed(dispatcher.dispatch, device, x, indices, weights)
+        with call_budget(opts["call_budget"], f"contender {name!r} combine", opts):
+            out, combine_s = timed(dispatcher.combine, device, sent[0], sent[-1])
+        last[key] = (out, sent[-1])
+        return {"dispatch": dispatch_s, "combine": combine_s}
+
+    # each call runs its dispatch and combine under their own budgets
+    seconds = rounds({" ".join(key): partial(call, key) for key in CONTENDERS}, opts["warmup"], opts["repeats"],
+                     rotate=True, progress=progress)
+    diffs = {key: calc_diff(out, x.double() * kept_weight(key[0], weights, handle).double().unsqueeze(1))
+             for key, (out, handle) in last.items()}
     traffic: dict[tuple[str, str], dict[str, Traffic]] = {
         key: {kind: d.last_bytes[kind] for kind in KINDS} for key, d in dispatchers.items()}
-    return {"seconds": seconds, "traffic": traffic, "calc_diff": diffs}
+    return {"seconds": {key: seconds[" ".join(key)] for key in CONTENDERS}, "traffic": traffic, "calc_diff": diffs}
 
 
 def points_worker(rank: int, world_size: int, opts: dict[str, Any]) -> list[dict[str, Any]]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
+from functools import partial
 from typing import Callable
 
 import torch
@@ -15,8 +15,9 @@ from torch import Tensor
 from kernels.metrics import calc_diff
 from kernels.ops import run
 from kernels.quant_ref import FP8_DTYPE, FP8_MAX
-from launch.bench.progress import Progress, call_budget
-from launch.bench.report import HIGHER, header, header_line, table, write_json
+from launch.bench.harness import fields, ratio_fields, rounds
+from launch.bench.progress import Progress
+from launch.bench.report import HIGHER, LOWER, header, header_line, table, write_json
 
 OPS = ("forward", "dgrad", "wgrad")
 PEERS = ("torch._grouped_mm bf16", "torch._scaled_grouped_mm fp8 rowwise")
@@ -42,8 +43,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rows", type=_ints, default=_ints("128,512,2048,4096,8192"),
                    help="rows per group (default 128,512,2048,4096,8192)")
     p.add_argument("--max-total-rows", type=int, default=65536, help="skip cases with more rows in all")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--repeats", type=int, default=20, help="timed repeats; the median is reported")
+    p.add_argument("--warmup", type=int, default=5, help="untimed rounds")
+    p.add_argument("--repeats", type=int, default=20, help="timed rounds of ours and the peers in turn; medians, "
+                   "spreads and the ratio round by round are reported")
     p.add_argument("--call-budget", type=float, default=60.0,
                    help="seconds one case's timing may take before the run stops naming it (0: no limit)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -105,16 +107,14 @@ def cpu_rows() -> list[dict]:
     return rows
 
 
-def _median_ms(fn: Callable[[], object], warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events)
+def _event_seconds(fn: Callable[[], object]) -> float:
+    """Seconds of one fn() on the GPU (CUDA events around it)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 def _rowwise_fp8(t: Tensor, dim: int) -> tuple[Tensor, Tensor]:
@@ -151,13 +151,14 @@ def _peers(op: str, x: Tensor, w: Tensor, dy: Tensor, offs: Tensor,
             PEERS[1]: lambda: torch._scaled_grouped_mm(*fp8_args, offs=offs, out_dtype=torch.bfloat16)}
 
 
-def _tflops(flops: float, fn: Callable[[], object], args: argparse.Namespace, what: str) -> float | None:
+def _runs(name: str, fn: Callable[[], object]) -> bool:
+    """Whether fn runs here (a peer may not: its op or dtype missing); says why not."""
     try:
-        with call_budget(args.call_budget, what):
-            return flops / _median_ms(fn, args.warmup, args.repeats) / 1e9
+        fn()
+        return True
     except (RuntimeError, NotImplementedError, TypeError) as err:
-        print(f"  (skipped: {type(err).__name__}: {str(err).splitlines()[0][:100]})", file=sys.stderr)
-        return None
+        print(f"  ({name} skipped: {type(err).__name__}: {str(err).splitlines()[0][:100]})", file=sys.stderr)
+        return False
 
 
 def gpu_rows(args: argparse.Namespace, device: str = "cuda") -> list[dict]:
@@ -177,12 +178,20 @@ def gpu_rows(args: argparse.Namespace, device: str = "cuda") -> list[dict]:
                 for op in OPS:
                     ours = _ours(op, None, x, w, dy, offs)
                     diff = calc_diff(ours(), _exact(op, x, w, dy, _group_bounds(sizes)))
-                    tflops = _tflops(flops, ours, args, f"ours {op} at {_shape_text(shape)}")
-                    for peer, fn in _peers(op, x, w, dy, offs, _group_bounds(sizes)).items():
-                        peer_tflops = _tflops(flops, fn, args, f"{peer} {op} at {_shape_text(shape)}")
-                        ratio = tflops / peer_tflops if tflops and peer_tflops else None
-                        rows.append({"op": op, "shape": shape, "backend": "triton", "calc_diff": diff,
-                                     "tflops": tflops, "peer": peer, "peer_tflops": peer_tflops, "ratio": ratio})
+                    calls = {"ours": ours, **_peers(op, x, w, dy, offs, _group_bounds(sizes))}
+                    calls = {name: partial(_event_seconds, fn) for name, fn in calls.items() if _runs(name, fn)}
+                    timed = {name: t["time"] for name, t in rounds(calls, args.warmup, args.repeats, args.call_budget,
+                                                                  what=f"{op} at {_shape_text(shape)}").items()}
+                    mine = timed.get("ours")
+                    for peer in PEERS:
+                        theirs = timed.get(peer)
+                        row = {"op": op, "shape": shape, "backend": "triton", "calc_diff": diff, "peer": peer,
+                               "tflops": flops / mine.median / 1e12 if mine else None,
+                               "peer_tflops": flops / theirs.median / 1e12 if theirs else None,
+                               **(fields("ms", mine) if mine else {}), **(fields("peer_ms", theirs) if theirs else {})}
+                        if mine and theirs:  # ours' speed over the peer's, round by round
+                            row.update(ratio_fields("ratio", theirs / mine))
+                        rows.append(row)
                 del x, w, dy
                 torch.cuda.empty_cache()
     return rows
@@ -193,7 +202,8 @@ def _shape_text(shape: dict) -> str:
 
 
 COLUMNS = [("op", "op", ""), ("shape", "shape_text", ""), ("backend", "backend", ""), ("calc_diff", "calc_diff", ".2e"),
-           ("TFLOPS", "tflops", ".1f"), ("peer", "peer", ""), ("peer TF", "peer_tflops", ".1f"), ("ratio", "ratio", ".2f")]
+           ("TFLOPS", "tflops", ".1f"), ("spread", "ms_spread", ".0%"), ("peer", "peer", ""),
+           ("peer TF", "peer_tflops", ".1f"), ("ratio", "ratio", ".2f"), ("spread", "ratio_spread", ".0%")]
 
 
 ACCEPTANCE = {"op": "forward", "shape": {"groups": 8, "rows_per_group": 4096, "N": 4096, "K": 7168},
@@ -223,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows, COLUMNS, left=3))
     print_acceptance(rows)
     if args.json:
-        write_json(args.json, head, rows, ["op", "shape", "backend", "peer"], {"tflops": HIGHER, "peer_tflops": HIGHER})
+        write_json(args.json, head, rows, ["op", "shape", "backend", "peer"],
+                   {"tflops": HIGHER, "peer_tflops": HIGHER, "ms": LOWER, "peer_ms": LOWER})
     return 0 if all(r["calc_diff"] < 1e-3 for r in rows) else 1
 
 

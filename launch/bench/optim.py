@@ -2,9 +2,9 @@
 
 Every optimizer trains its own copy of the same MLP in the same gloo processes, in fp32, with
 the same AdamW implementation (--adamw, fused by default) and the same bucket cap; iterations
-of the three are interleaved, in an order that rotates every round, so machine noise and
-position effects hit them alike. step_ms is the median of a whole training iteration (opt_ms:
-the part inside optimizer.step()); each contender runs in its best configuration on gloo:
+of the three run in rounds (launch.bench.harness), in an order that rotates every round, so machine noise
+and position effects hit them alike. step_ms is the median of a whole training iteration (opt_ms:
+the part inside optimizer.step()), each with its spread; each contender runs in its best configuration on gloo:
 - zero1: forward; backward inside reduce_during_backward() (a bucket's reduce-scatter starts
   as soon as it is full); step: the rest of the reduce-scatter, AdamW on the local shard, the
   all-gather of the updated params into the model.
@@ -17,7 +17,6 @@ the part inside optimizer.step()); each contender runs in its best configuration
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from contextlib import nullcontext
@@ -28,7 +27,8 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from launch.bench.progress import BudgetExceeded, Progress, call_budget, run_ranks, worker_progress
+from launch.bench.harness import fields, ratio_fields, rounds, slowest
+from launch.bench.progress import BudgetExceeded, Progress, run_ranks, worker_progress
 from launch.bench.report import LOWER, header, header_line, table, write_json
 from optim.memory import optimizer_state_bytes
 from optim.zero1 import COLLECTIVES, ZeRO1
@@ -61,8 +61,8 @@ def _setups(layers: int, hidden: int, bucket_cap_mb: float, collectives: str,
     }
 
 
-def _iteration(model: nn.Module, opt: Any, x: torch.Tensor) -> tuple[float, float]:
-    """One training iteration; (total seconds, seconds in optimizer.step).
+def _iteration(model: nn.Module, opt: Any, x: torch.Tensor) -> dict[str, float]:
+    """One training iteration: seconds of the whole ("step") and of optimizer.step ("opt").
 
     ZeRO1 overlaps its gradient reduction with backward, as DDP does for the two peers.
     """
@@ -74,31 +74,18 @@ def _iteration(model: nn.Module, opt: Any, x: torch.Tensor) -> tuple[float, floa
     mid = time.perf_counter()
     opt.step()
     end = time.perf_counter()
-    return end - start, end - mid
+    return {"step": end - start, "opt": end - mid}
 
 
-def _worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, dict[str, float]]:
+def _worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     setups = _setups(args["layers"], args["hidden"], args["bucket_cap_mb"], args["collectives"],
                      args["adamw"])
     x = torch.randn(args["batch"], args["hidden"], generator=torch.Generator().manual_seed(rank))
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in setups}
-    names = list(setups)
-    progress = worker_progress("optim", rank, args)
-    total = args["warmup"] + args["steps"]
-    for it in range(total):
-        spent = []
-        for name in names[it % len(names):] + names[:it % len(names)]:
-            with call_budget(args["call_budget"], f"contender {name!r} training iteration", args):
-                t = _iteration(*setups[name], x)
-            spent.append(f"{name} {1e3 * t[0]:.0f}")
-            if it >= args["warmup"]:
-                times[name].append(t)
-        if it == 0 or (it + 1) % 10 == 0 or it + 1 == total:
-            progress(f"iteration {it + 1}/{total}, ms: " + ", ".join(spent))
-    return {name: {"step_ms": 1e3 * statistics.median(t for t, _ in ts),
-                   "opt_ms": 1e3 * statistics.median(o for _, o in ts),
-                   "optimizer_state_bytes": optimizer_state_bytes(setups[name][1])}
-            for name, ts in times.items()}
+    timed = rounds({name: (lambda s=setup: _iteration(*s, x)) for name, setup in setups.items()}, args["warmup"],
+                   args["steps"], args["call_budget"], args, "training iteration", rotate=True,
+                   progress=worker_progress("optim", rank, args))
+    return {name: {**times, "optimizer_state_bytes": optimizer_state_bytes(setups[name][1])}
+            for name, times in timed.items()}
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -108,21 +95,21 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     params = args.layers * (args.hidden * args.hidden + args.hidden)
     rows = []
     for name in per_rank[0]:
-        step_ms = max(r[name]["step_ms"] for r in per_rank)
-        rows.append({"optimizer": name, "world_size": args.world_size, "step_ms": step_ms,
-                     "opt_ms": max(r[name]["opt_ms"] for r in per_rank),
-                     "optimizer_state_bytes": max(r[name]["optimizer_state_bytes"]
-                                                  for r in per_rank),
-                     "params": params, **{name: getattr(args, name) for name in SHAPE}})
+        step, opt = (slowest([r[name][q] for r in per_rank]) for q in ("step", "opt"))
+        rows.append({"optimizer": name, "world_size": args.world_size, **fields("step_ms", step),
+                     **fields("opt_ms", opt),
+                     "optimizer_state_bytes": max(r[name]["optimizer_state_bytes"] for r in per_rank),
+                     "params": params, **{name: getattr(args, name) for name in SHAPE}, "_step": step})
         rows[-1]["bytes_per_param"] = rows[-1]["optimizer_state_bytes"] / params
-    peer_ms = next(r["step_ms"] for r in rows if r["optimizer"] == PEER)
+    peer = next(r["_step"] for r in rows if r["optimizer"] == PEER)
     for row in rows:
-        row["vs_zero_redundancy"] = row["step_ms"] / peer_ms
+        row.update(ratio_fields("vs_zero_redundancy", row.pop("_step") / peer))
     return rows
 
 
 COLUMNS = [("optimizer", "optimizer", ""), ("world", "world_size", "d"), ("step_ms", "step_ms", ".1f"),
-           ("opt_ms", "opt_ms", ".1f"), ("vs ZeRO-R", "vs_zero_redundancy", ".2f"),
+           ("spread", "step_ms_spread", ".0%"), ("opt_ms", "opt_ms", ".1f"), ("vs ZeRO-R", "vs_zero_redundancy", ".2f"),
+           ("spread", "vs_zero_redundancy_spread", ".0%"),
            ("opt bytes/rank", "optimizer_state_bytes", ",d"), ("bytes/param", "bytes_per_param", ".2f")]
 
 
@@ -159,8 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moe-bench optim: stopped: {err}", file=sys.stderr)
         return 3
     print(f"optim benchmark: {args.layers} x Linear({args.hidden}, {args.hidden}), {args.batch} rows per rank, "
-          f"{args.world_size} gloo processes x {args.threads} thread, AdamW {args.adamw}, median of {args.steps} "
-          "iterations (max over ranks)")
+          f"{args.world_size} gloo processes x {args.threads} thread, AdamW {args.adamw}; {args.steps} rounds of "
+          "the three in turn: median of each round's slowest rank, spread = IQR / median, vs ZeRO-R taken round by "
+          "round")
     print(table(rows, COLUMNS, left=1))
     if args.json:
         write_json(args.json, head, rows, ["optimizer", "world_size", *SHAPE], {"step_ms": LOWER, "opt_ms": LOWER})

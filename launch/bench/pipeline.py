@@ -1,8 +1,9 @@
 """`moe-bench pipeline`: our DualPipeV/DualPipe against torch.distributed.pipelining, side by side.
 
 Every schedule runs the same model weights and micro-batches in the same spawned processes (gloo,
-one thread each), round-robin step by step so load changes on a shared machine hit all alike.
-Per schedule it reports the median step time, each rank's measured idle fraction ((step time -
+one thread each), in rounds of one step each (launch.bench.harness) so load changes on a shared machine hit
+all alike. Per schedule it reports the median step time and its spread (the ratio to torch's DualPipeV
+taken round by round), each rank's measured idle fraction ((step time -
 time inside compute actions) / step time) and peak memory, measured in one extra untimed step as
 the peak bytes of distinct storages saved for backward (saved-tensor hooks) plus, for our runtime,
 the bytes that queued weight-grad closures keep alive until their W action. Ours merge the weight
@@ -22,12 +23,14 @@ import argparse
 import statistics
 import sys
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from launch.bench.pipeline_models import build_layers
 from launch.bench.pipeline_runners import OURS, PER_CHUNK_W, TORCH, Runner, our_runner, single_process, torch_runner
+from launch.bench.harness import fields, ratio_fields, rounds
 from launch.bench.progress import BudgetExceeded, Progress, call_budget, run_ranks, worker_progress
 from launch.bench.report import LOWER, header, header_line, table, write_json
 from pipeline import schedules
@@ -77,44 +80,45 @@ def _data(opts: dict) -> tuple[torch.Tensor, torch.Tensor]:
             torch.randn(opts["batch"], opts["hidden"], generator=g))
 
 
-def _time_round_robin(runners: dict[str, Runner], opts: dict) -> dict[str, dict]:
-    """Step every runner in turn, warmup + steps times, then once more under the memory meter; every step runs
-    under the per-call budget, rank 0 prints progress."""
+def _time_rounds(runners: dict[str, Runner], opts: dict) -> dict[str, dict]:
+    """Step the runners in rounds (launch.bench.harness: each runner once per round, warmup + steps rounds,
+    every step under the per-call budget), then each once more under the memory meter; rank 0 prints progress."""
     x, target = _data(opts)
-    stats = {name: {"step_s": [], "idle": [], "durations": [], "shares": [], "bounds": [], "transfers": [], "peak": 0}
+    stats = {name: {"idle": [], "durations": [], "shares": [], "bounds": [], "transfers": [], "peak": 0}
              for name in runners}
-    progress = worker_progress("pipeline", dist.get_rank(), opts)
-    total = opts["warmup"] + opts["steps"] + 1
-    for i in range(total):
-        if i == 0 or (i + 1) % 5 == 0 or i + 1 == total:
-            progress(f"step {i + 1}/{total} of {len(runners)} schedules"
-                     + (" (memory)" if i + 1 == total else " (warmup)" if i < opts["warmup"] else ""))
-        for name, run in runners.items():
-            for m in run.modules:
-                m.zero_grad(set_to_none=True)
-            st = stats[name]
-            if i == opts["warmup"] + opts["steps"]:
-                meter = SavedTensorMeter(run.extra_bytes)
-                with meter.hooks(), call_budget(opts["call_budget"], f"schedule {name!r} step", opts):
-                    run.step(x, target)
-                st["peak"] = meter.peak
-                continue
-            compute0 = run.compute_seconds() if run.pipe is None else 0.0
-            dist.barrier()
-            t0 = time.perf_counter()
-            with call_budget(opts["call_budget"], f"schedule {name!r} step", opts):
-                run.step(x, target)
-            elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if i >= opts["warmup"]:
-                st["step_s"].append(float(elapsed))
-                st["idle"].append(1 - (run.compute_seconds() - compute0) / float(elapsed))
-                if run.pipe is not None:
-                    timeline = run.pipe.timeline
-                    st["durations"].append(occupied_durations(timeline))
-                    st["shares"].append(dict(run.pipe.forward_shares))
-                    st["bounds"].append((timeline[0][1], timeline[-1][2]))
-                    st["transfers"].append(run.pipe.transfers)
+
+    def step(name: str) -> float:
+        run, st = runners[name], stats[name]
+        for m in run.modules:
+            m.zero_grad(set_to_none=True)
+        compute0 = run.compute_seconds() if run.pipe is None else 0.0
+        dist.barrier()
+        t0 = time.perf_counter()
+        run.step(x, target)
+        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's step
+        st["idle"].append(1 - (run.compute_seconds() - compute0) / float(elapsed))
+        if run.pipe is not None:
+            timeline = run.pipe.timeline
+            st["durations"].append(occupied_durations(timeline))
+            st["shares"].append(dict(run.pipe.forward_shares))
+            st["bounds"].append((timeline[0][1], timeline[-1][2]))
+            st["transfers"].append(run.pipe.transfers)
+        return float(elapsed)
+
+    timed = rounds({name: partial(step, name) for name in runners}, opts["warmup"], opts["steps"],
+                   opts["call_budget"], opts, "step", progress=worker_progress("pipeline", dist.get_rank(), opts))
+    for name, run in runners.items():
+        st = stats[name]
+        for key in ("idle", "durations", "shares", "bounds", "transfers"):  # the timed rounds' only
+            st[key] = st[key][opts["warmup"]:]
+        for m in run.modules:
+            m.zero_grad(set_to_none=True)
+        meter = SavedTensorMeter(run.extra_bytes)
+        with meter.hooks(), call_budget(opts["call_budget"], f"contender {name!r} step", opts):
+            run.step(x, target)
+        st["peak"] = meter.peak
+        st["step_s"] = timed[name]["time"]
     return stats
 
 
@@ -130,7 +134,7 @@ def _bench_worker(rank: int, world: int, opts: dict) -> list[dict]:
         else:
             runners[name] = torch_runner(name, rank, world, layers, opts["chunks"])
     rows = []
-    for name, st in _time_round_robin(runners, opts).items():
+    for name, st in _time_rounds(runners, opts).items():
         row = {"schedule": name, "rank": rank, "step_s": st["step_s"], "idle": statistics.median(st["idle"]),
                "peak": st["peak"], "p2p_s": latency}
         if runners[name].pipe is not None:
@@ -164,11 +168,13 @@ def wait_model(schedule: schedules.Schedule, per_rank: list[dict], p2p: float) -
 
 
 def summarise(results: list[list[dict]], opts: dict) -> list[dict]:
-    """One row per schedule: median step ms, per-rank idle, peak memory; for ours the wait model (wait_model)."""
-    rows = []
+    """One row per schedule: median step ms and its spread, per-rank idle, peak memory; for ours the wait model
+    (wait_model)."""
+    rows, steps = [], []
     for per_rank in zip(*results):
+        steps.append(per_rank[0]["step_s"])
         row = {"schedule": per_rank[0]["schedule"], "world_size": opts["world"], "num_chunks": opts["chunks"],
-               "step_ms": 1e3 * statistics.median(per_rank[0]["step_s"]),
+               **fields("step_ms", per_rank[0]["step_s"]),
                "idle_fraction": [round(r["idle"], 4) for r in per_rank],
                "peak_mem_bytes": max(r["peak"] for r in per_rank)}
         if "durations" in per_rank[0]:
@@ -176,9 +182,10 @@ def summarise(results: list[list[dict]], opts: dict) -> list[dict]:
             hop_ms = model.pop("hop_ms")
             row.update({k: [None if x is None else round(x, 4) for x in v] for k, v in model.items()}, hop_ms=hop_ms)
         rows.append(row)
-    ref = next((r["step_ms"] for r in rows if r["schedule"] == "torch DualPipeV"), None)
-    for r in rows:
-        r["vs_torch_dualpipev"] = round(r["step_ms"] / ref, 3) if ref else None
+    ref = next((s for s, r in zip(steps, rows) if r["schedule"] == "torch DualPipeV"), None)
+    for step, r in zip(steps, rows):  # round by round: both steps of one round
+        r.update(ratio_fields("vs_torch_dualpipev", step / ref) if ref else
+                 {"vs_torch_dualpipev": None, "vs_torch_dualpipev_spread": None})
     return rows
 
 
@@ -186,7 +193,8 @@ def _per_rank(values: list | None, fmt: str = "{:.3f}") -> str:
     return " ".join("-" if x is None else fmt.format(x) for x in values) if values else "-"
 
 
-COLUMNS = [("schedule", "schedule", ""), ("step ms", "step_ms", ".1f"), ("x torch DPV", "vs_torch_dualpipev", ".2f"),
+COLUMNS = [("schedule", "schedule", ""), ("step ms", "step_ms", ".1f"), ("spread", "step_ms_spread", ".0%"),
+           ("x torch DPV", "vs_torch_dualpipev", ".2f"), ("spread", "vs_torch_dualpipev_spread", ".0%"),
            *((title, f"{key}_text", "") for title, key in (
                ("idle/rank", "idle_fraction"), ("wait/rank", "wait_fraction"), ("sim wait", "sim_wait_fraction"),
                ("sim vs wait", "sim_rel_diff"), ("sampled", "sampled_wait_fraction"),
@@ -220,7 +228,7 @@ def format_wait_summary(rows: list[dict]) -> str:
 
 def _ep_overlap_worker(rank: int, world: int, opts: dict) -> list[dict]:
     """Each rank runs its own 1-rank DualPipeV of the product's MoE blocks, whose experts are spread over
-    all ranks (one EP group, the product's EPDispatcher); time overlap on vs off, round-robin."""
+    all ranks (one EP group, the product's EPDispatcher); time overlap on vs off, in rounds."""
     groups = [dist.new_group([r]) for r in range(world)]
     layers = build_layers("moe", opts["layers"], opts["hidden"])
     runners = {f"ours DualPipeV, EP overlap {'on' if on else 'off'}":
@@ -228,7 +236,7 @@ def _ep_overlap_worker(rank: int, world: int, opts: dict) -> list[dict]:
                           dist.group.WORLD)
                for on in (True, False)}
     return [{"schedule": name, "rank": rank, "step_s": st["step_s"], "idle": statistics.median(st["idle"]),
-             "peak": st["peak"]} for name, st in _time_round_robin(runners, opts).items()]
+             "peak": st["peak"]} for name, st in _time_rounds(runners, opts).items()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -283,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     latency = "" if args.ep_overlap else f"; idle ping-pong p2p latency {1e3 * results[0][0]['p2p_s']:.2f} ms"
     print(f"pipeline benchmark: {model}, {args.layers} layers, hidden {args.hidden}, batch {args.batch}, "
           f"{args.chunks} micro-batches, {args.world} processes x {args.threads} thread, gloo, "
-          f"median of {args.steps} steps{latency}; ours: "
+          f"median of {args.steps} rounds of one step each (spread = IQR / median){latency}; ours: "
           + ("no B/W split" if not args.split_bw else f"B/W split, each W action over up to {args.merge_w} chunks"))
     print(format_table(rows))
     if not args.ep_overlap:

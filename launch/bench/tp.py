@@ -2,12 +2,12 @@
 
 All three run the same stack of dense transformer blocks (RMSNorm, GQA attention with RoPE,
 SwiGLU), built from the same single-process weights, in the same gloo processes (one thread
-each), round-robin step by step so load changes on a shared machine hit all alike. The peer is
+each), in rounds of one step each (launch.bench.harness) so load changes on a shared machine hit all alike. The peer is
 torch.distributed.tensor.parallel over a 1-D DeviceMesh (ColwiseParallel q/k/v and gate/up,
 RowwiseParallel out/down with Shard(1) outputs, SequenceParallel norms, PrepareModuleInput
 gathers; torch's plan needs separate q/k/v and gate/up Linears, ours keeps them fused). A step is
 the forward and backward of the stack for one batch (no optimizer). Per contender and rank:
-- step_ms: median step time;
+- step_ms: median over rounds of the slowest rank's step, with its spread; x peer taken round by round;
 - act_bytes: bytes of distinct storages saved for backward by one forward (saved-tensor hooks;
   DTensors counted by their local shard), and norm_bytes, the part saved inside the norms
   (the sequence-parallel region: residual adds save nothing);
@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import time
 from contextlib import ExitStack, contextmanager
+from functools import partial
 from typing import Any, Callable, Iterator
 
 import torch
@@ -39,7 +39,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                parallelize_module)
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from launch.bench.progress import Progress, call_budget, run_ranks
+from launch.bench.harness import fields, ratio_fields, rounds, slowest
+from launch.bench.progress import Progress, run_ranks
 from launch.bench.report import LOWER, header, header_line, table, write_json
 from moe.config import ModelConfig
 from moe.model import Block, apply_rope, rope_tables
@@ -229,7 +230,7 @@ def worker(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     group = dist.group.WORLD
     cfg = bench_config(opts)
     stacks = build_stacks(cfg, group)
-    cos, sin = rope_tables(opts["seq"], cfg.hidden_size // cfg.num_heads, cfg.rope_theta)
+    cos, sin = rope_tables(opts["seq"], cfg.attention_head_dim, cfg.rope_theta)
     x = torch.randn(opts["batch"], opts["seq"], cfg.hidden_size)
     dy = torch.randn_like(x)
     shard = list(range(rank * opts["seq"] // world, (rank + 1) * opts["seq"] // world))
@@ -249,39 +250,42 @@ def worker(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
         with comm:
             step()
         out[name] = {"act_bytes": meter.bytes, "norm_bytes": meter.region_bytes, "comm_bytes": comm.bytes,
-                     "collectives": comm.calls, "times": []}
-    order = list(CONTENDERS)
-    for i in range(opts["warmup"] + opts["steps"]):
-        for name in order[i % 3:] + order[:i % 3]:
-            dist.barrier(group)
-            t0 = time.perf_counter()
-            with call_budget(opts["call_budget"], f"a {name} step", opts):
-                steps[name]()
-            if i >= opts["warmup"]:
-                out[name]["times"].append(time.perf_counter() - t0)
+                     "collectives": comm.calls}
+
+    def timed_step(name: str) -> float:
+        dist.barrier(group)
+        t0 = time.perf_counter()
+        steps[name]()
+        return time.perf_counter() - t0
+
+    timed = rounds({name: partial(timed_step, name) for name in CONTENDERS}, opts["warmup"], opts["steps"],
+                   opts["call_budget"], opts, "step", rotate=True)
+    for name in CONTENDERS:
+        out[name]["times"] = timed[name]["time"]
     return out
 
 
 def rows_from(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per contender: the slowest rank's median step time, the largest rank's bytes."""
-    rows = []
+    rows, steps = [], []
     for name in CONTENDERS:
         per_rank = [r[name] for r in results]
-        rows.append({"contender": name,
-                     "step_ms": max(statistics.median(p["times"]) for p in per_rank) * 1e3,
+        steps.append(slowest([p["times"] for p in per_rank]))
+        rows.append({"contender": name, **fields("step_ms", steps[-1]),
                      "act_mib": max(p["act_bytes"] for p in per_rank) / 2**20,
                      "norm_mib": max(p["norm_bytes"] for p in per_rank) / 2**20,
                      "comm_mib": max(p["comm_bytes"] for p in per_rank) / 2**20,
                      "collectives": per_rank[0]["collectives"],
                      "max_diff": max(r["max_diff"][name] for r in results)})
     base = rows[-1]
-    for row in rows:
-        row["vs_peer_time"] = row["step_ms"] / base["step_ms"]
+    for row, step in zip(rows, steps):
+        row.update(ratio_fields("vs_peer_time", step / steps[-1]))  # round by round
         row["vs_peer_act"] = row["act_mib"] / base["act_mib"]
     return rows
 
 
-COLUMNS = [("contender", "contender", ""), ("step ms", "step_ms", ".1f"), ("x peer", "vs_peer_time", ".2f"),
+COLUMNS = [("contender", "contender", ""), ("step ms", "step_ms", ".1f"), ("spread", "step_ms_spread", ".0%"),
+           ("x peer", "vs_peer_time", ".2f"), ("spread", "vs_peer_time_spread", ".0%"),
            ("act MiB", "act_mib", ".2f"), ("x peer", "vs_peer_act", ".2f"), ("norm MiB", "norm_mib", ".3f"),
            ("comm MiB", "comm_mib", ".2f"), ("max |diff|", "max_diff", ".1e")]
 

@@ -10,6 +10,9 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from launch.config import RunConfig, load_config
+from launch.plan.calibrate import render as render_checks
+from launch.plan.calibrate import to_dicts, validate
+from launch.plan.efficiency import PRECISIONS
 from launch.plan.memory import KERNELS, RECOMPUTE
 from launch.plan.measure import compare, cpu_machine, measure
 from launch.plan.planner import COMM_SM_SHARE, Machine, Options, make_plan
@@ -26,7 +29,9 @@ NEEDED_FOR_CUSTOM = ("peak_tflops", "memory_gb", "intra_node_gbps", "inter_node_
 def parser() -> argparse.ArgumentParser:
     """The command line."""
     p = argparse.ArgumentParser(prog="moe-plan", description=__doc__)
-    p.add_argument("config", help="TOML run config (launch.config)")
+    p.add_argument("config", nargs="?", help="TOML run config (launch.config)")
+    p.add_argument("--validate", action="store_true", help="plan every published run of launch/plan/calibration.toml "
+                   "in its own layout and print predicted beside published tokens/s per GPU (no config needed)")
     p.add_argument("--search", action="store_true", help="rank every layout on --gpus GPUs that fits")
     p.add_argument("--gpus", type=int, help="GPUs (plan: must equal the config's pp x dp x cp x tp; search: required)")
     p.add_argument("--gpus-per-node", type=int, help="default: the config's parallel.gpus_per_node, else 8")
@@ -37,7 +42,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--intra-node-gbps", type=float, help="NVLink GB/s per GPU per direction")
     p.add_argument("--inter-node-gbps", type=float, help="inter-node GB/s per GPU per direction")
     p.add_argument("--exchange-latency-us", type=float, help="fixed cost of one EP all-to-all exchange (default 0)")
-    p.add_argument("--gemm-efficiency", type=float, default=0.6, help="achieved fraction of peak (default 0.6)")
+    p.add_argument("--gemm-efficiency", type=float, help="price every GEMM at this fraction of peak (default: by shape "
+                   "and precision, launch/plan/efficiency.py)")
     p.add_argument("--comm-sm-share", type=float, default=COMM_SM_SHARE,
                    help=f"share of SMs communication holds while it overlaps compute (default {COMM_SM_SHARE:.3f}: "
                         "DeepSeek-V3's 20 of 132)")
@@ -46,6 +52,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute", choices=RECOMPUTE, default="none")
     p.add_argument("--recipe", choices=tuple(RECIPES), help="bytes per param of weights/grads/optimizer "
                    "(default: this project's ZeRO-1 for train.dtype)")
+    p.add_argument("--linears", choices=PRECISIONS, help="precision of every linear layer's GEMMs (default: BF16, "
+                   "the routed experts as model.expert_precision says; the router and LM head stay BF16)")
+    p.add_argument("--virtual-stages", type=int, default=1, help="1f1b: model chunks per rank of an interleaved "
+                   "1F1B (Megatron's VPP): the bubble shrinks by this factor")
+    p.add_argument("--paired-1f1b", action="store_true", help="1f1b: steady-state F and B run as overlapped pairs "
+                   "hiding each other's EP exchanges (Megatron-Core's EP all-to-all overlap)")
+    p.add_argument("--overlap-dp", action="store_true", help="the DP grad reduce runs behind the step's last backward")
     p.add_argument("--sample-tokens", type=int, default=1024, help="tokens per EP rank routed for the traffic")
     p.add_argument("--kernels", choices=KERNELS, default="project",
                    help="activation bytes of this project's ops or of fused kernels (DeepSeek-V3's)")
@@ -79,7 +92,7 @@ def machine_from(args: argparse.Namespace, default_gpn: int) -> Machine:
     gpn = args.gpus_per_node or default_gpn
     if gpn < 1:
         raise ValueError(f"--gpus-per-node = {gpn} must be >= 1")
-    if not 0 < args.gemm_efficiency <= 1:
+    if args.gemm_efficiency is not None and not 0 < args.gemm_efficiency <= 1:
         raise ValueError(f"--gemm-efficiency = {args.gemm_efficiency} must be in (0, 1]")
     if not 0 <= args.comm_sm_share < 1:
         raise ValueError(f"--comm-sm-share = {args.comm_sm_share} must be in [0, 1)")
@@ -87,10 +100,17 @@ def machine_from(args: argparse.Namespace, default_gpn: int) -> Machine:
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Plan or search as the arguments say; print the tables, return the JSON-ready result."""
+    """Plan, search or validate as the arguments say; print the tables, return the JSON-ready result."""
+    if args.validate:
+        checks = validate()
+        print(render_checks(checks))
+        return {"runs": to_dicts(checks)}
+    if args.config is None:
+        raise ValueError("give a CONFIG to plan (or --validate)")
     config = load_config(args.config, args.set)
     par = config.parallel
-    options = Options(MLA_PRESETS.get(args.attention), args.recompute, args.kernels, args.recipe, args.sample_tokens)
+    options = Options(MLA_PRESETS.get(args.attention), args.recompute, args.kernels, args.recipe, args.sample_tokens,
+                      args.linears, args.virtual_stages, args.paired_1f1b, args.overlap_dp)
     if args.search:
         if not args.gpus or args.gpus < 1:
             raise ValueError("--search needs --gpus N (N >= 1)")

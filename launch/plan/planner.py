@@ -9,11 +9,13 @@ import torch
 
 from dispatch import Traffic
 from launch.config import RunConfig
-from launch.flops import head_flops, layer_flops, mixed_peak, model_flops_per_token
-from launch.plan.memory import ActivationModel, ModelStates, schedule_peaks, backward_workspace, zero_model_states
+from launch.flops import mixed_peak, model_flops_per_token
+from launch.plan.compute import Precisions, Seconds, elementwise_seconds, head_seconds, layer_seconds
+from launch.plan.efficiency import PRECISIONS, GemmModel
+from launch.plan.memory import FP8_CACHED, ActivationModel, ModelStates, schedule_peaks, backward_workspace, zero_model_states
 from launch.plan.params import ModelParams, count_params
 from launch.plan.presets import GPU, MLA, RECIPES, StateBytes
-from launch.plan.timing import Rates, StageCost, simulate_step
+from launch.plan.timing import Rates, StageCost, interleave, paired, simulate_step
 from launch.plan.traffic import EPStats, ep_stats, ring_bytes, total
 from launch.stages import stage_ranges
 from pipeline.schedules import Layout, Schedule, build, merge_weight_grads
@@ -28,22 +30,26 @@ COMM_SM_SHARE = 20 / 132  # DeepSeek-V3 (report section 3.2.2): 20 of an H800's 
 
 @dataclass(frozen=True)
 class Machine:
-    """The cluster: a GPU (peaks, memory, links), GPUs per node, the GEMM efficiency assumed and the share of
-    SMs communication kernels hold while they run beside compute; with a profile, each stage's compute and EP
-    seconds are the ones measured on this machine instead of FLOPs / rates."""
+    """The cluster: a GPU (peaks, memory, links), GPUs per node, how GEMMs are priced (gemm_efficiency None:
+    launch.plan.efficiency's model by shape and precision; a number: that share of peak for every GEMM) and
+    the share of SMs communication kernels hold while they run beside compute; with a profile, each stage's
+    compute and EP seconds are the ones measured on this machine instead."""
 
     gpu: GPU
     gpus_per_node: int
-    gemm_efficiency: float = 0.6
+    gemm_efficiency: float | None = None
     profile: Profile | None = None
     comm_sm_share: float = COMM_SM_SHARE
 
-    def rates(self, fp8_experts: bool) -> Rates:
-        """Achieved FLOP/s and link bytes/s."""
-        expert = self.gpu.fp8_tflops if fp8_experts else self.gpu.bf16_tflops
-        return Rates(self.gpu.bf16_tflops * 1e12 * self.gemm_efficiency, expert * 1e12 * self.gemm_efficiency,
-                     self.gpu.intra_node_gbps * 1e9, self.gpu.inter_node_gbps * 1e9,
+    def rates(self) -> Rates:
+        """Link bytes/s and the fixed cost of an exchange."""
+        return Rates(self.gpu.intra_node_gbps * 1e9, self.gpu.inter_node_gbps * 1e9,
                      self.gpu.exchange_latency_us * 1e-6)
+
+    @property
+    def gemms(self) -> GemmModel:
+        """What prices this machine's GEMMs and attention."""
+        return GemmModel(self.gpu, self.gemm_efficiency)
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,10 @@ class Options:
     kernels: str = "project"     # activation bytes of this project's ops, or of fused kernels (memory.KERNELS)
     recipe: str | None = None    # model-state bytes (presets.RECIPES); default from train.dtype
     sample_tokens: int = 1024    # tokens per EP rank routed to estimate dispatch bytes
+    linears: str | None = None   # precision of every linear (efficiency.PRECISIONS); default BF16 + the config's experts
+    virtual_stages: int = 1      # interleaved 1F1B: model chunks per rank (Megatron's VPP), shrinking the bubble
+    paired: bool = False         # 1F1B whose steady-state F, B neighbours run as overlapped pairs (EP A2A overlap)
+    dp_overlap: bool = False     # DP grad reduce runs behind the step's last backward (Megatron --overlap-grad-reduce)
 
 
 @dataclass
@@ -180,6 +190,7 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
     if par.world_size % gpn:
         raise ValueError(f"gpus_per_node = {gpn} must divide the world size pp x dp x cp x tp = {par.world_size}")
     machine = replace(machine, gpus_per_node=gpn)
+    _check_options(config, options)
     num_stages = par.num_stages
     layers = stage_ranges(cfg, train.seq_len, num_stages)  # the trainer's own split
     params = count_params(cfg, layers, options.mla)
@@ -199,12 +210,12 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
     ep = (ep_stats(cfg, par.ep, gpn, tokens // par.tp, par.dispatch_backend, par.dispatch_payload, dtype,
                    options.sample_tokens) if timed and cfg.num_layers > cfg.first_k_dense else None)
     ep_layer = total(ep.layer) if ep else Traffic()
-    rates = machine.rates(cfg.expert_precision == "fp8")
+    rates = machine.rates()
     if machine.profile and len(machine.profile.stages) != num_stages:
         raise ValueError(f"the machine's profile has {len(machine.profile.stages)} stages, the layout {num_stages}: "
                          f"profile the config being planned")
     costs = [machine.profile.stage_cost(s) if machine.profile else
-             _stage_cost(config, params, layers[s], s == num_stages - 1, moe_layers[s], ep, rates, gpn, options)
+             _stage_cost(config, params, layers[s], s == num_stages - 1, moe_layers[s], ep, machine, gpn, options)
              for s in range(num_stages)]
     # overlap: the runtime runs each F&B pair's halves at once (the backward on a helper thread)
     deferred = [acts.deferred_stage(layers[s], s == num_stages - 1, tokens) for s in range(num_stages)]
@@ -234,15 +245,33 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
         makespan, idles = 0.0, [0.0] * par.pp
     elif schedule:
         profile = machine.profile
-        result = simulate_step(schedule, costs, p2p_seconds, par.overlap, profile.pair_factor if profile else 1.0,
+        priced = paired(costs, machine.comm_sm_share) if options.paired else costs
+        result = simulate_step(schedule, priced, p2p_seconds, par.overlap, profile.pair_factor if profile else 1.0,
                                profile.speed(par.pp) if profile else None, machine.comm_sm_share)
         makespan, idles = result.makespan, result.idle_fractions
+        if options.virtual_stages > 1:
+            makespan, idles = interleave(result, options.virtual_stages)
     else:
         makespan, idles = chunks * costs[0].serial, [0.0]
+    if options.dp_overlap:
+        sync = max(0.0, sync - max(c.b for c in costs))
     return Plan(config, machine, options, params, layers, ranks, ep, costs, p2p_seconds, makespan,
                 sum(idles) / len(idles), sync,
                 train.grad_accum_steps * tokens, model_flops_per_token(cfg, train.seq_len, params.attention),
                 train.grad_accum_steps // par.dp // chunks, list(idles))
+
+
+def _check_options(config: RunConfig, options: Options) -> None:
+    """Planner options that only apply to some layouts: a clear error naming the option otherwise."""
+    schedule = config.parallel.schedule
+    if options.virtual_stages < 1:
+        raise ValueError(f"virtual stages = {options.virtual_stages} must be >= 1")
+    for name, used in (("virtual stages", options.virtual_stages > 1), ("paired 1F1B", options.paired)):
+        if used and schedule != "1f1b":
+            raise ValueError(f"{name} apply to parallel.schedule = '1f1b' only (this config: {schedule!r})")
+    if options.linears is not None and options.linears not in PRECISIONS:
+        raise ValueError(f"linear precision {options.linears!r} is not allowed; choose one of "
+                         f"{', '.join(PRECISIONS)}")
 
 
 def _add(bucket: dict[str, Traffic], kind: str, inter: bool, nbytes: float) -> None:
@@ -280,33 +309,43 @@ def _rank_bytes(config: RunConfig, layout: Layout, rank: int, held: list[int], m
 
 
 def _stage_cost(config: RunConfig, params: ModelParams, layers: range, has_head: bool, moe_layers: int,
-                ep: EPStats | None, rates: Rates, gpn: int, options: Options) -> StageCost:
+                ep: EPStats | None, machine: Machine, gpn: int, options: Options) -> StageCost:
     """Compute and communication seconds of one chunk through one stage."""
     cfg, par, train = config.model, config.parallel, config.train
     tokens = train.micro_batch_size * train.seq_len
-    flops = [layer_flops(cfg, i, train.seq_len, params.attention) for i in layers]
-    dense = sum(f.dense + f.core for f in flops) + (head_flops(cfg) if has_head else 0)
-    expert = sum(f.expert for f in flops)
-    f = tokens / par.tp * (dense / rates.dense_flops + expert / rates.expert_flops)
-    core = tokens / par.tp * sum(x.core for x in flops) / rates.dense_flops
-    recompute = {"none": 0.0, "full": f}.get(options.recompute,
-                                             _selective_recompute(config, options, len(layers), rates))
+    gemms, rates = machine.gemms, machine.rates()
+    precisions = Precisions.of(cfg, options.linears)
+    itemsize = getattr(torch, train.dtype).itemsize
+    cost = sum((layer_seconds(gemms, cfg, params.attention, i, train.seq_len, tokens, par.tp, par.ep, precisions)
+                + elementwise_seconds(gemms, cfg, params.attention, i, tokens, par.tp, par.sequence_parallel, itemsize,
+                                      precisions)
+                for i in layers), Seconds())
+    cost += head_seconds(gemms, cfg, tokens, par.tp) if has_head else Seconds()
+    recompute = {"none": 0.0, "full": cost.f}.get(options.recompute,
+                                                  _selective_recompute(config, options, len(layers), gemms,
+                                                                       precisions.dense))
     ep_f = ep_b = 0.0
     if ep is not None and moe_layers:
-        forward = ep.layer["dispatch"] + ep.layer["combine"]
+        # an FP8 dispatch moves no faster than a BF16 one: DeepEP's internode rates (ANCHORS.md, ~50 GB/s at
+        # EP16-64 for FP8 dispatch and BF16 combine alike) count BF16 bytes, so its rows cross at BF16 cost
+        slow = 2 / FP8_CACHED if par.dispatch_payload == "fp8" else 1.0
+        dispatch, combine = ep.layer["dispatch"], ep.layer["combine"]
         backward = ep.layer["dispatch_backward"] + ep.layer["combine_backward"]
         # exchanges per hop: dispatch sends counts then rows, combine rows; backward one each way
         hops = 2 if par.dispatch_backend == "hierarchical" and 1 < ep.nodes < ep.ep else 1
-        ep_f = moe_layers * (rates.link_seconds(forward.intra_node, forward.inter_node) + 3 * hops * rates.exchange_s)
+        ep_f = moe_layers * (rates.link_seconds(slow * dispatch.intra_node + combine.intra_node,
+                                                slow * dispatch.inter_node + combine.inter_node)
+                             + 3 * hops * rates.exchange_s)
         ep_b = moe_layers * (rates.link_seconds(backward.intra_node, backward.inter_node) + 2 * hops * rates.exchange_s)
     tp = 0.0
     if par.tp > 1:
-        ar = 2 * ring_bytes(tokens * cfg.hidden_size, par.tp, getattr(torch, train.dtype).itemsize)
+        ar = 2 * ring_bytes(tokens * cfg.hidden_size, par.tp, itemsize)
         tp = 2 * len(layers) * (ar / rates.inter_bps if par.tp > gpn else ar / rates.intra_bps)
-    return StageCost(f, 2 * f + recompute, f - core, ep_f + tp, ep_b + tp)
+    return StageCost(cost.f, cost.b + recompute, cost.w, ep_f + tp, ep_b + tp)
 
 
-def _selective_recompute(config: RunConfig, options: Options, num_layers: int, rates: Rates) -> float:
+def _selective_recompute(config: RunConfig, options: Options, num_layers: int, gemms: GemmModel,
+                         precision: str) -> float:
     """Seconds to recompute the MLA up-projections of a stage's layers for one chunk (norms and SwiGLU
     products are elementwise: not counted)."""
     if options.mla is None:
@@ -315,4 +354,5 @@ def _selective_recompute(config: RunConfig, options: Options, num_layers: int, r
     heads = cfg.num_heads
     up = (mla.q_lora_rank * heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim)
           + mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim))
-    return num_layers * 2 * up * train.micro_batch_size * train.seq_len / config.parallel.tp / rates.dense_flops
+    tokens = train.micro_batch_size * train.seq_len
+    return num_layers * gemms.gemm(tokens, up / cfg.hidden_size / config.parallel.tp, cfg.hidden_size, precision)

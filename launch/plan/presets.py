@@ -19,21 +19,24 @@ class GPU:
     inter_node_gbps: float  # InfiniBand/RoCE NIC per GPU, GB/s per direction
     source: str
     exchange_latency_us: float = 0.0  # fixed cost of one all-to-all exchange of an EP hop, on top of its bytes
+    hbm_gbps: float = 3350.0  # HBM bandwidth, GB/s (launch.plan.efficiency prices GEMM operand and output bytes)
 
 
 GPUS: dict[str, GPU] = {
     "h800": GPU("H800 SXM", 989.0, 1979.0, 80.0, 160.0, 50.0,
-                "NVIDIA H800 SXM datasheet (Hopper compute as H100 SXM); NVLink ~160 GB/s and IB ~50 GB/s "
-                "per GPU as achieved in DeepSeek-V3 report (arXiv 2412.19437) section 3.2.2"),
+                "NVIDIA H800 SXM datasheet (Hopper compute and 3.35 TB/s HBM3 as H100 SXM); NVLink ~160 GB/s and "
+                "IB ~50 GB/s per GPU as achieved in DeepSeek-V3 report (arXiv 2412.19437) section 3.2.2",
+                hbm_gbps=3350.0),
     "h100": GPU("H100 SXM", 989.0, 1979.0, 80.0, 450.0, 50.0,
-                "NVIDIA H100 SXM datasheet: 989 TFLOPS BF16 / 1979 FP8 dense, 80 GB HBM3, NVLink4 900 GB/s "
-                "bidirectional; one 400 Gb/s ConnectX-7 NDR NIC per GPU (DGX H100)"),
+                "NVIDIA H100 SXM datasheet: 989 TFLOPS BF16 / 1979 FP8 dense, 80 GB HBM3 at 3.35 TB/s, NVLink4 "
+                "900 GB/s bidirectional; one 400 Gb/s ConnectX-7 NDR NIC per GPU (DGX H100)", hbm_gbps=3350.0),
     "h200": GPU("H200 SXM", 989.0, 1979.0, 141.0, 450.0, 50.0,
-                "NVIDIA H200 SXM datasheet: H100 compute, 141 GB HBM3e, NVLink4 900 GB/s bidirectional; "
-                "one 400 Gb/s NDR NIC per GPU (DGX H200)"),
+                "NVIDIA H200 SXM datasheet: H100 compute, 141 GB HBM3e at 4.8 TB/s, NVLink4 900 GB/s "
+                "bidirectional; one 400 Gb/s NDR NIC per GPU (DGX H200)", hbm_gbps=4800.0),
     "b200": GPU("B200", 2250.0, 4500.0, 180.0, 900.0, 50.0,
                 "NVIDIA DGX B200 datasheet: 72 PFLOPS FP8 training / 8 GPUs (dense half of sparse peaks), "
-                "1440 GB HBM3e / 8, NVLink5 1.8 TB/s bidirectional; 8x 400 Gb/s ConnectX-7 per node"),
+                "1440 GB HBM3e / 8 (64 TB/s / 8), NVLink5 1.8 TB/s bidirectional; 8x 400 Gb/s ConnectX-7 per node",
+                hbm_gbps=8000.0),
 }
 
 
@@ -85,6 +88,8 @@ RECIPES: dict[str, StateBytes] = {
     "project-fp32": StateBytes("project-fp32", 4, 4, 8, "this project's ZeRO1 on fp32 weights (CPU runs): the "
                                "weights are their own masters (counted as params), AdamW moments sharded",
                                reduced_grad=4),
+    "megatron": StateBytes("megatron", 2, 4, 12, "Megatron-Core's distributed optimizer: BF16 params, FP32 main grads, "
+                           "FP32 main params + Adam moments sharded over DP (its docs: 6 + 12/d bytes per param)"),
     "deepseek-v3": StateBytes("deepseek-v3", 2, 4, 8, "DeepSeek-V3 report section 3.3.3: BF16 weights, FP32 grads "
                               "and master weights, BF16 AdamW moments"),
 }

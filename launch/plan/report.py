@@ -56,6 +56,14 @@ def activation_variants(plan: Plan) -> list[tuple[bool, str, float]]:
     return out
 
 
+def _gemms(plan: Plan) -> str:
+    flat = plan.machine.gemm_efficiency
+    if flat is not None:
+        return f"at {flat:.0%} of peak"
+    linears = plan.options.linears
+    return f"priced by shape and precision ({linears or 'bf16 dense, experts per config'}; launch/plan/efficiency.py)"
+
+
 def _latent(plan: Plan) -> int:
     mla = plan.options.mla
     return mla.q_lora_rank + mla.kv_lora_rank + mla.qk_rope_head_dim if mla else 0
@@ -105,7 +113,7 @@ def render(plan: Plan) -> str:
              f"GPUs ({par.world_size // plan.machine.gpus_per_node} nodes of {plan.machine.gpus_per_node})",
              f"machine: {gpu.name}: {gpu.bf16_tflops:g} TFLOPS bf16 / {gpu.fp8_tflops:g} fp8 dense, "
              f"{gpu.memory_gb:g} GB, NVLink {gpu.intra_node_gbps:g} GB/s, inter-node {gpu.inter_node_gbps:g} GB/s "
-             f"per GPU; GEMMs at {plan.machine.gemm_efficiency:.0%} of peak, "
+             f"per GPU; GEMMs {_gemms(plan)}, "
              f"{plan.machine.comm_sm_share:.0%} of SMs held by communication while it overlaps compute",
              f"  source: {gpu.source}",
              "",

@@ -4,7 +4,7 @@ for the bubble, DP gradient sync after it."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pipeline.schedules import Action, Op, Schedule
 from pipeline.simulator import Costs, SimResult, simulate, simulate_shared
@@ -12,10 +12,8 @@ from pipeline.simulator import Costs, SimResult, simulate, simulate_shared
 
 @dataclass(frozen=True)
 class Rates:
-    """Achieved rates: dense (BF16) and expert GEMM FLOP/s, link bytes/s per GPU per direction."""
+    """Link bytes/s per GPU per direction."""
 
-    dense_flops: float
-    expert_flops: float
     intra_bps: float
     inter_bps: float
     exchange_s: float = 0.0  # fixed seconds of one all-to-all exchange
@@ -85,3 +83,19 @@ def simulate_step(schedule: Schedule, stages: Sequence[StageCost], p2p_seconds: 
     if speed:
         return simulate_shared(schedule, costs, durations, speed)
     return simulate(schedule, costs, durations=durations)
+
+
+def paired(costs: Sequence[StageCost], comm_share: float) -> list[StageCost]:
+    """Stage costs of a 1F1B whose steady-state F and B of different chunks run as overlapped pairs
+    (Megatron-Core's EP all-to-all overlap): each half's communication hides behind the other half's compute,
+    leaving exposed what exceeds it, and at least the SMs it holds meanwhile (comm_share of its time)."""
+    return [replace(c, comm_f=max(comm_share * c.comm_f, c.comm_f - c.b),
+                    comm_b=max(comm_share * c.comm_b, c.comm_b - c.f)) for c in costs]
+
+def interleave(result: SimResult, virtual_stages: int) -> tuple[float, list[float]]:
+    """(makespan, idle fraction per rank) of the simulated step run as interleaved 1F1B with virtual_stages
+    model chunks per rank: the same work, its idle time divided by virtual_stages (Narayanan et al. 2021,
+    section 2.2: bubble (p - 1) / (v m)); the extra p2p hops it costs are not counted."""
+    busiest = max(result.busy)
+    makespan = busiest + (result.makespan - busiest) / virtual_stages
+    return makespan, [1.0 - b / makespan for b in result.busy]

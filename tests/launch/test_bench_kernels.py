@@ -23,7 +23,7 @@ def test_cpu_run_checks_correctness_and_writes_null_timings(tmp_path, capsys):
 def test_gpu_accounting_with_a_fixed_clock(monkeypatch, capsys):
     """The timed path on CPU tensors with every call taking 2 ms: TFLOPS = 2*M*N*K / 2 ms, the fp8 peer
     (CUDA-only) is reported as skipped, cases over --max-total-rows are left out."""
-    monkeypatch.setattr(bench, "_median_ms", lambda fn, warmup, repeats: (fn(), 2.0)[1])
+    monkeypatch.setattr(bench, "_event_seconds", lambda fn: (fn(), 2e-3)[1])
     args = bench.parse_args(["--shapes", "256x128", "--groups", "2,4", "--rows", "16,64", "--max-total-rows", "128"])
     rows = bench.gpu_rows(args, device="cpu")
     shapes = sorted({(r["shape"]["groups"], r["shape"]["rows_per_group"]) for r in rows})
@@ -32,9 +32,10 @@ def test_gpu_accounting_with_a_fixed_clock(monkeypatch, capsys):
     for r in rows:
         m = r["shape"]["groups"] * r["shape"]["rows_per_group"]
         assert r["tflops"] == 2.0 * m * 128 * 256 / 2.0 / 1e9
+        assert r["ms"] == 2.0 and r["ms_spread"] == 0.0 and r["repeats"] == args.repeats  # the harness's fields
         if r["peer"] == "torch._grouped_mm bf16":
-            assert r["peer_tflops"] == r["tflops"] and r["ratio"] == 1.0
+            assert r["peer_tflops"] == r["tflops"] and r["ratio"] == 1.0 and r["ratio_spread"] == 0.0
         else:
-            assert r["peer_tflops"] is None and r["ratio"] is None
+            assert r["peer_tflops"] is None and r.get("ratio") is None
         assert r["calc_diff"] < 2e-3  # bf16 inputs and fp32 output of the reference path
     assert "skipped" in capsys.readouterr().err

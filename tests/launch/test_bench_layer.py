@@ -22,7 +22,7 @@ TINY = ["--hidden", "16", "--ffn", "16", "--experts", "4", "--top-k", "2", "--ba
 def _rows(path: Path) -> dict[tuple[str, int], dict]:
     doc = json.loads(path.read_text())
     assert set(doc) == {"header", "key", "metrics", "rows"} and doc["header"]["suite"] == "layer"
-    assert doc["metrics"] == {"median_ms": "lower", "spread_ms": "lower"} and doc["key"][:2] == ["contender", "ep"]
+    assert doc["metrics"] == {"step_ms": "lower"} and doc["key"][:2] == ["contender", "ep"]
     return {(r["contender"], r["ep"]): r for r in doc["rows"]}
 
 
@@ -34,13 +34,13 @@ def test_our_rows_and_a_missing_peers_reason(tmp_path, monkeypatch, capsys):
     assert set(rows) == {(name, ep) for name in ("ours", "torchtitan", "megatron") for ep in (1, 2)}
     for ep, local in ((1, 4), (2, 2)):
         ours = rows["ours", ep]
-        assert ours["status"] == "ok" and ours["median_ms"] > 0 and ours["spread_ms"] >= 0
+        assert ours["status"] == "ok" and ours["step_ms"] > 0 and ours["step_ms_spread"] >= 0
         assert ours["max_rel_diff"] < 1e-5 and ours["tolerance"] == 1e-4
         assert ours["repeats"] == 4 and len(ours["round_medians_ms"]) == 2 and ours["vs_ours"] == 1.0
         assert ours["local_experts"] == local and (ours["hidden"], ours["experts"], ours["dtype"]) == (16, 4, "float32")
         for peer in ("torchtitan", "megatron"):
             row = rows[peer, ep]
-            assert row["median_ms"] is None and row["vs_ours"] is None
+            assert row["step_ms"] is None and row["vs_ours"] is None
             assert row["status"].startswith("not installed") and f"--peer-python {peer}=PYTHON" in row["status"]
     assert "not installed" in capsys.readouterr().out
 

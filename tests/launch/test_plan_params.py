@@ -78,3 +78,25 @@ def test_each_rank_holds_the_params_of_the_stages_the_trainer_builds(pp, schedul
         named = [(n, p) for stage in stages for n, p in stage.named_parameters()]
         assert rank.expert_params == sum(p.numel() for n, p in named if ".experts." in n)
         assert rank.dense_params == sum(p.numel() for n, p in named if ".experts." not in n)
+
+
+def test_a_head_width_apart_from_hidden_over_heads_is_built_and_counted():
+    cfg = load_config(CONFIGS / "tiny.toml", ["model.head_dim=48"]).model  # 4 heads x 48 = 192 wide, hidden 128
+    model = MoETransformer(cfg)
+    assert model.blocks[0].attn.qkv.weight.shape == (8 * 48, 128) and model.blocks[0].attn.out.weight.shape == (128, 192)
+    assert count_params(cfg).total.total == sum(p.numel() for p in model.parameters())
+    logits = model(torch.randint(0, cfg.vocab_size, (2, 16))).logits
+    assert logits.shape == (2, 16, cfg.vocab_size) and torch.isfinite(logits).all()
+    with pytest.raises(ValueError, match="head size .* = 7 must be even"):
+        load_config(CONFIGS / "tiny.toml", ["model.head_dim=7"])
+
+
+@pytest.mark.parametrize("config, total, activated", [
+    ("qwen3-235b-a22b.toml", 235e9, 22e9),  # Qwen3 technical report: 235B total, 22B activated
+    ("mixtral-8x22b.toml", 141e9, 39e9),    # Mistral's announcement: 141B total, 39B active
+    ("qwen3-30b-a3b.toml", 30.5e9, 3.3e9),  # Qwen3 model card: 30.5B total, 3.3B activated
+])
+def test_calibration_models_have_their_published_sizes(config, total, activated):
+    counts = count_params(load_config(CONFIGS / config).model)
+    assert counts.total.total == pytest.approx(total, rel=0.01)
+    assert counts.activated_with_embedding == pytest.approx(activated, rel=0.03)

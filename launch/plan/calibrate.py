@@ -1,0 +1,120 @@
+"""moe-plan --validate: plan every published run of calibration.toml in its own layout and compare its
+predicted tokens/s per GPU with the published figure."""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from launch.config import load_config
+from launch.plan.planner import Machine, Options, Plan, make_plan
+from launch.plan.presets import MLA_PRESETS, gpu_preset
+from launch.plan.report import table
+
+CALIBRATION = Path(__file__).with_name("calibration.toml")
+ROOT = Path(__file__).resolve().parents[2]
+BAND = 0.20  # a prediction within +-20% of the published throughput passes
+
+
+@dataclass
+class Run:
+    """One published run: what was run, on what, and what it reached."""
+
+    name: str
+    model: str
+    stack: str
+    gpu: str
+    gpus: int
+    layout: str
+    precision: str
+    published: str
+    tokens_per_s_per_gpu: float
+    source: str
+    config: str | None = None
+    set: list[str] = field(default_factory=list)
+    plan: dict = field(default_factory=dict)
+    derived: str = ""
+    notes: str = ""
+
+    def options(self) -> Options:
+        """The planner options [run.plan] gives (attention: an MLA preset name)."""
+        plan = dict(self.plan)
+        mla = MLA_PRESETS[plan.pop("attention")] if "attention" in plan else None
+        return Options(mla=mla, **plan)
+
+
+def load_runs(path: Path = CALIBRATION) -> list[Run]:
+    """The runs of a calibration file."""
+    with path.open("rb") as handle:
+        return [Run(**entry) for entry in tomllib.load(handle)["run"]]
+
+
+@dataclass
+class Check:
+    """One run planned (plan None: no public layout) beside its published throughput."""
+
+    run: Run
+    plan: Plan | None
+
+    @property
+    def predicted(self) -> float | None:
+        """Predicted tokens/s per GPU."""
+        return None if self.plan is None else self.plan.tokens_per_second / self.run.gpus
+
+    @property
+    def ratio(self) -> float | None:
+        """Predicted over published."""
+        return None if self.plan is None else self.predicted / self.run.tokens_per_s_per_gpu
+
+    @property
+    def within(self) -> bool | None:
+        """Whether the prediction is inside the band."""
+        return None if self.plan is None else abs(self.ratio - 1) <= BAND
+
+
+def plan_run(run: Run) -> Plan | None:
+    """The run planned in its own layout on its GPU (None when its layout is not public)."""
+    if run.config is None:
+        return None
+    config = load_config(ROOT / run.config, run.set)
+    if config.parallel.world_size != run.gpus:
+        raise ValueError(f"calibration run {run.name}: the layout has {config.parallel.world_size} ranks, "
+                         f"the run {run.gpus} GPUs")
+    return make_plan(config, Machine(gpu_preset(run.gpu), config.parallel.gpus_per_node or 8), run.options())
+
+
+def validate(path: Path = CALIBRATION) -> list[Check]:
+    """Every run of the calibration file planned."""
+    return [Check(run, plan_run(run)) for run in load_runs(path)]
+
+
+def render(checks: list[Check]) -> str:
+    """The checks as a table (a run outside the band marked MISS, one without a public layout "-") with
+    each run's source and notes under it."""
+    rows = []
+    for c in checks:
+        run, plan = c.run, c.plan
+        rows.append([run.name, f"{run.gpus} {gpu_preset(run.gpu).name}", run.precision,
+                     "-" if plan is None else f"{c.predicted:,.0f}", f"{run.tokens_per_s_per_gpu:,.0f}",
+                     "-" if plan is None else f"{c.ratio:.2f}",
+                     "-" if plan is None else f"{plan.peak_memory / 1e9:.1f} GB {'fits' if plan.fits else 'DOES NOT FIT'}",
+                     {None: "not planned", True: "ok", False: "MISS"}[c.within]])
+    lines = [f"published MoE runs, each planned in its own layout (band +-{BAND:.0%}; {CALIBRATION.name}):",
+             table(["run", "GPUs", "precision", "predicted tok/s/GPU", "published", "ratio", "peak memory",
+                    f"+-{BAND:.0%}"], rows), ""]
+    for c in checks:
+        run = c.run
+        lines.append(f"{run.name}: {run.stack}; {run.layout}; published {run.published}")
+        lines += [f"  {label}: {text}" for label, text in (("derived", run.derived), ("notes", run.notes),
+                                                             ("source", run.source)) if text]
+    return "\n".join(lines)
+
+
+def to_dicts(checks: list[Check]) -> list[dict]:
+    """The checks, JSON-ready."""
+    return [{"name": c.run.name, "gpus": c.run.gpus, "gpu": c.run.gpu, "published_tokens_per_s_per_gpu":
+             c.run.tokens_per_s_per_gpu, "predicted_tokens_per_s_per_gpu": c.predicted, "ratio": c.ratio,
+             "within_band": c.within, "fits": None if c.plan is None else c.plan.fits,
+             "peak_memory_bytes": None if c.plan is None else c.plan.peak_memory, "source": c.run.source}
+            for c in checks]

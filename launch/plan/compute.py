@@ -1,0 +1,106 @@
+"""Compute seconds of one chunk through one layer on one GPU, GEMM by GEMM (launch.plan.efficiency prices each).
+
+Per chunk of T tokens on one TP rank of tp: the attention projections (a weight block of P params fed by
+hidden-wide rows is priced as one [T, hidden] x [hidden, P / hidden / tp] GEMM; TP splits the sharded
+part's columns, the replicated part runs on the rank's T / tp sequence shard), flash attention's core, the
+dense FFN or shared experts (gate|up then down, columns split by TP), the router ([T / tp, hidden] x
+[hidden, E], BF16) and the routed experts as two grouped GEMMs over the E / ep local experts, each receiving
+T / tp x top_k / (E / ep) rows under balanced routing (every EP rank receives as many slots as it sends).
+Backward = input grads + weight grads of every GEMM and twice the attention core's forward FLOPs.
+
+Between the GEMMs run memory-bound ops, priced by the bytes they move through HBM (reads + writes in the
+training dtype, each op once, as fused kernels do): two RMSNorms and two residual adds (10 hidden-wide
+tensors a token), RoPE on q and k, each SwiGLU's activation (reads gate|up, writes their product) and the
+MoE layer's permutation (copies top_k rows a token out and back) and combine (reads top_k rows, writes one);
+their backward moves twice the bytes (output grads in, input grads out, saved inputs read). FP8 linears also
+quantize their inputs (forward) and their output grads (backward): efficiency.QUANTIZE_BYTES an element.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from launch.flops import AttentionShape, layer_flops
+from launch.plan.efficiency import QUANTIZE_BYTES, GemmModel
+from moe.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Precisions:
+    """GEMM precision (launch.plan.efficiency.PRECISIONS) of the dense linears (attention projections, dense
+    FFN, shared experts) and of the routed experts; the router and the LM head stay BF16."""
+
+    dense: str = "bf16"
+    expert: str = "bf16"
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, linears: str | None = None) -> Precisions:
+        """linears for every linear if given; else BF16 dense and the config's expert precision (this project's
+        FP8 experts use 1x128 / 128x128 scales)."""
+        if linears:
+            return cls(linears, linears)
+        return cls("bf16", "fp8-block" if cfg.expert_precision == "fp8" else "bf16")
+
+
+@dataclass(frozen=True)
+class Seconds:
+    """Forward, full backward (input + weight grads) and weight-grad seconds of some GEMMs."""
+
+    f: float = 0.0
+    b: float = 0.0
+    w: float = 0.0
+
+    def __add__(self, other: Seconds) -> Seconds:
+        return Seconds(self.f + other.f, self.b + other.b, self.w + other.w)
+
+
+def _linear(model: GemmModel, m: float, n: float, k: float, precision: str, groups: int = 1) -> Seconds:
+    f, dgrad, wgrad = model.linear(m, n, k, precision, groups)
+    return Seconds(f, dgrad + wgrad, wgrad)
+
+
+def _swiglu(model: GemmModel, m: float, h: int, ffn: float, precision: str, groups: int = 1) -> Seconds:
+    return _linear(model, m, 2 * ffn, h, precision, groups) + _linear(model, m, h, ffn, precision, groups)
+
+
+def layer_seconds(model: GemmModel, cfg: ModelConfig, attention: AttentionShape, index: int, seq_len: int,
+                  tokens: int, tp: int, ep: int, precisions: Precisions) -> Seconds:
+    """Seconds of one chunk of `tokens` tokens through layer `index` on one TP rank (see the module doc)."""
+    h = cfg.hidden_size
+    out = _linear(model, tokens, attention.sharded / h / tp, h, precisions.dense)
+    out += _linear(model, tokens / tp, attention.replicated / h, h, precisions.dense)
+    core = model.attention(layer_flops(cfg, index, seq_len, attention).core * tokens / tp)
+    out += Seconds(core, 2 * core, 0.0)
+    if index < cfg.first_k_dense:
+        return out + _swiglu(model, tokens, h, cfg.dense_ffn_size / tp, precisions.dense)
+    if cfg.num_shared_experts:
+        out += _swiglu(model, tokens, h, cfg.num_shared_experts * cfg.expert_ffn_size / tp, precisions.dense)
+    out += _linear(model, tokens / tp, cfg.num_experts, h, "bf16")
+    local = cfg.num_experts // ep
+    rows = tokens / tp * cfg.top_k / local  # per local expert, balanced
+    return out + _swiglu(model, rows, h, cfg.expert_ffn_size, precisions.expert, local)
+
+
+def elementwise_seconds(model: GemmModel, cfg: ModelConfig, attention: AttentionShape, index: int, tokens: int,
+                        tp: int, sequence_parallel: bool, itemsize: int, precisions: Precisions) -> Seconds:
+    """The memory-bound ops of one chunk through layer `index` on one TP rank (see the module doc)."""
+    h, kv = cfg.hidden_size, attention.heads if attention.kind == "mla" else cfg.num_kv_heads
+    moe = index >= cfg.first_k_dense
+    ffn = (cfg.num_shared_experts * cfg.expert_ffn_size if moe else cfg.dense_ffn_size) / tp  # dense or shared
+    slots, width = (cfg.top_k / tp if moe else 0.0), cfg.expert_ffn_size  # routed slots per token on this rank
+    elements = (10 * h / (tp if sequence_parallel else 1)                 # two norms, two residual adds
+                + 2 * (attention.heads + kv) * attention.qk_head_dim / tp  # RoPE on q and k
+                + 3 * ffn + slots * 3 * width                              # SwiGLU activations
+                + slots * 3 * h + (h / tp if moe else 0.0))                # permutation out and back, combine
+    # FP8 linears quantise their inputs in forward and their output grads in backward
+    dense_in = h + attention.heads * attention.v_head_dim / tp + (h + ffn if ffn else 0.0)
+    dense_out = attention.sharded / h / tp + h + (2 * ffn + h if ffn else 0.0)
+    dense_q, expert_q = QUANTIZE_BYTES[precisions.dense], QUANTIZE_BYTES[precisions.expert]
+    forward = elements * itemsize + dense_q * dense_in + expert_q * slots * (h + width)
+    backward = 2 * elements * itemsize + dense_q * dense_out + expert_q * slots * (2 * width + h)
+    return Seconds(model.memory(forward * tokens), model.memory(backward * tokens), 0.0)
+
+
+def head_seconds(model: GemmModel, cfg: ModelConfig, tokens: int, tp: int) -> Seconds:
+    """The LM head (BF16, vocab split by TP)."""
+    return _linear(model, tokens, cfg.vocab_size / tp, cfg.hidden_size, "bf16")

@@ -1,0 +1,107 @@
+"""Seconds of a GEMM and of attention on one GPU by shape and precision: moe-plan's compute model.
+
+A GEMM [M, K] x [K, N] (2MNK FLOPs, in `groups` groups of M rows each) takes its main loop at a fixed
+share of the tensor cores' peak for its precision, plus the time to move its operands and output through
+HBM once (the two do not overlap well at the sizes that matter: small K leaves every tile's output write
+exposed, small M every weight read):
+
+    t = 2 * groups * M' * N * K / (peak * TENSOR_EFFICIENCY * grouped * scaling) + bytes / (HBM bandwidth)
+
+with M' = M rounded up to TILE_ROWS per group (the grouped kernels pad every group to their tile),
+grouped = GROUPED_EFFICIENCY for a grouped GEMM, scaling = 1 - FP8_BLOCK_SCALING_COST for FP8 with 1x128 /
+128x128 scales, and bytes = operands in their precision, output in BF16 (FP32 for a weight gradient),
+plus the FP32 scales. Efficiency (2MNK / t / peak) therefore rises with every dimension and saturates
+below TENSOR_EFFICIENCY; it falls for the small-N, small-K and few-row GEMMs of fine-grained experts.
+
+Attention's core (flash attention: QK^T, softmax, AV) runs at ATTENTION_EFFICIENCY of the BF16 peak.
+
+The constants are the same for every GPU and run; each comes from a public measurement, given beside it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from launch.plan.presets import GPU
+
+PRECISIONS = ("bf16", "fp8-tensor", "fp8-block")  # BF16; FP8 with one scale per tensor; FP8 with 1x128 tiles
+
+# The tensor cores' main-loop share of the dense peak. An H100 runs an 8192^3 BF16 GEMM at 798 TFLOPS
+# (ANCHORS.md), 1.378 ms, of which moving its 403 MB at the 3.0 TB/s a device copy reaches is 0.134 ms: the
+# main loop ran at 1.1e12 / 1.244 ms = 884 TFLOPS = 0.89 of 989. DeepGEMM's dense FP8 4096x7168x16384 at
+# 1520 TFLOPS on an H800 (1x128 scales), its 243 MB taken off the same way, gives 0.87 of 1979.
+TENSOR_EFFICIENCY = 0.89
+# A grouped GEMM's scheduling (a group per tile row, uneven tails) against a dense one: DeepGEMM's grouped
+# contiguous FP8 (4 groups of M=8192: N=4096 K=7168 at 1346 TFLOPS, N=7168 K=2048 at 1214) gives 0.78-0.79
+# of the FP8 peak once its bytes are taken off, against 0.87 dense: a factor of 0.90.
+GROUPED_EFFICIENCY = 0.90
+# FP8 with fine-grained scales promotes each 128-wide K slice's partial sums to FP32 on the CUDA cores
+# (DeepSeek-V3 report 3.3.2); the kernels overlap it with the tensor cores, leaving DeepGEMM's dense 1x128
+# GEMM at 0.87 of peak against the 0.89 a GEMM without it reaches: the promotion costs 1.5%.
+FP8_BLOCK_SCALING_COST = 0.015
+# Rows per tile of a grouped GEMM: DeepGEMM's contiguous layout aligns every group's M to 128 (ANCHORS.md).
+TILE_ROWS = 128
+# HBM: an H100 copies at ~3.0 TB/s of its 3.35 TB/s (ANCHORS.md).
+HBM_EFFICIENCY = 0.9
+# Flash attention's share of the BF16 peak over a training step (forward + backward, causal, head width
+# 128, 4K tokens): FlashAttention-3 (Shah et al. 2024, arXiv 2407.08608) reaches ~600 TFLOPS forward and
+# ~450 backward at these sizes on an H100, and the backward does 2/3 of the FLOPs: 3 / (1/0.6 + 2/0.45)
+# = 0.49 of 989.
+ATTENTION_EFFICIENCY = 0.49
+# Bytes an FP8 linear moves to quantize one element of its input (forward) or output grad (backward) from
+# BF16, both orientations (the weight grad needs the transpose): per-tensor current scaling first reads the
+# tensor for its amax, then reads it again and writes e4m3 twice (2 + 2 + 1 + 1); 1x128 tiles take their scale
+# in the same pass (2 + 1 + 1, the FP32 scales 1/32 more). BF16 linears quantize nothing.
+QUANTIZE_BYTES = {"bf16": 0.0, "fp8-tensor": 6.0, "fp8-block": 4.0 + 4 / 128}
+
+
+@dataclass(frozen=True)
+class GemmModel:
+    """Prices GEMMs and attention on one GPU; `flat` (a share of peak) replaces the shape model with the
+    old single efficiency for every GEMM and attention (no bytes, no padding)."""
+
+    gpu: GPU
+    flat: float | None = None
+
+    def peak(self, precision: str) -> float:
+        """Dense peak FLOP/s of precision."""
+        if precision not in PRECISIONS:
+            raise ValueError(f"GEMM precision {precision!r} is not allowed; choose one of {', '.join(PRECISIONS)}")
+        return (self.gpu.bf16_tflops if precision == "bf16" else self.gpu.fp8_tflops) * 1e12
+
+    def gemm(self, m: float, n: float, k: float, precision: str, groups: int = 1, out_bytes: int = 2) -> float:
+        """Seconds of `groups` GEMMs [m, k] x [k, n] (m rows each; m may be fractional: an average)."""
+        flops = 2.0 * groups * m * n * k
+        if flops == 0:
+            return 0.0
+        if self.flat is not None:
+            return flops / (self.peak(precision) * self.flat)
+        rows = math.ceil(m / TILE_ROWS) * TILE_ROWS if groups > 1 else m
+        rate = self.peak(precision) * TENSOR_EFFICIENCY
+        rate *= GROUPED_EFFICIENCY if groups > 1 else 1.0
+        rate *= 1.0 - FP8_BLOCK_SCALING_COST if precision == "fp8-block" else 1.0
+        size = 2 if precision == "bf16" else 1
+        moved = groups * ((m * k + k * n) * size + m * n * out_bytes)
+        if precision == "fp8-block":
+            moved += groups * 4 * (m * k / 128 + n * k / 128 ** 2)
+        return 2.0 * groups * rows * n * k / rate + self.memory(moved)
+
+    def memory(self, nbytes: float) -> float:
+        """Seconds to move nbytes through HBM (0 under a flat efficiency, which prices FLOPs only)."""
+        return 0.0 if self.flat is not None else nbytes / (self.gpu.hbm_gbps * 1e9 * HBM_EFFICIENCY)
+
+    def linear(self, m: float, n: float, k: float, precision: str, groups: int = 1) -> tuple[float, float, float]:
+        """(forward, input grad, weight grad) seconds of a linear [m, k] -> [m, n] (weight [n, k]) in each
+        of `groups` groups; the weight grad reduces over the m rows (FP8: FP32 out, as k-grouped kernels)."""
+        wgrad_out = 2 if precision == "bf16" else 4
+        return (self.gemm(m, n, k, precision, groups), self.gemm(m, k, n, precision, groups),
+                self.gemm(n, k, m, precision, groups, wgrad_out) if m else 0.0)
+
+    def attention(self, flops: float) -> float:
+        """Seconds of flash attention doing flops (BF16)."""
+        return flops / (self.peak("bf16") * (ATTENTION_EFFICIENCY if self.flat is None else self.flat))
+
+    def efficiency(self, m: float, n: float, k: float, precision: str, groups: int = 1) -> float:
+        """Achieved share of the peak of a GEMM (2 groups m n k FLOPs over its seconds)."""
+        return 2.0 * groups * m * n * k / self.gemm(m, n, k, precision, groups) / self.peak(precision)

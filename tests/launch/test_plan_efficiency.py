@@ -1,0 +1,103 @@
+"""moe-plan's compute model (launch.plan.efficiency): GEMM efficiency by shape and precision, its limits,
+the kernel measurements its constants come from, and what the planner's time model makes of it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from launch.config import load_config
+from launch.flops import attention_shape
+from launch.plan.compute import Precisions, elementwise_seconds
+from launch.plan.efficiency import PRECISIONS, TENSOR_EFFICIENCY, GemmModel
+from launch.plan.planner import Machine, Options, make_plan
+from launch.plan.presets import GPUS, MLA_PRESETS
+from launch.plan.timing import StageCost, paired
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+H100, H800 = GemmModel(GPUS["h100"]), GemmModel(GPUS["h800"])
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_efficiency_rises_with_every_dimension_and_saturates_below_the_tensor_cores(precision):
+    sizes = [128, 512, 2048, 8192, 32768, 131072]
+    for shape in ((lambda x: (x, 4096, 7168)), (lambda x: (8192, x, 7168)), (lambda x: (8192, 4096, x))):
+        eff = [H100.efficiency(*shape(x), precision) for x in sizes]
+        assert all(a < b for a, b in zip(eff, eff[1:])), eff
+        assert eff[-1] < TENSOR_EFFICIENCY and eff[-1] > 0.8 * TENSOR_EFFICIENCY
+    grouped = [H100.efficiency(m, 4096, 7168, precision, groups=8) for m in sizes]
+    assert all(a < b for a, b in zip(grouped, grouped[1:])) and grouped[-1] < TENSOR_EFFICIENCY
+
+
+def test_fp8_block_scaling_costs_something_against_plain_fp8_and_fp8_beats_bf16_on_large_gemms():
+    for shape in ((8192, 8192, 8192), (2048, 4096, 7168), (256, 2048, 7168)):
+        tensor, block = H800.gemm(*shape, "fp8-tensor"), H800.gemm(*shape, "fp8-block")
+        assert tensor < block  # scales to move and a promotion every 128 of K
+        assert block < H800.gemm(*shape, "bf16")  # still faster than BF16
+
+
+def test_small_groups_pay_for_their_padding_to_the_tile():
+    # 8 groups of 1030 rows run as 8 x 1152 padded rows: more rows, less efficiency; a dense GEMM pads nothing
+    assert H100.efficiency(1030, 4096, 7168, "bf16", 8) < 0.95 * H100.efficiency(1024, 4096, 7168, "bf16", 8)
+    assert H100.efficiency(1030, 4096, 7168, "bf16") > H100.efficiency(1024, 4096, 7168, "bf16")
+
+
+@pytest.mark.parametrize("gpu, shape, groups, precision, measured", [
+    ("h100", (8192, 8192, 8192), 1, "bf16", 798),             # H100 BF16 8192^3 (ANCHORS.md)
+    ("h800", (4096, 7168, 16384), 1, "fp8-block", 1520),      # DeepGEMM dense
+    ("h800", (8192, 4096, 7168), 4, "fp8-block", 1346),       # DeepGEMM grouped contiguous
+    ("h800", (8192, 7168, 2048), 4, "fp8-block", 1214),
+])
+def test_the_model_reproduces_the_kernel_measurements_its_constants_come_from(gpu, shape, groups, precision,
+                                                                              measured):
+    model = GemmModel(GPUS[gpu])
+    tflops = 2 * groups * shape[0] * shape[1] * shape[2] / model.gemm(*shape, precision, groups) / 1e12
+    assert tflops == pytest.approx(measured, rel=0.05)
+
+
+def test_a_flat_efficiency_prices_flops_only():
+    flat = GemmModel(GPUS["h100"], 0.6)
+    assert flat.gemm(100, 200, 300, "bf16", 3) == pytest.approx(2 * 3 * 100 * 200 * 300 / (989e12 * 0.6))
+    assert flat.memory(1e9) == 0.0
+    with pytest.raises(ValueError, match="GEMM precision 'fp4' is not allowed"):
+        flat.gemm(1, 1, 1, "fp4")
+
+
+def test_fp8_linears_and_the_shape_model_change_the_planned_step():
+    config = load_config(CONFIGS / "deepseek-v3.toml")
+    machine = Machine(GPUS["h800"], 8)
+    options = Options(MLA_PRESETS["deepseek-v3"], "selective", "fused-fp8", "deepseek-v3", sample_tokens=256)
+    plain, fp8 = make_plan(config, machine, options), make_plan(config, machine, replace(options, linears="fp8-block"))
+    assert fp8.stage_costs[1].f < plain.stage_costs[1].f  # dense projections at the FP8 peak
+    for cost in plain.stage_costs:  # a backward does about twice a forward's work; W is part of it
+        assert 1.5 * cost.f < cost.b < 3 * cost.f and 0 < cost.w < cost.b
+
+
+def test_paired_halves_hide_their_exchanges_behind_each_other_up_to_the_other_half():
+    cost = StageCost(f=1.0, b=2.0, w=0.5, comm_f=1.5, comm_b=3.0)
+    (hidden,) = paired([cost], 0.1)
+    assert hidden.comm_f == pytest.approx(0.15)  # 1.5 hides behind the B's 2.0: only its SMs' share
+    assert hidden.comm_b == pytest.approx(2.0)  # 3.0 behind the F's 1.0: 2.0 left exposed
+    assert (hidden.f, hidden.b, hidden.w) == (cost.f, cost.b, cost.w)
+
+
+def test_interleaved_stages_shrink_the_bubble_not_the_work():
+    config = load_config(CONFIGS / "mixtral-8x22b.toml")
+    machine = Machine(GPUS["h100"], 8)
+    one, seven = make_plan(config, machine), make_plan(config, machine, Options(virtual_stages=7))
+    assert seven.idle_fraction < one.idle_fraction / 3
+    assert seven.makespan < one.makespan
+    busy = [(1 - i) * one.makespan for i in one.idle_fractions]
+    assert [(1 - i) * seven.makespan for i in seven.idle_fractions] == pytest.approx(busy)
+
+
+def test_memory_bound_ops_grow_with_the_quantisation_fp8_linears_need():
+    cfg = load_config(CONFIGS / "qwen3-235b-a22b.toml").model
+    attention = attention_shape(cfg)
+    seconds = {p: elementwise_seconds(H100, cfg, attention, 5, 4096, 2, True, 2, Precisions(p, p)) for p in PRECISIONS}
+    assert seconds["bf16"].f < seconds["fp8-block"].f < seconds["fp8-tensor"].f  # an amax pass more than 1x128 tiles
+    assert seconds["bf16"].b == pytest.approx(2 * seconds["bf16"].f) and seconds["bf16"].w == 0
+    assert elementwise_seconds(GemmModel(GPUS["h100"], 0.6), cfg, attention, 5, 4096, 2, True, 2,
+                               Precisions()).f == 0  # a flat efficiency prices FLOPs only
