@@ -88,6 +88,7 @@ class ParallelSettings:
 
     gpus_per_node 0 puts every rank on one node; num_chunks 0 runs all of a DP rank's
     micro-batches in one pipeline step. Experts are replicated over dp * tp / ep ranks.
+    dispatch_chunks > 1 pipelines the hierarchical dispatch's two hops in that many chunks of tokens.
     """
 
     pp: int = 1
@@ -103,10 +104,11 @@ class ParallelSettings:
     overlap: bool = True
     dispatch_backend: str = "flat"
     dispatch_payload: str = "bf16"
+    dispatch_chunks: int = 1
     comm_backend: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("pp", "dp", "tp", "ep", "merge_w"):
+        for name in ("pp", "dp", "tp", "ep", "merge_w", "dispatch_chunks"):
             check_positive(f"parallel.{name}", getattr(self, name))
         for name in ("gpus_per_node", "num_chunks"):
             check_positive(f"parallel.{name}", getattr(self, name), minimum=0)
@@ -114,6 +116,9 @@ class ParallelSettings:
         check_choice("parallel.dispatch_backend", self.dispatch_backend, DISPATCH_BACKENDS)
         check_choice("parallel.dispatch_payload", self.dispatch_payload, DISPATCH_PAYLOADS)
         check_choice("parallel.comm_backend", self.comm_backend, COMM_BACKENDS)
+        if self.dispatch_chunks > 1 and self.dispatch_backend != "hierarchical":
+            raise ValueError(f"parallel.dispatch_chunks = {self.dispatch_chunks} pipelines the two hops of "
+                             f"parallel.dispatch_backend = 'hierarchical'; with {self.dispatch_backend!r} allowed: 1")
         if (self.pp == 1) != (self.schedule == "none"):
             allowed = "'none'" if self.pp == 1 else ", ".join(map(repr, SCHEDULES[1:]))
             raise ValueError(f"parallel.schedule = {self.schedule!r} with parallel.pp = {self.pp}: allowed {allowed}")
@@ -193,7 +198,8 @@ class RunConfig:
     def layout(self) -> Layout:
         """The rank layout of [parallel] (no communication)."""
         par = self.parallel
-        return Layout(par.pp, par.dp, par.tp, par.ep, par.gpus_per_node, mirrored=par.schedule == "dualpipe")
+        return Layout(par.pp, par.dp, par.tp, par.ep, par.gpus_per_node, mirrored=par.schedule == "dualpipe",
+                      hop_groups=par.dispatch_backend == "hierarchical" and par.ep > 1)
 
     @property
     def chunks_per_step(self) -> int:

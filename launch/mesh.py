@@ -2,7 +2,8 @@
 
 Rank order puts TP innermost, then DP, then PP: rank = (pp * dp_size + dp) * tp_size + tp. EP groups
 are `ep` consecutive ranks of one stage's dp x tp block; expert-data-parallel groups join the ranks
-of a stage that hold the same experts. Under DualPipe the stage pair (p, pp-1-p) is held by two
+of a stage that hold the same experts; with hierarchical dispatch each EP group is cut once more into
+its ranks per node (node groups) and its ranks per local index (rail groups). Under DualPipe the stage pair (p, pp-1-p) is held by two
 pipeline ranks, so the replica groups of its parameters span both of them.
 """
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from dispatch.hopgroups import HopGroups
 from moe.tp import check_tp_group
 
 
@@ -27,6 +29,7 @@ class Layout:
     ep: int
     gpus_per_node: int  # 0: every rank on one node
     mirrored: bool = False  # DualPipe: pipeline ranks p and pp-1-p hold copies of the same two stages
+    hop_groups: bool = False  # hierarchical dispatch: per-hop (node, rail) groups inside each EP group
 
     @property
     def world_size(self) -> int:
@@ -69,6 +72,17 @@ class Layout:
         """rank's ep consecutive ranks of its stage's dp x tp block: together they hold every expert once."""
         start = rank - rank % self.ep  # blocks (dp x tp ranks) are whole numbers of EP groups
         return list(range(start, start + self.ep))
+
+    def ep_node_group(self, rank: int) -> list[int]:
+        """rank's EP group's ranks on rank's node: the peers of the hierarchical dispatch's intra-node hop."""
+        per_node = self.ep_gpus_per_node()
+        first = rank - rank % per_node  # an EP group's ranks on one node are consecutive, from a multiple of it
+        return list(range(first, first + per_node))
+
+    def ep_rail_group(self, rank: int) -> list[int]:
+        """rank's EP group's ranks with rank's index on their node, one per node: the inter-node hop's peers."""
+        start = rank - rank % self.ep
+        return list(range(start + rank % self.ep_gpus_per_node(), start + self.ep, self.ep_gpus_per_node()))
 
     def expert_dp_group(self, rank: int) -> list[int]:
         """Ranks of rank's stage that hold its experts (dp * tp / ep of them)."""
@@ -138,6 +152,8 @@ class Mesh:
         check_tp_group(self.tp, layout.tp)
         self.ep = self._mine(layout.ep_group)
         self.ep_grad = self._mine(layout.ep_group)  # EP gradient exchanges, in flight beside the forward's
+        self.hops = HopGroups(*(self._mine(kind) for kind in (layout.ep_node_group, layout.ep_rail_group) * 2)) \
+            if layout.hop_groups else None  # node, rail, then their grad twins
         self.expert_dp = self._mine(layout.expert_dp_group)
         self.dense_replicas = self._mine(layout.dense_replica_group)
         self.expert_replicas = self._mine(layout.expert_replica_group)
