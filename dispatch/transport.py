@@ -188,10 +188,11 @@ def dispatch_steps(x: Tensor, weights: Tensor, indices: Tensor, stages: list[Sta
         hops, by_peer = [hop], [[row[c]] for row in first_recv]
         for h in range(1, len(stages)):
             before = stages[h - 1].peers
-            width = len(before) if chunks > 1 else 1
-            came = torch.tensor([hop.recv_splits[p] for p in before], device=device)
-            source = torch.repeat_interleave(torch.arange(len(before), device=device), came,
-                                             output_size=meta_c.shape[0]) if width > 1 else None
+            width, source = len(before) if chunks > 1 else 1, None
+            if width > 1:  # the previous hop's peer each row came through, for the breakdown of the counts
+                came = torch.tensor([hop.recv_splits[p] for p in before], device=device)
+                source = torch.repeat_interleave(torch.arange(len(before), device=device), came,
+                                                 output_size=meta_c.shape[0])
             send_row, sent = plan(h, c, meta_c, source, width)
             pending = channels[h].start_counts(sent, "dispatch", device)
             yield pending

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from dispatch import EPDispatcher, make_topology
-from dispatch.hopgroups import make_hop_groups
+from dispatch.hopgroups import HopGroups, make_hop_groups
 from dispatch.multiproc import run_processes
 from dispatch.predict import predict_hops
 from moe.config import ModelConfig
@@ -81,6 +81,10 @@ def _main(rank: int, world_size: int) -> dict:
     hops = make_hop_groups(dist.group.WORLD, topology, grad=True)
     grad_group = dist.new_group(list(range(WORLD)))
     results = {}
+    try:  # the node group offered as the rail group
+        EPDispatcher(EXPERTS, gpus_per_node=GPN, backend="hierarchical", hops=HopGroups(hops.rail, hops.node))
+    except ValueError as error:
+        results["swapped"] = str(error)
     for chunks in CHUNKS[:2]:  # plain dispatch + combine: when each exchange is issued and waited for
         dispatcher = EPDispatcher(EXPERTS, gpus_per_node=GPN, backend="hierarchical", hops=hops, chunks=chunks)
         indices = torch.arange(TOKENS[rank] * TOP_K).view(-1, TOP_K) % EXPERTS
@@ -129,6 +133,17 @@ def _overlapped(events: list, rank: int) -> bool:
     return any(a < c and d < b for a, b in spans[rail] for c, d in spans[node])
 
 
+def test_hop_groups_unlike_the_hops_and_chunks_without_two_hops_are_refused(results):
+    for rank, res in enumerate(results):
+        rail, node = HOP_PEERS["rail"](rank), HOP_PEERS["node"](rank)
+        assert f"hops.rail must be a process group over global ranks {rail}" in res["swapped"]
+        assert f"got {node}" in res["swapped"]
+    with pytest.raises(ValueError, match=r"chunks = 2 must be an integer >= 1, and 1 unless backend = 'hierarchical'"):
+        EPDispatcher(EXPERTS, backend="flat", chunks=2)
+    with pytest.raises(ValueError, match=r"chunks = 0 must be an integer >= 1"):
+        EPDispatcher(EXPERTS, backend="hierarchical", chunks=0)
+
+
 def test_chunks_keep_an_inter_node_exchange_in_flight_across_an_intra_node_one(results):
     for rank, res in enumerate(results):
         for part, name in enumerate(("dispatch", "combine")):
@@ -139,7 +154,7 @@ def test_chunks_keep_an_inter_node_exchange_in_flight_across_an_intra_node_one(r
 def test_each_hops_collectives_run_on_a_group_of_exactly_its_peers(results):
     for rank, res in enumerate(results):
         allowed = [peers(rank) for peers in HOP_PEERS.values()]
-        for key, run in ((k, v) for k, v in res.items() if k[0] != "order"):
+        for key, run in ((k, v) for k, v in res.items() if k[0] in CAPACITY):
             assert run["groups"], key
             assert all(group in allowed for group in run["groups"]), (rank, key, run["groups"])
             assert {tuple(g) for g in run["groups"]} == {tuple(g) for g in allowed}, (rank, key)
