@@ -9,8 +9,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dispatch import rehearsal
-from dispatch.channel import Channel, Steps, run_steps
+from dispatch.channel import HopTransport, Steps, run_steps, transport_for
 from dispatch.fp8 import decode_fp8, encode_fp8
+from dispatch.hopgroups import HopGroups, check_hop_group
 from dispatch.layout import check_num_experts, check_routing, expert_owner, lookup
 from dispatch.permute import Permutation, make_permutation, permute, unpermute
 from dispatch.routes import BACKENDS, stages_for
@@ -68,12 +69,25 @@ class EPDispatcher:
     backward through this dispatcher may run on another thread while a forward dispatches (the
     pipeline runtime's F&B pairs do this; see concurrent_backward): each group then sees its
     exchanges in the same order on every rank. Without it (None) both directions share group.
+
+    Flat dispatch exchanges on group. Hierarchical dispatch sends its inter-node hop on a rail group
+    (the EP ranks with this rank's local index, one per node) and its intra-node hop on a node group
+    (this node's EP ranks), each holding only that hop's peers, counts included: hops (HopGroups, as
+    launch.mesh makes them once for every layer, or dispatch.hopgroups.make_hop_groups; with grad twins
+    when grad_group is given). Without hops both hops run on group (grad_group), with zero rows for
+    the ranks outside the hop (every hop still trades counts with its peers only). chunks > 1
+    (hierarchical only) pipelines the hops in that many chunks of the tokens (dispatch.transport);
+    results are bitwise equal for any chunks.
     """
 
     def __init__(self, num_experts: int, group: dist.ProcessGroup | None = None, gpus_per_node: int | None = None,
-                 backend: str = "flat", payload: str = "bf16", grad_group: dist.ProcessGroup | None = None) -> None:
+                 backend: str = "flat", payload: str = "bf16", grad_group: dist.ProcessGroup | None = None,
+                 hops: HopGroups | None = None, chunks: int = 1) -> None:
         check_choice("backend", backend, BACKENDS)
         check_choice("payload", payload, PAYLOADS)
+        if not isinstance(chunks, int) or chunks < 1 or (chunks > 1 and backend != "hierarchical"):
+            raise ValueError(f"chunks = {chunks!r} must be an integer >= 1, and 1 unless backend = 'hierarchical' "
+                             f"(got backend = {backend!r}): chunks pipeline the two hierarchical hops")
         if not dist.is_initialized():
             raise RuntimeError("EPDispatcher needs torch.distributed to be initialised (gloo or nccl)")
         self.group = group if group is not None else dist.group.WORLD
@@ -81,20 +95,35 @@ class EPDispatcher:
         if grad_group is not None:
             _check_grad_group(grad_group, self.group)
         self.grad_group = grad_group
-        self.num_experts, self.backend, self.payload = num_experts, backend, payload
+        self.num_experts, self.backend, self.payload, self.chunks = num_experts, backend, payload, chunks
         self.experts_per_rank = check_num_experts(num_experts, self.world_size)
         self.topology = make_topology(self.world_size, gpus_per_node)
         self.meter = TrafficMeter()
-        self.channel = Channel(self.group, self.topology, self.meter)
-        self.grad_channel = Channel(grad_group, self.topology, self.meter) if grad_group is not None else self.channel
+        self.channels, self.grad_channels = self._transports(hops)
         self.codec = FP8_CODEC if payload == "fp8" else None
         self._device: torch.device | None = None
+
+    def _transports(self, hops: HopGroups | None) -> tuple[list[HopTransport], list[HopTransport]]:
+        """Per hop, the transports of forward and of gradient exchanges (the same ones without a grad_group)."""
+        stages = stages_for(self.backend, self.topology, self.num_experts, self.rank, torch.device("meta"))
+        members = list(range(self.world_size))  # the EP group's ranks, for hops run on it
+        if self.backend == "flat" or hops is None:
+            groups, wide = [(self.group, self.grad_group)] * len(stages), members
+        else:
+            groups, wide = [(hops.rail, hops.rail_grad), (hops.node, hops.node_grad)], None
+            for stage, (forward, grad) in zip(stages, groups):
+                check_hop_group(forward, stage.name, self.group, stage.peers)
+                if self.grad_group is not None:
+                    check_hop_group(grad, f"{stage.name}_grad", self.group, stage.peers)
+        made = [[transport_for(g, self.topology, self.meter, stage.peers, self.rank, stage.name, wide)
+                 for g in pair if g is not None] for stage, pair in zip(stages, groups)]
+        return [pair[0] for pair in made], [pair[-1] for pair in made]
 
     @property
     def concurrent_backward(self) -> bool:
         """Whether a backward through this dispatcher may run on another thread while a forward
         dispatches: true when grad exchanges have their own grad_group."""
-        return self.grad_channel is not self.channel
+        return self.grad_channels[0] is not self.channels[0]
 
     @property
     def last_bytes(self) -> dict[str, Traffic]:
@@ -126,9 +155,9 @@ class EPDispatcher:
         if x.is_meta:  # a rehearsal: the counts the routing would give come from the rule (dispatch.rehearsal)
             plan = rehearsal.plan_dispatch(x.shape[0], indices.shape[1], self.num_experts, self.topology, self.rank,
                                            self.backend, rehearsal.capacity_of(indices))
-        arrived = yield from dispatch_steps(x, weights, indices, stages, self.channel, self.codec, route,
+        arrived = yield from dispatch_steps(x, weights, indices, stages, self.channels, self.codec, route, self.chunks,
                                             plan.sends if plan else None)
-        rows, recv_weights = DispatchRows.apply(x, weights, arrived, route.hops, self.grad_channel)
+        rows, recv_weights = DispatchRows.apply(x, weights, arrived, route, self.grad_channels)
         perm = make_permutation(lookup(route.ids, local_expert), self.experts_per_rank,
                                 plan.expert_rows if plan else None)
         info = RecvInfo(perm.counts, rows.shape[0])
@@ -146,8 +175,8 @@ class EPDispatcher:
                              f"got shape {list(y.shape)}")
         self.meter.start("combine")
         partial = unpermute(y, handle.perm, handle.recv_weights, y.dtype)  # one partial sum per row, as sent
-        summed = yield from gather_steps(partial.detach(), handle.route.hops, self.channel, "combine", y.dtype)
-        return CombineRows.apply(partial, summed, handle.route.hops, self.grad_channel)
+        summed = yield from gather_steps(partial.detach(), handle.route, self.channels, "combine", y.dtype)
+        return CombineRows.apply(partial, summed, handle.route, self.grad_channels)
 
     def combine(self, y: Tensor, handle: EPHandle) -> Tensor:
         """out[t] = sum_k weights[t, k] * y(row of t for expert k); dropped slots add nothing."""

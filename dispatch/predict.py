@@ -20,12 +20,15 @@ def payload_row_bytes(hidden: int, payload: str, dtype: torch.dtype) -> int:
     return fp8_row_bytes(hidden) if payload == "fp8" else hidden * dtype.itemsize
 
 
-def predict_traffic(indices_per_rank: list[Tensor], num_experts: int, topology: Topology, hidden: int,
-                    backend: str = "flat", payload: str = "bf16",
-                    dtype: torch.dtype = torch.bfloat16) -> list[dict[str, Traffic]]:
-    """Per rank {"dispatch": Traffic, "combine": Traffic} that EPDispatcher will count for this routing.
+def predict_hops(indices_per_rank: list[Tensor], num_experts: int, topology: Topology, hidden: int,
+                 backend: str = "flat", payload: str = "bf16", dtype: torch.dtype = torch.bfloat16,
+                 chunks: int = 1) -> list[dict[str, dict[str, Traffic]]]:
+    """Per rank, per hop ("ep"; or "rail" then "node"), {"dispatch": Traffic, "combine": Traffic} that
+    EPDispatcher's meter counts on that hop's group (TrafficMeter.by_hop) for this routing.
 
-    indices_per_rank[r] is rank r's [T_r, k] routing; dtype is x's dtype (combine travels in it).
+    indices_per_rank[r] is rank r's [T_r, k] routing; dtype is x's dtype (combine travels in it). With
+    chunks, a hop's counts travel once per chunk (the first hop's in one exchange), a later hop's
+    broken down by the previous hop's peers when chunks > 1; the rows are the same.
     """
     if len(indices_per_rank) != topology.world_size:
         raise ValueError(f"indices_per_rank has {len(indices_per_rank)} entries, expected one per rank "
@@ -36,26 +39,38 @@ def predict_traffic(indices_per_rank: list[Tensor], num_experts: int, topology: 
     stages = [stages_for(backend, topology, num_experts, r) for r in range(world)]
     row_bytes = payload_row_bytes(hidden, payload, dtype)
     combine_bytes = hidden * dtype.itemsize
-    traffic = [{"dispatch": Traffic(), "combine": Traffic()} for _ in range(world)]
+    traffic = [{stage.name: {"dispatch": Traffic(), "combine": Traffic()} for stage in stages[r]} for r in range(world)]
     rows = [ids.long().cpu() for ids in indices_per_rank]
     for hop in range(len(stages[0])):
         arrived: list[list[Tensor]] = [[] for _ in range(world)]
         for src in range(world):
             stage = stages[src][hop]
+            sent = traffic[src][stage.name]["dispatch"]
             member = destinations(rows[src], stage, world)
             meta = (rows[src].shape[1] * META_BYTES_PER_SLOT)
+            counts = chunks * (len(stages[src][hop - 1].peers) if hop and chunks > 1 else 1) * COUNT_BYTES
             for peer in stage.peers:
                 if peer != src:
-                    traffic[src]["dispatch"].add(not topology.same_node(src, peer), "meta", COUNT_BYTES)
+                    sent.add(not topology.same_node(src, peer), "meta", counts)
             for dst, count in enumerate(member.sum(0).tolist()):
                 arrived[dst].append(rows[src][member[:, dst]])
                 if dst != src and count:
                     inter = not topology.same_node(src, dst)
-                    traffic[src]["dispatch"].add(inter, "payload", count * row_bytes)
-                    traffic[src]["dispatch"].add(inter, "meta", count * meta)
-                    traffic[dst]["combine"].add(inter, "payload", count * combine_bytes)
+                    sent.add(inter, "payload", count * row_bytes)
+                    sent.add(inter, "meta", count * meta)
+                    traffic[dst][stage.name]["combine"].add(inter, "payload", count * combine_bytes)
         rows = [torch.cat(parts) for parts in arrived]
     return traffic
+
+
+def predict_traffic(indices_per_rank: list[Tensor], num_experts: int, topology: Topology, hidden: int,
+                    backend: str = "flat", payload: str = "bf16", dtype: torch.dtype = torch.bfloat16,
+                    chunks: int = 1) -> list[dict[str, Traffic]]:
+    """Per rank {"dispatch": Traffic, "combine": Traffic} that EPDispatcher will count for this routing:
+    predict_hops summed over the hops."""
+    per_hop = predict_hops(indices_per_rank, num_experts, topology, hidden, backend, payload, dtype, chunks)
+    return [{kind: sum((hops[name][kind] for name in hops), Traffic()) for kind in ("dispatch", "combine")}
+            for hops in per_hop]
 
 
 def received_rows(indices_per_rank: list[Tensor], num_experts: int, world_size: int) -> list[int]:

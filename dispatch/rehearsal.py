@@ -29,6 +29,8 @@ an EP group of R ranks (L = E/R consecutive experts per rank, N nodes of G = R/N
    same floor-plus-remainder-to-the-lowest-ids split as rule 1 (kernels.grouped_ref holds it, since
    kernels may not import dispatch). A fixed-order sum of P values into N rows (dispatch.segment)
    takes them spread evenly over the rows: its pass j adds min(N, max(0, P - j*N)) of them.
+7. A dispatch pipelined in C chunks sends each peer, in each hop, balanced_split(rows, C) of the rows
+   rule 4 gives that hop (chunk_counts): the chunks add up to the unchunked dispatch.
 
 The router marks its meta indices with the capacity it applied (mark_capacity); a dispatcher reads
 it back (capacity_of). Unmarked indices count as dropless.
@@ -44,12 +46,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Any
+
 from torch import Tensor
 
 from dispatch.topology import Topology
 from kernels.grouped_ref import balanced_split
 
-__all__ = ["DispatchPlan", "balanced_split", "capacity_of", "expert_slots", "mark_capacity",
+__all__ = ["DispatchPlan", "balanced_split", "capacity_of", "chunk_counts", "expert_slots", "mark_capacity",
            "node_rows", "pass_offsets", "plan_dispatch", "rank_rows", "received_counts"]
 
 _CAPACITY_ATTR = "_rehearsal_capacity"
@@ -91,7 +95,7 @@ class DispatchPlan:
 def plan_dispatch(tokens: int, top_k: int, num_experts: int, topology: Topology, rank: int, backend: str,
                   capacity: int | None = None) -> DispatchPlan:
     """Rule 4: the hops of a flat or hierarchical dispatch by `rank` of the group topology describes."""
-    world, gpn, nodes = topology.world_size, topology.gpus_per_node, topology.num_nodes
+    world, nodes = topology.world_size, topology.num_nodes
     rows = rank_rows(tokens, top_k, num_experts, world, capacity)
     if backend == "flat":
         hops = [(rows, list(range(world)))]
@@ -101,8 +105,7 @@ def plan_dispatch(tokens: int, top_k: int, num_experts: int, topology: Topology,
         for n, count in enumerate(node_rows(rows, topology, tokens)):
             across[topology.rank_at(n, local)] = count
         inside = [nodes * rows[r] if topology.node_of(r) == node else 0 for r in range(world)]
-        hops = [(across, [topology.rank_at(n, local) for n in range(nodes)]),
-                (inside, list(range(node * gpn, (node + 1) * gpn)))]
+        hops = [(across, topology.rail_ranks(rank)), (inside, topology.node_ranks(rank))]
     else:
         raise ValueError(f"backend = {backend!r} is not allowed; choose one of 'flat', 'hierarchical'")
     per_rank = num_experts // world
@@ -111,10 +114,16 @@ def plan_dispatch(tokens: int, top_k: int, num_experts: int, topology: Topology,
                         [world * n for n in slots])
 
 
-def received_counts(send_splits: list[int], peers: list[int], rank: int) -> list[int]:
-    """Rule 5: rows each group rank sends here in a hop where this rank sends send_splits (peers only)."""
+def received_counts(send_splits: list, peers: list[int], rank: int, zero: Any = 0) -> list:
+    """Rule 5: what each group rank sends here in a hop where this rank sends send_splits[p] (a count, or a
+    row of counts) to each rank p (peers only); zero for the others."""
     members = set(peers)
-    return [send_splits[rank] if p in members else 0 for p in range(len(send_splits))]
+    return [send_splits[rank] if p in members else zero for p in range(len(send_splits))]
+
+
+def chunk_counts(counts: list[int], chunks: int) -> list[list[int]]:
+    """Rule 7: a hop's rows per rank split over the chunks of a pipelined dispatch, [rank][chunk]."""
+    return [balanced_split(n, chunks) for n in counts]
 
 
 def pass_offsets(values: int, targets: int, passes: int) -> list[int]:

@@ -20,6 +20,7 @@ class Stage:
 
     next_rank: Tensor  # [E] int64 rank a slot for expert e goes to in this step, -1 if none
     peers: list[int]   # ranks exchanged with in this step (ascending, self included)
+    name: str          # the hop's process group: "ep" (flat), "rail" (inter-node) or "node" (intra-node)
 
 
 @dataclass
@@ -37,13 +38,13 @@ def stages_for(backend: str, topology: Topology, num_experts: int, rank: int,
     """The stages of backend for rank: flat is one hop to the owner; hierarchical crosses nodes first."""
     owner = expert_owner(num_experts, topology.world_size, device)
     if backend == "flat":
-        return [Stage(owner, list(range(topology.world_size)))]
+        return [Stage(owner, list(range(topology.world_size)), "ep")]
     if backend != "hierarchical":
         raise ValueError(f"backend = {backend!r} is not allowed; choose one of {', '.join(map(repr, BACKENDS))}")
     gpn, node, local = topology.gpus_per_node, topology.node_of(rank), topology.local_rank(rank)
     owner_node = owner // gpn
-    across = Stage(owner_node * gpn + local, [topology.rank_at(n, local) for n in range(topology.num_nodes)])
-    inside = Stage(torch.where(owner_node == node, owner, -1), list(range(node * gpn, (node + 1) * gpn)))
+    across = Stage(owner_node * gpn + local, topology.rail_ranks(rank), "rail")
+    inside = Stage(torch.where(owner_node == node, owner, -1), topology.node_ranks(rank), "node")
     return [across, inside]
 
 
@@ -52,11 +53,16 @@ def destinations(ids: Tensor, stage: Stage, world_size: int) -> Tensor:
     return membership(lookup(ids, stage.next_rank), world_size)
 
 
-def plan_sends(ids: Tensor, stage: Stage, world_size: int) -> tuple[Tensor, list[int]]:
-    """(row of each sent row, grouped by destination rank then row; rows sent per rank)."""
+def plan_sends(ids: Tensor, stage: Stage, world_size: int, source: Tensor | None = None,
+               sources: int = 1) -> tuple[Tensor, list[list[int]]]:
+    """(row of each sent row, grouped by destination rank then row; [rank][s] rows sent to each rank that
+    came from source s, where source [n] gives each row's source in [0, sources) (default: all 0))."""
     member = destinations(ids, stage, world_size)
-    send_row = member.t().nonzero()[:, 1]
-    return send_row, member.sum(0).tolist()
+    send_row = member.t().nonzero()[:, 1]  # host sync: the number of rows sent sizes the send buffer
+    if source is None:  # host sync (.tolist()): the counts size the exchange
+        return send_row, member.sum(0, keepdim=True).t().tolist()
+    table = member.new_zeros((sources, world_size), dtype=torch.int64).index_add_(0, source, member.long())
+    return send_row, table.t().tolist()
 
 
 def make_hop(send_row: Tensor, send_splits: list[int], recv_splits: list[int], num_rows: int,

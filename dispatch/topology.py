@@ -29,6 +29,15 @@ class Topology:
         """Rank with local index local_rank on node."""
         return node * self.gpus_per_node + local_rank
 
+    def node_ranks(self, rank: int) -> list[int]:
+        """Ranks on rank's node, ascending: the peers of the hierarchical dispatch's intra-node hop."""
+        first = self.node_of(rank) * self.gpus_per_node
+        return list(range(first, first + self.gpus_per_node))
+
+    def rail_ranks(self, rank: int) -> list[int]:
+        """Ranks with rank's local index, one per node, ascending: the peers of the inter-node hop."""
+        return list(range(self.local_rank(rank), self.world_size, self.gpus_per_node))
+
     def same_node(self, a: int, b: int) -> bool:
         """Whether ranks a and b share a node."""
         return self.node_of(a) == self.node_of(b)

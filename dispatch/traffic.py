@@ -39,26 +39,32 @@ class Traffic:
 
 class TrafficMeter:
     """Per-call (`last`) and cumulative (`total`) traffic by call kind ("dispatch", "combine_backward", ...),
-    and cumulative bytes by destination rank of the group over all kinds (`sent_to`)."""
+    cumulative traffic by hop then kind (`by_hop`: "ep" flat, "rail" and "node" hierarchical) and cumulative
+    bytes by destination rank of the EP group over all kinds (`sent_to`)."""
 
     def __init__(self) -> None:
         self.last: dict[str, Traffic] = {}
         self.total: dict[str, Traffic] = {}
         self.sent_to: dict[int, int] = {}
+        self.by_hop: dict[str, dict[str, Traffic]] = {}
 
     def start(self, kind: str) -> None:
         """Begin a new call of kind: its `last` counter restarts at zero."""
         self.last[kind] = Traffic()
         self.total.setdefault(kind, Traffic())
 
-    def add(self, kind: str, inter: bool, part: str, nbytes: int, peer: int | None = None) -> None:
-        """Count bytes of the current call of kind (sent to group rank peer, when given)."""
+    def add(self, kind: str, inter: bool, part: str, nbytes: int, peer: int | None = None,
+            hop: str | None = None) -> None:
+        """Count bytes of the current call of kind (sent to EP rank peer over hop, when given)."""
         self.last[kind].add(inter, part, nbytes)
         self.total[kind].add(inter, part, nbytes)
         if peer is not None:
             self.sent_to[peer] = self.sent_to.get(peer, 0) + nbytes
+        if hop is not None:
+            self.by_hop.setdefault(hop, {}).setdefault(kind, Traffic()).add(inter, part, nbytes)
 
     def clear(self) -> None:
         """Restart every cumulative counter (a new training step)."""
         self.total.clear()
         self.sent_to.clear()
+        self.by_hop.clear()

@@ -134,6 +134,7 @@ class ParallelSettings:
     micro-batches in one pipeline step. Experts are replicated over dp * cp * tp / ep ranks. cp splits each
     sequence over cp ranks in zig-zag chunks (moe.cp; cp_method "ring" or "allgather"); CP ranks are data
     replicas for gradient sums.
+    dispatch_chunks > 1 pipelines the hierarchical dispatch's two hops in that many chunks of tokens.
     """
 
     pp: int = 1
@@ -151,10 +152,11 @@ class ParallelSettings:
     overlap: bool = True
     dispatch_backend: str = "flat"
     dispatch_payload: str = "bf16"
+    dispatch_chunks: int = 1
     comm_backend: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("pp", "dp", "tp", "ep", "cp", "merge_w"):
+        for name in ("pp", "dp", "tp", "ep", "cp", "merge_w", "dispatch_chunks"):
             check_positive(f"parallel.{name}", getattr(self, name))
         check_choice("parallel.cp_method", self.cp_method, CP_METHODS)
         if self.cp > 1 and self.tp > 1:
@@ -166,6 +168,9 @@ class ParallelSettings:
         check_choice("parallel.dispatch_backend", self.dispatch_backend, DISPATCH_BACKENDS)
         check_choice("parallel.dispatch_payload", self.dispatch_payload, DISPATCH_PAYLOADS)
         check_choice("parallel.comm_backend", self.comm_backend, COMM_BACKENDS)
+        if self.dispatch_chunks > 1 and self.dispatch_backend != "hierarchical":
+            raise ValueError(f"parallel.dispatch_chunks = {self.dispatch_chunks} pipelines the two hops of "
+                             f"parallel.dispatch_backend = 'hierarchical'; with {self.dispatch_backend!r} allowed: 1")
         if (self.pp == 1) != (self.schedule == "none"):
             allowed = "'none'" if self.pp == 1 else ", ".join(map(repr, SCHEDULES[1:]))
             raise ValueError(f"parallel.schedule = {self.schedule!r} with parallel.pp = {self.pp}: allowed {allowed}")
@@ -254,7 +259,7 @@ class RunConfig:
         """The rank layout of [parallel] (no communication)."""
         par = self.parallel
         return Layout(par.pp, par.dp, par.tp, par.ep, par.gpus_per_node, mirrored=par.schedule == "dualpipe",
-                      cp=par.cp)
+                      cp=par.cp, hop_groups=par.dispatch_backend == "hierarchical" and par.ep > 1)
 
     @property
     def chunks_per_step(self) -> int:

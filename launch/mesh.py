@@ -3,8 +3,10 @@
 Rank order puts TP innermost, then CP, then DP, then PP: rank = ((pp * dp_size + dp) * cp_size + cp) * tp_size + tp.
 CP ranks see the same micro-batches (each its zig-zag share of every sequence): like DP ranks they are data
 replicas of the stage's dense parameters. EP groups are `ep` consecutive ranks of one stage's dp x cp x tp
-block; expert-data-parallel groups join the ranks of a stage that hold the same experts. Under DualPipe the
-stage pair (p, pp-1-p) is held by two pipeline ranks, so the replica groups of its parameters span both of them.
+block; expert-data-parallel groups join the ranks of a stage that hold the same experts; with hierarchical
+dispatch each EP group is cut once more into its ranks per node (node groups) and its ranks per local index
+(rail groups). Under DualPipe the stage pair (p, pp-1-p) is held by two pipeline ranks, so the replica groups of
+its parameters span both of them.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from dispatch.hopgroups import HopGroups
 from moe.tp import check_tp_group
 
 
@@ -29,6 +32,7 @@ class Layout:
     gpus_per_node: int  # 0: every rank on one node
     mirrored: bool = False  # DualPipe: pipeline ranks p and pp-1-p hold copies of the same two stages
     cp: int = 1  # context-parallel ranks per sequence
+    hop_groups: bool = False  # hierarchical dispatch: per-hop (node, rail) groups inside each EP group
 
     @property
     def stage_ranks(self) -> int:
@@ -85,6 +89,17 @@ class Layout:
         """rank's ep consecutive ranks of its stage's dp x cp x tp block: together they hold every expert once."""
         start = rank - rank % self.ep  # blocks (dp x cp x tp ranks) are whole numbers of EP groups
         return list(range(start, start + self.ep))
+
+    def ep_node_group(self, rank: int) -> list[int]:
+        """rank's EP group's ranks on rank's node: the peers of the hierarchical dispatch's intra-node hop."""
+        per_node = self.ep_gpus_per_node()
+        first = rank - rank % per_node  # an EP group's ranks on one node are consecutive, from a multiple of it
+        return list(range(first, first + per_node))
+
+    def ep_rail_group(self, rank: int) -> list[int]:
+        """rank's EP group's ranks with rank's index on their node, one per node: the inter-node hop's peers."""
+        start = rank - rank % self.ep
+        return list(range(start + rank % self.ep_gpus_per_node(), start + self.ep, self.ep_gpus_per_node()))
 
     def expert_dp_group(self, rank: int) -> list[int]:
         """Ranks of rank's stage that hold its experts (dp * cp * tp / ep of them)."""
@@ -158,6 +173,8 @@ class Mesh:
         check_tp_group(self.tp, layout.tp)
         self.ep = self._mine(layout.ep_group)
         self.ep_grad = self._mine(layout.ep_group)  # EP gradient exchanges, in flight beside the forward's
+        self.hops = HopGroups(*(self._mine(kind) for kind in (layout.ep_node_group, layout.ep_rail_group) * 2)) \
+            if layout.hop_groups else None  # node, rail, then their grad twins
         self.expert_dp = self._mine(layout.expert_dp_group)
         # CP ring transfers, forward and (in flight beside a forward's) backward; only where sequences are split
         self.cp = self._mine(layout.cp_group) if layout.cp > 1 else None

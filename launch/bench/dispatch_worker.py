@@ -13,8 +13,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dispatch.dispatcher import PAYLOADS, EPDispatcher
+from dispatch.hopgroups import make_hop_groups
 from dispatch.routes import BACKENDS
 from dispatch.routing import synthetic_routing
+from dispatch.topology import make_topology
 from dispatch.traffic import Traffic
 from kernels.metrics import calc_diff
 from launch.bench.alltoall import PerExpertDispatcher
@@ -60,7 +62,11 @@ def make_dispatcher(backend: str, payload: str, opts: dict[str, Any]) -> Any:
     if backend == PER_EXPERT:
         return PerExpertDispatcher(opts["experts"], gpus_per_node=opts["gpus_per_node"], payload=payload,
                                    compute_dtype=dtype)
-    return EPDispatcher(opts["experts"], gpus_per_node=opts["gpus_per_node"], backend=backend, payload=payload)
+    hops = None
+    if backend == "hierarchical":  # each hop on its own group, as the trainer runs it (every rank makes them alike)
+        hops = make_hop_groups(dist.group.WORLD, make_topology(dist.get_world_size(), opts["gpus_per_node"]), grad=False)
+    return EPDispatcher(opts["experts"], gpus_per_node=opts["gpus_per_node"], backend=backend, payload=payload,
+                        hops=hops)
 
 
 def kept_weight(backend: str, weights: Tensor, handle: Any) -> Tensor:

@@ -197,7 +197,7 @@ def routed_traffic(config: RunConfig, measured: list[RankMeasure]) -> list[dict[
                 indices = [measured[r].routes[layer][call] for r in group]
                 predicted = moe_layer_traffic(indices, cfg.num_experts, topology, cfg.hidden_size,
                                               config.parallel.dispatch_backend, config.parallel.dispatch_payload,
-                                              dtype)
+                                              dtype, chunks=config.parallel.dispatch_chunks)
                 for r, traffic in zip(group, predicted):
                     for kind, t in traffic.items():
                         out[r][kind] = out[r].get(kind, Traffic()) + t

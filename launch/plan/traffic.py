@@ -24,12 +24,13 @@ def _rows(traffic: Traffic, row_bytes: int) -> tuple[int, int]:
 
 def moe_layer_traffic(indices_per_rank: list[Tensor], num_experts: int, topology: Topology, hidden: int,
                       backend: str = "flat", payload: str = "bf16", dtype: torch.dtype = torch.bfloat16,
-                      weights_grad: bool = True) -> list[dict[str, Traffic]]:
+                      weights_grad: bool = True, chunks: int = 1) -> list[dict[str, Traffic]]:
     """Per rank, what EPDispatcher counts for one MoE layer's forward and backward on this routing:
     "dispatch", "combine", "combine_backward" (grads out along the dispatch route, in dtype) and
-    "dispatch_backward" (grads back along the combine route, plus fp32 routing-weight grads)."""
+    "dispatch_backward" (grads back along the combine route, plus fp32 routing-weight grads);
+    chunks: the dispatch's (parallel.dispatch_chunks)."""
     top_k = indices_per_rank[0].shape[1]
-    forward = predict_traffic(indices_per_rank, num_experts, topology, hidden, backend, payload, dtype)
+    forward = predict_traffic(indices_per_rank, num_experts, topology, hidden, backend, payload, dtype, chunks)
     row = hidden * dtype.itemsize
     out = []
     for rank in forward:

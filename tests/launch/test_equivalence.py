@@ -28,6 +28,8 @@ LAYOUTS = {
     "dp2 ep2 flat": {"dp": 2, "ep": 2},
     "dp2 ep2 hierarchical": {"dp": 2, "ep": 2, "dispatch_backend": "hierarchical", "gpus_per_node": 1},
     "dp4 ep4 hierarchical 2x2": {"dp": 4, "ep": 4, "dispatch_backend": "hierarchical", "gpus_per_node": 2},
+    "dp4 ep4 hierarchical 2x2 in 3 chunks": {"dp": 4, "ep": 4, "dispatch_backend": "hierarchical", "gpus_per_node": 2,
+                                             "dispatch_chunks": 3},
     "pp2 dp2 ep2 dualpipev, EP across nodes": {"pp": 2, "dp": 2, "ep": 2, "schedule": "dualpipev",
                                                "dispatch_backend": "hierarchical", "gpus_per_node": 1},
     "tp2 sp": {"tp": 2, "sequence_parallel": True},

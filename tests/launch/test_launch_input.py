@@ -69,6 +69,13 @@ def _no_training(*args, **kwargs):
      "parallel.pp = 3: schedule 'dualpipe' needs an even pp (allowed: 2, 4, 6, ...)"),
     (["parallel.gpus_per_node=3"], "parallel.gpus_per_node = 3 must divide the world size pp x dp x cp x tp = 4 "
                                    "(allowed: 0, 1, 2, 4)"),
+    (["parallel.dispatch_chunks=0"], "parallel.dispatch_chunks = 0 must be an integer >= 1"),
+    (["parallel.dispatch_backend=flat", "parallel.dispatch_chunks=2"],
+     "parallel.dispatch_chunks = 2 pipelines the two hops of parallel.dispatch_backend = 'hierarchical'; with 'flat' "
+     "allowed: 1"),
+    (["parallel.pp=1", "parallel.schedule=none", "parallel.dp=12", "parallel.ep=4", "parallel.gpus_per_node=6",
+      "train.grad_accum_steps=12"], "parallel.ep = 4 with parallel.gpus_per_node = 6: EP groups would span nodes "
+                                    "unevenly; choose ep dividing gpus_per_node or a multiple of it"),
 ])
 def test_a_bad_layout_is_refused_before_any_process_naming_field_and_allowed_values(nothing_may_start, capsys,
                                                                                     overrides, expected):

@@ -27,14 +27,18 @@ def definition_groups(layout: Layout) -> dict[str, list[list[int]]]:
         return [sorted(g + [r + (pp - 1 - 2 * (g[0] // block)) * block for r in g]) for g in groups
                 if g[0] // block < pp // 2]
 
-    return {"pipeline_group": [[rank(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)],
+    by_node = [[[r for r in g if layout.node(r) == n] for n in sorted({layout.node(r) for r in g})] for g in ep_groups]
+    return {"ep_node_group": [part for parts in by_node for part in parts],
+            "ep_rail_group": [list(rail) for parts in by_node for rail in zip(*parts)],
+            "pipeline_group": [[rank(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)],
             "dp_group": dp_groups, "tp_group": [[rank(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)],
             "ep_group": ep_groups, "expert_dp_group": expert_dp,
             "dense_replica_group": mirror(dp_groups), "expert_replica_group": mirror(expert_dp)}
 
 
 LAYOUTS = [Layout(pp, dp, tp, ep, gpn, mirrored) for pp, dp, tp, ep, gpn, mirrored in itertools.product(
-    [1, 2, 4], [1, 2, 4], [1, 2], [1, 2, 4], [0, 4], [False, True]) if not (dp * tp) % ep and not (mirrored and pp % 2)]
+    [1, 2, 4], [1, 2, 4], [1, 2], [1, 2, 4], [0, 1, 2, 4], [False, True])
+    if not (dp * tp) % ep and not (mirrored and pp % 2) and not (gpn and (pp * dp * tp) % gpn)]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
@@ -58,8 +62,9 @@ def test_ep_across_an_uneven_node_boundary_is_refused_naming_the_fields():
         Layout(1, 12, 1, 4, 6).ep_gpus_per_node()
 
 
+@pytest.mark.parametrize("hop_groups", [False, True])
 @pytest.mark.parametrize("world", [4, 64, 2048])
-def test_a_rank_creates_nine_groups_of_its_own_whatever_the_world(world, monkeypatch):
+def test_a_rank_creates_the_same_groups_of_its_own_whatever_the_world(world, hop_groups, monkeypatch):
     created = []
     real = dist.new_group
 
@@ -69,13 +74,17 @@ def test_a_rank_creates_nine_groups_of_its_own_whatever_the_world(world, monkeyp
 
     monkeypatch.setattr(launch.mesh.dist, "new_group", counting)
     dp = world // 4
-    layout = Layout(pp=2, dp=dp, tp=2, ep=2, gpus_per_node=4, mirrored=True)
+    layout = Layout(pp=2, dp=dp, tp=2, ep=2, gpus_per_node=1 if hop_groups else 4, mirrored=True,
+                    hop_groups=hop_groups)
     dist.init_process_group("fake", store=FakeStore(), rank=world - 1, world_size=world)
     try:
         mesh = Mesh(layout)
     finally:
         dist.destroy_process_group()
-    # pipeline, dp, tp, tp_grad, ep, ep_grad, expert dp (dp x tp / ep), dense and expert replicas (mirrored: x 2)
-    assert created == [(2, True), (dp, True), (2, True), (2, True), (2, True), (2, True), (dp, True),
+    # pipeline, dp, tp, tp_grad, ep, ep_grad, [hierarchical: the EP group's node (1 rank per node here) and rail
+    # (2 nodes) groups, then their grad twins], expert dp (dp x tp / ep), dense and expert replicas (mirrored: x 2)
+    hops = [(1, True), (2, True)] * 2 if hop_groups else []
+    assert created == [(2, True), (dp, True), (2, True), (2, True), (2, True), (2, True), *hops, (dp, True),
                        (2 * dp, True), (2 * dp, True)]
-    assert mesh.rank == world - 1
+    assert len(created) == (13 if hop_groups else 9)
+    assert mesh.rank == world - 1 and (mesh.hops is not None) == hop_groups

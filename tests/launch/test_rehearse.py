@@ -50,8 +50,17 @@ def test_v3_shaped_rehearsal_at_world_256_runs_on_meta():
     result = rehearse(build_config(V3_SHAPED), rank=0)
     assert result.world_size == 256
     assert result.peak["params"] == pytest.approx(result.planned["params"], rel=0.01)
-    assert set(_calls(result, "alltoall_base_")) == {64}  # EP64 dispatch and combine
+    assert set(_calls(result, "alltoall_base_")) == {8}  # EP64's hops: rail (8 nodes) and node (8 ranks) groups
     assert 256 in _calls(result, "allreduce_")
+
+
+def test_chunked_hierarchical_rehearsal_runs_each_hop_on_its_group():
+    plain = rehearse(load_config(TINY))
+    chunked = rehearse(load_config(TINY, ["parallel.dispatch_chunks=3"]))
+    assert set(_calls(plain, "alltoall_base_")) == {1, 2}  # ep 2 over 2 nodes: node groups of 1, rails of 2
+    assert set(_calls(chunked, "alltoall_base_")) == {1, 2}
+    assert _calls(chunked, "alltoall_base_")[2] > _calls(plain, "alltoall_base_")[2]  # one rail exchange per chunk
+    assert chunked.peak["activations"] == pytest.approx(plain.peak["activations"], rel=0.1)
 
 
 def test_a_cpu_tensor_planted_in_the_step_fails_the_rehearsal_naming_it(monkeypatch):

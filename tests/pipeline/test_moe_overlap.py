@@ -208,8 +208,8 @@ def witness_run(groups: dict, pp_rank: int, ep_rank: int) -> list[tuple[str, str
     witness = Witness()
     witness.wrap_pair(pipe)
     for stage in pipe.module:
-        witness.wrap_channel(stage.moe.dispatcher.channel, "F")
-        witness.wrap_channel(stage.moe.dispatcher.grad_channel, "B")
+        witness.wrap_channel(stage.moe.dispatcher.channels[0], "F")
+        witness.wrap_channel(stage.moe.dispatcher.grad_channels[0], "B")
         stage.moe.shared.register_forward_hook(witness.on_shared)
         stage.on_backward = witness.on_backward
     run_step("dualpipev", pipe, pp_rank, ep_rank)
