@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from moe.tp.comm import Group, gather_for_region
+from moe.tp.comm import Group, GroupRegion, gather_for_region
 
 CP_METHODS = ("ring", "allgather")
 
@@ -268,7 +268,7 @@ def allgather_attention(q: Tensor, k: Tensor, v: Tensor, group: Group, scale: fl
 
 
 @dataclass(frozen=True)
-class CPRegion:
+class CPRegion(GroupRegion):
     """How a model's sequences are split over a CP group: the group, the attention method (one of CP_METHODS) and
     the group the backward's transfers use (None: group; a twin lets a backward run beside a forward)."""
 
@@ -279,25 +279,6 @@ class CPRegion:
     def __post_init__(self) -> None:
         if self.method not in CP_METHODS:
             raise ValueError(f"context-parallel method {self.method!r} is not one of {', '.join(CP_METHODS)}")
-
-    def __deepcopy__(self, memo: dict) -> CPRegion:
-        """Copies of a converted module share the process groups (they cannot be copied)."""
-        return self
-
-    @property
-    def size(self) -> int:
-        """Ranks in the CP group."""
-        return dist.get_world_size(self.group)
-
-    @property
-    def rank(self) -> int:
-        """This rank's index in the CP group."""
-        return dist.get_rank(self.group)
-
-    @property
-    def concurrent_backward(self) -> bool:
-        """Whether the backward's transfers run on a group of their own."""
-        return self.grad_group is not None
 
     def shard(self, x: Tensor, dim: int = 1) -> Tensor:
         """This rank's zig-zag shard of a whole-sequence x."""

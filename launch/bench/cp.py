@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from launch.bench.harness import Timing, fields, ratio_fields, rounds, slowest
+from launch.bench.harness import Timing, fields, ratio_fields, require_positive, round_options, rounds, slowest
 from launch.bench.progress import Progress, run_ranks, worker_progress
 from launch.bench.report import LOWER, emit, header
 from moe.cp import cp_attention, zigzag_shard
@@ -137,17 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=4, help="query heads")
     p.add_argument("--kv-heads", type=int, default=2, help="K/V heads (dividing --heads)")
     p.add_argument("--head-dim", type=int, default=64, help="head size")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per contender and length")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per contender and length")
     p.add_argument("--tolerance", type=float, default=1e-4, help="max |output - no CP| allowed (float32)")
-    p.add_argument("--call-budget", type=float, default=300.0,
-                   help="seconds one step may take before the run stops naming it (0: no budget)")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
-    p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
+    round_options(p, steps=3, warmup=1, budget_s=300.0, unit="step")
     args = p.parse_args(argv)
-    for name in ("cp", "batch", "heads", "kv_heads", "head_dim", "steps"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    require_positive(p, args, ("cp", "batch", "heads", "kv_heads", "head_dim", "steps"))
     if args.cp < 2:
         p.error(f"--cp {args.cp}: context parallelism needs >= 2 ranks")
     if args.heads % args.kv_heads:

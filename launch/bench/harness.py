@@ -10,6 +10,7 @@ A suite's JSON rows carry, for each timed metric M (e.g. "step_ms"), M (the medi
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -117,3 +118,20 @@ def check_row(row: Mapping[str, Any], metrics: Mapping[str, str]) -> list[str]:
     timed = [m for m in metrics if timed_metric(m) and row.get(m) is not None]
     missing = [f"{m}_spread" for m in timed if f"{m}_spread" not in row]
     return missing + (["repeats"] if timed and "repeats" not in row else [])
+
+
+def round_options(parser: argparse.ArgumentParser, steps: int, warmup: int, budget_s: float, unit: str) -> None:
+    """The options every suite timed in rounds shares: --steps, --warmup, --call-budget, --quiet, --json."""
+    parser.add_argument("--steps", type=int, default=steps, help=f"timed {unit}s per contender")
+    parser.add_argument("--warmup", type=int, default=warmup, help=f"untimed {unit}s per contender")
+    parser.add_argument("--call-budget", type=float, default=budget_s,
+                        help=f"seconds one {unit} may take before the run stops naming it (0: no budget)")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    parser.add_argument("--json", metavar="FILE", help="write the rows as JSON")
+
+
+def require_positive(parser: argparse.ArgumentParser, args: argparse.Namespace, names: tuple[str, ...]) -> None:
+    """Refuse (parser.error, naming the option) any of these integer options below 1."""
+    for name in names:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")

@@ -39,7 +39,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                parallelize_module)
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from launch.bench.harness import fields, ratio_fields, rounds, slowest
+from launch.bench.harness import fields, ratio_fields, require_positive, round_options, rounds, slowest
 from launch.bench.progress import Progress, run_ranks
 from launch.bench.report import LOWER, header, header_line, table, write_json
 from moe.config import ModelConfig
@@ -301,17 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ffn", type=int, default=768, help="SwiGLU width")
     p.add_argument("--seq", type=int, default=512, help="sequence length")
     p.add_argument("--batch", type=int, default=2, help="sequences per step")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per contender")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per contender")
     p.add_argument("--tolerance", type=float, default=1e-4, help="max |output - single process| allowed (fp32)")
-    p.add_argument("--call-budget", type=float, default=120.0,
-                   help="seconds one timed step may take before the run stops naming it (0: no budget)")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
-    p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
+    round_options(p, steps=10, warmup=2, budget_s=120.0, unit="step")
     args = p.parse_args(argv)
-    for name in ("tp", "layers", "hidden", "heads", "kv_heads", "ffn", "seq", "batch", "steps"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    require_positive(p, args, ("tp", "layers", "hidden", "heads", "kv_heads", "ffn", "seq", "batch", "steps"))
     for name in ("heads", "kv_heads", "ffn", "seq"):
         if getattr(args, name) % args.tp:
             p.error(f"--{name.replace('_', '-')} = {getattr(args, name)} must be divisible by --tp = {args.tp}")

@@ -124,8 +124,35 @@ def gather_sequence(x: Tensor, tp_group: Group, dim: int = 1, grad_group: Group 
     return _DimCollective.apply(x, all_gather, own_chunk, dim, tp_group, grad_group or tp_group)
 
 
+class GroupRegion:
+    """What a region over a process group (`group`, and `grad_group` for its backward, or None) says of it; shared
+    by TP (TPRegion) and CP (moe.cp.CPRegion) regions."""
+
+    group: Group
+    grad_group: Group | None
+
+    @property
+    def concurrent_backward(self) -> bool:
+        """Whether backward collectives run on a group of their own (grad_group)."""
+        return self.grad_group is not None
+
+    def __deepcopy__(self, memo: dict) -> GroupRegion:
+        """Copies of a converted module share the process groups (they cannot be copied)."""
+        return self
+
+    @property
+    def size(self) -> int:
+        """Ranks in the group."""
+        return dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        """This rank's index in the group."""
+        return dist.get_rank(self.group)
+
+
 @dataclass(frozen=True)
-class TPRegion:
+class TPRegion(GroupRegion):
     """How one module enters and leaves its tensor-parallel region: group, SP on/off, and the dim SP gathers.
 
     grad_group: a second group over the same ranks (made by every one of them with dist.new_group)
@@ -148,25 +175,6 @@ class TPRegion:
     def along(self, dim: int) -> TPRegion:
         """The same groups, with SP, gathering along dim (token-wise layers on flattened tokens use 0)."""
         return TPRegion(self.group, True, dim, self.grad_group)
-
-    @property
-    def concurrent_backward(self) -> bool:
-        """Whether backward collectives run on a group of their own (grad_group)."""
-        return self.grad_group is not None
-
-    def __deepcopy__(self, memo: dict) -> TPRegion:
-        """Copies of a converted module share the process group (it cannot be copied)."""
-        return self
-
-    @property
-    def size(self) -> int:
-        """Ranks in the TP group."""
-        return dist.get_world_size(self.group)
-
-    @property
-    def rank(self) -> int:
-        """This rank's index in the TP group."""
-        return dist.get_rank(self.group)
 
     def enter(self, x: Tensor) -> Tensor:
         """Input of the column-parallel linears: replicated (no SP) or gathered from sequence shards (SP)."""
