@@ -3,8 +3,8 @@
 Rank order puts TP innermost, then DP, then PP: rank = (pp * dp_size + dp) * tp_size + tp. EP groups
 are `ep` consecutive ranks of one stage's dp x tp block; expert-data-parallel groups join the ranks
 of a stage that hold the same experts; with hierarchical dispatch each EP group is cut once more into
-its ranks per node (node groups) and its ranks per local index (rail groups). Under DualPipe the stage pair (p, pp-1-p) is held by two
-pipeline ranks, so the replica groups of its parameters span both of them.
+its ranks per node (node groups) and its ranks per local index (rail groups). Under DualPipe the stage
+pair (p, pp-1-p) is held by two pipeline ranks, so the replica groups of its parameters span both of them.
 """
 
 from __future__ import annotations
