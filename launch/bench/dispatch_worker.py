@@ -64,7 +64,8 @@ def make_dispatcher(backend: str, payload: str, opts: dict[str, Any]) -> Any:
                                    compute_dtype=dtype)
     hops = None
     if backend == "hierarchical":  # each hop on its own group, as the trainer runs it (every rank makes them alike)
-        hops = make_hop_groups(dist.group.WORLD, make_topology(dist.get_world_size(), opts["gpus_per_node"]), grad=False)
+        topology = make_topology(dist.get_world_size(), opts["gpus_per_node"])
+        hops = make_hop_groups(dist.group.WORLD, topology, grad=False)
     return EPDispatcher(opts["experts"], gpus_per_node=opts["gpus_per_node"], backend=backend, payload=payload,
                         hops=hops)
 

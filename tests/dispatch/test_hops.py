@@ -128,7 +128,8 @@ def _overlapped(events: list, rank: int) -> bool:
     """Whether some rail exchange is in flight (issued, not yet waited for) across a whole node exchange."""
     rail, node = tuple(HOP_PEERS["rail"](rank)), tuple(HOP_PEERS["node"](rank))
     at = {(kind, call): i for i, (kind, _, call) in enumerate(events)}
-    spans = {group: [(at["issue", call], at["wait", call]) for kind, g, call in events if g == group and kind == "issue"]
+    spans = {group: [(at["issue", call], at["wait", call]) for kind, g, call in events
+                     if g == group and kind == "issue"]
              for group in (rail, node)}
     return any(a < c and d < b for a, b in spans[rail] for c, d in spans[node])
 
