@@ -53,7 +53,7 @@ class _SplitLinear(torch.autograd.Function):
         bias = ctx.bias
         run_all = partial(_merged_linear_weight_grads, weight, bias)
         if not defer_weight_grad(weight, partial(run_all, [(x2, dy2)]), (x2, dy2),
-                                 (("linear", id(weight)), run_all, (x2, dy2))):
+                                 (("linear", id(weight)), run_all, (x2, dy2)), (bias,) if ctx.has_bias else ()):
             _linear_weight_grads(weight, bias, x2, dy2)
         return dx, None, None
 
