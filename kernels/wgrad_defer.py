@@ -106,12 +106,17 @@ class WeightGradStore:
         return sum(map(len, self._queues.values()))
 
 
+def accumulates_in_place(param: GradTarget) -> bool:
+    """Whether accumulate_grad adds into param.grad directly: a leaf without post-accumulate hooks."""
+    return isinstance(param, Tensor) and param.is_leaf and not getattr(param, "_post_accumulate_grad_hooks", None)
+
+
 def accumulate_grad(param: GradTarget, grad: Callable[[], Tensor], fused: Callable[[Tensor], None]) -> None:
     """Add grad() to param.grad: for a leaf without post-accumulate hooks, by assignment or by
     fused(param.grad) (an in-place `acc += grad` kernel such as addmm_, no temporary); otherwise
     (hooks, a non-leaf, or a GradientEdge into the graph) through autograd, so hooks run and
     non-leaf params pass the grad on to their leaves."""
-    if isinstance(param, GradientEdge) or not param.is_leaf or getattr(param, "_post_accumulate_grad_hooks", None):
+    if not accumulates_in_place(param):
         torch.autograd.backward(param, grad())
         return
     with torch.no_grad():
