@@ -83,7 +83,7 @@ class Channel:
             if got.is_meta:  # a rehearsal: counts hold no values; each peer sends what this rank sends itself
                 return rehearsal.received_counts(counts, peers, self.rank)
             recv = [0] * self.topology.world_size
-            for peer, count in zip(peers, got.tolist()):
+            for peer, count in zip(peers, got.tolist()):  # host sync: the counts size the receive buffers
                 recv[peer] = count
             return recv
         return Pending(None, recv_counts)

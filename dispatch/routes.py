@@ -55,8 +55,9 @@ def destinations(ids: Tensor, stage: Stage, world_size: int) -> Tensor:
 def plan_sends(ids: Tensor, stage: Stage, world_size: int) -> tuple[Tensor, list[int]]:
     """(row of each sent row, grouped by destination rank then row; rows sent per rank)."""
     member = destinations(ids, stage, world_size)
-    send_row = member.t().nonzero()[:, 1]
-    return send_row, member.sum(0).tolist()
+    splits = member.sum(0).tolist()  # host sync: the all-to-all takes its splits on the host
+    send_row = torch.nonzero_static(member.t(), size=sum(splits))[:, 1]  # sized by the splits: no second sync
+    return send_row, splits
 
 
 def make_hop(send_row: Tensor, send_splits: list[int], recv_splits: list[int], num_rows: int,
