@@ -1,12 +1,15 @@
 """The trainer's ZeRO-1 reduction overlapped with the backward: started before the backward ends, same results.
 
-Each layout trains 2 float64 steps twice in the same processes, with parallel.overlap_grad_reduce on and off.
-The runs must agree bitwise (losses, grad norms, final parameters: the reductions add the same numbers in the
-same order, only earlier), and with overlap some buckets' reductions must start before the step's last
-backward work does (the last B or W action of the pipeline, or before the clip without a pipeline).
+Each layout trains 3 float64 steps twice in the same processes, with parallel.overlap_grad_reduce on and off,
+step 1 poisoned with NaN (skipped). The runs must agree bitwise (losses, grad norms, step verdicts, final
+parameters: the reductions add the same numbers in the same order, only earlier), and with overlap every
+bucket's reduction must start before the step's backward ends (on ranks holding two stages, some before
+its last backward action starts), where without overlap they start in the clip.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -16,9 +19,9 @@ from launch.checkpoint import consolidate
 from launch.config import build_config
 from launch.train import train
 from optim.shard import ShardedParams
+from optim.zero1 import ZeRO1
 from pipeline.runtime import PipelineRuntime
 from pipeline.schedules import Op
-from optim.zero1 import ZeRO1
 from tests.launch.test_equivalence import raw_config
 
 LAYOUTS = {
@@ -29,6 +32,7 @@ LAYOUTS = {
     "dp2 ep2": {"dp": 2, "ep": 2},
 }
 BACKWARD_OPS = (Op.B, Op.W, Op.FB)
+STEPS = 3
 
 
 def _record(events: list, name: str, method):
@@ -94,21 +98,23 @@ def test_overlapped_reduction_starts_early_and_changes_nothing(layout, corpus, t
     for overlap in (True, False):
         raw = raw_config(str(tmp_path / f"overlap_{overlap}"), corpus, {**LAYOUTS[layout],
                                                                         "overlap_grad_reduce": overlap}, 1.0)
-        raw["train"]["steps"] = 2
+        raw["train"]["steps"] = STEPS
+        raw["ops"] = {"inject_nan_steps": [1]}
         raws.append(raw)
     world = build_config(raws[0]).parallel.world_size
     per_rank = run_processes(_train_with_events, world, raws, timeout_s=300)
     for rank, ((on, on_events), (off, off_events)) in enumerate(per_rank):
         early, late = early_launches(on_events), early_launches(off_events)
-        assert len(early) == 2 and all(during > 0 for _, during, _ in early), (rank, early)
+        assert len(early) == STEPS and all(0 < during == total for _, during, total in early), (rank, early)
         if "dualpipe" in layout:  # two stages per rank: one's buckets go out while the other's backward runs
             assert all(before > 0 for before, _, _ in early), (rank, early)
         assert all(during == 0 for _, during, _ in late), (rank, late)
         assert [e[-1] for e in early] == [e[-1] for e in late], rank
         if rank == 0:
+            assert [r["step_status"] for r in on] == [r["step_status"] for r in off] == ["ok", "nonfinite", "ok"]
             for got, want in zip(on, off):
                 for key in ("loss", "lm_loss", "aux_loss", "grad_norm"):
-                    assert got[key] == want[key], (got["step"], key)
+                    assert got[key] == want[key] or math.isnan(got[key]) and math.isnan(want[key]), (got["step"], key)
     state_on, state_off = (consolidate(tmp_path / f"overlap_{o}" / "checkpoint") for o in (True, False))
     assert set(state_on) == set(state_off)
     for key, value in state_off.items():
