@@ -36,9 +36,13 @@ def check_routing(indices: Tensor, num_experts: int, weights: Tensor | None = No
         raise ValueError(f"indices must be [num_tokens, top_k], got shape {list(indices.shape)}")
     if indices.dtype.is_floating_point or indices.dtype == torch.bool or indices.is_complex():
         raise ValueError(f"indices must be an integer tensor, got {indices.dtype}")
-    if indices.numel() and not indices.is_meta and (int(indices.min()) < -1 or int(indices.max()) >= num_experts):
-        raise ValueError(f"indices must lie in [-1, {num_experts - 1}] (-1 marks a dropped slot), "
-                         f"got values in [{int(indices.min())}, {int(indices.max())}]")
+    if indices.numel() and not indices.is_meta:
+        in_range = ((indices >= -1) & (indices < num_experts)).all()
+        message = f"indices must lie in [-1, {num_experts - 1}] (-1 marks a dropped slot)"
+        if indices.device.type != "cpu":
+            torch._assert_async(in_range, message)  # checked on the device: no host sync
+        elif not in_range:  # on the CPU the values are here: reading one flag stalls no device
+            raise ValueError(f"{message}, got values in [{int(indices.min())}, {int(indices.max())}]")
     if weights is not None:
         if weights.shape != indices.shape:
             raise ValueError(f"weights shape {list(weights.shape)} must equal indices shape {list(indices.shape)}")
@@ -60,6 +64,15 @@ def expert_owner(num_experts: int, world_size: int, device: torch.device | None 
 def lookup(indices: Tensor, table: Tensor) -> Tensor:
     """table[indices] where indices >= 0, -1 elsewhere."""
     return torch.where(indices >= 0, table[indices.clamp(min=0)], -1)
+
+
+def count_ids(ids: Tensor, num_ids: int) -> Tensor:
+    """[num_ids] int64: how often each id occurs in ids (any shape, -1 ignored). No host sync, where
+    torch.bincount reads the largest id to the host on a GPU."""
+    flat = ids.reshape(-1)
+    counts = torch.zeros(num_ids + 1, dtype=torch.int64, device=ids.device)
+    counts.index_add_(0, torch.where(flat >= 0, flat, num_ids), torch.ones_like(flat, dtype=torch.int64))
+    return counts[:num_ids]
 
 
 def membership(targets: Tensor, num_targets: int) -> Tensor:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dispatch.layout import count_ids
 from dispatch.segment import SegmentPlan, ordered_sum, segment_plan
 
 
@@ -37,7 +38,7 @@ def make_permutation(groups: Tensor, num_groups: int, counts: list[int] | None =
     kept = torch.nonzero(flat >= 0).squeeze(1)  # host sync: the number of pairs sizes every tensor after it
     order = kept[torch.argsort(flat[kept], stable=True)]
     row = order // slots
-    counts = torch.bincount(flat[kept], minlength=num_groups)
+    counts = count_ids(flat, num_groups)
     return Permutation(row, order % slots, counts, segment_plan(row, rows, slots))  # a row has at most k pairs
 
 

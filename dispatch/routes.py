@@ -58,11 +58,13 @@ def plan_sends(ids: Tensor, stage: Stage, world_size: int, source: Tensor | None
     """(row of each sent row, grouped by destination rank then row; [rank][s] rows sent to each rank that
     came from source s, where source [n] gives each row's source in [0, sources) (default: all 0))."""
     member = destinations(ids, stage, world_size)
-    send_row = member.t().nonzero()[:, 1]  # host sync: the number of rows sent sizes the send buffer
-    if source is None:  # host sync (.tolist()): the counts size the exchange
-        return send_row, member.sum(0, keepdim=True).t().tolist()
-    table = member.new_zeros((sources, world_size), dtype=torch.int64).index_add_(0, source, member.long())
-    return send_row, table.t().tolist()
+    if source is None:
+        table = member.sum(0, keepdim=True).t()
+    else:
+        table = member.new_zeros((sources, world_size), dtype=torch.int64).index_add_(0, source, member.long()).t()
+    counts = table.tolist()  # host sync: the counts size the exchange
+    send_row = torch.nonzero_static(member.t(), size=sum(map(sum, counts)))[:, 1]  # sized by the counts: no 2nd sync
+    return send_row, counts
 
 
 def make_hop(send_row: Tensor, send_splits: list[int], recv_splits: list[int], num_rows: int,

@@ -150,6 +150,7 @@ class ParallelSettings:
     split_bw: bool = True
     merge_w: int = 1
     overlap: bool = True
+    overlap_grad_reduce: bool = True
     dispatch_backend: str = "flat"
     dispatch_payload: str = "bf16"
     dispatch_chunks: int = 1

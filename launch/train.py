@@ -2,7 +2,8 @@
 
 Read top to bottom, one step is: every DP rank takes its slice of the global batch -> the pipeline
 runtime (or, with pp = 1, a loop over micro-batches) runs forward and backward through this rank's
-stages -> ZeRO-1 sums grads over each parameter's replicas -> one global grad norm clips them ->
+stages, and ZeRO-1 sums grads over each parameter's replicas, each bucket as soon as its grads are final
+(during the last backward, in flight behind the rest of it) -> one global grad norm clips them ->
 AdamW updates the shards -> routing loads summed over all ranks drive the expert-bias update and
 the metrics rank 0 writes. A single process runs the same code on a 1-rank mesh.
 """
@@ -109,12 +110,16 @@ def boundary_meta(cfg: RunConfig) -> list[TensorMeta]:
                        (cfg.train.micro_batch_size, seq, cfg.model.hidden_size))]
 
 
-def sum_tp_partial_grads(stages: list[Stage], mesh: Mesh) -> None:
-    """All-reduce over the TP group (one flat collective, before ZeRO-1 sums over DP) the grads of dense
-    params held whole on every TP rank whose local grads are partial sums (SP norms, routers, replicated
+def tp_partial_params(stage: Stage) -> list[Tensor]:
+    """Dense params held whole on every TP rank whose local grads are partial sums (SP norms, routers, replicated
     KV); routed experts are left out: their expert-DP group already spans the TP ranks holding them."""
-    params = [p for stage in stages for name, p, grads in tp_replicated_params(stage)
-              if grads == "partial" and ".experts." not in name and p.grad is not None]
+    return [p for name, p, grads in tp_replicated_params(stage) if grads == "partial" and ".experts." not in name]
+
+
+def sum_tp_partial_grads(stages: list[Stage], mesh: Mesh) -> None:
+    """All-reduce over the TP group (one flat collective, before ZeRO-1 sums over DP) the grads of
+    tp_partial_params."""
+    params = [p for stage in stages for p in tp_partial_params(stage) if p.grad is not None]
     if mesh.layout.tp == 1 or not params:
         return
     flat = torch.cat([p.grad.flatten() for p in params])
@@ -126,26 +131,40 @@ def sum_tp_partial_grads(stages: list[Stage], mesh: Mesh) -> None:
 def build_optimizer(stages: list[Stage], cfg: RunConfig, mesh: Mesh) -> ZeRO1:
     """ZeRO-1 AdamW: dense params sharded over their replicas (DP, and DualPipe's twin stage copy; per TP
     rank), experts over expert-DP; grads summed (each micro-batch's loss already carries its share).
-    Dense params held whole on every TP rank count 1/tp each in the grad norm summed over the world."""
+    Dense params held whole on every TP rank count 1/tp each in the grad norm summed over the world; groups
+    holding TP-partial grads are reduced after the backward (sum_tp_partial_grads first), the others during it."""
     groups = []
     for stage in sorted(stages, key=lambda s: s.layer_ids[0]):  # the same order on every replica
         named = list(stage.named_parameters())
         whole = {id(p) for name, p, _ in tp_replicated_params(stage) if ".experts." not in name}
+        partial = {id(p) for p in tp_partial_params(stage)}
         for expert, replicated, decay in itertools.product((False, True), (False, True), (True, False)):
             params = [p for name, p in named if (".experts." in name) == expert and (id(p) in whole) == replicated
                       and (p.dim() >= 2) == decay]
             if params:
                 groups.append({"params": params, "weight_decay": cfg.train.weight_decay if decay else 0.0,
                                "process_group": mesh.expert_replicas if expert else mesh.dense_replicas,
-                               "grad_divisor": 1, "norm_weight": 1 / mesh.layout.tp if replicated else 1.0})
+                               "grad_divisor": 1, "norm_weight": 1 / mesh.layout.tp if replicated else 1.0,
+                               "overlap": not any(id(p) in partial for p in params)})
     return ZeRO1(groups, torch.optim.AdamW, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2))
 
 
+def last_backward(optimizer: ZeRO1 | None, runtime: PipelineRuntime | None) -> contextlib.AbstractContextManager:
+    """Around the step's last backward (the last micro-batch's, or the last pipeline step): ZeRO-1 starts
+    reducing each bucket as soon as all its grads are final, while the backward goes on; with a pipeline the
+    runtime says which grads are (runtime.last_grad: a deferred weight grad once its last W ran). The
+    reductions still in flight are waited for in the clip (ZeRO1.clip_grad_norm_)."""
+    if optimizer is None:
+        return contextlib.nullcontext()
+    return optimizer.reduce_during_backward(runtime.last_grad if runtime is not None else None)
+
+
 def forward_backward(stages: list[Stage], runtime: PipelineRuntime | None, micro: list[MicroBatch],
-                     chunks: int, loss_scale: float) -> tuple[Tensor, float]:
+                     chunks: int, loss_scale: float, optimizer: ZeRO1 | None = None) -> tuple[Tensor, float]:
     """Forward and backward over this rank's micro-batches (grads accumulate), every LM and router loss
     scaled by loss_scale (the micro-batch's share of the step's loss); returns (sum of the scaled LM losses
-    computed here, a float64 tensor on the stages' device; seconds the pipeline spent busy, or 0 without one)."""
+    computed here, a float64 tensor on the stages' device; seconds the pipeline spent busy, or 0 without one).
+    optimizer: the ZeRO-1 optimizer to overlap its gradient reduction with the last backward (last_backward)."""
     for stage in stages:
         stage.loss_scale = loss_scale
     device = next(stages[0].parameters()).device
@@ -156,7 +175,8 @@ def forward_backward(stages: list[Stage], runtime: PipelineRuntime | None, micro
             loss = lm_loss(stages[0](batch.inputs), batch.labels, loss_scale, stages[0].tp, stages[0].cp)
             if torch.is_grad_enabled():
                 mark(f"backward of micro-batch {m}", ACTION)
-                loss.backward()
+                with last_backward(optimizer, None) if m == len(micro) - 1 else contextlib.nullcontext():
+                    loss.backward()
             total += loss.detach()
         return total, 0.0
     busy = 0.0
@@ -167,10 +187,11 @@ def forward_backward(stages: list[Stage], runtime: PipelineRuntime | None, micro
         inputs = torch.cat([step[c].inputs for c in entry]) if entry else None
         labels = torch.cat([step[c].labels for c in exit_]) if exit_ else None
         runtime.timeline = []
-        losses, _ = runtime.step(*([inputs] if entry else []), num_chunks=chunks,
-                                 criterion=lambda logits, y: lm_loss(logits, y, loss_scale, stages[0].tp,
-                                                                     stages[0].cp),
-                                 labels=(labels,) if exit_ else ())
+        with last_backward(optimizer, runtime) if first + chunks >= len(micro) else contextlib.nullcontext():
+            losses, _ = runtime.step(*([inputs] if entry else []), num_chunks=chunks,
+                                     criterion=lambda logits, y: lm_loss(logits, y, loss_scale, stages[0].tp,
+                                                                         stages[0].cp),
+                                     labels=(labels,) if exit_ else ())
         busy += sum(b for *_, b in runtime.timeline)
         runtime.timeline = None
         if losses is not None:
@@ -382,7 +403,8 @@ def _loop(cfg: RunConfig, mesh: Mesh, stages: list[Stage], runtime: PipelineRunt
         optimizer.zero_grad(set_to_none=False)  # fp32 grads accumulate into ZeRO-1's flat buffer: no second copy
         micro = batches.next_step()
         lm_part, busy = forward_backward(stages, runtime, micro, cfg.chunks_per_step,
-                                         guard.loss_scale(step, 1 / settings.grad_accum_steps))
+                                         guard.loss_scale(step, 1 / settings.grad_accum_steps),
+                                         optimizer if cfg.parallel.overlap_grad_reduce else None)
         phases.enter("grad sync", step)
         sum_tp_partial_grads(stages, mesh)
         compute_s = time.perf_counter() - began

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from kernels.grouped_ref import group_bounds
@@ -30,6 +31,7 @@ def grouped_matmul(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     if _native_ok(x, w):
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
     out = x.new_empty(x.shape[0], w.shape[1])
+    # the reference for what torch._grouped_mm cannot take (fp64, odd widths): group_bounds reads offs to the host
     for g, (start, end) in enumerate(group_bounds(offs, x.shape[0])):
         out[start:end] = x[start:end] @ w[g].T
     return out
@@ -37,10 +39,13 @@ def grouped_matmul(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
 
 def grouped_weight_grad(dy: Tensor, x: Tensor, offs: Tensor) -> Tensor:
     """dw[g] = dy[rows of g].T @ x[rows of g]: the k-grouped product a weight gradient needs."""
-    if _native_ok(x, dy.t(), x.t()):
+    if _native_ok(x) and dy.shape[1] % 16 == 0 and x.shape[1] % 16 == 0:
+        pad = -x.shape[0] % 16  # rows padded to the kernel's alignment: zero rows past the last group add nothing
+        if pad:
+            x, dy = F.pad(x, (0, 0, 0, pad)), F.pad(dy, (0, 0, 0, pad))
         return torch._grouped_mm(dy.t(), x, offs=offs)
     dw = x.new_zeros(offs.numel(), dy.shape[1], x.shape[1])
-    for g, (start, end) in enumerate(group_bounds(offs, x.shape[0])):
+    for g, (start, end) in enumerate(group_bounds(offs, x.shape[0])):  # the reference (see grouped_matmul)
         dw[g] = dy[start:end].T @ x[start:end]
     return dw
 

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from dispatch import rehearsal
+from dispatch.layout import count_ids
 
 
 @dataclass
@@ -41,9 +42,9 @@ class LocalDispatcher:
             order = torch.argsort(flat, stable=True)[:sum(slots)]
             counts = flat.new_empty(self.num_experts)
         else:
-            kept = torch.nonzero(flat >= 0).squeeze(1)
+            kept = torch.nonzero(flat >= 0).squeeze(1)  # host sync: the number of kept slots sizes the rows
             order = kept[torch.argsort(flat[kept], stable=True)]
-            counts = torch.bincount(flat[kept], minlength=self.num_experts)
+            counts = count_ids(flat, self.num_experts)
         token_of_row = order // indices.shape[1]
         handle = LocalHandle(token_of_row, weights.reshape(-1)[order], x.shape[0])
         return x[token_of_row], RecvInfo(counts), handle

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dispatch import rehearsal
+from dispatch.layout import count_ids
 from moe.config import check_router_settings
 
 
@@ -73,7 +74,7 @@ class TopKRouter(nn.Module):
             tokens_per_expert = indices.new_empty(self.num_experts)
             rehearsal.mark_capacity(indices, self.capacity(indices.shape[0]))
         else:
-            tokens_per_expert = torch.bincount(indices[kept], minlength=self.num_experts)
+            tokens_per_expert = count_ids(indices, self.num_experts)  # dropped slots are -1 by now
         return RoutingResult(indices, weights, aux_loss, tokens_per_expert, (~kept).sum(), losses)
 
     def _coefficients(self) -> list[tuple[str, float]]:
@@ -120,7 +121,7 @@ class TopKRouter(nn.Module):
         else:
             order = torch.arange(flat_expert.numel(), device=indices.device)
         order = order[torch.argsort(flat_expert[order], stable=True)]
-        counts = torch.bincount(flat_expert, minlength=self.num_experts)
+        counts = count_ids(flat_expert, self.num_experts)
         starts = torch.cumsum(counts, 0) - counts
         rank_in_expert = torch.arange(order.numel(), device=indices.device) - starts[flat_expert[order]]
         kept = torch.zeros_like(flat_expert, dtype=torch.bool)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -93,7 +93,10 @@ class ShardedParams:
         scratch_rows = max(world - 2, 0) if collectives == "p2p" else 0  # only p2p receives into it
         self._scratch = torch.empty(scratch_rows, self.layout.shard_numel, dtype=self.master_dtype,
                                     device=self.grad.device)
-        self._armed, self._next, self._waiting = False, -1, []
+        self.bucket_params = [[i for i, b in enumerate(self.layout.bucket_of) if b == bucket]
+                              for bucket in range(len(self.layout.buckets))]
+        self.listener: Callable[[int], None] | None = None  # told each param index whose grad came in
+        self.launched: set[int] = set()  # buckets whose reduction started and is not finished
         self._works: dict[int, list[dist.Work]] = {}
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
@@ -135,29 +138,21 @@ class ShardedParams:
             view.copy_(p.grad)
             p.grad = view
 
-    def arm(self) -> None:
-        """Reduce each bucket from the grad hooks as soon as the next backward has filled it."""
-        self._armed = True
-        self._next = len(self.layout.buckets) - 1
-        self._waiting = [self.layout.bucket_of.count(b) for b in range(len(self.layout.buckets))]
-
     def _on_grad(self, i: int, _param: torch.Tensor) -> None:
-        """Post-accumulate-grad hook: move the grad into the flat buffer (see _collect); when
-        armed, count param i ready and launch the buckets now complete."""
-        bucket = self.layout.bucket_of[i]
-        if self._armed and bucket > self._next:
+        """Post-accumulate-grad hook: move the grad into the flat buffer (see _collect), tell the listener."""
+        if self.layout.bucket_of[i] in self.launched:
             raise RuntimeError("a grad arrived for a bucket already being reduced: wrap only the "
                                "last backward before step() in reduce_during_backward()")
         self._collect(i)
-        if self._armed:
-            self._waiting[bucket] -= 1
-            self._launch(flush=False)
+        if self.listener is not None:
+            self.listener(i)
 
-    def _launch(self, flush: bool) -> None:
-        """Start bucket reductions in a fixed order (last bucket first) while they are ready."""
-        while self._next >= 0 and (flush or self._waiting[self._next] == 0):
-            self._works[self._next] = self._start_reduce(self.layout.buckets[self._next])
-            self._next -= 1
+    def launch(self, bucket: int) -> None:
+        """Start reducing a bucket's grad sums (its params' grads collected first: none is zero)."""
+        for i in self.bucket_params[bucket]:
+            self._collect(i)
+        self._works[bucket] = self._start_reduce(self.layout.buckets[bucket])
+        self.launched.add(bucket)
 
     def _start_reduce(self, b: Bucket) -> list[dist.Work]:
         """Start reducing bucket b's grad sums; rank r's piece ends up on rank r (see _finish)."""
@@ -193,21 +188,11 @@ class ShardedParams:
                 grad.add_(inbox[b.shard])
         grad.div_(self.grad_divisor)
 
-    def start_reduce(self) -> None:
-        """Collect the local grad sums over micro-batches and start every bucket's reduction."""
-        if not self._armed:
-            self._next = len(self.layout.buckets) - 1
-        for i, bucket in enumerate(self.layout.bucket_of):
-            if bucket <= self._next:
-                self._collect(i)
-        self._launch(flush=True)
-        self._armed = False
-
-    def reduce_grads(self) -> None:
-        """Reduce the local grad sums into self.grad (this rank's shard) / grad_divisor."""
-        self.start_reduce()
+    def finish_reduce(self) -> None:
+        """Wait for every started reduction; this rank's shard of the grad sums / grad_divisor is in self.grad."""
         for i in reversed(range(len(self.layout.buckets))):
             self._finish(i)
+        self.launched.clear()
 
     def _gather_bucket(self, out_flat: torch.Tensor, piece: torch.Tensor, b: Bucket
                        ) -> tuple[list[dist.Work], torch.Tensor]:
@@ -237,6 +222,7 @@ class ShardedParams:
             works += started
             pieces.append(piece)
         _wait(works)
+        self.launched.clear()
 
     def gather_full(self, shard: torch.Tensor) -> torch.Tensor:
         """A new flat buffer (the shard's dtype) holding every rank's piece of a shard-shaped tensor."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -13,7 +14,7 @@ from torch.distributed import ProcessGroup
 from optim.grad_norm import global_sq_norm
 from optim.shard import MASTER_KEY, Piece, ShardedParams
 
-LAYOUT_KEYS = ("process_group", "norm_groups", "grad_divisor", "norm_weight")
+LAYOUT_KEYS = ("process_group", "norm_groups", "grad_divisor", "norm_weight", "overlap")
 COLLECTIVES = ("auto", "scatter_gather", "p2p")
 FUSED_BY_DEFAULT = (torch.optim.Adam, torch.optim.AdamW)
 IMPLEMENTATION_KEYS = ("fused", "foreach", "differentiable")
@@ -95,7 +96,9 @@ class ZeRO1(torch.optim.Optimizer):
     into the model. Param-group keys besides the optimizer's hyper-parameters: process_group
     (shard group, e.g. expert-data-parallel for experts), norm_groups (extra groups the grad
     norm is summed over, e.g. expert-parallel, pipeline), grad_divisor, norm_weight (factor on the
-    group's squared grad norm, e.g. 1/tp for params held whole on every TP rank). bucket_cap_mb caps one
+    group's squared grad norm, e.g. 1/tp for params held whole on every TP rank), overlap (default
+    True; False: the group is reduced only after the backward, e.g. grads still to be summed over
+    TP, even inside reduce_during_backward). bucket_cap_mb caps one
     collective's fp32 bucket; collectives picks the primitives (see ShardedParams; "auto"
     chooses by backend).
     """
@@ -120,6 +123,7 @@ class ZeRO1(torch.optim.Optimizer):
             group.setdefault("process_group", process_group)
             group["norm_groups"] = tuple(group.get("norm_groups", norm_groups))
             group.setdefault("norm_weight", 1.0)
+            group.setdefault("overlap", True)
             _check_group(i, group)
         bucket_cap = max(1, int(bucket_cap_mb * 2**20) // 4)
         self._shards = [ShardedParams(g["params"], g["process_group"], bucket_cap,
@@ -128,6 +132,16 @@ class ZeRO1(torch.optim.Optimizer):
             shard.build_optimizers(optimizer_class, _hyper(group),
                                    _inner_defaults(optimizer_class, defaults, shard.grad.device))
             group.update(_hyper(shard.optims[0].param_groups[0]))
+        # one launch order for every bucket of every group (overlapped groups first, last bucket first): the
+        # same on every rank, since collectives on a process group must start in the same order everywhere
+        self._order = sorted(((s, b) for s in range(len(groups)) for b in range(len(self._shards[s].layout.buckets))),
+                             key=lambda sb: (not groups[sb[0]]["overlap"], -sb[0], -sb[1]))
+        self._final: Callable[[torch.Tensor], bool] | None = None  # armed: is a param's grad just in its last?
+        self._ready: list[list[set[int]]] = []  # per group and bucket: indices of params whose grad is final
+        self._next = 0  # position in _order of the next bucket to launch
+        for s, shard in enumerate(self._shards):
+            shard.listener = functools.partial(self._grad_in, s)
+        self._reset()
         self._reduced = False
         super().__init__(groups, dict(self._shards[0].optims[0].defaults))
 
@@ -142,21 +156,52 @@ class ZeRO1(torch.optim.Optimizer):
         """Zero the flat gradient buffers (fp32 params keep .grad bound to them)."""
         for shard in self._shards:
             shard.zero_grad(set_to_none)
+        self._reset()
         self._reduced = False
 
+    def _reset(self) -> None:
+        """No bucket launched, none ready, not armed."""
+        self._final, self._next = None, 0
+        self._ready = [[set() for _ in shard.layout.buckets] for shard in self._shards]
+
     @contextlib.contextmanager
-    def reduce_during_backward(self) -> Iterator[None]:
-        """Wrap the last micro-batch's backward: each bucket's reduction starts as soon as it is full."""
-        for shard in self._shards:
-            shard.arm()
+    def reduce_during_backward(self, final: Callable[[torch.Tensor], bool] | None = None) -> Iterator[None]:
+        """Wrap the last backward(s) of a step: a bucket's reduction starts as soon as every param in it has its
+        final grad. final(param), asked from param's post-accumulate-grad hook, says whether the grad just
+        accumulated is param's last this step (default: every grad is, for one last backward; a pipeline
+        runtime's last_grad for deferred weight grads). Buckets start in one fixed order, the same on every
+        rank, so a bucket also waits for those before it; the rest start in reduce_gradients() or step()."""
+        self._reset()
+        self._final = final or (lambda param: True)
         yield
+
+    def _grad_in(self, s: int, i: int) -> None:
+        """Group s's param i got a grad: when armed and it is final, start the buckets now complete."""
+        if self._final is None or not self.param_groups[s]["overlap"]:
+            return
+        shard = self._shards[s]
+        if self._final(shard.params[i]):
+            self._ready[s][shard.layout.bucket_of[i]].add(i)
+            self._launch(flush=False)
+
+    def _launch(self, flush: bool) -> None:
+        """Start bucket reductions in the fixed order while they are ready (flush: all the rest)."""
+        while self._next < len(self._order):
+            s, b = self._order[self._next]
+            shard = self._shards[s]
+            if not (flush or len(self._ready[s][b]) == len(shard.bucket_params[b])):
+                return
+            shard.launch(b)
+            self._next += 1
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
         """Reduce-scatter the accumulated local grads into the fp32 shards (once per step)."""
         if not self._reduced:
+            self._launch(flush=True)
             for shard in self._shards:
-                shard.reduce_grads()
+                shard.finish_reduce()
+            self._reset()
             self._reduced = True
 
     @torch.no_grad()
@@ -195,10 +240,10 @@ class ZeRO1(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if not self._reduced:
-            for shard in self._shards:
-                shard.start_reduce()
+            self._launch(flush=True)
         for group, shard in zip(self.param_groups, self._shards):
             shard.step(_hyper(group))
+        self._reset()
         self._reduced = False
         return loss
 

@@ -58,6 +58,8 @@ class PipelineRuntime(nn.Module):
         self.overlap = overlap
         self.merge_w = merge_w
         self.store = WeightGradStore()
+        self._phases_of: dict[Tensor, list[int]] = {}  # param -> phases (modules) holding it, set per step
+        self._closed: set[int] = set()  # phases whose last backward of the step has begun
         if split_bw:
             install_split_linear(list(modules))
         # [] to record (act, start, end, busy) per action, and the messages' times (transfers)
@@ -123,7 +125,15 @@ class PipelineRuntime(nn.Module):
         self._losses: dict[int, Tensor] = {}
         self._sent_early: set[tuple[Op, int, int]] = set()
         self.forward_shares = {}
-        for act in sched.actions[self.rank]:
+        self._phases_of = {}
+        for phase, module in enumerate(self.module):
+            for param in module.parameters():
+                self._phases_of.setdefault(param, []).append(phase)
+        self._closed = set()
+        last_backward = {(act.backward or act).phase: i for i, act in enumerate(sched.actions[self.rank])
+                         if act.op in (Op.B, Op.FB)}
+        for i, act in enumerate(sched.actions[self.rank]):
+            self._closed.update(phase for phase, last in last_backward.items() if last == i)
             self._run(act)
         self._channel.wait_sends()
         if self.store.pending():
@@ -137,6 +147,15 @@ class PipelineRuntime(nn.Module):
             outputs = tuple(torch.cat(p, self.batch_dim) for p in parts)
             outputs = outputs[0] if len(outputs) == 1 else outputs
         return loss, outputs
+
+    def last_grad(self, param: Tensor) -> bool:
+        """Asked from param's post-accumulate-grad hook during step(): whether the grad just accumulated is the
+        last this step adds to param. It is once the last backward (B) of every stage holding param has begun
+        and no weight-grad work queued for a W action will still add to it (WeightGradStore.outstanding):
+        a B accumulates each param once, and a W runs a param's queued work once per chunk, or once per
+        merged W. Params of no stage here: never (their caller reduces them after the step)."""
+        phases = self._phases_of.get(param)
+        return bool(phases) and self._closed.issuperset(phases) and self.store.outstanding(param) == 0
 
     def _device(self) -> torch.device:
         param = next(self.parameters(), None)

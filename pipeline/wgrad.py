@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels.wgrad_defer import WeightGradStore, accumulate_grad, defer_weight_grad
+from kernels.wgrad_defer import WeightGradStore, accumulate_grad, accumulates_in_place, defer_weight_grad
 
 __all__ = ["WeightGradStore", "accumulate_grad", "defer_weight_grad", "install_split_linear", "split_linear"]
 
@@ -52,10 +52,15 @@ class _SplitLinear(torch.autograd.Function):
         x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
         bias = ctx.bias
         run_all = partial(_merged_linear_weight_grads, weight, bias)
-        if not defer_weight_grad(weight, partial(run_all, [(x2, dy2)]), (x2, dy2),
-                                 (("linear", id(weight)), run_all, (x2, dy2))):
-            _linear_weight_grads(weight, bias, x2, dy2)
-        return dx, None, None
+        if defer_weight_grad(weight, partial(run_all, [(x2, dy2)]), (x2, dy2),
+                             (("linear", id(weight)), run_all, (x2, dy2)), (bias,) if ctx.has_bias else ()):
+            return dx, None, None
+        if accumulates_in_place(weight) and (bias is None or accumulates_in_place(bias)):
+            _linear_weight_grads(weight, bias, x2, dy2)  # into .grad, no temporary
+            return dx, None, None
+        # returned, not added from here: autograd then accumulates (and runs the grad hooks) once per param
+        return (dx, dy2.t() @ x2 if ctx.needs_input_grad[1] else None,
+                dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None)
 
 
 def split_linear(module: nn.Linear, x: Tensor) -> Tensor:

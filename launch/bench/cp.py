@@ -6,7 +6,8 @@ load hits all alike (launch.bench.harness: rounds A B C, rotated):
 - "no CP": the whole sequence on rank 0 alone through torch's scaled_dot_product_attention (the model's
   attention today); the other ranks wait;
 - "ring" and "all-gather KV": moe.cp over all ranks, each holding its zig-zag shard (2 of 2 x cp chunks).
-Per contender: step_ms, the median over rounds of the slowest rank, and its spread; sent_mib, bytes one rank sends per step
+Per contender: step_ms, the median over rounds of the slowest rank, and its spread; sent_mib, bytes one rank sends
+per step
 (moe.cp's count: ring transfers as sent, the all-gather and its backward's reduce-scatter by the ring model);
 act_mib, the peak bytes saved for backward on the busiest rank (pipeline.memory.SavedTensorMeter: inputs
 and everything the backward keeps). moe.cp attends blocks in plain torch (scores materialised per block);
@@ -124,7 +125,8 @@ def rows_from(results: list[list[dict[str, Any]]], world: int) -> list[dict[str,
 
 
 COLUMNS = [("seq", "seq", "d"), ("contender", "contender", ""), ("ranks", "ranks", "d"), ("step ms", "step_ms", ".1f"),
-           ("spread", "step_ms_spread", ".2f"), ("x no CP", "vs_no_cp_time", ".2f"), ("sent MiB/rank", "sent_mib", ".2f"), ("act MiB/rank", "act_mib", ".1f"),
+           ("spread", "step_ms_spread", ".2f"), ("x no CP", "vs_no_cp_time", ".2f"), ("sent MiB/rank", "sent_mib", ".2f"),
+           ("act MiB/rank", "act_mib", ".1f"),
            ("x no CP", "vs_no_cp_act", ".2f"), ("max |diff|", "max_diff", ".1e")]
 
 

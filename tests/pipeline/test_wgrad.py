@@ -68,3 +68,44 @@ def test_a_w_over_several_chunks_accumulates_each_linear_once() -> None:
     assert store.run(0, 1, 2) == 6 and set(calls.values()) == {1}  # one GEMM per weight over 15 rows
     for p, q in zip(net.parameters(), ref.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_outstanding_work_reads_zero_only_at_each_params_last_grad() -> None:
+    """A hook reading store.outstanding(param) == 0 sees param's last deferred grad: the Linear weights and
+    biases (a bias rides with its weight's work) in the last W, whether that W runs one chunk or merges two."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    install_split_linear([net])
+    store = WeightGradStore()
+    seen: list[tuple[str, int]] = []
+    for name, p in net.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda q, name=name: seen.append((name, store.outstanding(q))))
+    for chunk, x in enumerate(torch.randn(3, 5, 6, dtype=torch.float64)):
+        with store.capture(chunk):
+            net(x).sum().backward()
+    assert all(store.outstanding(p) == 3 for p in net.parameters())
+    seen.clear()  # the captured backwards fire the hooks too, with nothing added and work outstanding
+    store.run(0)
+    assert sorted(seen) == sorted((name, 2) for name, _ in net.named_parameters())
+    seen.clear()
+    store.run(1, 2)  # merged: one accumulation per param for both chunks
+    assert sorted(seen) == sorted((name, 0) for name, _ in net.named_parameters())
+
+
+def test_an_unsplit_backward_fires_each_params_grad_hook_once() -> None:
+    """Outside a capture a split Linear with grad hooks hands its weight grads to autograd: one accumulation
+    (and one hook call) per param per backward, as a plain Linear's, so a hook can tell the last grad."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    ref = copy.deepcopy(net)
+    install_split_linear([net])
+    calls = {name: 0 for name, _ in net.named_parameters()}
+    for name, p in net.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda q, name=name: calls.__setitem__(name, calls[name] + 1))
+    x = torch.randn(5, 6, dtype=torch.float64)
+    for passes in (1, 2):
+        net(x).sum().backward()
+        ref(x).sum().backward()
+        assert set(calls.values()) == {passes}
+    for p, q in zip(net.parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-12, atol=1e-12)
