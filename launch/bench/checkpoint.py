@@ -1,7 +1,8 @@
 """`moe-bench checkpoint`: a checkpoint save and load of the trainer's own state on the config's layout.
 
 Every rank builds its stages and ZeRO-1 optimizer as the trainer does (launch.train.build_model and
-build_optimizer; the default is configs/tiny.toml's 4-process layout widened to 241M fp32 params), takes one
+build_optimizer; the default is configs/tiny.toml's 4-process layout widened to 242M fp32 params: 241M before
+the 512-id BPE vocabulary), takes one
 optimizer step so AdamW's state exists, then saves two checkpoints through launch.checkpoint.Checkpointer,
 synchronously in one run and asynchronously in another (fresh processes, so one mode's freed memory does not
 hide the other's). Per mode, slowest rank: the first save (save() and finish(): first-call setup, host
@@ -143,7 +144,7 @@ def _rank(rank: int, world: int, opts: dict) -> dict:
 
 
 def widened(raw: dict) -> dict:
-    """raw with the 241M-parameter [model] widths (WIDE) in fp32, validated."""
+    """raw with the 242M-parameter [model] widths (WIDE) in fp32, validated."""
     run = copy.deepcopy(raw)
     run["model"].update(WIDE)
     run.setdefault("train", {})["dtype"] = "float32"
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the synchronous and the asynchronous save and print the table (and write --json)."""
     parser = argparse.ArgumentParser(prog="moe-bench checkpoint", description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="TOML config (default: configs/tiny.toml)")
-    parser.add_argument("--as-is", action="store_true", help="keep the config's [model] (default: widen it to 241M)")
+    parser.add_argument("--as-is", action="store_true", help="keep the config's [model] (default: widen it to 242M)")
     parser.add_argument("--json", help="also write the rows with the common header to this file")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds of save, load, state dict and peer")
     parser.add_argument("--call-budget", type=float, default=600.0,

@@ -1,4 +1,4 @@
-"""moe-bench checkpoint: the default is the 241M-parameter model on the tiny config's 4-process layout; the memory
+"""moe-bench checkpoint: the default is the 242M-parameter model on the tiny config's 4-process layout; the memory
 probe sees an allocation made and freed inside its block."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from launch.config import build_config, read_toml
 
 def test_the_default_is_241m_params_on_the_tiny_layout():
     cfg = build_config(widened(read_toml(DEFAULT_CONFIG)))
-    assert round(single_process_params(cfg) / 1e6) == 241 and cfg.parallel.world_size == 4
+    assert round(single_process_params(cfg) / 1e6) == 242 and cfg.parallel.world_size == 4
     assert cfg.train.dtype == "float32"
 
 
