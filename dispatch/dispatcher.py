@@ -10,7 +10,7 @@ from torch import Tensor
 
 from dispatch import rehearsal
 from dispatch.channel import HopTransport, Steps, run_steps, transport_for
-from dispatch.fp8 import decode_fp8, encode_fp8
+from dispatch.fp8 import decode_fp8, encode_fp8, split_fp8
 from dispatch.hopgroups import HopGroups, check_hop_group
 from dispatch.layout import check_num_experts, check_routing, expert_owner, lookup
 from dispatch.permute import Permutation, make_permutation, permute, unpermute
@@ -18,10 +18,12 @@ from dispatch.routes import BACKENDS, stages_for
 from dispatch.topology import make_topology
 from dispatch.traffic import Traffic, TrafficMeter
 from dispatch.transport import Codec, CombineRows, DispatchRows, Route, dispatch_steps, gather_steps
+from kernels import FP8Rows
 
 PAYLOADS = ("bf16", "fp8")
 
 FP8_CODEC = Codec(encode_fp8, lambda wire, like: decode_fp8(wire, like.shape[1], like.dtype))
+FP8_WIRE_CODEC = Codec(encode_fp8, lambda wire, like: wire)  # rows stay e4m3 + scales on arrival (fp8_rows)
 
 
 @dataclass
@@ -59,7 +61,9 @@ class EPDispatcher:
     """Sends each token once per destination rank (hierarchical: once per destination node) and back.
 
     payload "bf16" sends x unquantised in its own dtype (bf16 in training; fp32/fp64 pass through
-    exactly); "fp8" sends e4m3 with one fp32 scale per 128 channels, dequantised on arrival.
+    exactly); "fp8" sends e4m3 with one fp32 scale per 128 channels, dequantised on arrival, or with
+    fp8_rows handed over as they came (kernels.FP8Rows: the e4m3 rows and scales go into FP8 experts'
+    first GEMM without a dequantise/requantise; their gradient comes back in x's dtype).
     Combine always travels in y's dtype and accumulates in fp32 or wider. Waits are bounded by the
     group's timeout.
 
@@ -82,12 +86,14 @@ class EPDispatcher:
 
     def __init__(self, num_experts: int, group: dist.ProcessGroup | None = None, gpus_per_node: int | None = None,
                  backend: str = "flat", payload: str = "bf16", grad_group: dist.ProcessGroup | None = None,
-                 hops: HopGroups | None = None, chunks: int = 1) -> None:
+                 hops: HopGroups | None = None, chunks: int = 1, fp8_rows: bool = False) -> None:
         check_choice("backend", backend, BACKENDS)
         check_choice("payload", payload, PAYLOADS)
         if not isinstance(chunks, int) or chunks < 1 or (chunks > 1 and backend != "hierarchical"):
             raise ValueError(f"chunks = {chunks!r} must be an integer >= 1, and 1 unless backend = 'hierarchical' "
                              f"(got backend = {backend!r}): chunks pipeline the two hierarchical hops")
+        if fp8_rows and payload != "fp8":
+            raise ValueError(f"fp8_rows = True needs payload = 'fp8' (rows arrive in e4m3), got payload = {payload!r}")
         if not dist.is_initialized():
             raise RuntimeError("EPDispatcher needs torch.distributed to be initialised (gloo or nccl)")
         self.group = group if group is not None else dist.group.WORLD
@@ -100,7 +106,8 @@ class EPDispatcher:
         self.topology = make_topology(self.world_size, gpus_per_node)
         self.meter = TrafficMeter()
         self.channels, self.grad_channels = self._transports(hops)
-        self.codec = FP8_CODEC if payload == "fp8" else None
+        self.fp8_rows = fp8_rows
+        self.codec = (FP8_WIRE_CODEC if fp8_rows else FP8_CODEC) if payload == "fp8" else None
         self._device: torch.device | None = None
 
     def _transports(self, hops: HopGroups | None) -> tuple[list[HopTransport], list[HopTransport]]:
@@ -157,14 +164,21 @@ class EPDispatcher:
                                            self.backend, rehearsal.capacity_of(indices))
         arrived = yield from dispatch_steps(x, weights, indices, stages, self.channels, self.codec, route, self.chunks,
                                             plan.sends if plan else None)
+        wire = arrived[0]
+        if self.fp8_rows:  # autograd sees a zero-stride stand-in of the dequantised rows (never read)
+            arrived = (x.new_zeros(()).expand(wire.shape[0], x.shape[1]), arrived[1])
         rows, recv_weights = DispatchRows.apply(x, weights, arrived, route, self.grad_channels)
         perm = make_permutation(lookup(route.ids, local_expert), self.experts_per_rank,
                                 plan.expert_rows if plan else None)
         info = RecvInfo(perm.counts, rows.shape[0])
-        return permute(rows, perm), info, EPHandle(route, perm, recv_weights, x.shape[0])
+        out = permute(rows, perm)
+        if self.fp8_rows:
+            out = FP8Rows(*split_fp8(wire, x.shape[1], perm.row), out)
+        return out, info, EPHandle(route, perm, recv_weights, x.shape[0])
 
-    def dispatch(self, x: Tensor, indices: Tensor, weights: Tensor) -> tuple[Tensor, RecvInfo, EPHandle]:
-        """Rows of x for this rank's experts, one per (received token, local expert), grouped by expert."""
+    def dispatch(self, x: Tensor, indices: Tensor, weights: Tensor) -> tuple[Tensor | FP8Rows, RecvInfo, EPHandle]:
+        """Rows of x for this rank's experts, one per (received token, local expert), grouped by expert
+        (FP8Rows with fp8_rows)."""
         return run_steps(self.dispatch_steps(x, indices, weights))
 
     def combine_steps(self, y: Tensor, handle: EPHandle) -> Steps:

@@ -14,6 +14,7 @@ TILE = 128
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 SCALE_EPS = 1e-12
+ALIGN = 16  # e4m3 elements (= bytes) every row of an FP8 GEMM operand is a multiple of (TMA row alignment)
 
 
 def num_tiles(n: int) -> int:

@@ -34,7 +34,7 @@ KGROUPED_TILES = [(128, 128, 8, 4), (128, 128, 8, 3), (128, 64, 4, 4), (64, 128,
 _MGROUPED_CONFIGS = [config(*tile) for tile in MGROUPED_TILES[:1 if INTERPRET else None]]
 _KGROUPED_CONFIGS = [config(*tile) for tile in KGROUPED_TILES[:1 if INTERPRET else None]]
 GROUP_M = tl.constexpr(8)
-TMA_ALIGN = 16  # bytes = e4m3 elements: TMA needs every row stride to be a multiple of 16 bytes
+TMA_ALIGN = quant_ref.ALIGN  # bytes = e4m3 elements: TMA needs every row stride to be a multiple of 16 bytes
 
 
 @triton.autotune(configs=_MGROUPED_CONFIGS, key=["N", "K", "M_BUCKET"])

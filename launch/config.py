@@ -11,6 +11,7 @@ from pathlib import Path
 
 from launch.device import DEVICES
 from launch.faults import OpsSettings
+from kernels.quant_ref import ALIGN as FP8_ALIGN
 from launch.mesh import Layout
 from moe.config import ModelConfig, check_choice, check_positive
 from moe.cp import CP_METHODS
@@ -248,6 +249,7 @@ class RunConfig:
             raise ValueError(f"ops.inject_hang.rank = {hang['rank']} must be < the world size parallel.pp x dp x cp x tp = "
                              f"{par.world_size}")
         check_tp_shapes(model, self.train.seq_len, par.tp, par.sequence_parallel)
+        _check_fp8_sizes(model, par)
         layout = self.layout
         nodes = layout.ep_nodes()
         if nodes > 1 and layout.ep_gpus_per_node() and model.topk_groups < model.num_groups and model.num_groups % nodes:
@@ -266,6 +268,22 @@ class RunConfig:
     def chunks_per_step(self) -> int:
         """Micro-batches one DP rank runs in one pipeline step."""
         return self.parallel.num_chunks or self.train.grad_accum_steps // self.parallel.dp
+
+
+def _check_fp8_sizes(model: ModelConfig, par: ParallelSettings) -> None:
+    """FP8 payload rows and FP8 expert GEMM operands are e4m3 rows the GPU kernels read 16 bytes at a time
+    (kernels.quant_ref.ALIGN): fp8 payload or fp8 experts need hidden_size, fp8 experts also expert_ffn_size,
+    to be multiples of it."""
+    fields = {"model.hidden_size": model.hidden_size} if "fp8" in (par.dispatch_payload, model.expert_precision) else {}
+    if model.expert_precision == "fp8":
+        fields["model.expert_ffn_size"] = model.expert_ffn_size
+    for name, size in fields.items():
+        if size % FP8_ALIGN:
+            low = size // FP8_ALIGN * FP8_ALIGN
+            raise ValueError(f"{name} = {size} must be a multiple of {FP8_ALIGN} with parallel.dispatch_payload = "
+                             f"{par.dispatch_payload!r} and model.expert_precision = {model.expert_precision!r} "
+                             f"(FP8 rows are read {FP8_ALIGN} bytes at a time; allowed e.g. {low or FP8_ALIGN}, "
+                             f"{low + FP8_ALIGN}, or 'bf16' / 'native')")
 
 
 SECTIONS = {"model": ModelConfig, "train": TrainSettings, "data": DataSettings, "parallel": ParallelSettings,

@@ -12,6 +12,7 @@ from moe.config import check_choice, EXPERT_PRECISIONS
 from moe.grouped_mm import group_offsets, grouped_linear
 
 if TYPE_CHECKING:
+    from kernels import FP8Rows
     from moe.tp.comm import TPRegion
 
 
@@ -38,15 +39,19 @@ class GroupedExperts(nn.Module):
         """Number of experts held here."""
         return self.w_gate_up.shape[0]
 
-    def forward(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
-        """x [N, H] rows contiguous per expert (counts in tokens_per_expert [E]) -> [N, H]."""
+    def forward(self, x: Tensor | FP8Rows, tokens_per_expert: Tensor) -> Tensor:
+        """x [N, H] rows contiguous per expert (counts in tokens_per_expert [E]) -> [N, H]; fp8 experts also
+        take FP8Rows (an fp8 dispatch's e4m3 rows), which the first GEMM uses as they are."""
         if tokens_per_expert.numel() != self.num_experts:
             raise ValueError(f"tokens_per_expert has {tokens_per_expert.numel()} entries, "
                              f"expected one per expert ({self.num_experts})")
+        dtype = x.dtype if isinstance(x, Tensor) else x.rows.dtype
+        if not isinstance(x, Tensor) and self.precision != "fp8":
+            raise ValueError(f"e4m3 rows (FP8Rows) need expert_precision = 'fp8', got {self.precision!r}")
         linear = _linear_for(self.precision)
         offs = group_offsets(tokens_per_expert)
-        gate, up = linear(x, self.w_gate_up.to(x.dtype), offs).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.w_down.to(x.dtype), offs)
+        gate, up = linear(x, self.w_gate_up.to(dtype), offs).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.w_down.to(dtype), offs)
 
 
 class SwiGLU(nn.Module):

@@ -62,6 +62,9 @@ class MoELayer(nn.Module):
         if self.experts.num_experts != dispatcher.num_experts:
             raise ValueError(f"the layer holds {self.experts.num_experts} experts, the dispatcher expects "
                              f"{dispatcher.num_experts}: call to_expert_parallel once, on the full layer")
+        if getattr(dispatcher, "fp8_rows", False) and self.experts.precision != "fp8":
+            raise ValueError(f"a dispatcher with fp8_rows hands over e4m3 rows, which need expert_precision = "
+                             f"'fp8'; this layer's is {self.experts.precision!r}")
         block = slice(dispatcher.rank * count, (dispatcher.rank + 1) * count)
         for name in ("w_gate_up", "w_down"):
             weight = getattr(self.experts, name)

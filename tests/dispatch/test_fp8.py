@@ -1,4 +1,6 @@
-"""The chunked fp8 codec equals the plain formula bit for bit (single process)."""
+"""The fp8 payload codec is the kernels' quantiser: it equals the plain formula bit for bit, the old
+dispatch rule wherever the two rules agreed (every block with amax >= SCALE_EPS), and the kernels'
+documented rule where they did not (single process)."""
 
 from __future__ import annotations
 
@@ -6,16 +8,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dispatch.fp8 import CHUNK_ROWS, decode_fp8, dequantize_fp8, encode_fp8, quantize_fp8
+from dispatch.fp8 import decode_fp8, dequantize_fp8, encode_fp8, quantize_fp8
+from kernels.quant_ref import SCALE_EPS
+
+CHUNK_ROWS = 256  # the old codec's chunk: sizes around it still cover partial and whole chunks
 
 
-def _plain_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The formula in one pass over fp32 copies: scale = block amax / 448, q = clamp(x / scale)."""
+def _plain_quantize(x: torch.Tensor, old_rule: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The formula in one pass over fp32 copies: scale = max(block amax, SCALE_EPS) / 448, q = clamp(x / scale);
+    old_rule: the old dispatch codec's scale = amax / 448, or 1 for an all-zero (or NaN) block."""
     rows, hidden = x.shape
     blocks = -(-hidden // 128)
     xf = F.pad(x.float(), (0, blocks * 128 - hidden)).view(rows, blocks, 128)
     amax = xf.abs().amax(-1)
-    scales = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    if old_rule:
+        scales = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    else:
+        scales = amax.clamp(min=SCALE_EPS) / 448.0
     q = (xf / scales.unsqueeze(-1)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     return q.view(rows, blocks * 128)[:, :hidden], scales
 
@@ -38,7 +47,7 @@ def test_codec_equals_the_plain_formula_bitwise(dtype, rows, hidden):
          * 10.0 ** torch.randint(-6, 7, (rows, 1), generator=gen)).to(dtype)
     if rows > 2:
         x[1] = 0.0
-        x[2, 5] = float("nan")  # NaN stays NaN (its block's scale too)
+        x[2, 5] = float("nan")  # a NaN makes its block's scale and values NaN
     q, scales = quantize_fp8(x)
     want_q, want_scales = _plain_quantize(x)
     assert torch.equal(_bits(q), _bits(want_q)) and torch.equal(_bits(scales), _bits(want_scales))
@@ -53,3 +62,23 @@ def test_every_fp8_code_decodes_like_a_cast():
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).view(2, 128)
     got = dequantize_fp8(codes, torch.ones(2, 1), torch.float32)
     assert torch.equal(_bits(got), _bits(codes.float()))  # NaN codes included
+
+
+def test_old_rule_and_new_rule_agree_except_on_blocks_below_the_scale_floor():
+    """Rows of 3 blocks: normal values, all zeros, and a tiny block (amax 1e-20 < SCALE_EPS)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 384, generator=gen)
+    x[:, 128:256] = 0.0
+    x[:, 256:] *= 1e-20
+    q, scales = quantize_fp8(x)
+    old_q, old_scales = _plain_quantize(x, old_rule=True)
+    agree = slice(0, 128)
+    assert torch.equal(_bits(q[:, agree]), _bits(old_q[:, agree])) and torch.equal(scales[:, 0], old_scales[:, 0])
+    # all-zero block: the old rule's scale 1, the kernels' SCALE_EPS / 448; both give zero codes and decode to 0
+    assert torch.equal(old_scales[:, 1], torch.ones(4)) and torch.equal(scales[:, 1], torch.full((4,), SCALE_EPS / 448))
+    assert not q[:, 128:256].float().any() and not old_q[:, 128:256].float().any()
+    assert not dequantize_fp8(q, scales, torch.float32)[:, 128:256].any()
+    # below the floor the scale stays SCALE_EPS / 448, so values this small flush to e4m3 zero instead of
+    # the old rule's amax / 448 (which underflows to a zero scale, and x / 0, for amax below ~6e-43)
+    assert torch.equal(scales[:, 2], torch.full((4,), SCALE_EPS / 448)) and not q[:, 256:].float().any()
+    assert (old_scales[:, 2] < SCALE_EPS / 448).all()  # the old rule scaled them up to +-448

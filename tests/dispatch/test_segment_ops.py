@@ -15,7 +15,7 @@ from dispatch import EPDispatcher, make_permutation, unpermute
 from dispatch.routing import synthetic_routing
 from dispatch.segment import ordered_sum, segment_plan
 
-TOP_K, HIDDEN = 8, 16
+TOP_K, HIDDEN = 8, 128
 
 
 class OpCounter(TorchDispatchMode):
@@ -46,14 +46,14 @@ def one_rank():
         dist.destroy_process_group()
 
 
-def _layer_ops(backend: str, tokens: int, experts: int) -> tuple[Counter[str], Counter[str]]:
+def _layer_ops(backend: str, tokens: int, experts: int, payload: str = "bf16") -> tuple[Counter[str], Counter[str]]:
     """(forward, backward) operators of one dispatch + combine; a fifth of the slots dropped."""
     gen = torch.Generator().manual_seed(tokens + experts)
     indices, weights = synthetic_routing(tokens, experts, TOP_K, generator=gen)
     indices[torch.rand(indices.shape, generator=gen) < 0.2] = -1
     x = torch.randn(tokens, HIDDEN, generator=gen).bfloat16().requires_grad_()
     weights.requires_grad_()
-    dispatcher = EPDispatcher(experts, backend=backend)
+    dispatcher = EPDispatcher(experts, backend=backend, payload=payload)
     with OpCounter() as forward:
         recv, _, handle = dispatcher.dispatch(x, indices, weights)
         out = dispatcher.combine(recv * 2, handle)
@@ -63,9 +63,11 @@ def _layer_ops(backend: str, tokens: int, experts: int) -> tuple[Counter[str], C
     return forward.ops, backward.ops
 
 
+@pytest.mark.parametrize("payload", ["bf16", "fp8"])
 @pytest.mark.parametrize("backend", ["flat", "hierarchical"])
-def test_dispatch_and_combine_issue_as_many_operators_for_any_experts_and_tokens(one_rank, backend):
-    counts = {(tokens, experts): _layer_ops(backend, tokens, experts) for tokens in (512, 4096) for experts in (8, 256)}
+def test_dispatch_and_combine_issue_as_many_operators_for_any_experts_and_tokens(one_rank, backend, payload):
+    counts = {(tokens, experts): _layer_ops(backend, tokens, experts, payload)
+              for tokens in (512, 4096) for experts in (8, 256)}
     forward, backward = counts[512, 8]
     assert sum(forward.values()) > 0 and sum(backward.values()) > 0
     for key, (fwd, bwd) in counts.items():

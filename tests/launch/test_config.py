@@ -38,6 +38,10 @@ ROOT = Path(__file__).resolve().parents[2]
      "parallel.gpus_per_node = 3 must divide the world size"),
     ({"parallel": {"dp": 2}, "train": {"grad_accum_steps": 3}}, "train.grad_accum_steps = 3 .* multiple of parallel.dp"),
     ({"parallel": {"schedule": "gpipe"}}, "parallel.schedule = 'gpipe' is not allowed"),
+    ({"model": {"hidden_size": 120, "num_heads": 4}, "parallel": {"dispatch_payload": "fp8"}},
+     "model.hidden_size = 120 must be a multiple of 16 with parallel.dispatch_payload = 'fp8'.*allowed e.g. 112, 128"),
+    ({"model": {"hidden_size": 120, "num_heads": 4, "expert_precision": "fp8"}}, "model.hidden_size = 120 must be a multiple of 16"),
+    ({"model": {"expert_ffn_size": 100, "expert_precision": "fp8"}}, "model.expert_ffn_size = 100 must be a multiple of 16"),
     ({"data": {"corpus": "/no/such/corpus"}}, "data.corpus = '/no/such/corpus': no such file or folder"),
     ({"optimizer": {}}, "unknown section .optimizer."),
 ])
