@@ -126,7 +126,9 @@ class Channel:
         stray = [p for p, row in enumerate(counts) if any(row) and p not in self.peers]
         if stray:
             raise RuntimeError(f"rows planned for ranks {stray} outside the {self.name} hop's peers {self.peers}")
-        sent = torch.tensor([counts[p] for p in self.peers], dtype=torch.int64, device=device)
+        sent = torch.tensor([counts[p] for p in self.peers], dtype=torch.int64)
+        # on a GPU staged in pinned memory: the copy queues on the stream instead of blocking the host
+        sent = sent.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else sent.to(device)
         one_each = [int(p in self.peers) for p in range(self.topology.world_size)]
         pending = self.start_exchange(sent, one_each, one_each, kind, "meta")
 
