@@ -117,16 +117,18 @@ def tp_partial_params(stage: Stage) -> list[Tensor]:
     return [p for name, p, grads in tp_replicated_params(stage) if grads == "partial" and ".experts." not in name]
 
 
-def sum_tp_partial_grads(stages: list[Stage], mesh: Mesh) -> None:
+@torch.no_grad()
+def sum_tp_partial_grads(stages: list[Stage], mesh: Mesh, optimizer: ZeRO1) -> None:
     """All-reduce over the TP group (one flat collective, before ZeRO-1 sums over DP) the grads of
-    tp_partial_params."""
-    params = [p for stage in stages for p in tp_partial_params(stage) if p.grad is not None]
+    tp_partial_params, as ZeRO-1 holds them (its fp32 sums: a bf16 param's .grad is gone by now)."""
+    params = [p for stage in stages for p in tp_partial_params(stage)]
     if mesh.layout.tp == 1 or not params:
         return
-    flat = torch.cat([p.grad.flatten() for p in params])
+    grads = optimizer.local_grads(params)
+    flat = torch.cat([g.flatten() for g in grads])
     dist.all_reduce(flat, group=mesh.tp)
-    for p, piece in zip(params, flat.split([p.numel() for p in params])):
-        p.grad.copy_(piece.view_as(p.grad))
+    for grad, piece in zip(grads, flat.split([g.numel() for g in grads])):
+        grad.copy_(piece.view_as(grad))
 
 
 def build_optimizer(stages: list[Stage], cfg: RunConfig, mesh: Mesh) -> ZeRO1:
@@ -407,7 +409,7 @@ def _loop(cfg: RunConfig, mesh: Mesh, stages: list[Stage], runtime: PipelineRunt
                                          guard.loss_scale(step, 1 / settings.grad_accum_steps),
                                          optimizer if cfg.parallel.overlap_grad_reduce else None)
         phases.enter("grad sync", step)
-        sum_tp_partial_grads(stages, mesh)
+        sum_tp_partial_grads(stages, mesh, optimizer)
         compute_s = time.perf_counter() - began
         grad_norm = optimizer.clip_grad_norm_(settings.grad_clip, group=mesh.world)
         lr = scheduler.get_last_lr()[0]

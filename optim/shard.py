@@ -138,6 +138,11 @@ class ShardedParams:
             view.copy_(p.grad)
             p.grad = view
 
+    def local_grad(self, i: int) -> torch.Tensor:
+        """Param i's local (not yet reduced) grad sum: its view of the flat fp32 buffer, whatever its dtype."""
+        self._collect(i)
+        return self.grad_views[i]
+
     def _on_grad(self, i: int, _param: torch.Tensor) -> None:
         """Post-accumulate-grad hook: move the grad into the flat buffer (see _collect), tell the listener."""
         if self.layout.bucket_of[i] in self.launched:

@@ -194,6 +194,12 @@ class ZeRO1(torch.optim.Optimizer):
             shard.launch(b)
             self._next += 1
 
+    def local_grads(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The local (not yet reduced) grad sums of params as ZeRO-1 holds them: views of its flat fp32 buffers,
+        whatever the params' dtype (a bf16 param's grad is moved there as it arrives and its .grad dropped)."""
+        where = {id(p): (shard, i) for shard in self._shards for i, p in enumerate(shard.params)}
+        return [where[id(p)][0].local_grad(where[id(p)][1]) for p in params]
+
     @torch.no_grad()
     def reduce_gradients(self) -> None:
         """Reduce-scatter the accumulated local grads into the fp32 shards (once per step)."""

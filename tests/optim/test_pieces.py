@@ -52,3 +52,24 @@ def test_pieces_tile_every_param_once_as_views_cut_at_chunks(dtype, monkeypatch)
         covered = [e for start, length in found for e in range(start, start + length)]
         assert sorted(covered) == list(range(torch.Size(SHAPES[index]).numel())), index
     assert len(runs[2]) > WORLD  # the 40-element param spans chunks on every rank
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_local_grads_are_zero1s_fp32_sums_whatever_the_param_dtype(dtype):
+    """A bf16 param's grad is moved into ZeRO-1's fp32 buffer as it arrives (.grad dropped): local_grads hands out
+    those sums (views: writing them is what the TP sum of partial grads does), for fp32 params the bound .grad."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        params = [torch.nn.Parameter(torch.ones(s, dtype=dtype)) for s in SHAPES]
+        opt = ZeRO1(params, bucket_cap_mb=24 * 4 / 2**20)
+        opt.zero_grad(set_to_none=False)
+        for k in (1, 2):  # two micro-batches accumulate
+            sum(k * p.float().sum() for p in params).backward()
+        grads = opt.local_grads(params[::-1])
+        assert [g.dtype for g in grads] == [torch.float32] * len(SHAPES)
+        assert all(torch.equal(g, torch.full(p.shape, 3.0)) for g, p in zip(grads, params[::-1]))
+        assert all((p.grad is None) == (dtype == torch.bfloat16) for p in params)
+        grads[0].mul_(2)  # a view of the sums the reduction reads
+        assert torch.equal(opt.local_grads([params[-1]])[0], torch.full(SHAPES[-1], 6.0))
+    finally:
+        dist.destroy_process_group()
