@@ -126,9 +126,11 @@ class Channel:
         stray = [p for p, row in enumerate(counts) if any(row) and p not in self.peers]
         if stray:
             raise RuntimeError(f"rows planned for ranks {stray} outside the {self.name} hop's peers {self.peers}")
-        sent = torch.tensor([counts[p] for p in self.peers], dtype=torch.int64)
-        # on a GPU staged in pinned memory: the copy queues on the stream instead of blocking the host
-        sent = sent.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else sent.to(device)
+        rows = [counts[p] for p in self.peers]
+        if device.type == "cuda":  # staged in pinned host memory: the copy queues on the stream, the host goes on
+            sent = torch.tensor(rows, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+        else:
+            sent = torch.tensor(rows, dtype=torch.int64, device=device)
         one_each = [int(p in self.peers) for p in range(self.topology.world_size)]
         pending = self.start_exchange(sent, one_each, one_each, kind, "meta")
 
