@@ -13,7 +13,8 @@ from dispatch.progress import LAYER, mark
 from launch.flops import head_flops, model_layer_flops
 from moe.config import ModelConfig
 from moe.layer import MoELayer, MoEStats
-from moe.model import MoETransformer, rope_tables
+from moe.model import MoETransformer
+from moe.rope import rope_tables
 from moe.tp import TPRegion, vocab_parallel_cross_entropy
 from moe.tp import concurrent_backward as tp_concurrent_backward
 from pipeline.overlap import complete
@@ -135,7 +136,7 @@ class Stage(nn.Module):
         if self.embed is not None:
             x = self.embed(x)
         seq = x.shape[1] * (self.tp.size if self.tp is not None and self.tp.sequence_parallel else 1)
-        cos, sin = rope_tables(seq, self.cfg.hidden_size // self.cfg.num_heads, self.cfg.rope_theta, x.device)
+        cos, sin = rope_tables(seq, self.cfg.rope_dim, self.cfg.rope_theta, x.device)
         for i, block in self.blocks.items():
             mark(f"layer {i}", LAYER)
             x, stats = yield from block.forward_steps(x, cos, sin)

@@ -1,4 +1,4 @@
-"""Decoder-only DeepSeek-style transformer: RMSNorm, RoPE, causal GQA attention, dense then MoE layers."""
+"""Decoder-only DeepSeek-style transformer: RMSNorm, RoPE, causal GQA or MLA attention, dense then MoE layers."""
 
 from __future__ import annotations
 
@@ -14,25 +14,13 @@ from dispatch.channel import run_steps
 from moe.config import ModelConfig
 from moe.experts import SwiGLU
 from moe.layer import MoELayer, MoEStats
+from moe.mla import MLA
 from moe.norm import RMSNorm
+from moe.rope import apply_rope, rope_tables
 from moe.tp import (TPRegion, check_tp_shapes, parallelize_block, parallelize_embedding, parallelize_head,
                     vocab_parallel_cross_entropy)
 from moe.tp.comm import Group
 from moe.tp.layout import mark_replicated
-
-
-def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device | None = None) -> tuple[Tensor, Tensor]:
-    """cos and sin tables [seq_len, head_dim/2] for rotary position embeddings."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate pairs (even, odd) of x [B, heads, S, D] by the position angles."""
-    even, odd = x[..., 0::2], x[..., 1::2]
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
 
 
 class Attention(nn.Module):
@@ -79,7 +67,7 @@ class Block(nn.Module):
         super().__init__()
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.attn_norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-        self.attn = Attention(cfg, out_std)
+        self.attn = (MLA if cfg.attention == "mla" else Attention)(cfg, out_std)
         self.ffn_norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.ffn = (MoELayer(cfg) if moe
                     else SwiGLU(cfg.hidden_size, cfg.dense_ffn_size, init_std=cfg.init_std, out_std=out_std))
@@ -158,7 +146,7 @@ class MoETransformer(nn.Module):
             raise ValueError(f"sequence length {seq} exceeds max_seq_len = {self.cfg.max_seq_len}")
         if self.tp is not None:
             check_tp_shapes(self.cfg, seq, self.tp.size, self.tp.sequence_parallel)
-        cos, sin = rope_tables(seq, self.cfg.hidden_size // self.cfg.num_heads, self.cfg.rope_theta, tokens.device)
+        cos, sin = rope_tables(seq, self.cfg.rope_dim, self.cfg.rope_theta, tokens.device)
         x = self.embed(tokens)
         stats = []
         for block in self.blocks:

@@ -15,6 +15,8 @@ from launch.train_cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.toml")  # pp=2 dualpipev x dp=2, ep=2, 8 experts, 4 layers, gpus_per_node=1
+MLA = ["model.attention=mla", "model.kv_lora_rank=32", "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=16",
+       "model.v_head_dim=16"]
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                  "TORCHELASTIC_RUN_ID", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS",
                  "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
@@ -69,6 +71,10 @@ def _no_training(*args, **kwargs):
      "parallel.pp = 3: schedule 'dualpipe' needs an even pp (allowed: 2, 4, 6, ...)"),
     (["parallel.gpus_per_node=3"], "parallel.gpus_per_node = 3 must divide the world size pp x dp x tp = 4 "
                                    "(allowed: 0, 1, 2, 4)"),
+    ([*MLA, "model.num_heads=3", "parallel.tp=2"], "model.num_heads = 3 is not divisible by parallel.tp = 2; tp must "
+                                                   "be one of [1, 3]"),
+    ([*MLA, "model.qk_rope_head_dim=5"], "qk_rope_head_dim = 5 must be even (RoPE rotates pairs of dims)"),
+    (["model.attention=mla"], "kv_lora_rank = 0 must be an integer >= 1 with attention = 'mla'"),
 ])
 def test_a_bad_layout_is_refused_before_any_process_naming_field_and_allowed_values(nothing_may_start, capsys,
                                                                                     overrides, expected):
