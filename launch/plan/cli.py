@@ -13,7 +13,7 @@ from launch.config import RunConfig, load_config
 from launch.plan.memory import KERNELS, RECOMPUTE
 from launch.plan.measure import compare, cpu_machine, measure
 from launch.plan.planner import COMM_SM_SHARE, Machine, Options, make_plan
-from launch.plan.presets import GPU, GPUS, MLA_PRESETS, RECIPES, gpu_preset
+from launch.plan.presets import GPU, GPUS, RECIPES, gpu_preset
 from launch.plan.report import render, table, to_dict
 from launch.plan.search import describe, search
 
@@ -41,8 +41,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--comm-sm-share", type=float, default=COMM_SM_SHARE,
                    help=f"share of SMs communication holds while it overlaps compute (default {COMM_SM_SHARE:.3f}: "
                         "DeepSeek-V3's 20 of 132)")
-    p.add_argument("--attention", choices=("config", *MLA_PRESETS), default="config",
-                   help="count attention as the config's GQA, or as this MLA shape (DeepSeek-V3: deepseek-v3)")
     p.add_argument("--recompute", choices=RECOMPUTE, default="none")
     p.add_argument("--recipe", choices=tuple(RECIPES), help="bytes per param of weights/grads/optimizer "
                    "(default: this project's ZeRO-1 for train.dtype)")
@@ -90,7 +88,7 @@ def run(args: argparse.Namespace) -> dict:
     """Plan or search as the arguments say; print the tables, return the JSON-ready result."""
     config = load_config(args.config, args.set)
     par = config.parallel
-    options = Options(MLA_PRESETS.get(args.attention), args.recompute, args.kernels, args.recipe, args.sample_tokens)
+    options = Options(args.recompute, args.kernels, args.recipe, args.sample_tokens)
     if args.search:
         if not args.gpus or args.gpus < 1:
             raise ValueError("--search needs --gpus N (N >= 1)")

@@ -40,7 +40,7 @@ def activation_variants(plan: Plan) -> list[tuple[bool, str, float]]:
     """(sequence parallel, recompute, peak activation GB of the busiest rank) for every combination."""
     cfg, par, train = plan.config.model, plan.config.parallel, plan.config.train
     base = ActivationModel(cfg, plan.params.attention, getattr(torch, train.dtype).itemsize, par.tp, False,
-                           "none", _latent(plan), plan.options.kernels)
+                           "none", plan.options.kernels)
     schedule = make_schedule(plan.config)
     tokens = train.micro_batch_size * train.seq_len
     out = []
@@ -54,11 +54,6 @@ def activation_variants(plan: Plan) -> list[tuple[bool, str, float]]:
             extra = max(model.transient_layer(i >= cfg.first_k_dense) for i in range(cfg.num_layers)) * tokens
             out.append((sp, mode, (max(peaks) + extra) / GB))
     return out
-
-
-def _latent(plan: Plan) -> int:
-    mla = plan.options.mla
-    return mla.q_lora_rank + mla.kv_lora_rank + mla.qk_rope_head_dim if mla else 0
 
 
 def to_dict(plan: Plan) -> dict:
