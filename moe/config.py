@@ -60,7 +60,7 @@ class ModelConfig:
     max_seq_len: int = 256
     rope_theta: float = 10000.0
     attention: str = "gqa"    # "gqa": moe.model.Attention; "mla": multi-head latent attention (moe.mla.MLA)
-    q_lora_rank: int = 0      # MLA: width of the query latent; 0: a plain query projection (DeepSeek-V2-Lite)
+    q_lora_rank: int | None = 0  # MLA: query latent width; 0 or None: a plain query projection (DeepSeek-V2-Lite)
     kv_lora_rank: int = 0     # MLA: width of the joint key/value latent
     qk_nope_head_dim: int = 0  # MLA: per-head query/key width without RoPE
     qk_rope_head_dim: int = 0  # MLA: per-head query width with RoPE, and of the one RoPE key all heads share
@@ -93,6 +93,8 @@ class ModelConfig:
         check_positive("first_k_dense", self.first_k_dense, minimum=0)
         check_positive("num_shared_experts", self.num_shared_experts, minimum=0)
         check_choice("attention", self.attention, ATTENTIONS)
+        if self.q_lora_rank is None:  # Hugging Face's spelling of "no query latent"
+            self.q_lora_rank = 0
         if self.attention == "mla":
             self._check_mla()
         else:

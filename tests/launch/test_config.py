@@ -28,6 +28,7 @@ MLA = {"kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head
     ({"model": {"attention": "mla", "kv_lora_rank": 16}}, r"qk_nope_head_dim = 0 must be an integer >= 1 with attention"),
     ({"model": {"attention": "mla", **MLA, "qk_rope_head_dim": 7}}, r"qk_rope_head_dim = 7 must be even"),
     ({"model": {"attention": "mla", **MLA, "q_lora_rank": -1}}, r"q_lora_rank = -1 must be an integer >= 0"),
+    ({"model": {"attention": "mla", **MLA, "q_lora_rank": 2.0}}, r"model.q_lora_rank = 2.0 must be of type int"),
     ({"model": {"attention": "mla", **MLA, "v_head_dim": 1.5}}, r"model.v_head_dim = 1.5 must be of type int"),
     ({"model": {"kv_lora_rank": 16}}, r"kv_lora_rank = 16 is an MLA width: set attention = 'mla'"),
     ({"model": {"attention": "mla", **MLA, "num_heads": 6}, "parallel": {"tp": 4}},

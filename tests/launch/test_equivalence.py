@@ -57,11 +57,11 @@ def raw_config(run_dir: str, corpus: str, parallel: dict, capacity_factor: float
                attention: str = "gqa") -> dict:
     """A 4-layer (1 dense + 3 MoE) float64 model with GQA or MLA attention, 8 micro-batches of 2 x 16 tokens per
     step."""
-    model = ATTENTION[attention] | {"vocab_size": 256, "hidden_size": 32, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
+    model = {"vocab_size": 256, "hidden_size": 32, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
              "max_seq_len": 16, "first_k_dense": 1, "dense_ffn_size": 48, "num_experts": 8,
              "expert_ffn_size": 16, "top_k": 2, "num_shared_experts": 1, "score_func": "sigmoid",
              "num_groups": 2, "topk_groups": 1, "aux_loss_coeff": 0.01, "seq_aux_loss_coeff": 0.001,
-             "bias_update_rate": 0.01, "drop_policy": "probs"}
+             "bias_update_rate": 0.01, "drop_policy": "probs", **ATTENTION[attention]}
     if capacity_factor is not None:
         model["capacity_factor"] = capacity_factor
     settings = {"steps": STEPS, "micro_batch_size": 2, "grad_accum_steps": 8, "seq_len": 16, "lr": 0.01,

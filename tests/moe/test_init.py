@@ -13,7 +13,8 @@ from moe.model import MoETransformer
 CFG = ModelConfig(hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, first_k_dense=1, dense_ffn_size=128,
                   num_experts=8, expert_ffn_size=64, top_k=2, init_std=0.05)
 MLA = dict(attention="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
-CONFIGS = {"gqa": CFG, "mla": replace(CFG, **MLA, q_lora_rank=32), "mla without query latent": replace(CFG, **MLA)}
+CONFIGS = {"gqa": CFG, "mla": replace(CFG, **MLA, q_lora_rank=32),
+           "mla without query latent": replace(CFG, **MLA, q_lora_rank=None)}
 
 
 @pytest.mark.parametrize("attention", list(CONFIGS))

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf  # the `test` extra pins transformers
 
 from moe.config import ModelConfig
 from moe.mla import MLA
 from moe.rope import rope_tables
-
-transformers = pytest.importorskip("transformers")
-from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf  # noqa: E402
 
 BATCH, SEQ, HIDDEN, HEADS = 2, 12, 32, 4
 DIMS = dict(kv_lora_rank=12, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5)
