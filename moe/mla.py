@@ -6,7 +6,8 @@ kv_b), whose up-projection gives every head its qk_nope_head_dim key and v_head_
 yields one qk_rope_head_dim key that carries RoPE and is shared by all heads; each head's query has its
 own RoPE part. RoPE rotates interleaved pairs (moe.rope), DeepSeek's layout. Scores are scaled by
 1/sqrt(qk_nope_head_dim + qk_rope_head_dim), V3's scale without YaRN (ModelConfig has no RoPE scaling,
-so there is no YaRN mscale to apply).
+so there is no YaRN mscale to apply). The latent norms use model.norm_eps, as the block norms (DeepSeek-V3: 1e-6
+everywhere; transformers' DeepseekV3Attention fixes its latent norms at 1e-6).
 
 Every weight is an nn.Linear (the pipeline runtime defers their weight grads: pipeline.wgrad) or an RMSNorm
 scale. Under TP (moe.tp.parallelize_mla) heads split: q/q_b, kv_b (column-parallel) and out (row-parallel)
