@@ -124,14 +124,20 @@ class StepMemTracker(MemTracker):
 
 class FusedAttention(TorchFunctionMode):
     """On meta, scaled_dot_product_attention decomposes into its math form, which saves an S x S score matrix
-    per head; a GPU runs a fused kernel (FlashAttention) that saves the output and one logsumexp per row. This
-    mode gives meta calls a fused kernel's op (with a meta kernel and autograd), so memory is a GPU's."""
+    per head; a GPU runs a fused kernel that saves the output and one logsumexp per row: FlashAttention, or
+    the memory-efficient kernel when value heads are narrower than query/key heads (MLA), which flash does
+    not take. This mode gives meta calls that kernel's op (with a meta kernel and autograd), so memory is a
+    GPU's."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: D105
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention and args[0].is_meta and kwargs.get("attn_mask") is None:
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                *args[:3], kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False), scale=kwargs.get("scale"))[0]
+            q, k, v = args[:3]
+            dropout, causal, scale = kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False), kwargs.get("scale")
+            if v.shape[-1] != q.shape[-1]:
+                return torch.ops.aten._scaled_dot_product_efficient_attention(
+                    q, k, v, None, True, dropout, causal, scale=scale)[0]
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout, causal, scale=scale)[0]
         return func(*args, **kwargs)
 
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass, fields
 SCORE_FUNCS = ("softmax", "sigmoid")
 DROP_POLICIES = ("probs", "position")
 EXPERT_PRECISIONS = ("native", "fp8")
+ATTENTIONS = ("gqa", "mla")
+MLA_DIMS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")  # each >= 1 with MLA
 
 
 def check_choice(name: str, value: object, allowed: tuple) -> None:
@@ -54,10 +56,16 @@ class ModelConfig:
     hidden_size: int = 128
     num_layers: int = 4
     num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 0  # width of one attention head; 0: hidden_size / num_heads (Qwen3: 128 with 64 heads of hidden 4096)
+    num_kv_heads: int = 2  # GQA only
+    head_dim: int = 0  # GQA: width of one attention head; 0: hidden_size / num_heads (Qwen3: 128 with 64 heads of hidden 4096)
     max_seq_len: int = 256
     rope_theta: float = 10000.0
+    attention: str = "gqa"    # "gqa": moe.model.Attention; "mla": multi-head latent attention (moe.mla.MLA)
+    q_lora_rank: int | None = 0  # MLA: query latent width; 0 or None: a plain query projection (DeepSeek-V2-Lite)
+    kv_lora_rank: int = 0     # MLA: width of the joint key/value latent
+    qk_nope_head_dim: int = 0  # MLA: per-head query/key width without RoPE
+    qk_rope_head_dim: int = 0  # MLA: per-head query width with RoPE, and of the one RoPE key all heads share
+    v_head_dim: int = 0       # MLA: per-head value width
     norm_eps: float = 1e-6
     first_k_dense: int = 1
     dense_ffn_size: int = 384
@@ -86,6 +94,25 @@ class ModelConfig:
         check_positive("first_k_dense", self.first_k_dense, minimum=0)
         check_positive("num_shared_experts", self.num_shared_experts, minimum=0)
         check_positive("head_dim", self.head_dim, minimum=0)
+        check_choice("attention", self.attention, ATTENTIONS)
+        if self.q_lora_rank is None:  # Hugging Face's spelling of "no query latent"
+            self.q_lora_rank = 0
+        if self.attention == "mla":
+            self._check_mla()
+        else:
+            self._check_gqa()
+        if self.first_k_dense > self.num_layers:
+            raise ValueError(f"first_k_dense = {self.first_k_dense} must be <= num_layers = {self.num_layers}")
+        check_router_settings(self.num_experts, self.top_k, self.score_func, self.num_groups,
+                              self.topk_groups, self.capacity_factor, self.drop_policy)
+        check_choice("expert_precision", self.expert_precision, EXPERT_PRECISIONS)
+
+    def _check_gqa(self) -> None:
+        """Heads split hidden_size evenly into even (RoPE) widths and share KV heads evenly; no MLA widths set."""
+        for name in ("q_lora_rank", *MLA_DIMS):
+            if getattr(self, name):
+                raise ValueError(f"{name} = {getattr(self, name)!r} is an MLA width: set attention = 'mla', "
+                                 f"or leave {name} out (0) with attention = 'gqa'")
         if not self.head_dim and self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size = {self.hidden_size} must be divisible by num_heads = {self.num_heads} "
                              f"(or set head_dim)")
@@ -94,11 +121,26 @@ class ModelConfig:
                              f"for RoPE")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads = {self.num_heads} must be divisible by num_kv_heads = {self.num_kv_heads}")
-        if self.first_k_dense > self.num_layers:
-            raise ValueError(f"first_k_dense = {self.first_k_dense} must be <= num_layers = {self.num_layers}")
-        check_router_settings(self.num_experts, self.top_k, self.score_func, self.num_groups,
-                              self.topk_groups, self.capacity_factor, self.drop_policy)
-        check_choice("expert_precision", self.expert_precision, EXPERT_PRECISIONS)
+
+    def _check_mla(self) -> None:
+        """Every MLA width given (q_lora_rank may be 0), the RoPE width even; no GQA-only head_dim."""
+        if self.head_dim:
+            raise ValueError(f"head_dim = {self.head_dim} is a GQA width: with attention = 'mla' the head widths are "
+                             f"qk_nope_head_dim, qk_rope_head_dim and v_head_dim")
+        check_positive("q_lora_rank", self.q_lora_rank, minimum=0)
+        for name in MLA_DIMS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} = {value!r} must be an integer >= 1 with attention = 'mla' "
+                                 f"(DeepSeek-V3: kv_lora_rank 512, qk_nope_head_dim 128, qk_rope_head_dim 64, "
+                                 f"v_head_dim 128)")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim = {self.qk_rope_head_dim} must be even (RoPE rotates pairs of dims)")
+
+    @property
+    def rope_dim(self) -> int:
+        """Per-head width RoPE rotates: MLA's qk_rope_head_dim, or GQA's whole head (attention_head_dim)."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.attention_head_dim
 
     @property
     def attention_head_dim(self) -> int:

@@ -1,4 +1,4 @@
-"""Decoder-only DeepSeek-style transformer: RMSNorm, RoPE, causal GQA attention, dense then MoE layers."""
+"""Decoder-only DeepSeek-style transformer: RMSNorm, RoPE, causal GQA or MLA attention, dense then MoE layers."""
 
 from __future__ import annotations
 
@@ -15,18 +15,13 @@ from moe.config import ModelConfig
 from moe.cp import CPRegion
 from moe.experts import SwiGLU
 from moe.layer import MoELayer, MoEStats
+from moe.mla import MLA
 from moe.norm import RMSNorm
+from moe.rope import apply_rope, rope_tables
 from moe.tp import (TensorParallelRouter, TPRegion, check_tp_shapes, parallelize_block, parallelize_embedding,
                     parallelize_head, vocab_parallel_cross_entropy)
 from moe.tp.comm import Group
 from moe.tp.layout import mark_replicated
-
-
-def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device | None = None) -> tuple[Tensor, Tensor]:
-    """cos and sin tables [seq_len, head_dim/2] for rotary position embeddings."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
 
 
 def position_tables(cfg: ModelConfig, local_len: int, device: torch.device, tp: TPRegion | None = None,
@@ -34,18 +29,11 @@ def position_tables(cfg: ModelConfig, local_len: int, device: torch.device, tp: 
     """RoPE cos and sin rows for a residual stream of local_len positions: the whole sequence's under TP with
     SP (attention gathers it), this rank's zig-zag positions under CP."""
     seq = local_len * (tp.size if tp is not None and tp.sequence_parallel else 1) * (cp.size if cp is not None else 1)
-    cos, sin = rope_tables(seq, cfg.attention_head_dim, cfg.rope_theta, device)
+    cos, sin = rope_tables(seq, cfg.rope_dim, cfg.rope_theta, device)
     if cp is None:
         return cos, sin
     rows = cp.positions(seq, device)
     return cos[rows], sin[rows]
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate pairs (even, odd) of x [B, heads, S, D] by the position angles."""
-    even, odd = x[..., 0::2], x[..., 1::2]
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
 
 
 class Attention(nn.Module):
@@ -97,7 +85,7 @@ class Block(nn.Module):
         super().__init__()
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.attn_norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-        self.attn = Attention(cfg, out_std)
+        self.attn = (MLA if cfg.attention == "mla" else Attention)(cfg, out_std)
         self.ffn_norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.ffn = (MoELayer(cfg) if moe
                     else SwiGLU(cfg.hidden_size, cfg.dense_ffn_size, init_std=cfg.init_std, out_std=out_std))

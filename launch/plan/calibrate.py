@@ -9,7 +9,7 @@ from pathlib import Path
 
 from launch.config import load_config
 from launch.plan.planner import Machine, Options, Plan, make_plan
-from launch.plan.presets import MLA_PRESETS, gpu_preset
+from launch.plan.presets import gpu_preset
 from launch.plan.report import table
 
 CALIBRATION = Path(__file__).with_name("calibration.toml")
@@ -38,10 +38,8 @@ class Run:
     notes: str = ""
 
     def options(self) -> Options:
-        """The planner options [run.plan] gives (attention: an MLA preset name)."""
-        plan = dict(self.plan)
-        mla = MLA_PRESETS[plan.pop("attention")] if "attention" in plan else None
-        return Options(mla=mla, **plan)
+        """The planner options [run.plan] gives."""
+        return Options(**self.plan)
 
 
 def load_runs(path: Path = CALIBRATION) -> list[Run]:

@@ -16,7 +16,7 @@ from launch.plan.efficiency import PRECISIONS
 from launch.plan.memory import KERNELS, RECOMPUTE
 from launch.plan.measure import compare, cpu_machine, measure
 from launch.plan.planner import COMM_SM_SHARE, Machine, Options, make_plan
-from launch.plan.presets import GPU, GPUS, MLA_PRESETS, RECIPES, gpu_preset
+from launch.plan.presets import GPU, GPUS, RECIPES, gpu_preset
 from launch.plan.report import render, table, to_dict
 from launch.plan.search import describe, search
 
@@ -47,8 +47,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--comm-sm-share", type=float, default=COMM_SM_SHARE,
                    help=f"share of SMs communication holds while it overlaps compute (default {COMM_SM_SHARE:.3f}: "
                         "DeepSeek-V3's 20 of 132)")
-    p.add_argument("--attention", choices=("config", *MLA_PRESETS), default="config",
-                   help="count attention as the config's GQA, or as this MLA shape (DeepSeek-V3: deepseek-v3)")
     p.add_argument("--recompute", choices=RECOMPUTE, default="none")
     p.add_argument("--recipe", choices=tuple(RECIPES), help="bytes per param of weights/grads/optimizer "
                    "(default: this project's ZeRO-1 for train.dtype)")
@@ -109,8 +107,8 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError("give a CONFIG to plan (or --validate)")
     config = load_config(args.config, args.set)
     par = config.parallel
-    options = Options(MLA_PRESETS.get(args.attention), args.recompute, args.kernels, args.recipe, args.sample_tokens,
-                      args.linears, args.virtual_stages, args.paired_1f1b, args.overlap_dp)
+    options = Options(args.recompute, args.kernels, args.recipe, args.sample_tokens, args.linears, args.virtual_stages,
+                      args.paired_1f1b, args.overlap_dp)
     if args.search:
         if not args.gpus or args.gpus < 1:
             raise ValueError("--search needs --gpus N (N >= 1)")

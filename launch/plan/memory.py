@@ -70,7 +70,6 @@ class ActivationModel:
     tp: int = 1
     sequence_parallel: bool = False
     recompute: str = "none"
-    mla_latent: int = 0  # MLA: widths of the q and kv latents (q_lora_rank + kv_lora_rank + rope dim)
     kernels: str = "project"
 
     def __post_init__(self) -> None:
@@ -102,7 +101,7 @@ class ActivationModel:
         kv_heads = att.heads if att.kind == "mla" or self._project else self.cfg.num_kv_heads
         qkv = a * (att.heads * att.qk_head_dim + kv_heads * (att.qk_head_dim + att.v_head_dim)) / t
         out = a * att.heads * att.v_head_dim / t * (2 if self._project else 1) + 4 * att.heads / t
-        latent = a * self.mla_latent
+        latent = a * att.latent
         if self.recompute == "selective":
             return self._norm() + latent + out + (0 if att.kind == "mla" else qkv)
         return self._norm() + latent + qkv + out

@@ -1,4 +1,5 @@
-"""Parameter counts of a ModelConfig (optionally with MLA attention): per layer, per stage, per rank, activated."""
+"""Parameter counts of a ModelConfig (GQA or MLA attention, as model.attention builds it): per layer, per stage,
+per rank, activated."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 from launch.flops import AttentionShape, attention_shape
-from launch.plan.presets import MLA
 from moe.config import ModelConfig
 
 
@@ -90,9 +90,9 @@ class ModelParams:
         return self.total.activated + self.embedding
 
 
-def count_params(cfg: ModelConfig, stages: Sequence[range] | None = None, mla: MLA | None = None) -> ModelParams:
+def count_params(cfg: ModelConfig, stages: Sequence[range] | None = None) -> ModelParams:
     """Parameter counts of cfg, whole and per pipeline stage (stages: each one's layers; default one stage)."""
-    attention = attention_shape(cfg, mla)
+    attention = attention_shape(cfg)
     layers = [layer_params(cfg, i, attention) for i in range(cfg.num_layers)]
     counts = [sum((layers[i] for i in span), Params()) for span in (stages or [range(cfg.num_layers)])]
     counts[0] = counts[0] + embedding_params(cfg)

@@ -14,7 +14,7 @@ from launch.plan.compute import Precisions, Seconds, elementwise_seconds, head_s
 from launch.plan.efficiency import PRECISIONS, GemmModel
 from launch.plan.memory import FP8_CACHED, ActivationModel, ModelStates, schedule_peaks, backward_workspace, zero_model_states
 from launch.plan.params import ModelParams, count_params
-from launch.plan.presets import GPU, MLA, RECIPES, StateBytes
+from launch.plan.presets import GPU, RECIPES, StateBytes
 from launch.plan.timing import Rates, StageCost, interleave, paired, simulate_step
 from launch.plan.traffic import EPStats, ep_stats, ring_bytes, total
 from launch.stages import stage_ranges
@@ -56,7 +56,6 @@ class Machine:
 class Options:
     """Planner-side choices the run config does not hold."""
 
-    mla: MLA | None = None       # count attention as this MLA shape instead of the config's GQA
     recompute: str = "none"
     kernels: str = "project"     # activation bytes of this project's ops, or of fused kernels (memory.KERNELS)
     recipe: str | None = None    # model-state bytes (presets.RECIPES); default from train.dtype
@@ -124,8 +123,7 @@ class Plan:
         """The peak FLOP/s per GPU MFU divides by: dense BF16, with the routed experts' share of the FLOPs at
         the FP8 peak when they run in FP8 (launch.flops.mixed_peak, as the trainer's MFU)."""
         gpu = self.machine.gpu
-        return mixed_peak(self.config.model, self.config.train.seq_len, gpu.bf16_tflops * 1e12,
-                          gpu.fp8_tflops * 1e12, self.params.attention)
+        return mixed_peak(self.config.model, self.config.train.seq_len, gpu.bf16_tflops * 1e12, gpu.fp8_tflops * 1e12)
 
     @property
     def mfu(self) -> float:
@@ -193,16 +191,14 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
     _check_options(config, options)
     num_stages = par.num_stages
     layers = stage_ranges(cfg, train.seq_len, num_stages)  # the trainer's own split
-    params = count_params(cfg, layers, options.mla)
+    params = count_params(cfg, layers)
     recipe = RECIPES[options.recipe] if options.recipe else default_recipe(config)
     dtype = getattr(torch, train.dtype)
     itemsize = dtype.itemsize
     chunks = config.chunks_per_step
     tokens = train.micro_batch_size * train.seq_len  # one chunk, one pipeline rank's TP group
-    mla_latent = (options.mla.q_lora_rank + options.mla.kv_lora_rank + options.mla.qk_rope_head_dim
-                  if options.mla else 0)
     acts = ActivationModel(cfg, params.attention, itemsize, par.tp, par.sequence_parallel, options.recompute,
-                           mla_latent, options.kernels)
+                           options.kernels)
     stage_bytes = [acts.stage(layers[s], s == num_stages - 1, tokens) for s in range(num_stages)]
     schedule = make_schedule(config)
     layout = _layout(config)
@@ -257,7 +253,7 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
         sync = max(0.0, sync - max(c.b for c in costs))
     return Plan(config, machine, options, params, layers, ranks, ep, costs, p2p_seconds, makespan,
                 sum(idles) / len(idles), sync,
-                train.grad_accum_steps * tokens, model_flops_per_token(cfg, train.seq_len, params.attention),
+                train.grad_accum_steps * tokens, model_flops_per_token(cfg, train.seq_len),
                 train.grad_accum_steps // par.dp // chunks, list(idles))
 
 
@@ -322,7 +318,7 @@ def _stage_cost(config: RunConfig, params: ModelParams, layers: range, has_head:
                 for i in layers), Seconds())
     cost += head_seconds(gemms, cfg, tokens, par.tp) if has_head else Seconds()
     recompute = {"none": 0.0, "full": cost.f}.get(options.recompute,
-                                                  _selective_recompute(config, options, len(layers), gemms,
+                                                  _selective_recompute(config, params, len(layers), gemms,
                                                                        precisions.dense))
     ep_f = ep_b = 0.0
     if ep is not None and moe_layers:
@@ -344,15 +340,13 @@ def _stage_cost(config: RunConfig, params: ModelParams, layers: range, has_head:
     return StageCost(cost.f, cost.b + recompute, cost.w, ep_f + tp, ep_b + tp)
 
 
-def _selective_recompute(config: RunConfig, options: Options, num_layers: int, gemms: GemmModel,
+def _selective_recompute(config: RunConfig, params: ModelParams, num_layers: int, gemms: GemmModel,
                          precision: str) -> float:
     """Seconds to recompute the MLA up-projections of a stage's layers for one chunk (norms and SwiGLU
-    products are elementwise: not counted)."""
-    if options.mla is None:
+    products are elementwise: not counted; GQA recomputes no matmul)."""
+    up = params.attention.up
+    if not up:
         return 0.0
-    mla, cfg, train = options.mla, config.model, config.train
-    heads = cfg.num_heads
-    up = (mla.q_lora_rank * heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim)
-          + mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim))
+    cfg, train = config.model, config.train
     tokens = train.micro_batch_size * train.seq_len
     return num_layers * gemms.gemm(tokens, up / cfg.hidden_size / config.parallel.tp, cfg.hidden_size, precision)

@@ -1,4 +1,4 @@
-"""GPU and network presets (with their sources), DeepSeek-V3's MLA shape and byte recipes of model states."""
+"""GPU and network presets (with their sources) and byte recipes of model states."""
 
 from __future__ import annotations
 
@@ -47,25 +47,6 @@ def gpu_preset(name: str) -> GPU:
         raise ValueError(f"--gpu {name!r} is not a known GPU; choose one of {', '.join(GPUS)} "
                          f"(or give --peak-tflops, --intra-node-gbps and --inter-node-gbps for another)")
     return GPUS[key]
-
-
-@dataclass(frozen=True)
-class MLA:
-    """Multi-head latent attention shape (DeepSeek-V2/V3): low-rank q and kv projections."""
-
-    q_lora_rank: int
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    source: str
-
-
-MLA_PRESETS: dict[str, MLA] = {
-    "deepseek-v3": MLA(1536, 512, 128, 64, 128,
-                       "DeepSeek-V3 config.json (q_lora_rank, kv_lora_rank, qk_nope/rope_head_dim, v_head_dim) "
-                       "and report section 2.1.1"),
-}
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ def activation_variants(plan: Plan) -> list[tuple[bool, str, float]]:
     """(sequence parallel, recompute, peak activation GB of the busiest rank) for every combination."""
     cfg, par, train = plan.config.model, plan.config.parallel, plan.config.train
     base = ActivationModel(cfg, plan.params.attention, getattr(torch, train.dtype).itemsize, par.tp, False,
-                           "none", _latent(plan), plan.options.kernels)
+                           "none", plan.options.kernels)
     schedule = make_schedule(plan.config)
     tokens = train.micro_batch_size * train.seq_len
     out = []
@@ -62,11 +62,6 @@ def _gemms(plan: Plan) -> str:
         return f"at {flat:.0%} of peak"
     linears = plan.options.linears
     return f"priced by shape and precision ({linears or 'bf16 dense, experts per config'}; launch/plan/efficiency.py)"
-
-
-def _latent(plan: Plan) -> int:
-    mla = plan.options.mla
-    return mla.q_lora_rank + mla.kv_lora_rank + mla.qk_rope_head_dim if mla else 0
 
 
 def to_dict(plan: Plan) -> dict:

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from moe.experts import SwiGLU
 from moe.layer import MoELayer
 from moe.local_dispatch import LocalDispatcher
+from moe.mla import MLA
 from moe.router import TopKRouter
 from moe.tp.comm import Group, TPRegion, reduce_from_region
 from moe.tp.layout import check_divisible, check_kv_heads, mark_replicated, shard_param
@@ -50,6 +51,23 @@ def parallelize_attention(attn: nn.Module, region: TPRegion) -> None:
     shard_param(attn.out, "weight", q_rows, rank, dim=1)
     attn.out.in_features = attn.out.weight.shape[1]
     attn.num_heads = heads // size
+    attn.tp = region
+
+
+def parallelize_mla(attn: MLA, region: TPRegion) -> None:
+    """Keep this rank's heads of the query (q or q_b) and kv_b rows (column-parallel) and of out's columns
+    (row-parallel); the latent down-projections and norms stay whole, their grads partial over TP."""
+    size, rank = region.size, region.rank
+    check_divisible("model.num_heads", attn.num_heads, size)
+    heads = list(torch.arange(attn.num_heads).chunk(size))
+    for linear, head_dim in ((attn.query_projection(), attn.qk_head_dim), (attn.kv_b, attn.nope_dim + attn.v_dim)):
+        shard_param(linear, "weight", [head_rows(h, head_dim) for h in heads], rank)
+        linear.out_features = linear.weight.shape[0]
+    shard_param(attn.out, "weight", [head_rows(h, attn.v_dim) for h in heads], rank, dim=1)
+    attn.out.in_features = attn.out.weight.shape[1]
+    for module in attn.down_projections():
+        mark_replicated(module, "partial")
+    attn.num_heads //= size
     attn.tp = region
 
 
@@ -126,7 +144,7 @@ def parallelize_block(block: nn.Module, tp_group: Group, sequence_parallel: bool
     it slices them from the replicated input and all-gathers its output). grad_group: see TPRegion.
     """
     region = TPRegion(tp_group, sequence_parallel, 1, grad_group)
-    parallelize_attention(block.attn, region)
+    (parallelize_mla if isinstance(block.attn, MLA) else parallelize_attention)(block.attn, region)
     norms = "partial" if sequence_parallel else "identical"
     mark_replicated(block.attn_norm, norms)
     mark_replicated(block.ffn_norm, norms)

@@ -8,7 +8,8 @@ Every parameter of a converted module carries a `tp_spec` (TPSpec). Grad semanti
     "partial"   every TP rank holds the whole param and its local grad is a partial sum that must be
                 summed over the TP group: norms with SP (each rank normalises its sequence shard),
                 the router (each rank routes its own tokens), KV projections replicated because
-                num_kv_heads < tp, and routed experts held locally (no EP).
+                num_kv_heads < tp, MLA's latent down-projections and norms (each rank's heads use
+                them), and routed experts held locally (no EP).
     "identical" every TP rank holds the whole param and computes the same grad: norms without SP;
                 do not sum over TP (count one copy).
 
@@ -155,15 +156,16 @@ def check_tp_group(tp_group: Group, tp: int) -> None:
 def check_tp_shapes(cfg: ModelConfig, seq_len: int | None, tp: int, sequence_parallel: bool) -> None:
     """Raise ValueError naming the field and the allowed values unless cfg (and seq_len) split over tp ranks.
 
-    Needs tp | num_heads, tp | vocab_size, tp | dense_ffn_size (dense layers), tp | the shared
-    experts' width (MoE layers with shared experts), num_kv_heads and tp dividing one another, and
+    Needs tp | num_heads (GQA or MLA heads), tp | vocab_size, tp | dense_ffn_size (dense layers), tp | the shared
+    experts' width (MoE layers with shared experts), GQA's num_kv_heads and tp dividing one another, and
     tp | seq_len with SP or with MoE layers (each TP rank routes its own S/tp tokens).
     seq_len=None skips the sequence check (the model checks at run time).
     """
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ValueError(f"parallel.tp = {tp!r} must be an integer >= 1")
     check_divisible("model.num_heads", cfg.num_heads, tp)
-    check_kv_heads(cfg.num_kv_heads, tp)
+    if cfg.attention == "gqa":
+        check_kv_heads(cfg.num_kv_heads, tp)
     check_divisible("model.vocab_size", cfg.vocab_size, tp)
     if cfg.first_k_dense:
         check_divisible("model.dense_ffn_size", cfg.dense_ffn_size, tp)

@@ -9,6 +9,7 @@ import pytest
 from launch.config import build_config, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
+MLA = {"kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8}
 
 
 @pytest.mark.parametrize("raw, message", [
@@ -21,6 +22,17 @@ ROOT = Path(__file__).resolve().parents[2]
     ({"model": {"expert_precision": "fp4"}}, "expert_precision = 'fp4' is not allowed"),
     ({"model": {"hidden_size": 100, "num_heads": 3}}, "hidden_size = 100 must be divisible by num_heads"),
     ({"model": {"nonsense": 1}}, "unknown key model.nonsense"),
+    ({"model": {"attention": "mha"}}, r"\[model\] attention = 'mha' is not allowed; choose one of 'gqa', 'mla'"),
+    ({"model": {"attention": "mla", **MLA, "kv_lora_rank": 0}},
+     r"\[model\] kv_lora_rank = 0 must be an integer >= 1 with attention = 'mla'"),
+    ({"model": {"attention": "mla", "kv_lora_rank": 16}}, r"qk_nope_head_dim = 0 must be an integer >= 1 with attention"),
+    ({"model": {"attention": "mla", **MLA, "qk_rope_head_dim": 7}}, r"qk_rope_head_dim = 7 must be even"),
+    ({"model": {"attention": "mla", **MLA, "q_lora_rank": -1}}, r"q_lora_rank = -1 must be an integer >= 0"),
+    ({"model": {"attention": "mla", **MLA, "q_lora_rank": 2.0}}, r"model.q_lora_rank = 2.0 must be of type int"),
+    ({"model": {"attention": "mla", **MLA, "v_head_dim": 1.5}}, r"model.v_head_dim = 1.5 must be of type int"),
+    ({"model": {"kv_lora_rank": 16}}, r"kv_lora_rank = 16 is an MLA width: set attention = 'mla'"),
+    ({"model": {"attention": "mla", **MLA, "num_heads": 6}, "parallel": {"tp": 4}},
+     r"model.num_heads = 6 is not divisible by parallel.tp = 4; tp must be one of \[1, 2, 3, 6\]"),
     ({"train": {"lr": "fast"}}, "train.lr = 'fast' must be of type float or int"),
     ({"train": {"dtype": "float16"}}, "train.dtype = 'float16' is not allowed"),
     ({"train": {"seq_len": 512}}, "train.seq_len = 512 must be <= model.max_seq_len"),

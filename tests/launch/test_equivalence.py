@@ -3,7 +3,8 @@
 Each layout trains the same tiny model on the same global batches, once dropless and once with a
 capacity factor that drops slots (not under TP or CP: see routings); per-step losses (LM and router)
 must agree to 1e-10 relative and the final parameters, consolidated from the per-rank checkpoints, to
-calc_diff < 1e-12.
+calc_diff < 1e-12. MLA attention is checked dropless in pipeline, TP and CP layouts
+(test_mla_layouts_equal_single_process), the layouts of one world size trained in one spawn.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ LAYOUTS = {
     "pp2 dualpipev cp2": {"pp": 2, "cp": 2, "schedule": "dualpipev"},
 }
 ROUTING = {"dropless": None, "capacity 1.0": 1.0}
+ATTENTION = {"gqa": {}, "mla": {"attention": "mla", "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+                                "qk_rope_head_dim": 4, "v_head_dim": 8}}
+MLA_SPAWNS = {2: ["pp2 dualpipev", "pp2 1f1b", "tp2 sp", "cp2 ring"],  # MLA layouts by world size, dropless
+              4: ["dp2 tp2 ep2", "pp2 tp2 dualpipev sp", "pp2 dp2 ep2 dualpipev, EP across nodes"]}
 
 
 def routings(parallel: dict) -> dict[str, float | None]:
@@ -48,13 +53,15 @@ def routings(parallel: dict) -> dict[str, float | None]:
     return {k: v for k, v in ROUTING.items() if v is None or parallel.get("tp", 1) == parallel.get("cp", 1) == 1}
 
 
-def raw_config(run_dir: str, corpus: str, parallel: dict, capacity_factor: float | None) -> dict:
-    """A 4-layer (1 dense + 3 MoE) float64 model, 8 micro-batches of 2 x 16 tokens per step."""
+def raw_config(run_dir: str, corpus: str, parallel: dict, capacity_factor: float | None,
+               attention: str = "gqa") -> dict:
+    """A 4-layer (1 dense + 3 MoE) float64 model with GQA or MLA attention, 8 micro-batches of 2 x 16 tokens per
+    step."""
     model = {"vocab_size": 256, "hidden_size": 32, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
              "max_seq_len": 16, "first_k_dense": 1, "dense_ffn_size": 48, "num_experts": 8,
              "expert_ffn_size": 16, "top_k": 2, "num_shared_experts": 1, "score_func": "sigmoid",
              "num_groups": 2, "topk_groups": 1, "aux_loss_coeff": 0.01, "seq_aux_loss_coeff": 0.001,
-             "bias_update_rate": 0.01, "drop_policy": "probs"}
+             "bias_update_rate": 0.01, "drop_policy": "probs", **ATTENTION[attention]}
     if capacity_factor is not None:
         model["capacity_factor"] = capacity_factor
     settings = {"steps": STEPS, "micro_batch_size": 2, "grad_accum_steps": 8, "seq_len": 16, "lr": 0.01,
@@ -104,15 +111,15 @@ def corpus(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def reference(corpus, tmp_path_factory):
-    """routing name -> (records, consolidated params) of the single process, each trained on first use."""
+    """(routing name, attention) -> (records, consolidated params) of the single process, each trained on first use."""
     out = {}
 
-    def run(name: str) -> tuple[list[dict], dict]:
-        if name not in out:
+    def run(name: str, attention: str = "gqa") -> tuple[list[dict], dict]:
+        if (name, attention) not in out:
             run_dir = tmp_path_factory.mktemp("ref")
-            records = train(build_config(raw_config(str(run_dir), corpus, {}, ROUTING[name])), progress=False)
-            out[name] = (records, consolidate(run_dir / "checkpoint"))
-        return out[name]
+            raw = raw_config(str(run_dir), corpus, {}, ROUTING[name], attention)
+            out[name, attention] = (train(build_config(raw), progress=False), consolidate(run_dir / "checkpoint"))
+        return out[name, attention]
     return run
 
 
@@ -125,30 +132,48 @@ def test_layout_equals_single_process(layout, corpus, reference, tmp_path):
     world = build_config(raws[0]).parallel.world_size
     results = run_processes(_train_both, world, raws, timeout_s=300)[0]
     for (name, _), raw, records in zip(routing.items(), raws, results):
-        want_records, want_state = reference(name)
-        assert [r["step"] for r in records] == list(range(STEPS))
-        for got, want in zip(records, want_records):
-            for key in ("loss", "lm_loss", "aux_loss"):  # the router's statistics are float64 here too
-                assert got[key] == pytest.approx(want[key], rel=1e-10, abs=1e-14), (name, got["step"], key)
-            assert got["dropped_tokens"] == want["dropped_tokens"], (name, got["step"])
-            assert got["expert_load_max_over_mean"] == want["expert_load_max_over_mean"], (name, got["step"])
-            for field in ("load", "bias"):  # full per-expert counts summed over ranks, biases of every layer
-                assert np.array_equal(decode_array(got["moe"][field]), decode_array(want["moe"][field])), field
-            # per-rank sections every train.rank_metrics_every = 2 steps and at the last
-            assert ("ranks" in got) == ("traffic_bytes" in got) == (got["step"] % 2 == 1 or got["step"] == STEPS - 1)
-            if "traffic_bytes" in got:
-                check_traffic_matrix(got)
-        if ROUTING[name] is not None:
-            assert sum(r["dropped_tokens"] for r in records) > 0
-        if parallel.get("dispatch_backend") == "hierarchical":
-            check_node_limit(records, raw)
-        state = consolidate(f"{raw['train']['run_dir']}/checkpoint")
-        assert set(state) == set(want_state)
-        for key, want in want_state.items():
-            if want.is_floating_point() and want.abs().sum() > 0:
-                assert calc_diff(state[key], want) < 1e-12, (name, key)
-            else:
-                assert torch.equal(state[key], want), (name, key)
+        check_equal_runs(records, raw, reference(name), parallel, name)
+
+
+@pytest.mark.parametrize("world", list(MLA_SPAWNS))
+def test_mla_layouts_equal_single_process(world, corpus, reference, tmp_path):
+    """MLA (query latent, joint KV latent, TP-split heads with replicated down-projections) in the layouts of
+    one world size, trained in one spawn."""
+    names = MLA_SPAWNS[world]
+    raws = [raw_config(str(tmp_path / name.replace(" ", "_")), corpus, LAYOUTS[name], None, "mla") for name in names]
+    assert {build_config(raw).parallel.world_size for raw in raws} == {world}
+    results = run_processes(_train_both, world, raws, timeout_s=300)[0]
+    for name, raw, records in zip(names, raws, results):
+        check_equal_runs(records, raw, reference("dropless", "mla"), LAYOUTS[name], f"mla {name}")
+
+
+def check_equal_runs(records: list[dict], raw: dict, reference: tuple[list[dict], dict], parallel: dict,
+                     name: str) -> None:
+    """A layout's records and final params (its checkpoint, consolidated) equal the single process's."""
+    want_records, want_state = reference
+    assert [r["step"] for r in records] == list(range(STEPS))
+    for got, want in zip(records, want_records):
+        for key in ("loss", "lm_loss", "aux_loss"):  # the router's statistics are float64 here too
+            assert got[key] == pytest.approx(want[key], rel=1e-10, abs=1e-14), (name, got["step"], key)
+        assert got["dropped_tokens"] == want["dropped_tokens"], (name, got["step"])
+        assert got["expert_load_max_over_mean"] == want["expert_load_max_over_mean"], (name, got["step"])
+        for field in ("load", "bias"):  # full per-expert counts summed over ranks, biases of every layer
+            assert np.array_equal(decode_array(got["moe"][field]), decode_array(want["moe"][field])), field
+        # per-rank sections every train.rank_metrics_every = 2 steps and at the last
+        assert ("ranks" in got) == ("traffic_bytes" in got) == (got["step"] % 2 == 1 or got["step"] == STEPS - 1)
+        if "traffic_bytes" in got:
+            check_traffic_matrix(got)
+    if raw["model"].get("capacity_factor") is not None:
+        assert sum(r["dropped_tokens"] for r in records) > 0
+    if parallel.get("dispatch_backend") == "hierarchical":
+        check_node_limit(records, raw)
+    state = consolidate(f"{raw['train']['run_dir']}/checkpoint")
+    assert set(state) == set(want_state)
+    for key, want in want_state.items():
+        if want.is_floating_point() and want.abs().sum() > 0:
+            assert calc_diff(state[key], want) < 1e-12, (name, key)
+        else:
+            assert torch.equal(state[key], want), (name, key)
 
 
 def _train_runs(rank: int, world: int, runs: list[tuple[dict, bool]]) -> list[list[dict]]:

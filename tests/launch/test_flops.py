@@ -15,7 +15,7 @@ from launch.flops import (attention_shape, flops_by_precision, head_flops, layer
                           model_flops_per_token, model_layer_flops)
 from launch.plan.efficiency import TENSOR_EFFICIENCY
 from launch.plan.planner import Machine, Options, make_plan
-from launch.plan.presets import GPUS, MLA, MLA_PRESETS
+from launch.plan.presets import GPUS
 from launch.stages import split_layers, stage_ranges
 from moe.config import ModelConfig
 from moe.model import MoETransformer
@@ -26,6 +26,9 @@ SMALL = ModelConfig(vocab_size=256, hidden_size=64, num_layers=3, num_heads=4, n
                     first_k_dense=1, dense_ffn_size=128, num_experts=4, num_shared_experts=1, expert_ffn_size=32,
                     top_k=2, num_groups=1, topk_groups=1)
 SEQ = 16
+MLA = dict(attention="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+MLA_SMALL = replace(SMALL, **MLA, q_lora_rank=32)  # SMALL with MLA: a 32-wide query latent, a 16-wide KV latent
+MLA_PLAIN_QUERY = replace(SMALL, **MLA)  # and without the query latent (q_lora_rank = 0, as DeepSeek-V2-Lite)
 # forward FLOPs per token, counted by hand (2 per multiply-add):
 QKV_OUT = 2 * (64 * 64 + 64 * 32 + 64 * 32 + 64 * 64)  # q [64->4x16], k and v [64->2x16], out [64->64]: 24576
 CORE = 2 * 4 * 16 * 8 + 2 * 4 * 16 * 8  # causal: QK^T and AV, 4 heads x 16 dims x 16/2 keys on average: 2048
@@ -48,29 +51,32 @@ def test_a_small_gqa_model_against_a_hand_count():
     assert model_flops_per_token(SMALL, SEQ, causal=False) - model_flops_per_token(SMALL, SEQ) == 3 * 3 * CORE
 
 
-def test_the_weights_counted_are_the_models_matmul_weights():
+@pytest.mark.parametrize("cfg", [SMALL, MLA_SMALL, MLA_PLAIN_QUERY], ids=["gqa", "mla", "mla without query latent"])
+def test_the_weights_counted_are_the_models_matmul_weights(cfg):
     """6 x the weights a token multiplies by (top_k of the routed experts, no embedding lookup, no norms)
     plus 3 x the causal attention core, from the model the trainer builds."""
     with torch.device("meta"):
-        model = MoETransformer(SMALL)
+        model = MoETransformer(cfg)
     weights = 0.0
     for name, param in model.named_parameters():
         if name.startswith("embed") or param.dim() < 2:
             continue
-        weights += param.numel() * (SMALL.top_k / SMALL.num_experts if ".experts." in name else 1.0)
-    assert model_flops_per_token(SMALL, SEQ) == 6 * weights + 3 * SMALL.num_layers * CORE
+        weights += param.numel() * (cfg.top_k / cfg.num_experts if ".experts." in name else 1.0)
+    core = 2 * cfg.num_heads * (attention_shape(cfg).qk_head_dim + attention_shape(cfg).v_head_dim) * SEQ / 2
+    assert model_flops_per_token(cfg, SEQ) == 6 * weights + 3 * cfg.num_layers * core
 
 
-def test_an_mla_layer_against_a_hand_count():
-    mla = MLA(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, source="test")
-    weights = (64 * 32          # q down [64->32]
-               + 32 * 4 * 12    # q up [32 -> 4 heads x (8 nope + 4 rope)]
+@pytest.mark.parametrize("cfg, query", [(MLA_SMALL, 64 * 32 + 32 * 4 * 12), (MLA_PLAIN_QUERY, 64 * 4 * 12)],
+                         ids=["query latent", "plain query"])
+def test_an_mla_layer_against_a_hand_count(cfg, query):
+    # query: down [64->32] and up [32 -> 4 heads x (8 nope + 4 rope)], or one [64 -> 4 x 12] projection
+    weights = (query
                + 64 * (16 + 4)  # kv down [64 -> 16 latent + 4 shared rope]
                + 16 * 4 * 16    # kv up [16 -> 4 heads x (8 nope k + 8 v)]
                + 4 * 8 * 64)    # out [4 x 8 -> 64]
-    assert weights == 7936
+    assert weights == (7936 if cfg.q_lora_rank else 7424)
     core = 2 * 4 * 12 * 8 + 2 * 4 * 8 * 8  # QK^T over qk 12 wide, AV over v 8 wide, 16/2 keys: 1280
-    dense, moe = (layer_flops(SMALL, i, SEQ, attention_shape(SMALL, mla)) for i in (0, 1))
+    dense, moe = (layer_flops(cfg, i, SEQ) for i in (0, 1))
     assert (dense.dense, dense.core, dense.expert) == (2 * weights + DENSE_FFN, core, 0)
     assert (moe.dense, moe.core, moe.expert) == (2 * weights + SHARED_AND_ROUTER, core, ROUTED)
 
@@ -83,7 +89,7 @@ def test_deepseek_v3_with_mla_from_its_published_shape():
     dense_ffn = 3 * 7168 * 18432
     moe_ffn = 7168 * 256 + 3 * 7168 * 2048 * (1 + 8)  # router, 1 shared + 8 routed experts
     forward = 61 * (2 * attention + core) + 3 * 2 * dense_ffn + 58 * 2 * moe_ffn + 2 * 129280 * 7168
-    flops = model_flops_per_token(cfg, 4096, attention_shape(cfg, MLA_PRESETS["deepseek-v3"]))
+    flops = model_flops_per_token(cfg, 4096)
     assert flops == 3 * forward == pytest.approx(250.45e9, rel=1e-4)
 
 
@@ -152,8 +158,8 @@ def test_mfu_peak_takes_the_rank_device(monkeypatch):
 def test_deepseek_v3_plan_mfu_is_against_the_fp8_and_bf16_mix():
     config = load_config(CONFIGS / "deepseek-v3.toml")  # expert_precision = "fp8" on H800s
     machine = Machine(GPUS["h800"], 8)
-    plan = make_plan(config, machine, Options(MLA_PRESETS["deepseek-v3"], sample_tokens=256))
-    bf16, fp8 = flops_by_precision(config.model, 4096, plan.params.attention)
+    plan = make_plan(config, machine, Options(sample_tokens=256))
+    bf16, fp8 = flops_by_precision(config.model, 4096)
     assert plan.peak_flops == pytest.approx((bf16 + fp8) / (bf16 / 989e12 + fp8 / 1979e12), rel=1e-12)
     assert plan.mfu == pytest.approx(plan.flops_per_token * plan.tokens_per_second / (2048 * plan.peak_flops))
     # no GEMM runs faster than the tensor cores' main loop at its precision's peak, communication and the

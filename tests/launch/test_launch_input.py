@@ -15,6 +15,8 @@ from launch.train_cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.toml")  # pp=2 dualpipev x dp=2, ep=2, 8 experts, 4 layers, gpus_per_node=1
+MLA = ["model.attention=mla", "model.kv_lora_rank=32", "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=16",
+       "model.v_head_dim=16"]
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                  "TORCHELASTIC_RUN_ID", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS",
                  "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
@@ -76,6 +78,10 @@ def _no_training(*args, **kwargs):
     (["parallel.pp=1", "parallel.schedule=none", "parallel.dp=12", "parallel.ep=4", "parallel.gpus_per_node=6",
       "train.grad_accum_steps=12"], "parallel.ep = 4 with parallel.gpus_per_node = 6: EP groups would span nodes "
                                     "unevenly; choose ep dividing gpus_per_node or a multiple of it"),
+    ([*MLA, "model.num_heads=3", "parallel.tp=2"], "model.num_heads = 3 is not divisible by parallel.tp = 2; tp must "
+                                                   "be one of [1, 3]"),
+    ([*MLA, "model.qk_rope_head_dim=5"], "qk_rope_head_dim = 5 must be even (RoPE rotates pairs of dims)"),
+    (["model.attention=mla"], "kv_lora_rank = 0 must be an integer >= 1 with attention = 'mla'"),
 ])
 def test_a_bad_layout_is_refused_before_any_process_naming_field_and_allowed_values(nothing_may_start, capsys,
                                                                                     overrides, expected):

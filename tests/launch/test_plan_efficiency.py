@@ -13,7 +13,7 @@ from launch.flops import attention_shape
 from launch.plan.compute import Precisions, elementwise_seconds
 from launch.plan.efficiency import PRECISIONS, TENSOR_EFFICIENCY, GemmModel
 from launch.plan.planner import Machine, Options, make_plan
-from launch.plan.presets import GPUS, MLA_PRESETS
+from launch.plan.presets import GPUS
 from launch.plan.timing import StageCost, paired
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -68,7 +68,7 @@ def test_a_flat_efficiency_prices_flops_only():
 def test_fp8_linears_and_the_shape_model_change_the_planned_step():
     config = load_config(CONFIGS / "deepseek-v3.toml")
     machine = Machine(GPUS["h800"], 8)
-    options = Options(MLA_PRESETS["deepseek-v3"], "selective", "fused-fp8", "deepseek-v3", sample_tokens=256)
+    options = Options("selective", "fused-fp8", "deepseek-v3", sample_tokens=256)
     plain, fp8 = make_plan(config, machine, options), make_plan(config, machine, replace(options, linears="fp8-block"))
     assert fp8.stage_costs[1].f < plain.stage_costs[1].f  # dense projections at the FP8 peak
     for cost in plain.stage_costs:  # a backward does about twice a forward's work; W is part of it

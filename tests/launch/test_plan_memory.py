@@ -10,7 +10,7 @@ from launch.config import load_config
 from launch.plan.memory import ActivationModel, schedule_peaks, backward_workspace, zero_model_states
 from launch.plan.params import count_params
 from launch.plan.planner import Machine, Options, make_plan
-from launch.plan.presets import GPUS, MLA_PRESETS, RECIPES
+from launch.plan.presets import GPUS, RECIPES
 from launch.plan.timing import StageCost
 from pipeline.schedules import build
 
@@ -81,7 +81,7 @@ def test_dualpipe_holds_two_stages_per_rank_and_dualpipev_two_half_stages():
 
 def test_sequence_parallel_and_recompute_shrink_activations():
     cfg = load_config(CONFIGS / "deepseek-v3.toml").model
-    attention = count_params(cfg, mla=MLA_PRESETS["deepseek-v3"]).attention
+    attention = count_params(cfg).attention
     sizes = {(sp, mode): ActivationModel(cfg, attention, 2, 4, sp, mode).layer(moe=True)
              for sp in (False, True) for mode in ("none", "selective", "full")}
     assert sizes[(True, "none")] < sizes[(False, "none")]
@@ -93,7 +93,7 @@ def test_sequence_parallel_and_recompute_shrink_activations():
 
 def test_deepseek_v3_plan_holds_4_experts_per_gpu_and_reaches_at_most_4_nodes():
     config = load_config(CONFIGS / "deepseek-v3.toml")
-    plan = make_plan(config, Machine(GPUS["h800"], 8), Options(MLA_PRESETS["deepseek-v3"], sample_tokens=256))
+    plan = make_plan(config, Machine(GPUS["h800"], 8), Options(sample_tokens=256))
     ep = plan.ep
     assert (ep.ep, ep.nodes, ep.experts_per_gpu) == (64, 8, 4)
     assert ep.nodes_per_token_max == 4  # 8 groups of 32 experts = 8 nodes, 4 groups kept

@@ -11,7 +11,6 @@ from launch.config import load_config
 from launch.plan.params import count_params
 from launch.plan.planner import Machine, make_plan
 from launch.plan.presets import GPUS
-from launch.plan.presets import MLA_PRESETS
 from launch.metrics import model_flops_per_token as dashboard_flops_per_token
 from moe.layer import MoELayer
 from launch.stages import build_stages
@@ -20,8 +19,14 @@ from moe.model import MoETransformer
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
-def test_counts_equal_the_parameters_of_the_model_the_trainer_builds():
-    cfg = load_config(CONFIGS / "tiny.toml").model
+MLA = ["model.attention=mla", "model.kv_lora_rank=32", "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=8",
+       "model.v_head_dim=16"]
+
+
+@pytest.mark.parametrize("overrides", [[], [*MLA, "model.q_lora_rank=48"], MLA],
+                         ids=["gqa", "mla", "mla without query latent"])
+def test_counts_equal_the_parameters_of_the_model_the_trainer_builds(overrides):
+    cfg = load_config(CONFIGS / "tiny.toml", overrides).model
     with torch.device("meta"):
         model = MoETransformer(cfg)
     counts = count_params(cfg, [range(0, 2), range(2, 4)])
@@ -44,7 +49,10 @@ def test_activated_counts_top_k_of_the_routed_experts_only():
 
 def test_deepseek_v3_has_671b_params_and_37b_activated():
     cfg = load_config(CONFIGS / "deepseek-v3.toml").model
-    counts = count_params(cfg, mla=MLA_PRESETS["deepseek-v3"])
+    with torch.device("meta"):  # the model the config builds: 671B parameters without storage
+        model = MoETransformer(cfg)
+    counts = count_params(cfg)
+    assert counts.total.total == sum(p.numel() for p in model.parameters())
     assert counts.total.total == pytest.approx(671e9, rel=0.01)
     # README_WEIGHTS.md of DeepSeek-V3: 36.7B activated in the main model; the report rounds it to 37B
     assert counts.activated == pytest.approx(36.7e9, rel=0.01)
@@ -54,9 +62,13 @@ def test_deepseek_v3_has_671b_params_and_37b_activated():
 
 
 def test_deepseek_v3_counted_as_gqa_overcounts_attention():
-    cfg = load_config(CONFIGS / "deepseek-v3.toml").model
-    gqa, mla = count_params(cfg), count_params(cfg, mla=MLA_PRESETS["deepseek-v3"])
-    assert gqa.total.total - mla.total.total == 61 * (4 * 7168 * 7168 - 187_107_328)
+    mla = load_config(CONFIGS / "deepseek-v3.toml")
+    mha = load_config(CONFIGS / "deepseek-v3.toml", ["model.attention=gqa", "model.num_kv_heads=128",
+                                                      *(f"model.{name}=0" for name in ("q_lora_rank", "kv_lora_rank",
+                                                        "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))])
+    # 128 heads of 56 (MHA, q/k/v/out 7168 x 7168 each) against MLA's 187_107_328 weights and latent norm scales
+    assert count_params(mha.model).total.total - count_params(mla.model).total.total == \
+        61 * (4 * 7168 * 7168 - 187_107_328)
 
 
 def test_flops_per_token_match_the_dashboard_for_gqa():

@@ -14,10 +14,12 @@ from launch.train_cli import main
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.toml"
 
-# DeepSeek-V3's shape shrunk to a few seconds: 4 layers (1 dense), 64 routed experts top-8 in 8 groups (4 kept),
-# FP8 experts and FP8 dispatch, hierarchical EP64 over 8 nodes of 8, DualPipe over pp 2, 256 ranks in all
+# DeepSeek-V3's shape shrunk to a few seconds: 4 layers (1 dense), MLA (4 heads, query and KV latents, value heads
+# narrower than query/key heads), 64 routed experts top-8 in 8 groups (4 kept), FP8 experts and FP8 dispatch,
+# hierarchical EP64 over 8 nodes of 8, DualPipe over pp 2, 256 ranks in all
 V3_SHAPED = {
-    "model": {"vocab_size": 512, "hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 4,
+    "model": {"vocab_size": 512, "hidden_size": 256, "num_layers": 4, "num_heads": 4, "attention": "mla",
+              "q_lora_rank": 96, "kv_lora_rank": 32, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
               "max_seq_len": 256, "first_k_dense": 1, "dense_ffn_size": 512, "num_experts": 64,
               "num_shared_experts": 1, "expert_ffn_size": 128, "top_k": 8, "score_func": "sigmoid",
               "num_groups": 8, "topk_groups": 4, "route_scale": 2.5, "seq_aux_loss_coeff": 0.0001,

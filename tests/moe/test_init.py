@@ -1,6 +1,7 @@
 """Name-seeded initial values: the rules match the modules' own constructors, draws depend on the key only."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,15 +12,20 @@ from moe.model import MoETransformer
 
 CFG = ModelConfig(hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, first_k_dense=1, dense_ffn_size=128,
                   num_experts=8, expert_ffn_size=64, top_k=2, init_std=0.05)
+MLA = dict(attention="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+CONFIGS = {"gqa": CFG, "mla": replace(CFG, **MLA, q_lora_rank=32),
+           "mla without query latent": replace(CFG, **MLA, q_lora_rank=None)}
 
 
-def test_rules_give_what_each_constructor_draws():
+@pytest.mark.parametrize("attention", list(CONFIGS))
+def test_rules_give_what_each_constructor_draws(attention):
     torch.manual_seed(0)
-    model = MoETransformer(CFG)
+    cfg = CONFIGS[attention]
+    model = MoETransformer(cfg)
     names = dict(model.named_parameters()) | dict(model.named_buffers())
     assert len(names) > 20
     for name, tensor in names.items():
-        kind, std = init_rule(CFG, name)
+        kind, std = init_rule(cfg, name)
         if kind == "ones":
             assert torch.equal(tensor, torch.ones_like(tensor)), name
         elif kind == "zeros":

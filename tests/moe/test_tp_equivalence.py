@@ -15,21 +15,25 @@ from moe.model import MoETransformer
 from moe.tp import gather_full, tp_replicated_params
 from tests.dispatch.cases import calc_diff
 
-VARIANTS = [(sp, ep) for sp in (False, True) for ep in (False, True)]  # (sequence_parallel, experts over EP = tp)
+# (sequence_parallel, experts over EP = tp, attention)
+VARIANTS = [(sp, ep, "gqa") for sp in (False, True) for ep in (False, True)] + [(sp, False, "mla") for sp in (False, True)]
+MLA = dict(attention="mla", q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6)
 BATCH, SEQ, STEPS = 2, 8, 3
 
 
-def tiny_config() -> ModelConfig:
-    """One dense and one MoE block; 4 heads over 2 KV heads (split at tp=2, replicated at tp=4); every router loss on."""
+def tiny_config(attention: str) -> ModelConfig:
+    """One dense and one MoE block; GQA: 4 heads over 2 KV heads (split at tp=2, replicated at tp=4); MLA: 4 heads
+    split, its latents replicated; every router loss on."""
     return ModelConfig(vocab_size=32, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=SEQ,
                        dense_ffn_size=32, num_experts=4, num_shared_experts=1, expert_ffn_size=8, top_k=2,
-                       aux_loss_coeff=0.01, seq_aux_loss_coeff=0.01, z_loss_coeff=0.001)
+                       aux_loss_coeff=0.01, seq_aux_loss_coeff=0.01, z_loss_coeff=0.001,
+                       **(MLA if attention == "mla" else {}))
 
 
-def tiny_models(sp: bool, ep: bool) -> tuple[MoETransformer, MoETransformer]:
+def tiny_models(sp: bool, ep: bool, attention: str) -> tuple[MoETransformer, MoETransformer]:
     """(single-process model, this rank's TP copy of it), float64, same random init and expert biases."""
     torch.manual_seed(0)
-    full = MoETransformer(tiny_config()).double()
+    full = MoETransformer(tiny_config(attention)).double()
     for layer in full.moe_layers():
         layer.router.expert_bias.normal_(0, 0.01)
     model = copy.deepcopy(full)
@@ -81,8 +85,8 @@ def compare(full: MoETransformer, model: MoETransformer, ep: bool, grads: bool) 
 
 def _equivalence(rank: int, world_size: int) -> dict:
     results = {}
-    for sp, ep in VARIANTS:
-        full, model = tiny_models(sp, ep)
+    for sp, ep, attention in VARIANTS:
+        full, model = tiny_models(sp, ep, attention)
         tokens, labels = batch(0)
         ref, out = full(tokens, labels), model(tokens, labels)
         ref.loss.backward()
@@ -99,7 +103,7 @@ def _equivalence(rank: int, world_size: int) -> dict:
             sync_tp_grads(model)
             opt_full.step()
             opt.step()
-        results[sp, ep] = dict(loss=(out.loss.item(), ref.loss.item()), aux=(out.aux_loss.item(), ref.aux_loss.item()),
+        results[sp, ep, attention] = dict(loss=(out.loss.item(), ref.loss.item()), aux=(out.aux_loss.item(), ref.aux_loss.item()),
                                load=(load, ref.moe_stats[0].tokens_per_expert), grads=grads,
                                params=compare(full, model, ep, grads=False),
                                logits=tuple(out.logits.shape))
@@ -111,11 +115,11 @@ def runs(request):
     return request.param, run_processes(_equivalence, request.param, timeout_s=240)
 
 
-@pytest.mark.parametrize("sp, ep", VARIANTS)
-def test_tp_model_equals_single_process_model(runs, sp, ep):
+@pytest.mark.parametrize("sp, ep, attention", VARIANTS)
+def test_tp_model_equals_single_process_model(runs, sp, ep, attention):
     tp, results = runs
     for res in results:
-        r = res[sp, ep]
+        r = res[sp, ep, attention]
         got, want = r["loss"]
         assert abs(got - want) <= 1e-10 * abs(want)
         assert r["aux"][1] > 0 and abs(r["aux"][0] - r["aux"][1]) <= 1e-10 * r["aux"][1]

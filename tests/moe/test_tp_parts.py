@@ -25,6 +25,9 @@ from tests.dispatch.cases import calc_diff
 WORLD, BATCH, SEQ, VOCAB, TOKENS = 2, 2, 8, 64, 12
 CFG = dict(vocab_size=VOCAB, hidden_size=32, num_heads=4, num_kv_heads=2, max_seq_len=SEQ, dense_ffn_size=32,
            num_experts=4, expert_ffn_size=8, num_shared_experts=1, top_k=2)
+ATTENTION = {"gqa": {"num_kv_heads": 1}, "mla": dict(attention="mla", q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=4,
+                                                     qk_rope_head_dim=4, v_head_dim=6)}
+ATTENTION_LINEARS = {"gqa": ("kv", "out", "qkv"), "mla": ("kv_a", "kv_b", "out", "q_a", "q_b")}
 
 
 class LargestTensor(TorchDispatchMode):
@@ -76,11 +79,11 @@ def _loss_case(rank: int) -> dict:
             "largest": largest.numel}
 
 
-def _deferred_grads(rank: int) -> dict:
-    """A TP+SP model (KV heads replicated, shared experts, vocab-parallel embedding and head) under a B/W split:
-    every weight of a linear, the embedding and the experts waits for W, then equals the unsplit grads."""
+def _deferred_grads(rank: int, attention: dict) -> dict:
+    """A TP+SP model (GQA with KV heads replicated, or MLA; shared experts, vocab-parallel embedding and head) under
+    a B/W split: every weight of a linear, the embedding and the experts waits for W, then equals the unsplit grads."""
     torch.manual_seed(0)
-    model = MoETransformer(ModelConfig(num_layers=2, first_k_dense=1, **(CFG | {"num_kv_heads": 1}))).double()
+    model = MoETransformer(ModelConfig(num_layers=2, first_k_dense=1, **(CFG | attention))).double()
     model.to_tensor_parallel(dist.group.WORLD, sequence_parallel=True)
     split = copy.deepcopy(model)
     linears = install_split_linear([split])
@@ -177,7 +180,7 @@ def _concurrent_backward(rank: int) -> dict:
 
 def _parts(rank: int, world_size: int) -> dict:
     return {"stacks": {(sp, moe): _stack_figures(sp, moe) for sp in (False, True) for moe in (False, True)},
-            "loss": _loss_case(rank), "deferred": _deferred_grads(rank), "errors": _bad_groups(rank),
+            "loss": _loss_case(rank), "deferred": {kind: _deferred_grads(rank, ATTENTION[kind]) for kind in ATTENTION}, "errors": _bad_groups(rank),
             "concurrent": _concurrent_backward(rank), "state": _state_round_trip(rank)}
 
 
@@ -214,13 +217,15 @@ def test_vocab_parallel_loss_equals_cross_entropy_without_full_logits(results):
         assert res["loss"]["largest"] == TOKENS * VOCAB // WORLD  # never [tokens, vocab]
 
 
-def test_tp_weight_grads_wait_for_the_w_action(results):
-    linears = ["blocks.0.attn.kv", "blocks.0.attn.out", "blocks.0.attn.qkv", "blocks.0.ffn.down", "blocks.0.ffn.gate_up",
-               "blocks.1.attn.kv", "blocks.1.attn.out", "blocks.1.attn.qkv", "blocks.1.ffn.shared.down",
-               "blocks.1.ffn.shared.gate_up", "lm_head"]
+@pytest.mark.parametrize("attention", list(ATTENTION))
+def test_tp_weight_grads_wait_for_the_w_action(results, attention):
+    """Every linear's weight (MLA: its down- and up-projections too) waits; norm scales are computed in B."""
+    linears = sorted([f"blocks.{i}.attn.{name}" for i in (0, 1) for name in ATTENTION_LINEARS[attention]]
+                     + ["blocks.0.ffn.down", "blocks.0.ffn.gate_up", "blocks.1.ffn.shared.down",
+                        "blocks.1.ffn.shared.gate_up", "lm_head"])
     experts = ["blocks.1.ffn.experts.w_down", "blocks.1.ffn.experts.w_gate_up"]
     for res in results:
-        deferred = res["deferred"]
+        deferred = res["deferred"][attention]
         assert deferred["linears"] == linears
         assert deferred["deferred"] == sorted([name + ".weight" for name in linears] + experts + ["embed.weight"])
         assert deferred["ran"] >= len(deferred["deferred"])

@@ -1,0 +1,100 @@
+"""Multi-head latent attention as DeepSeek-V3 builds it (arXiv 2412.19437, section 2.1.1).
+
+Queries come from a low-rank latent (q_a, RMSNorm, q_b; or one plain projection `q` when q_lora_rank = 0,
+as in DeepSeek-V2-Lite). Keys and values come from one joint latent of width kv_lora_rank (kv_a, RMSNorm,
+kv_b), whose up-projection gives every head its qk_nope_head_dim key and v_head_dim value. kv_a also
+yields one qk_rope_head_dim key that carries RoPE and is shared by all heads; each head's query has its
+own RoPE part. RoPE rotates interleaved pairs (moe.rope), DeepSeek's layout. Scores are scaled by
+1/sqrt(qk_nope_head_dim + qk_rope_head_dim), V3's scale without YaRN (ModelConfig has no RoPE scaling,
+so there is no YaRN mscale to apply). The latent norms use model.norm_eps, as the block norms (DeepSeek-V3: 1e-6
+everywhere; transformers' DeepseekV3Attention fixes its latent norms at 1e-6).
+
+Every weight is an nn.Linear (the pipeline runtime defers their weight grads: pipeline.wgrad) or an RMSNorm
+scale. Under TP (moe.tp.parallelize_mla) heads split: q/q_b, kv_b (column-parallel) and out (row-parallel)
+keep this rank's heads; the down-projections q_a and kv_a and the latent norms are held whole by every TP
+rank, their grads partial sums over the heads of each rank (summed over TP by the trainer).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moe.config import ModelConfig
+from moe.norm import RMSNorm
+from moe.rope import apply_rope
+
+if TYPE_CHECKING:
+    from moe.cp import CPRegion
+    from moe.tp.comm import TPRegion
+
+
+def _linear(width_in: int, width_out: int, std: float) -> nn.Linear:
+    """A bias-free linear drawn from normal(0, std), as every MLA projection."""
+    linear = nn.Linear(width_in, width_out, bias=False)
+    nn.init.normal_(linear.weight, std=std)
+    return linear
+
+
+class MLA(nn.Module):
+    """Causal multi-head latent attention: [B, S, H] -> [B, S, H] (with TP+SP: sequence shards in and out)."""
+
+    def __init__(self, cfg: ModelConfig, out_std: float) -> None:
+        super().__init__()
+        h, std = cfg.hidden_size, cfg.init_std
+        self.num_heads = cfg.num_heads
+        self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.qk_head_dim = self.nope_dim + self.rope_dim
+        self.q_lora_rank, self.kv_lora_rank = cfg.q_lora_rank, cfg.kv_lora_rank
+        self.softmax_scale = self.qk_head_dim ** -0.5
+        query = cfg.num_heads * self.qk_head_dim
+        if cfg.q_lora_rank:
+            self.q_a = _linear(h, cfg.q_lora_rank, std)
+            self.q_a_norm = RMSNorm(cfg.q_lora_rank, eps=cfg.norm_eps)
+            self.q_b = _linear(cfg.q_lora_rank, query, std)
+        else:
+            self.q = _linear(h, query, std)
+        self.kv_a = _linear(h, cfg.kv_lora_rank + self.rope_dim, std)
+        self.kv_a_norm = RMSNorm(cfg.kv_lora_rank, eps=cfg.norm_eps)
+        self.kv_b = _linear(cfg.kv_lora_rank, cfg.num_heads * (self.nope_dim + self.v_dim), std)
+        self.out = _linear(cfg.num_heads * self.v_dim, h, out_std)
+        self.tp: TPRegion | None = None
+        self.cp: CPRegion | None = None  # context parallelism: x holds this rank's zig-zag share of each sequence
+
+    def query_projection(self) -> nn.Linear:
+        """The linear whose rows are the heads' queries (q_b, or q without a query latent)."""
+        return self.q_b if self.q_lora_rank else self.q
+
+    def down_projections(self) -> list[nn.Module]:
+        """The modules before the head split: latent down-projections and their norms."""
+        query = [self.q_a, self.q_a_norm] if self.q_lora_rank else []
+        return [*query, self.kv_a, self.kv_a_norm]
+
+    def _queries(self, x: Tensor) -> Tensor:
+        """x [B, S, H] -> queries [B, S, heads * qk_head_dim]."""
+        if self.q_lora_rank:
+            return self.q_b(self.q_a_norm(self.q_a(x)))
+        return self.q(x)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x [B, S, H] -> [B, S, H]; cos, sin: rope_tables of qk_rope_head_dim."""
+        if self.tp is not None:
+            x = self.tp.enter(x)
+        batch, seq, _ = x.shape
+        q = self._queries(x).view(batch, seq, -1, self.qk_head_dim).transpose(1, 2)
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        latent, k_rope = self.kv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b(self.kv_a_norm(latent)).view(batch, seq, -1, self.nope_dim + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k_rope = apply_rope(k_rope.unsqueeze(1), cos, sin).expand(-1, self.num_heads, -1, -1)
+        q = torch.cat((q_nope, apply_rope(q_rope, cos, sin)), dim=-1)
+        k = torch.cat((k_nope, k_rope), dim=-1)
+        if self.cp is not None:
+            attn = self.cp.attend(q, k, v, self.softmax_scale)
+        else:
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+        out = self.out(attn.transpose(1, 2).reshape(batch, seq, -1))
+        return out if self.tp is None else self.tp.leave(out)
