@@ -3,13 +3,14 @@
 All three run the same stack of dense transformer blocks (RMSNorm, GQA attention with RoPE,
 SwiGLU), built from the same single-process weights, in the same gloo processes (one thread
 each), in rounds of one step each (launch.bench.harness) so load changes on a shared machine hit all alike. The peer is
-torch.distributed.tensor.parallel over a 1-D DeviceMesh (ColwiseParallel q/k/v and gate/up,
+torch.distributed.tensor.parallel over a 1-D DeviceMesh (ColwiseParallel fused q/k/v and gate/up,
 RowwiseParallel out/down with Shard(1) outputs, SequenceParallel norms, PrepareModuleInput
-gathers; torch's plan needs separate q/k/v and gate/up Linears, ours keeps them fused). A step is
+gathers). Both sides fuse alike: one q/k/v Linear and one gate/up Linear per block (the peer's rows ordered rank by
+rank so torch's contiguous column split gives each rank its own heads' q, k, v and its gate and up). A step is
 the forward and backward of the stack for one batch (no optimizer). Per contender and rank:
 - step_ms: median over rounds of the slowest rank's step, with its spread; x peer taken round by round;
-- act_bytes: bytes of distinct storages saved for backward by one forward (saved-tensor hooks;
-  DTensors counted by their local shard), and norm_bytes, the part saved inside the norms
+- act_bytes: peak bytes saved for backward by one forward, parameters left out (pipeline.memory.SavedTensorMeter,
+  the project's one meter; DTensors counted by their local shard), and norm_bytes, the part saved inside the norms
   (the sequence-parallel region: residual adds save nothing);
 - comm_bytes: bytes this rank sends per step in torch functional collectives, counted on the
   collectives issued (ring model: all-gather (g-1) x input, reduce-scatter and all-to-all
@@ -23,15 +24,13 @@ from __future__ import annotations
 import argparse
 import copy
 import time
-from contextlib import ExitStack, contextmanager
 from functools import partial
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed._tensor import DTensor
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import Replicate, Shard
@@ -45,6 +44,7 @@ from launch.bench.report import LOWER, header, header_line, table, write_json
 from moe.config import ModelConfig
 from moe.model import Block, apply_rope, rope_tables
 from moe.tp import gather_sequence, parallelize_block
+from pipeline.memory import SavedTensorMeter
 
 OURS, OURS_SP, PEER = "ours TP", "ours TP+SP", "torch DTensor TP+SP"
 CONTENDERS = (OURS, OURS_SP, PEER)
@@ -73,57 +73,22 @@ class CommMeter(TorchDispatchMode):
         self.calls[name] = self.calls.get(name, 0) + 1
 
 
-class ActivationMeter:
-    """Bytes of distinct storages (not parameters) saved for backward while active, in total and inside the modules
-    of `regions`."""
-
-    def __init__(self, regions: list[nn.Module]) -> None:
-        self.regions, self.seen = regions, set()
-        self.bytes = self.region_bytes = 0
-        self._depth = 0
-
-    def _pack(self, t: Tensor) -> Tensor:
-        if isinstance(t, nn.Parameter):  # a weight kept for backward is no activation
-            return t
-        local = t._local_tensor if isinstance(t, DTensor) else t
-        storage = local.untyped_storage()
-        if storage.data_ptr() not in self.seen:
-            self.seen.add(storage.data_ptr())
-            self.bytes += storage.nbytes()
-            self.region_bytes += storage.nbytes() if self._depth else 0
-        return t
-
-    def _enter(self, *_: Any) -> None:
-        self._depth += 1
-
-    def _leave(self, *_: Any) -> None:
-        self._depth -= 1
-
-    @contextmanager
-    def active(self) -> Iterator[ActivationMeter]:
-        """Count saved tensors within this block."""
-        with ExitStack() as stack:
-            for m in self.regions:
-                stack.callback(m.register_forward_pre_hook(self._enter).remove)
-                stack.callback(m.register_forward_hook(self._leave).remove)
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t))
-            yield self
-
-
 class PeerAttention(nn.Module):
-    """Our attention's math with separate q/k/v Linears, as torch's TP plan needs; heads inferred from widths."""
+    """Our attention's math, its q/k/v fused in one Linear as ours: rows ordered rank by rank ([q_r | k_r | v_r]),
+    so ColwiseParallel's contiguous row split gives each TP rank the q, k and v of its own heads."""
 
-    def __init__(self, attn: nn.Module) -> None:
+    def __init__(self, attn: nn.Module, tp: int) -> None:
         super().__init__()
         self.head_dim, q, kv = attn.head_dim, attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
-        self.wq, self.wk, self.wv = (_linear_from(attn.qkv.weight[rows]) for rows in
-                                     (slice(0, q), slice(q, q + kv), slice(q + kv, q + 2 * kv)))
+        self.widths = [q // tp, kv // tp, kv // tp]  # this rank's q, k, v columns of the fused output
+        self.wqkv = _linear_from(_rank_major(attn.qkv.weight, [q, kv, kv], tp))
         self.wo = _linear_from(attn.out.weight)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """x [B, S, H] (local tensor) -> this rank's partial output."""
         batch, seq, _ = x.shape
-        q, k, v = (w(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        q, k, v = (t.reshape(batch, seq, -1, self.head_dim).transpose(1, 2)
+                   for t in self.wqkv(x).split(self.widths, dim=-1))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         repeat = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
@@ -132,25 +97,33 @@ class PeerAttention(nn.Module):
 
 
 class PeerFFN(nn.Module):
-    """Our SwiGLU with separate gate and up Linears."""
+    """Our SwiGLU, gate and up fused in one Linear as ours, rows ordered rank by rank ([gate_r | up_r])."""
 
-    def __init__(self, mlp: nn.Module) -> None:
+    def __init__(self, mlp: nn.Module, tp: int) -> None:
         super().__init__()
-        gate, up = mlp.gate_up.weight.chunk(2)
-        self.w_gate, self.w_up, self.w_down = _linear_from(gate), _linear_from(up), _linear_from(mlp.down.weight)
+        ffn = mlp.gate_up.weight.shape[0] // 2
+        self.w_gate_up = _linear_from(_rank_major(mlp.gate_up.weight, [ffn, ffn], tp))
+        self.w_down = _linear_from(mlp.down.weight)
 
     def forward(self, x: Tensor) -> Tensor:
         """x [..., H] -> [..., H]."""
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
+        return self.w_down(F.silu(gate) * up)
+
+
+def _rank_major(weight: Tensor, parts: list[int], tp: int) -> Tensor:
+    """A fused weight's rows [part 0 | part 1 | ...] reordered to [rank 0's slice of each part | rank 1's | ...]."""
+    slices = [p.chunk(tp) for p in weight.split(parts)]
+    return torch.cat([s[r] for r in range(tp) for s in slices])
 
 
 class PeerBlock(nn.Module):
     """A copy of one of our dense blocks laid out for torch's TP plan."""
 
-    def __init__(self, block: Block) -> None:
+    def __init__(self, block: Block, tp: int) -> None:
         super().__init__()
         self.attn_norm, self.ffn_norm = copy.deepcopy(block.attn_norm), copy.deepcopy(block.ffn_norm)
-        self.attn, self.ffn = PeerAttention(block.attn), PeerFFN(block.ffn)
+        self.attn, self.ffn = PeerAttention(block.attn, tp), PeerFFN(block.ffn, tp)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, None]:
         """Same contract as Block: (x, None)."""
@@ -167,11 +140,11 @@ def _linear_from(weight: Tensor) -> nn.Linear:
 PEER_PLAN = {
     "attn_norm": SequenceParallel(),
     "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)),
-    "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+    "attn.wqkv": ColwiseParallel(),
     "attn.wo": RowwiseParallel(output_layouts=Shard(1)),
     "ffn_norm": SequenceParallel(),
     "ffn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-    "ffn.w_gate": ColwiseParallel(), "ffn.w_up": ColwiseParallel(),
+    "ffn.w_gate_up": ColwiseParallel(),
     "ffn.w_down": RowwiseParallel(output_layouts=Shard(1)),
 }
 
@@ -188,7 +161,7 @@ def build_stacks(cfg: ModelConfig, group: dist.ProcessGroup) -> dict[str, nn.Mod
     torch.manual_seed(0)
     full = nn.ModuleList(Block(cfg, moe=False) for _ in range(cfg.num_layers))
     stacks = {"full": full, OURS: copy.deepcopy(full), OURS_SP: copy.deepcopy(full),
-              PEER: nn.ModuleList(PeerBlock(b) for b in full)}
+              PEER: nn.ModuleList(PeerBlock(b, dist.get_world_size(group)) for b in full)}
     for name, sp in ((OURS, False), (OURS_SP, True)):
         for block in stacks[name]:
             parallelize_block(block, group, sp)
@@ -242,14 +215,14 @@ def worker(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
         got = step()
         got = gather_sequence(got, group) if sequence_parallel(name) else got
         out["max_diff"][name] = (got - want).abs().max().item()
-        meter = ActivationMeter(_norms(stacks[name]))
-        with meter.active():
+        meter = SavedTensorMeter(params=stacks[name].parameters())
+        with meter.hooks(), meter.region(_norms(stacks[name])):
             y = run_stack(stacks[name], x[:, shard] if sequence_parallel(name) else x, cos, sin)
         del y
         comm = CommMeter()
         with comm:
             step()
-        out[name] = {"act_bytes": meter.bytes, "norm_bytes": meter.region_bytes, "comm_bytes": comm.bytes,
+        out[name] = {"act_bytes": meter.peak, "norm_bytes": meter.region_bytes, "comm_bytes": comm.bytes,
                      "collectives": comm.calls}
 
     def timed_step(name: str) -> float:

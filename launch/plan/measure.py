@@ -8,7 +8,6 @@ import contextlib
 import os
 import statistics
 import time
-import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -29,6 +28,7 @@ from launch.plan.traffic import moe_layer_traffic
 from launch.device import rank_device
 from launch.train import build_model, build_optimizer, forward_backward
 from optim.memory import held_optimizer_bytes
+from pipeline.memory import SavedTensorMeter
 
 
 LOCAL_LINK_GBPS = 1.0  # gloo over loopback between local processes, the order of magnitude assumed
@@ -49,39 +49,6 @@ def cpu_machine(config: RunConfig, repeats: int = 15) -> Machine:
               f"loopback ~{LOCAL_LINK_GBPS:g} GB/s assumed")
     return Machine(gpu, config.parallel.gpus_per_node or measured.ranks, gemm_efficiency=1.0, profile=measured,
                    comm_sm_share=0.0)  # the profile's pair factor holds what sharing the cores costs
-
-
-class SavedBytes:
-    """Bytes of the tensors autograd keeps saved for backward at once (the peak over a run); storages of the
-    given parameters are left out, a storage shared by several saved tensors counts once."""
-
-    def __init__(self, params: Iterable[Tensor]) -> None:
-        self._params = {p.untyped_storage().data_ptr() for p in params}
-        self._live: dict[int, tuple[list[weakref.ref], int]] = {}
-        self.peak = 0
-
-    def _pack(self, tensor: Tensor) -> Tensor:
-        """Keep a detached alias: it lives exactly as long as autograd keeps it saved, and holds no grad_fn
-        (saving an op's own output with its grad_fn would make a cycle that outlives a branch backward never
-        runs, such as a router loss with a zero coefficient)."""
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        if key in self._params or not storage.nbytes():
-            return tensor
-        saved = tensor.detach()
-        self._live.setdefault(key, ([], storage.nbytes()))[0].append(weakref.ref(saved))
-        self.peak = max(self.peak, self.live)
-        return saved
-
-    @property
-    def live(self) -> int:
-        """Bytes kept saved now."""
-        self._live = {k: v for k, v in self._live.items() if any(r() is not None for r in v[0])}
-        return sum(size for _, size in self._live.values())
-
-    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        """The context that records every tensor saved for backward inside it."""
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
 
 
 @dataclass
@@ -145,7 +112,7 @@ def measure_rank(rank: int, world: int, config: RunConfig, steps: int) -> RankMe
     p2p = {"intra_node": 0, "inter_node": 0}
     if runtime is not None:
         _count_p2p(runtime, config.layout, p2p)
-    idle, saved = [], SavedBytes(params)
+    idle, saved = [], SavedTensorMeter(params=params)
     for step in range(steps):
         optimizer.zero_grad(set_to_none=False)
         for stage in stages:

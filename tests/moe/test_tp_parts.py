@@ -14,11 +14,12 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dispatch.multiproc import run_processes
-from launch.bench.tp import ActivationMeter, CommMeter, run_stack
+from launch.bench.tp import CommMeter, run_stack
 from moe.config import ModelConfig
 from moe.model import Block, MoETransformer, rope_tables
 from moe.tp import (TPRegion, check_tp_group, concurrent_backward, full_state_dict, parallelize_block,
                     vocab_parallel_cross_entropy)
+from pipeline.memory import SavedTensorMeter
 from pipeline.wgrad import WeightGradStore, install_split_linear
 from tests.dispatch.cases import calc_diff
 
@@ -54,8 +55,8 @@ def _stack_figures(sp: bool, moe: bool) -> dict:
         parallelize_block(block, dist.group.WORLD, sp)
     cos, sin = rope_tables(SEQ, 8, cfg.rope_theta)
     x = torch.randn(BATCH, SEQ // WORLD if sp else SEQ, 32, dtype=torch.float64, requires_grad=True)
-    meter, comm = ActivationMeter([m for b in stack for m in (b.attn_norm, b.ffn_norm)]), CommMeter()
-    with comm, meter.active():
+    meter, comm = SavedTensorMeter(params=stack.parameters()), CommMeter()
+    with comm, meter.hooks(), meter.region([m for b in stack for m in (b.attn_norm, b.ffn_norm)]):
         out = run_stack(stack, x, cos, sin)
         out.sum().backward()
     return {"comm": comm.bytes, "calls": comm.calls, "norm_bytes": meter.region_bytes}
