@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
 from launch.config import load_config
 from launch.plan.measure import compare, cpu_machine, measure
 from launch.plan.planner import Machine, make_plan
