@@ -63,8 +63,8 @@ class ActivationModel:
     tiles), DeepSeek-V3's low-precision activation storage (report section 3.3.2). TP splits the head/FFN widths;
     SP also splits the hidden-width tensors (norm inputs and outputs) that TP alone keeps whole. CP (cp > 1) leaves
     the bytes per token alone but for the attention core, moe.cp's whatever the kernels: q, k, v, its output and
-    log-sum-exp in at least float32, K/V unexpanded (ring), or all-gathered and expanded to every query head
-    (allgather; its mask not counted); each rank holds S / cp of a sequence's tokens. Recomputation:
+    log-sum-exp in at least float32, K/V unexpanded, the rank's own (ring) or all cp ranks' (allgather); each rank
+    holds S / cp of a sequence's tokens. Recomputation:
     "selective" recomputes the norms, SwiGLU products and (MLA) the q/kv up-projections from their
     latents, as DeepSeek-V3 does; "full" keeps only each layer's input and recomputes the layer.
     """
@@ -109,8 +109,7 @@ class ActivationModel:
         kv_width = att.qk_head_dim + att.v_head_dim
         if self.cp > 1:  # moe.cp: in at least float32, its output cast back to the training dtype for the projection
             c = max(a, 4)
-            kv = (self.cp * att.heads * kv_width / t if self.cp_method == "allgather"
-                  else cp_kv_width(self.cfg, att, t))
+            kv = cp_kv_width(self.cfg, att, t) * (self.cp if self.cp_method == "allgather" else 1)
             return c * (att.heads * att.qk_head_dim / t + kv), ((c + a) * att.v_head_dim + c) * att.heads / t
         kv_heads = att.heads if att.kind == "mla" or self._project else self.cfg.num_kv_heads
         qkv = a * (att.heads * att.qk_head_dim + kv_heads * kv_width) / t
