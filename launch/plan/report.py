@@ -147,7 +147,8 @@ def render(plan: Plan) -> str:
                                 for side in ("intra", "inter")],
                       si(total(r.bytes).intra_node), si(total(r.bytes).inter_node)] for r in plan.ranks]),
               "",
-              "time per chunk and stage (ms; comm = EP all-to-all + TP collectives + CP K/V exposed unless overlapped):",
+              "time per chunk and stage (ms; comm = EP all-to-all, TP collectives and CP K/V, exposed unless "
+              "overlapped):",
               table(["stage", "F", "B", "W", "comm F", "comm B"],
                     [[s, *map(ms, (c.f, c.b, c.w, c.comm_f, c.comm_b))] for s, c in enumerate(plan.stage_costs)]),
               f"pipeline step {ms(plan.makespan)} ms (bubble {plan.idle_fraction:.1%} of all ranks' time, "

@@ -71,6 +71,9 @@ def test_bad_values_name_the_field(raw, message):
 def test_context_parallel_composes_with_tensor_parallel():
     cfg = build_config({"parallel": {"cp": 2, "tp": 2, "ep": 4, "sequence_parallel": True}, "train": {"seq_len": 8}})
     assert (cfg.parallel.world_size, cfg.layout.sequence_group(3)) == (4, [0, 1, 2, 3])
+    wide = build_config({"parallel": {"dp": 2, "cp": 2, "tp": 2},
+                         "train": {"seq_len": 8, "grad_accum_steps": 2}}).layout
+    assert wide.sequence_group(5) == [4, 5, 6, 7] and wide.cp_group(5) == [5, 7] and wide.tp_group(5) == [4, 5]
 
 
 def test_shipped_config_and_overrides(tmp_path):
