@@ -161,9 +161,6 @@ class ParallelSettings:
         for name in ("pp", "dp", "tp", "ep", "cp", "merge_w", "dispatch_chunks"):
             check_positive(f"parallel.{name}", getattr(self, name))
         check_choice("parallel.cp_method", self.cp_method, CP_METHODS)
-        if self.cp > 1 and self.tp > 1:
-            raise ValueError(f"parallel.cp = {self.cp} with parallel.tp = {self.tp}: context parallelism does not "
-                             f"compose with tensor parallelism yet (allowed: cp = 1 or tp = 1)")
         for name in ("gpus_per_node", "num_chunks"):
             check_positive(f"parallel.{name}", getattr(self, name), minimum=0)
         check_choice("parallel.schedule", self.schedule, SCHEDULES)
@@ -248,7 +245,7 @@ class RunConfig:
         if hang and hang["rank"] >= par.world_size:
             raise ValueError(f"ops.inject_hang.rank = {hang['rank']} must be < the world size parallel.pp x dp x cp x tp = "
                              f"{par.world_size}")
-        check_tp_shapes(model, self.train.seq_len, par.tp, par.sequence_parallel)
+        check_tp_shapes(model, self.train.seq_len, par.tp, par.sequence_parallel, par.cp)
         _check_fp8_sizes(model, par)
         layout = self.layout
         nodes = layout.ep_nodes()

@@ -80,6 +80,13 @@ class Layout:
         p, d, t = self.coords(rank)
         return [self.rank(p, d, t, c) for c in range(self.cp)]
 
+    def sequence_group(self, rank: int) -> list[int]:
+        """Ranks sharing rank's sequences, each with a CP shard's TP share of them (cp x tp, consecutive): the
+        routers sum their balance statistics over them."""
+        p, d, _ = self.coords(rank)
+        first = self.rank(p, d, 0)
+        return list(range(first, first + self.cp * self.tp))
+
     def tp_group(self, rank: int) -> list[int]:
         """Ranks sharing rank's layers' TP shards."""
         p, d, _ = self.coords(rank)
@@ -179,6 +186,10 @@ class Mesh:
         # CP ring transfers, forward and (in flight beside a forward's) backward; only where sequences are split
         self.cp = self._mine(layout.cp_group) if layout.cp > 1 else None
         self.cp_grad = self._mine(layout.cp_group) if layout.cp > 1 else None
+        # CP x TP: the routers' statistics group (forward only; its twin marks their regions safe beside a backward)
+        both = layout.cp > 1 and layout.tp > 1
+        self.sequence = self._mine(layout.sequence_group) if both else None
+        self.sequence_grad = self._mine(layout.sequence_group) if both else None
         self.dense_replicas = self._mine(layout.dense_replica_group)
         self.expert_replicas = self._mine(layout.expert_replica_group)
 

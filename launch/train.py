@@ -82,7 +82,7 @@ def build_model(cfg: RunConfig, mesh: Mesh, device: torch.device) -> tuple[list[
     if par.tp > 1:  # before the runtime is built, so its B/W split patches every TP linear
         model.to_tensor_parallel(mesh.tp, par.sequence_parallel, grad_group=mesh.tp_grad)
     if par.cp > 1:
-        model.to_context_parallel(CPRegion(mesh.cp, par.cp_method, mesh.cp_grad))
+        model.to_context_parallel(CPRegion(mesh.cp, par.cp_method, mesh.cp_grad), mesh.sequence, mesh.sequence_grad)
     stages = build_stages(model, cfg.train.seq_len, par.num_stages, stage_ids(cfg, mesh.pp_rank))
     if par.ep > 1:
         for stage in stages:

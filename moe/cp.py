@@ -10,7 +10,8 @@ one late), so every rank has the same causal work. Two ways to attend over the w
   work. The backward runs the ring again with the K/V blocks, their dK/dV accumulators travelling with
   them and reaching their owner after a last hop.
 - `allgather_attention`: every rank all-gathers K and V (backward: reduce-scatter of their grads) and
-  attends its own queries to the whole sequence: one collective, cp x the K/V memory; for short rings.
+  attends its own queries to the whole sequence block by block, as the ring does (the blocks kept for
+  backward, never their scores): one collective, cp x the K/V memory; for short rings.
 
 q [B, Hq, S_local, Dqk], k [B, Hkv, S_local, Dqk], v [B, Hkv, S_local, Dv] hold this rank's zig-zag shard
 (S_local = 2 x S / (2 cp)); Hq a multiple of Hkv (GQA: K/V travel unrepeated). Blocks are attended in plain
@@ -125,11 +126,39 @@ def _wait(requests: list) -> None:
         request.wait()
 
 
+def _block_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor | None, lse: Tensor | None, source: int, rank: int,
+                   scale: float) -> tuple[Tensor, Tensor]:
+    """(out, lse) of rank's queries merged with CP rank source's K/V block (its own: the first, out None)."""
+    half = q.shape[2] // 2
+    if source == rank:
+        return _diagonal(q, k, v, scale)
+    if source < rank:  # an earlier rank's block: every query sees its early chunk
+        return _merge(out, lse, *_attend(q, k[:, :, :half], v[:, :, :half], scale, causal=False))
+    # a later rank's block: only the late chunk's queries see it, all of it
+    late, late_lse = _merge(out[:, :, half:], lse[:, :, half:], *_attend(q[:, :, half:], k, v, scale, causal=False))
+    return torch.cat((out[:, :, :half], late), 2), torch.cat((lse[:, :, :half], late_lse), 2)
+
+
+def _block_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, dq: Tensor | None,
+                    source: int, rank: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq with this block's share added, dk and dv of CP rank source's K/V block) from rank's queries (its own
+    block: the first, dq None)."""
+    half = q.shape[2] // 2
+    if source == rank:
+        return _diagonal_grads(q, k, v, out, lse, dout, scale)
+    if source < rank:
+        gq, gk, gv = _block_grads(q, k[:, :, :half], v[:, :, :half], out, lse, dout, scale, causal=False)
+        return dq + gq, *(F.pad(g, (0, 0, 0, g.shape[2])) for g in (gk, gv))
+    gq, gk, gv = _block_grads(q[:, :, half:], k, v, out[:, :, half:], lse[:, :, half:], dout[:, :, half:], scale,
+                              causal=False)
+    return torch.cat((dq[:, :, :half], dq[:, :, half:] + gq), 2), gk, gv
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, scale: float, group: Group,  # noqa: D102
                 grad_group: Group, traffic: dict[str, int] | None) -> Tensor:
-        ring, half = _Ring(group, traffic), q.shape[2] // 2
+        ring = _Ring(group, traffic)
         k, v = k.contiguous(), v.contiguous()  # sent as they are, hop after hop
         held, out, lse = [k, v], None, None
         for hop in range(ring.size):
@@ -137,15 +166,7 @@ class _RingAttention(torch.autograd.Function):
             if not last:  # the next block crosses while the held one is attended
                 sends = ring.send(held)
                 incoming, recvs = ring.recv(held)
-            bk, bv = held
-            if hop == 0:
-                out, lse = _diagonal(q, bk, bv, scale)
-            elif ring.source(hop) < ring.rank:  # an earlier rank's block: every query sees its early chunk
-                out, lse = _merge(out, lse, *_attend(q, bk[:, :, :half], bv[:, :, :half], scale, causal=False))
-            else:  # a later rank's block: only the late chunk's queries see it, all of it
-                late, late_lse = _merge(out[:, :, half:], lse[:, :, half:], *_attend(q[:, :, half:], bk, bv, scale,
-                                                                                     causal=False))
-                out, lse = torch.cat((out[:, :, :half], late), 2), torch.cat((lse[:, :, :half], late_lse), 2)
+            out, lse = _block_forward(q, *held, out, lse, ring.source(hop), ring.rank, scale)
             if not last:
                 _wait(sends + recvs)
                 held = incoming
@@ -158,7 +179,7 @@ class _RingAttention(torch.autograd.Function):
         """The ring again: K/V blocks travel ahead (overlapped with the block in hand); each block's dK/dV
         accumulator follows one hop behind, and a last hop brings it to the block's owner."""
         q, k, v, out, lse = ctx.saved_tensors
-        scale, ring, half = ctx.scale, _Ring(ctx.grad_group, ctx.traffic), q.shape[2] // 2
+        scale, ring = ctx.scale, _Ring(ctx.grad_group, ctx.traffic)
         dout = dout.contiguous()
         held, dq, pending = [k, v], None, []
         for hop in range(ring.size):
@@ -168,18 +189,7 @@ class _RingAttention(torch.autograd.Function):
             if not last:
                 pending += ring.send(held)
                 incoming, recvs = ring.recv(held)
-            bk, bv = held
-            if hop == 0:
-                dq, dk, dv = _diagonal_grads(q, bk, bv, out, lse, dout, scale)
-            elif ring.source(hop) < ring.rank:
-                gq, gk, gv = _block_grads(q, bk[:, :, :half], bv[:, :, :half], out, lse, dout, scale, causal=False)
-                dq = dq + gq
-                dk, dv = (F.pad(g, (0, 0, 0, g.shape[2])) for g in (gk, gv))
-            else:
-                gq, gk, gv = _block_grads(q[:, :, half:], bk, bv, out[:, :, half:], lse[:, :, half:],
-                                          dout[:, :, half:], scale, causal=False)
-                dq = torch.cat((dq[:, :, :half], dq[:, :, half:] + gq), 2)
-                dk, dv = gk, gv
+            dq, dk, dv = _block_backward(q, *held, out, lse, dout, dq, ring.source(hop), ring.rank, scale)
             if hop:
                 _wait(acc_recvs)
                 dk, dv = dk + acc[0], dv + acc[1]
@@ -243,28 +253,48 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: Group, scale: float |
     return _RingAttention.apply(q, k, v, scale, group, grad_group or group, traffic).to(dtype)
 
 
+class _GatheredAttention(torch.autograd.Function):
+    """This rank's queries over every CP rank's K/V block, all at hand (all-gathered in rank order): the ring's
+    block steps without transfers, the own block first; the blocks are saved, never their scores."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k_all: Tensor, v_all: Tensor, scale: float, rank: int) -> Tensor:  # noqa: D102
+        out = lse = None
+        for source, block in _gathered_blocks(q, k_all, v_all, rank):
+            out, lse = _block_forward(q, *block, out, lse, source, rank, scale)
+        ctx.save_for_backward(q, k_all, v_all, out, lse)
+        ctx.scale, ctx.rank = scale, rank
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):  # noqa: D102
+        q, k_all, v_all, out, lse = ctx.saved_tensors
+        dq, grads = None, {}
+        for source, block in _gathered_blocks(q, k_all, v_all, ctx.rank):
+            dq, *grads[source] = _block_backward(q, *block, out, lse, dout.contiguous(), dq, source, ctx.rank,
+                                                 ctx.scale)
+        dk, dv = (torch.cat([grads[source][i] for source in sorted(grads)], 2) for i in (0, 1))
+        return dq, dk, dv, None, None
+
+
+def _gathered_blocks(q: Tensor, k_all: Tensor, v_all: Tensor, rank: int) -> list[tuple[int, tuple[Tensor, Tensor]]]:
+    """(CP rank, its (K, V) block) of all-gathered K/V, rank's own block first."""
+    blocks = list(zip(k_all.split(q.shape[2], 2), v_all.split(q.shape[2], 2)))
+    return [(s, blocks[s]) for s in [rank, *(s for s in range(len(blocks)) if s != rank)]]
+
+
 def allgather_attention(q: Tensor, k: Tensor, v: Tensor, group: Group, scale: float | None = None,
                         grad_group: Group | None = None, traffic: dict[str, int] | None = None) -> Tensor:
-    """Causal attention of this rank's zig-zag shard over the whole sequence, K/V all-gathered.
-    traffic: a dict whose "sent_bytes" gets the bytes this rank sends (ring model of the all-gather and of the
-    backward's reduce-scatter: (cp - 1) x its K/V shard each)."""
+    """Causal attention of this rank's zig-zag shard over the whole sequence, K/V all-gathered (backward: their
+    grads reduce-scattered). traffic: a dict whose "sent_bytes" gets the bytes this rank sends (ring model of the
+    all-gather and of the reduce-scatter: (cp - 1) x its K/V shard each)."""
     dtype = q.dtype
     q, k, v, scale = _prepare(q, k, v, scale)
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    cp = dist.get_world_size(group)
     if traffic is not None:
         traffic["sent_bytes"] = traffic.get("sent_bytes", 0) + 2 * (cp - 1) * (k.nbytes + v.nbytes)
-    chunk = q.shape[2] // 2
-    # gathered in rank order, rank r's early chunk r in slot 2r and its late chunk 2cp-1-r in slot 2r+1
-    k_all, v_all = (gather_for_region(t.contiguous(), 2, group, grad_group) for t in (k, v))
-    slot = torch.tensor([2 * min(c, 2 * cp - 1 - c) + (c >= cp) for c in range(2 * cp)], device=q.device)
-    keys = slot.repeat_interleave(chunk) * chunk + torch.arange(chunk, device=q.device).repeat(2 * cp)
-    k_all, v_all = k_all.index_select(2, keys), v_all.index_select(2, keys)  # in global order
-    mine = zigzag_positions(2 * cp * chunk, cp, rank, q.device)
-    visible = mine.unsqueeze(1) >= torch.arange(2 * cp * chunk, device=q.device).unsqueeze(0)
-    repeat = q.shape[1] // k.shape[1]
-    out = F.scaled_dot_product_attention(q, k_all.repeat_interleave(repeat, 1), v_all.repeat_interleave(repeat, 1),
-                                         attn_mask=visible, scale=scale)
-    return out.to(dtype)
+    k_all, v_all = (gather_for_region(t.contiguous(), 2, group, grad_group) for t in (k, v))  # rank order
+    return _GatheredAttention.apply(q, k_all, v_all, scale, dist.get_rank(group)).to(dtype)
 
 
 @dataclass(frozen=True)

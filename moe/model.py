@@ -137,18 +137,28 @@ class MoETransformer(nn.Module):
         self.tp: TPRegion | None = None
         self.cp: CPRegion | None = None
 
-    def to_context_parallel(self, region: CPRegion) -> None:
+    def to_context_parallel(self, region: CPRegion, sequence_group: Group | None = None,
+                            sequence_grad_group: Group | None = None) -> None:
         """Split every sequence over region's ranks (zig-zag): attention attends across them (moe.cp) and each
         MoE router balances with statistics summed over them (as under TP); the caller feeds each rank its
-        shard of the tokens and labels (region.shard) and the RoPE rows of its positions."""
-        if self.tp is not None or self.cp is not None:
-            raise ValueError("context parallelism is applied once, to a model without tensor parallelism")
+        shard of the tokens and labels (region.shard) and the RoPE rows of its positions.
+
+        After to_tensor_parallel, each TP rank's heads attend over the CP group (SP shards each CP shard) and the
+        routers sum over sequence_group, the cp x tp ranks sharing each sequence (with its twin
+        sequence_grad_group, see TPRegion); without TP they sum over region's group."""
+        if self.cp is not None:
+            raise ValueError("context parallelism is applied once")
+        if (self.tp is not None) != (sequence_group is not None):
+            raise ValueError("sequence_group (the cp x tp ranks sharing each sequence) is given exactly when the "
+                             "model is tensor-parallel")
         self.cp = region
+        router = (TPRegion(region.group, False, 1, region.grad_group) if sequence_group is None
+                  else TPRegion(sequence_group, False, 1, sequence_grad_group))
         for block in self.blocks:
             block.attn.cp = region
             if isinstance(block.ffn, MoELayer):
                 block.ffn.router.__class__ = TensorParallelRouter
-                block.ffn.router.tp = TPRegion(region.group, False, 1, region.grad_group)
+                block.ffn.router.tp = router
 
     def to_tensor_parallel(self, tp_group: Group, sequence_parallel: bool, grad_group: Group | None = None) -> None:
         """Keep this TP rank's shard of every layer in place (vocab rows, heads, FFN columns; see moe.tp).
@@ -177,7 +187,7 @@ class MoETransformer(nn.Module):
         if seq > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len = {self.cfg.max_seq_len}")
         if self.tp is not None:
-            check_tp_shapes(self.cfg, seq, self.tp.size, self.tp.sequence_parallel)
+            check_tp_shapes(self.cfg, seq, self.tp.size, self.tp.sequence_parallel, 1 if self.cp is None else self.cp.size)
         if self.cp is not None:  # tokens and labels: whole sequences, of which this rank takes its zig-zag shard
             tokens = self.cp.shard(tokens)
             labels = None if labels is None else self.cp.shard(labels)

@@ -21,7 +21,7 @@ from launch.config import RunConfig
 from launch.flops import model_flops_per_token
 from launch.data import MicroBatch
 from launch.mesh import Mesh
-from launch.plan.planner import Machine, Plan
+from launch.plan.planner import Machine, Plan, chunk_tokens
 from launch.plan.presets import GPU
 from launch.plan.profile import profile
 from launch.plan.traffic import moe_layer_traffic
@@ -41,7 +41,7 @@ def cpu_machine(config: RunConfig, repeats: int = 15) -> Machine:
     measured = profile(config, repeats)
     cfg, train = config.model, config.train
     flops = model_flops_per_token(cfg, train.seq_len) / 3  # a forward: a third of training's
-    rate = train.micro_batch_size * train.seq_len / config.parallel.tp * flops / sum(s.f for s in measured.stages)
+    rate = chunk_tokens(config) / config.parallel.tp * flops / sum(s.f for s in measured.stages)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
     gpu = GPU("CPU", rate / 1e12, rate / 1e12, memory, LOCAL_LINK_GBPS, LOCAL_LINK_GBPS,
               f"profiled here, {measured.ranks} ranks on {measured.cores} cores, a pipeline rank at a time, "

@@ -9,7 +9,9 @@ from dataclasses import dataclass, replace
 from launch.plan.params import AttentionShape
 from launch.plan.presets import StateBytes
 from launch.plan.timing import StageCost
+from launch.plan.traffic import cp_kv_width
 from moe.config import ModelConfig
+from moe.cp import CP_METHODS
 from pipeline.schedules import Op, Schedule
 
 RECOMPUTE = ("none", "selective", "full")
@@ -59,7 +61,10 @@ class ActivationModel:
     row ids. kernels="fused" counts fused kernels (norm into its consumer, SwiGLU, combine;
     GQA heads unexpanded); "fused-fp8" also caches the expert inputs and the SwiGLU inputs in FP8 (1x128
     tiles), DeepSeek-V3's low-precision activation storage (report section 3.3.2). TP splits the head/FFN widths;
-    SP also splits the hidden-width tensors (norm inputs and outputs) that TP alone keeps whole. Recomputation:
+    SP also splits the hidden-width tensors (norm inputs and outputs) that TP alone keeps whole. CP (cp > 1) leaves
+    the bytes per token alone but for the attention core, moe.cp's whatever the kernels: q, k, v, its output and
+    log-sum-exp in at least float32, K/V unexpanded, the rank's own (ring) or all cp ranks' (allgather); each rank
+    holds S / cp of a sequence's tokens. Recomputation:
     "selective" recomputes the norms, SwiGLU products and (MLA) the q/kv up-projections from their
     latents, as DeepSeek-V3 does; "full" keeps only each layer's input and recomputes the layer.
     """
@@ -71,9 +76,11 @@ class ActivationModel:
     sequence_parallel: bool = False
     recompute: str = "none"
     kernels: str = "project"
+    cp: int = 1
+    cp_method: str = "ring"
 
     def __post_init__(self) -> None:
-        for name, allowed in (("recompute", RECOMPUTE), ("kernels", KERNELS)):
+        for name, allowed in (("recompute", RECOMPUTE), ("kernels", KERNELS), ("cp_method", CP_METHODS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} = {getattr(self, name)!r} is not allowed; choose one of "
                                  f"{', '.join(map(repr, allowed))}")
@@ -96,12 +103,22 @@ class ActivationModel:
             return self._hidden(2)
         return self._hidden(2) + 4 / (self.tp if self.sequence_parallel else 1)
 
-    def _attention(self) -> float:
+    def _core(self) -> tuple[float, float]:
+        """(q, k and v; the output, its copy the output projection keeps and the log-sum-exp): bytes per token."""
         a, t, att = self.itemsize, self.tp, self.attention
+        kv_width = att.qk_head_dim + att.v_head_dim
+        if self.cp > 1:  # moe.cp: in at least float32, its output cast back to the training dtype for the projection
+            c = max(a, 4)
+            kv = cp_kv_width(self.cfg, att, t) * (self.cp if self.cp_method == "allgather" else 1)
+            return c * (att.heads * att.qk_head_dim / t + kv), ((c + a) * att.v_head_dim + c) * att.heads / t
         kv_heads = att.heads if att.kind == "mla" or self._project else self.cfg.num_kv_heads
-        qkv = a * (att.heads * att.qk_head_dim + kv_heads * (att.qk_head_dim + att.v_head_dim)) / t
-        out = a * att.heads * att.v_head_dim / t * (2 if self._project else 1) + 4 * att.heads / t
-        latent = a * att.latent
+        qkv = a * (att.heads * att.qk_head_dim + kv_heads * kv_width) / t
+        return qkv, a * att.heads * att.v_head_dim / t * (2 if self._project else 1) + 4 * att.heads / t
+
+    def _attention(self) -> float:
+        qkv, out = self._core()
+        att = self.attention
+        latent = self.itemsize * att.latent
         if self.recompute == "selective":
             return self._norm() + latent + out + (0 if att.kind == "mla" else qkv)
         return self._norm() + latent + qkv + out

@@ -9,20 +9,21 @@ import torch
 
 from dispatch import Traffic
 from launch.config import RunConfig
-from launch.flops import mixed_peak, model_flops_per_token
+from launch.flops import attention_shape, layer_flops, mixed_peak, model_flops_per_token
 from launch.plan.compute import Precisions, Seconds, elementwise_seconds, head_seconds, layer_seconds
 from launch.plan.efficiency import PRECISIONS, GemmModel
 from launch.plan.memory import FP8_CACHED, ActivationModel, ModelStates, schedule_peaks, backward_workspace, zero_model_states
 from launch.plan.params import ModelParams, count_params
 from launch.plan.presets import GPU, RECIPES, StateBytes
 from launch.plan.timing import Rates, StageCost, interleave, paired, simulate_step
-from launch.plan.traffic import EPStats, ep_stats, ring_bytes, total
+from launch.plan.traffic import EPStats, cp_attention_bytes, cp_kv_width, ep_stats, ring_bytes, total
 from launch.stages import stage_ranges
 from pipeline.schedules import Layout, Schedule, build, merge_weight_grads
 
 if TYPE_CHECKING:
     from launch.plan.profile import Profile
 
+BYTE_KINDS = ("ep", "pp", "dp", "tp", "cp")  # what a rank's bytes are sent for
 LAYOUT_KINDS = {"none": "linear", "afab": "linear", "1f1b": "linear", "zb1p": "linear", "dualpipe": "bidirectional",
                 "dualpipev": "v"}
 COMM_SM_SHARE = 20 / 132  # DeepSeek-V3 (report section 3.2.2): 20 of an H800's 132 SMs drive its communication
@@ -161,29 +162,29 @@ def _layout(config: RunConfig) -> Layout:
     return Layout(LAYOUT_KINDS[par.schedule], par.pp, config.chunks_per_step)
 
 
-def node_of(config: RunConfig, gpus_per_node: int, pp: int, dp: int = 0, tp: int = 0) -> int:
-    """Node of the global rank at (pp, dp, tp) (rank order: TP innermost, then DP, then PP)."""
-    par = config.parallel
-    return ((pp * par.dp + dp) * par.tp + tp) // gpus_per_node
+def node_of(config: RunConfig, gpus_per_node: int, pp: int, dp: int = 0, tp: int = 0, cp: int = 0) -> int:
+    """Node of the global rank at (pp, dp, tp, cp) (launch.mesh.Layout's rank order)."""
+    return config.layout.rank(pp, dp, tp, cp) // gpus_per_node
+
+
+def chunk_tokens(config: RunConfig) -> int:
+    """Tokens of one chunk one rank's TP group holds: a micro-batch, each sequence's CP share of it."""
+    return config.train.micro_batch_size * config.train.seq_len // config.parallel.cp
 
 
 def _groups(config: RunConfig, gpus_per_node: int, rank: int) -> tuple[int, int, bool, bool]:
     """(dense shard group size, expert shard group size, whether each spans nodes) for pipeline rank."""
     par = config.parallel
     twins = [rank, par.pp - 1 - rank] if par.schedule == "dualpipe" and par.pp - 1 - rank != rank else [rank]
-    dense = {node_of(config, gpus_per_node, p, d, 0) for p in twins for d in range(par.dp)}
-    expert = {node_of(config, gpus_per_node, p, *divmod(i, par.tp)) for p in twins
-              for i in range(0, par.dp * par.tp, par.ep)}
+    dense = {node_of(config, gpus_per_node, p, d, 0, c) for p in twins for d in range(par.dp) for c in range(par.cp)}
+    expert = {(p * par.stage_ranks + i) // gpus_per_node for p in twins for i in range(0, par.stage_ranks, par.ep)}
     replicas = len(twins)
-    return par.dp * replicas, par.dp * par.tp // par.ep * replicas, len(dense) > 1, len(expert) > 1
+    return par.dp * par.cp * replicas, par.stage_ranks // par.ep * replicas, len(dense) > 1, len(expert) > 1
 
 
 def make_plan(config: RunConfig, machine: Machine, options: Options = Options(), timed: bool = True) -> Plan:
     """Predict memory, traffic and time of config on machine (timed=False: memory only, no traffic or time)."""
     par, cfg, train = config.parallel, config.model, config.train
-    if par.cp > 1:
-        raise ValueError(f"parallel.cp = {par.cp}: moe-plan does not model context parallelism yet (its ring "
-                         f"traffic, per-rank sequence shards and attention time); plan the layout with cp = 1")
     gpn = min(machine.gpus_per_node, par.world_size)  # a world smaller than a node sits in one
     if par.world_size % gpn:
         raise ValueError(f"gpus_per_node = {gpn} must divide the world size pp x dp x cp x tp = {par.world_size}")
@@ -196,9 +197,9 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
     dtype = getattr(torch, train.dtype)
     itemsize = dtype.itemsize
     chunks = config.chunks_per_step
-    tokens = train.micro_batch_size * train.seq_len  # one chunk, one pipeline rank's TP group
+    tokens = chunk_tokens(config)
     acts = ActivationModel(cfg, params.attention, itemsize, par.tp, par.sequence_parallel, options.recompute,
-                           options.kernels)
+                           options.kernels, par.cp, par.cp_method)
     stage_bytes = [acts.stage(layers[s], s == num_stages - 1, tokens) for s in range(num_stages)]
     schedule = make_schedule(config)
     layout = _layout(config)
@@ -235,7 +236,7 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
             plan.bytes = _rank_bytes(config, layout, rank, held, moe_layers, layers, ep_layer, act_bytes, grad_sync,
                                      itemsize, recipe, gpn)
             sync = max(sync, rates.link_seconds(plan.bytes["dp"].intra_node, plan.bytes["dp"].inter_node))
-    p2p_inter = par.dp * par.tp >= gpn and par.pp > 1
+    p2p_inter = par.stage_ranks >= gpn and par.pp > 1
     p2p_seconds = act_bytes / (rates.inter_bps if p2p_inter else rates.intra_bps)
     if not timed:
         makespan, idles = 0.0, [0.0] * par.pp
@@ -253,7 +254,7 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
         sync = max(0.0, sync - max(c.b for c in costs))
     return Plan(config, machine, options, params, layers, ranks, ep, costs, p2p_seconds, makespan,
                 sum(idles) / len(idles), sync,
-                train.grad_accum_steps * tokens, model_flops_per_token(cfg, train.seq_len),
+                train.grad_accum_steps * tokens * par.cp, model_flops_per_token(cfg, train.seq_len),
                 train.grad_accum_steps // par.dp // chunks, list(idles))
 
 
@@ -277,10 +278,10 @@ def _add(bucket: dict[str, Traffic], kind: str, inter: bool, nbytes: float) -> N
 def _rank_bytes(config: RunConfig, layout: Layout, rank: int, held: list[int], moe_layers: list[int],
                 layers: list[range], ep_layer: Traffic, act_bytes: float, grad_sync: list, itemsize: int,
                 recipe: StateBytes, gpn: int) -> dict[str, Traffic]:
-    """Bytes one rank sends per optimizer step by purpose ("ep", "pp", "dp", "tp"), intra- and inter-node."""
+    """Bytes one rank sends per optimizer step by purpose ("ep", "pp", "dp", "tp", "cp"), intra- and inter-node."""
     par, chunks = config.parallel, config.chunks_per_step
     steps = config.train.grad_accum_steps // par.dp // chunks  # pipeline steps per optimizer step
-    out = {kind: Traffic() for kind in ("ep", "pp", "dp", "tp")}
+    out = {kind: Traffic() for kind in BYTE_KINDS}
     visits = {s: sum(layout.locate(chunk, s)[0] == rank for chunk in range(chunks)) for s in held}  # DualPipe: half
     moe_calls = steps * sum(moe_layers[s] * visits[s] for s in held)
     out["ep"] = Traffic(*(v * moe_calls for v in (ep_layer.intra_payload, ep_layer.inter_payload,
@@ -301,14 +302,25 @@ def _rank_bytes(config: RunConfig, layout: Layout, rank: int, held: list[int], m
         tp_layers = sum(len(layers[s]) * visits[s] for s in held)
         all_reduce = 2 * ring_bytes(act_bytes * par.tp / itemsize, par.tp, itemsize)
         _add(out, "tp", par.tp > gpn, 4 * tp_layers * steps * all_reduce)
+    if par.cp > 1:
+        cp_layers = sum(len(layers[s]) * visits[s] for s in held)
+        _add(out, "cp", par.cp * par.tp > gpn, cp_layers * steps * sum(cp_layer_bytes(config)))
     return out
+
+
+def cp_layer_bytes(config: RunConfig) -> tuple[float, float]:
+    """(forward, backward) bytes one rank sends over its CP group for one attention layer and chunk (K/V in at
+    least float32, moe.cp's compute dtype)."""
+    par = config.parallel
+    kv = cp_kv_width(config.model, attention_shape(config.model), par.tp) * chunk_tokens(config)
+    return cp_attention_bytes(kv * max(getattr(torch, config.train.dtype).itemsize, 4), par.cp, par.cp_method)
 
 
 def _stage_cost(config: RunConfig, params: ModelParams, layers: range, has_head: bool, moe_layers: int,
                 ep: EPStats | None, machine: Machine, gpn: int, options: Options) -> StageCost:
     """Compute and communication seconds of one chunk through one stage."""
     cfg, par, train = config.model, config.parallel, config.train
-    tokens = train.micro_batch_size * train.seq_len
+    tokens = chunk_tokens(config)
     gemms, rates = machine.gemms, machine.rates()
     precisions = Precisions.of(cfg, options.linears)
     itemsize = getattr(torch, train.dtype).itemsize
@@ -337,7 +349,30 @@ def _stage_cost(config: RunConfig, params: ModelParams, layers: range, has_head:
     if par.tp > 1:
         ar = 2 * ring_bytes(tokens * cfg.hidden_size, par.tp, itemsize)
         tp = 2 * len(layers) * (ar / rates.inter_bps if par.tp > gpn else ar / rates.intra_bps)
-    return StageCost(cost.f, cost.b + recompute, cost.w, ep_f + tp, ep_b + tp)
+    cp_f, cp_b = _cp_seconds(config, layers, machine, gpn)
+    return StageCost(cost.f, cost.b + recompute, cost.w, ep_f + tp + cp_f, ep_b + tp + cp_b)
+
+
+def _cp_seconds(config: RunConfig, layers: range, machine: Machine, gpn: int) -> tuple[float, float]:
+    """Exposed CP seconds of one chunk through layers, forward and backward: the ring's hops each hide behind
+    one of the cp blocks' attention (the core's time split evenly over them by the zig-zag layout; backward:
+    two core-times a block, and the last dK/dV hop exposed); the all-gather and its reduce-scatter exposed whole."""
+    par = config.parallel
+    if par.cp == 1:
+        return 0.0, 0.0
+    rates = machine.rates()
+    bps = rates.inter_bps if par.cp * par.tp > gpn else rates.intra_bps
+    fwd, bwd = (b / bps for b in cp_layer_bytes(config))
+    if par.cp_method == "allgather":
+        return len(layers) * (fwd + rates.exchange_s), len(layers) * (bwd + rates.exchange_s)
+    tokens, hops = chunk_tokens(config), par.cp - 1
+    f = b = 0.0
+    for i in layers:
+        core = machine.gemms.attention(layer_flops(config.model, i, config.train.seq_len).core
+                                       * tokens / par.tp) / par.cp  # one block's forward
+        f += hops * max(0.0, fwd / hops - core)
+        b += hops * max(0.0, (bwd - fwd / hops) / hops - 2 * core) + fwd / hops
+    return f, b
 
 
 def _selective_recompute(config: RunConfig, params: ModelParams, num_layers: int, gemms: GemmModel,
@@ -348,5 +383,5 @@ def _selective_recompute(config: RunConfig, params: ModelParams, num_layers: int
     if not up:
         return 0.0
     cfg, train = config.model, config.train
-    tokens = train.micro_batch_size * train.seq_len
+    tokens = chunk_tokens(config)
     return num_layers * gemms.gemm(tokens, up / cfg.hidden_size / config.parallel.tp, cfg.hidden_size, precision)

@@ -29,7 +29,7 @@ from launch.mesh import Mesh
 from launch.plan.timing import StageCost
 from launch.stages import Stage, lm_loss
 from launch.device import rank_device
-from launch.train import build_model, stage_ids
+from launch.train import boundary_meta, build_model, stage_ids
 from pipeline.wgrad import WeightGradStore
 
 PAIRED = ("dualpipe", "dualpipev")  # schedules whose runtime runs F&B pairs
@@ -95,7 +95,7 @@ class _Chunks:
         tokens = torch.randint(0, cfg.vocab_size, (train.micro_batch_size, train.seq_len + 1),
                                generator=torch.Generator().manual_seed(0))
         self.inputs, self.labels = tokens[:, :-1], tokens[:, 1:]
-        self.hidden = (train.micro_batch_size, train.seq_len, cfg.hidden_size)
+        self.hidden = boundary_meta(config)[0].shape  # this rank's share of the sequence (CP, and SP)
         self.dtype = getattr(torch, train.dtype)
         self.store = store
 
@@ -105,12 +105,10 @@ class _Chunks:
             x = self.inputs
         else:
             x = torch.randn(self.hidden, dtype=self.dtype, generator=torch.Generator().manual_seed(1))
-            if stage.tp is not None and stage.tp.sequence_parallel:
-                x = x.chunk(stage.tp.size, 1)[stage.tp.rank]
             x.requires_grad_()
         out = stage(x)
         if stage.lm_head is not None:
-            return lm_loss(out, self.labels, stage.loss_scale, stage.tp), None
+            return lm_loss(out, self.labels, stage.loss_scale, stage.tp, stage.cp), None
         return out, torch.ones_like(out)
 
     def backward(self, key: int, out: Tensor, grad: Tensor | None) -> None:

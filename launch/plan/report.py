@@ -8,7 +8,7 @@ from dataclasses import asdict, replace
 import torch
 
 from launch.plan.memory import RECOMPUTE, ActivationModel, schedule_peaks
-from launch.plan.planner import Plan, make_schedule
+from launch.plan.planner import BYTE_KINDS, Plan, chunk_tokens, make_schedule
 from launch.plan.traffic import total
 
 GB = 1e9
@@ -40,9 +40,9 @@ def activation_variants(plan: Plan) -> list[tuple[bool, str, float]]:
     """(sequence parallel, recompute, peak activation GB of the busiest rank) for every combination."""
     cfg, par, train = plan.config.model, plan.config.parallel, plan.config.train
     base = ActivationModel(cfg, plan.params.attention, getattr(torch, train.dtype).itemsize, par.tp, False,
-                           "none", plan.options.kernels)
+                           "none", plan.options.kernels, par.cp, par.cp_method)
     schedule = make_schedule(plan.config)
-    tokens = train.micro_batch_size * train.seq_len
+    tokens = chunk_tokens(plan.config)
     out = []
     for sp in (False, True):
         for mode in RECOMPUTE:
@@ -141,13 +141,14 @@ def render(plan: Plan) -> str:
                   table(["kind", "intra-node", "inter-node"],
                         [[k, si(v.intra_node), si(v.inter_node)] for k, v in ep.layer.items()])]
     parts += ["", "bytes sent per GPU per optimizer step:",
-              table(["pp rank", *[f"{k} {side}" for k in ("ep", "pp", "dp", "tp") for side in ("intra", "inter")],
+              table(["pp rank", *[f"{k} {side}" for k in BYTE_KINDS for side in ("intra", "inter")],
                      "all intra", "all inter"],
-                    [[r.rank, *[si(getattr(r.bytes[k], f"{side}_node")) for k in ("ep", "pp", "dp", "tp")
+                    [[r.rank, *[si(getattr(r.bytes[k], f"{side}_node")) for k in BYTE_KINDS
                                 for side in ("intra", "inter")],
                       si(total(r.bytes).intra_node), si(total(r.bytes).inter_node)] for r in plan.ranks]),
               "",
-              "time per chunk and stage (ms; comm = EP all-to-all + TP collectives exposed unless overlapped):",
+              "time per chunk and stage (ms; comm = EP all-to-all, TP collectives and CP K/V, exposed unless "
+              "overlapped):",
               table(["stage", "F", "B", "W", "comm F", "comm B"],
                     [[s, *map(ms, (c.f, c.b, c.w, c.comm_f, c.comm_b))] for s, c in enumerate(plan.stage_costs)]),
               f"pipeline step {ms(plan.makespan)} ms (bubble {plan.idle_fraction:.1%} of all ranks' time, "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -23,7 +24,9 @@ class SearchResult:
 
 def describe(par: dict, chunks: int, recompute: str = "") -> str:
     """A layout in one short line."""
-    text = f"pp={par['pp']} dp={par['dp']} tp={par['tp']} ep={par['ep']} {par['schedule']} chunks={chunks or 'all'}"
+    cp = f" cp={par['cp']}" if par.get("cp", 1) > 1 else ""
+    text = (f"pp={par['pp']} dp={par['dp']}{cp} tp={par['tp']} ep={par['ep']} {par['schedule']} "
+            f"chunks={chunks or 'all'}")
     return f"{text} recompute={recompute}" if recompute else text
 
 
@@ -32,24 +35,24 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidates(config: RunConfig, gpus: int, gpus_per_node: int) -> Iterator[dict]:
-    """[parallel] settings of every (pp, dp, tp, ep, schedule, num_chunks) on gpus GPUs (EP groups that fill
-    whole nodes or sit in one; two chunk counts: the fewest the schedule allows and all micro-batches)."""
-    for tp in _divisors(min(gpus, gpus_per_node)):
-        for pp in _divisors(gpus // tp):
-            dp = gpus // (tp * pp)
-            if gpus % (tp * pp):
+    """[parallel] settings of every (pp, dp, cp, tp, ep, schedule, num_chunks) on gpus GPUs (cp cutting each
+    sequence into 2 x cp whole chunks; EP groups, folded over dp x cp x tp, that fill whole nodes or sit in one;
+    two chunk counts: the fewest the schedule allows and all micro-batches)."""
+    for tp, pp, cp in itertools.product(_divisors(min(gpus, gpus_per_node)), _divisors(gpus), _divisors(gpus)):
+        if gpus % (tp * pp * cp) or config.train.seq_len % (2 * cp) and cp > 1:
+            continue
+        dp = gpus // (tp * pp * cp)
+        for ep in _divisors(dp * cp * tp):
+            if ep % gpus_per_node and gpus_per_node % ep:
                 continue
-            for ep in _divisors(dp * tp):
-                if ep % gpus_per_node and gpus_per_node % ep:
-                    continue
-                for schedule in PIPELINE_SCHEDULES if pp > 1 else ("none",):
-                    micro = config.train.grad_accum_steps // dp if config.train.grad_accum_steps % dp == 0 else 0
-                    minimum = 1 if schedule == "none" else min_chunks(schedule, pp)
-                    valid = [c for c in _divisors(micro) if c >= minimum and not (schedule == "dualpipe" and c % 2)]
-                    for chunks in sorted({valid[0], valid[-1]}) if valid else [micro or 1]:
-                        yield dict(pp=pp, dp=dp, tp=tp, ep=ep, schedule=schedule,
-                                   num_chunks=0 if chunks == micro else chunks,
-                                   sequence_parallel=tp > 1, gpus_per_node=gpus_per_node)
+            for schedule in PIPELINE_SCHEDULES if pp > 1 else ("none",):
+                micro = config.train.grad_accum_steps // dp if config.train.grad_accum_steps % dp == 0 else 0
+                minimum = 1 if schedule == "none" else min_chunks(schedule, pp)
+                valid = [c for c in _divisors(micro) if c >= minimum and not (schedule == "dualpipe" and c % 2)]
+                for chunks in sorted({valid[0], valid[-1]}) if valid else [micro or 1]:
+                    yield dict(pp=pp, dp=dp, cp=cp, tp=tp, ep=ep, schedule=schedule,
+                               num_chunks=0 if chunks == micro else chunks,
+                               sequence_parallel=tp > 1, gpus_per_node=gpus_per_node)
 
 
 def search(config: RunConfig, gpus: int, machine: Machine, options: Options = Options()) -> SearchResult:

@@ -1,4 +1,4 @@
-"""Bytes per rank on each link class: EP dispatch/combine (from dispatch.predict), PP p2p, DP and TP collectives."""
+"""Bytes per rank on each link class: EP dispatch/combine (from dispatch.predict), PP p2p, DP, TP and CP collectives."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from dispatch import Topology, Traffic, make_topology
 from dispatch.layout import expert_owner, lookup, membership
 from dispatch.predict import inter_node_copies, payload_row_bytes, predict_traffic
 from dispatch.routing import synthetic_routing
+from launch.flops import AttentionShape
 from moe.config import ModelConfig
 
 WEIGHT_GRAD_BYTES = 4  # dispatch's backward returns one fp32 routing-weight grad per slot and row
@@ -125,3 +126,21 @@ def ep_stats(cfg: ModelConfig, ep: int, gpus_per_node: int, tokens: int, backend
 def ring_bytes(numel: float, group: int, itemsize: float) -> float:
     """Bytes one rank sends in a ring reduce-scatter (or all-gather) of numel elements over group ranks."""
     return numel * itemsize * (group - 1) / group
+
+
+def cp_kv_width(cfg: ModelConfig, attention: AttentionShape, tp: int) -> float:
+    """K and V elements per token of one attention layer on one TP rank, as moe.cp holds and sends them: GQA's
+    KV heads unexpanded (one per rank when they are fewer than the TP ranks), MLA's every head."""
+    heads = attention.heads / tp if attention.kind == "mla" else max(cfg.num_kv_heads / tp, 1)
+    return heads * (attention.qk_head_dim + attention.v_head_dim)
+
+
+def cp_attention_bytes(kv_shard_bytes: float, cp: int, method: str) -> tuple[float, float]:
+    """(forward, backward) bytes one rank sends for one attention layer over a CP group of cp ranks, given its
+    K/V shard's bytes (moe.cp's count): ring, cp - 1 K/V hops forward, cp - 1 K/V and cp dK/dV hops backward
+    (3 cp - 2 shards); allgather (ring model), (cp - 1) shards each way."""
+    if cp == 1:
+        return 0.0, 0.0
+    if method == "ring":
+        return (cp - 1) * kv_shard_bytes, (2 * cp - 1) * kv_shard_bytes
+    return (cp - 1) * kv_shard_bytes, (cp - 1) * kv_shard_bytes

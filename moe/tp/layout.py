@@ -18,6 +18,8 @@ Routed experts under EP carry no spec: their replica group is the trainer's expe
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -153,12 +155,13 @@ def check_tp_group(tp_group: Group, tp: int) -> None:
                          f"{tp} ranks that share this rank's pipeline stage and DP index (allowed: {tp} ranks)")
 
 
-def check_tp_shapes(cfg: ModelConfig, seq_len: int | None, tp: int, sequence_parallel: bool) -> None:
+def check_tp_shapes(cfg: ModelConfig, seq_len: int | None, tp: int, sequence_parallel: bool, cp: int = 1) -> None:
     """Raise ValueError naming the field and the allowed values unless cfg (and seq_len) split over tp ranks.
 
     Needs tp | num_heads (GQA or MLA heads), tp | vocab_size, tp | dense_ffn_size (dense layers), tp | the shared
     experts' width (MoE layers with shared experts), GQA's num_kv_heads and tp dividing one another, and
-    tp | seq_len with SP or with MoE layers (each TP rank routes its own S/tp tokens).
+    tp | seq_len / cp with SP or with MoE layers (each TP rank holds or routes S / (cp tp) tokens of its CP shard
+    of S / cp; cp must already divide seq_len).
     seq_len=None skips the sequence check (the model checks at run time).
     """
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
@@ -172,7 +175,9 @@ def check_tp_shapes(cfg: ModelConfig, seq_len: int | None, tp: int, sequence_par
     if cfg.num_moe_layers and cfg.num_shared_experts:
         check_divisible("model.num_shared_experts * model.expert_ffn_size",
                         cfg.num_shared_experts * cfg.expert_ffn_size, tp)
-    if seq_len is not None and (sequence_parallel or cfg.num_moe_layers) and seq_len % tp:
+    if seq_len is not None and (sequence_parallel or cfg.num_moe_layers) and (seq_len // cp) % tp:
         why = "parallel.sequence_parallel = true" if sequence_parallel else "MoE layers (tokens routed per TP rank)"
-        raise ValueError(f"train.seq_len = {seq_len} is not divisible by parallel.tp = {tp}, which {why} "
-                         f"needs; seq_len must be a multiple of {tp}")
+        shard = f" / parallel.cp = {seq_len // cp}" if cp > 1 else ""
+        multiple = math.lcm(2 * cp, cp * tp) if cp > 1 else tp  # CP also cuts 2 x cp zig-zag chunks
+        raise ValueError(f"train.seq_len = {seq_len}{shard} is not divisible by parallel.tp = {tp}, which {why} "
+                         f"needs; seq_len must be a multiple of {multiple}")

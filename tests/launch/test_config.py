@@ -39,6 +39,12 @@ MLA = {"kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head
     ({"model": {"ep_size": 2}}, "unknown key model.ep_size"),
     ({"parallel": {"pp": 2, "dp": 1}}, "parallel.schedule = 'none' with parallel.pp = 2"),
     ({"parallel": {"ep": 3, "dp": 4}}, "parallel.ep = 3 must divide dp x cp x tp = 4 .allowed: 1, 2, 4."),
+    ({"parallel": {"cp": 2, "tp": 4, "sequence_parallel": True}, "train": {"seq_len": 12}},
+     r"train.seq_len = 12 / parallel.cp = 6 is not divisible by parallel.tp = 4, .* multiple of 8"),
+    ({"parallel": {"cp": 2, "tp": 3}, "train": {"seq_len": 20},
+      "model": {"num_heads": 6, "num_kv_heads": 3, "hidden_size": 96, "vocab_size": 258}},
+     r"train.seq_len = 20 / parallel.cp = 10 is not divisible by parallel.tp = 3, .*MoE layers.* multiple of 12"),
+    ({"parallel": {"cp": 2, "tp": 8}}, r"model.num_heads = 4 is not divisible by parallel.tp = 8"),
     ({"parallel": {"ep": 4, "dp": 4}, "model": {"num_experts": 6, "num_groups": 1}, "train": {"grad_accum_steps": 4}},
      "parallel.ep = 4 must divide model.num_experts = 6"),
     ({"parallel": {"pp": 3, "schedule": "dualpipe"}}, "parallel.pp = 3: schedule 'dualpipe' needs an even pp"),
@@ -60,6 +66,14 @@ MLA = {"kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head
 def test_bad_values_name_the_field(raw, message):
     with pytest.raises(ValueError, match=message):
         build_config(raw)
+
+
+def test_context_parallel_composes_with_tensor_parallel():
+    cfg = build_config({"parallel": {"cp": 2, "tp": 2, "ep": 4, "sequence_parallel": True}, "train": {"seq_len": 8}})
+    assert (cfg.parallel.world_size, cfg.layout.sequence_group(3)) == (4, [0, 1, 2, 3])
+    wide = build_config({"parallel": {"dp": 2, "cp": 2, "tp": 2},
+                         "train": {"seq_len": 8, "grad_accum_steps": 2}}).layout
+    assert wide.sequence_group(5) == [4, 5, 6, 7] and wide.cp_group(5) == [5, 7] and wide.tp_group(5) == [4, 5]
 
 
 def test_shipped_config_and_overrides(tmp_path):

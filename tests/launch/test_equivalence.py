@@ -3,8 +3,8 @@
 Each layout trains the same tiny model on the same global batches, once dropless and once with a
 capacity factor that drops slots (not under TP or CP: see routings); per-step losses (LM and router)
 must agree to 1e-10 relative and the final parameters, consolidated from the per-rank checkpoints, to
-calc_diff < 1e-12. MLA attention is checked dropless in pipeline, TP and CP layouts
-(test_mla_layouts_equal_single_process), the layouts of one world size trained in one spawn.
+calc_diff < 1e-12. MLA attention is checked dropless in pipeline, TP and CP layouts, and CP x TP with GQA and
+MLA (test_batched_layouts_equal_single_process), the layouts of one world size trained in one spawn.
 """
 
 from __future__ import annotations
@@ -40,11 +40,14 @@ LAYOUTS = {
     "cp2 ep2 all-gather KV": {"cp": 2, "ep": 2, "cp_method": "allgather"},
     "pp2 dualpipev cp2": {"pp": 2, "cp": 2, "schedule": "dualpipev"},
 }
+# Layouts trained only beside others of their world size (test_batched_layouts_equal_single_process), dropless
+BATCHED = {"cp2 tp2 ep4 sp": {"cp": 2, "tp": 2, "ep": 4, "sequence_parallel": True}}
 ROUTING = {"dropless": None, "capacity 1.0": 1.0}
 ATTENTION = {"gqa": {}, "mla": {"attention": "mla", "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
                                 "qk_rope_head_dim": 4, "v_head_dim": 8}}
-MLA_SPAWNS = {2: ["pp2 dualpipev", "pp2 1f1b", "tp2 sp", "cp2 ring"],  # MLA layouts by world size, dropless
-              4: ["dp2 tp2 ep2", "pp2 tp2 dualpipev sp", "pp2 dp2 ep2 dualpipev, EP across nodes"]}
+SPAWNS = {2: [(name, "mla") for name in ("pp2 dualpipev", "pp2 1f1b", "tp2 sp", "cp2 ring")],  # by world size
+          4: [(name, "mla") for name in ("dp2 tp2 ep2", "pp2 tp2 dualpipev sp", "pp2 dp2 ep2 dualpipev, EP across nodes")]
+          + [("cp2 tp2 ep4 sp", "gqa"), ("cp2 tp2 ep4 sp", "mla")]}
 
 
 def routings(parallel: dict) -> dict[str, float | None]:
@@ -135,16 +138,20 @@ def test_layout_equals_single_process(layout, corpus, reference, tmp_path):
         check_equal_runs(records, raw, reference(name), parallel, name)
 
 
-@pytest.mark.parametrize("world", list(MLA_SPAWNS))
-def test_mla_layouts_equal_single_process(world, corpus, reference, tmp_path):
-    """MLA (query latent, joint KV latent, TP-split heads with replicated down-projections) in the layouts of
-    one world size, trained in one spawn."""
-    names = MLA_SPAWNS[world]
-    raws = [raw_config(str(tmp_path / name.replace(" ", "_")), corpus, LAYOUTS[name], None, "mla") for name in names]
+@pytest.mark.parametrize("world", list(SPAWNS))
+def test_batched_layouts_equal_single_process(world, corpus, reference, tmp_path):
+    """The layouts of one world size with their attention, trained dropless in one spawn: MLA (query latent, joint
+    KV latent, TP-split heads with replicated down-projections) in pipeline, TP and CP layouts, and CP x TP
+    (heads split over TP, each CP shard's sequence over SP, routers summing over cp x tp, EP over both) with
+    GQA and MLA."""
+    runs = SPAWNS[world]
+    layouts = LAYOUTS | BATCHED
+    raws = [raw_config(str(tmp_path / f"{attention} {name}".replace(" ", "_")), corpus, layouts[name], None, attention)
+            for name, attention in runs]
     assert {build_config(raw).parallel.world_size for raw in raws} == {world}
-    results = run_processes(_train_both, world, raws, timeout_s=300)[0]
-    for name, raw, records in zip(names, raws, results):
-        check_equal_runs(records, raw, reference("dropless", "mla"), LAYOUTS[name], f"mla {name}")
+    results = run_processes(_train_both, world, raws, timeout_s=600)[0]
+    for (name, attention), raw, records in zip(runs, raws, results):
+        check_equal_runs(records, raw, reference("dropless", attention), layouts[name], f"{attention} {name}")
 
 
 def check_equal_runs(records: list[dict], raw: dict, reference: tuple[list[dict], dict], parallel: dict,

@@ -22,7 +22,8 @@ TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.toml")
     (["--set", "parallel.pp=8", "--set", "parallel.dp=1", "--set", "parallel.ep=1", "--set",
       "train.grad_accum_steps=16"], "model.num_layers = 4 is fewer than the 16 pipeline stages"),
     (["--set", "parallel.ep=3"], "parallel.ep = 3 must divide dp x cp x tp"),
-    (["--set", "parallel.cp=2", "--set", "parallel.dp=1"], "moe-plan does not model context parallelism yet"),
+    (["--set", "parallel.cp=2", "--set", "parallel.dp=1", "--set", "train.seq_len=34"],
+     "train.seq_len = 34 must be divisible by 2 x parallel.cp = 4"),
     (["--gpu", "a100"], "--gpu 'a100' is not a known GPU; choose one of h800, h100, h200, b200"),
     (["--peak-tflops", "100"], "--memory-gb, --intra-node-gbps, --inter-node-gbps must be given"),
     (["--gpu", "h100", "--inter-node-gbps", "0"], "--inter-node-gbps = 0.0 must be > 0"),
@@ -50,6 +51,7 @@ def test_search_ranks_fitting_layouts_by_step_time_and_gives_reasons_for_the_res
     assert {(p.config.parallel.pp, p.config.parallel.dp) for p in result.ranked} >= {(1, 4), (2, 2), (4, 1)}
     assert all(p.fits for p in result.ranked)
     assert any(p.config.parallel.tp > 1 for p in result.ranked)  # the trainer runs TP layouts
+    assert any(p.config.parallel.cp > 1 for p in result.ranked)  # and CP layouts
     assert any("model.num_layers" in why for _, why in result.cut)  # dualpipev pp=4 needs 8 stages: cut, named
 
 

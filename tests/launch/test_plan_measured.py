@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from launch.config import load_config
 from launch.plan.measure import compare, cpu_machine, measure
 from launch.plan.planner import Machine, make_plan
@@ -29,6 +31,18 @@ def test_measured_bytes_memory_and_params_match_the_plan():
     assert not failed, failed
     crossed = {c.figure for c in checks if c.tolerance == 0 and c.measured > 0}
     assert {"PP p2p bytes inter", "EP bytes intra (routing seen)"} <= crossed
+
+
+@pytest.mark.parametrize("method", ["ring", "allgather"])
+def test_measured_cp2_activations_and_bytes_match_the_plan(method):
+    # the tiny config's DualPipeV pp2 x ep2 layout with its DP ranks turned into CP ranks: each holds half of every
+    # sequence (its routing, hence each rank's expert slots, is deterministic: the figures do not vary run to run)
+    config = load_config(TINY, ["parallel.dp=1", "parallel.cp=2", f'parallel.cp_method="{method}"'])
+    plan = make_plan(config, Machine(GPUS["h800"], config.parallel.gpus_per_node))
+    checks = compare(plan, measure(config, steps=1, timeout_s=240))
+    failed = [c for c in checks if c.ok is False and not c.figure.startswith("pipeline bubble")]
+    assert not failed, failed
+    assert len([c for c in checks if c.figure.startswith("activation peak bytes, max") and c.ok]) == 2
 
 
 def test_predicted_bubble_on_this_machine_tracks_the_measured_idle():

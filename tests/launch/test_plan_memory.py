@@ -91,6 +91,21 @@ def test_sequence_parallel_and_recompute_shrink_activations():
         ActivationModel(cfg, attention, recompute="most")
 
 
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallelism_divides_each_ranks_activations_by_about_cp(cp):
+    # the same micro-batches, each sequence over cp ranks: a rank keeps S / cp tokens of every layer (moe.cp's
+    # attention core, in float32 with K/V unexpanded, differs a little from the fused one of a whole sequence)
+    base = ["parallel.pp=1", 'parallel.schedule="none"', "parallel.num_chunks=0", "parallel.dp=1", "parallel.ep=1"]
+    one = make_plan(load_config(CONFIGS / "tiny.toml", base), Machine(GPUS["h100"], 8), timed=False)
+    split = make_plan(load_config(CONFIGS / "tiny.toml", [*base, f"parallel.cp={cp}"]), Machine(GPUS["h100"], 8),
+                      timed=False)
+    assert 0.8 / cp < split.ranks[0].activations / one.ranks[0].activations < 1.2 / cp
+    before, after = one.ranks[0].states, split.ranks[0].states  # CP splits no parameter; ZeRO-1 shards over cp
+    assert after.params == before.params and after.optimizer == pytest.approx(before.optimizer / cp)
+    with pytest.raises(ValueError, match="cp_method = 'tree' is not allowed"):
+        ActivationModel(one.config.model, one.params.attention, cp=2, cp_method="tree")
+
+
 def test_deepseek_v3_plan_holds_4_experts_per_gpu_and_reaches_at_most_4_nodes():
     config = load_config(CONFIGS / "deepseek-v3.toml")
     plan = make_plan(config, Machine(GPUS["h800"], 8), Options(sample_tokens=256))
