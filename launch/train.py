@@ -217,7 +217,8 @@ def gather_step_stats(stages: list[Stage], cfg: RunConfig, mesh: Mesh, lm_part: 
     """The step's one stats all-reduce and its one copy to the host: losses and per-layer routing statistics
     summed over every rank (each layer counted once per micro-batch, DualPipe's twin copies seeing disjoint
     chunks; router losses, the same on every TP and CP rank, divided by tp x cp; they route disjoint tokens), expert biases
-    averaged over their holders, the EP-peer traffic matrix, and whether any rank was asked to stop; none of
+    averaged over their holders, each MTP depth's loss, the EP-peer traffic matrix, and whether any rank was asked
+    to stop (MTP blocks' MoE layers are rows after the model's: ModelConfig.num_routed_layers); none of
     it grows with the world. "loads_on_device" keeps the global loads on the device for the bias update.
     per_rank (every train.rank_metrics_every steps): also each rank's traffic, peak memory and idle share,
     gathered to rank 0 (launch.train.gather_rank_rows)."""
