@@ -179,12 +179,18 @@ def forward_backward(stages: list[Stage], runtime: PipelineRuntime | None, micro
     device = next(stages[0].parameters()).device
     total = torch.zeros((), dtype=torch.float64, device=device)
     last = next((stage for stage in stages if stage.lm_head is not None), None)
+    lm_parts: list[Tensor] = []  # the LM losses of a micro-batch or pipeline step, summed into total after it
 
     def criterion(*outputs: Tensor) -> Tensor:
-        """The last stage's loss (Stage.loss), its LM part added to total."""
+        """The last stage's loss (Stage.loss), its LM part kept for total."""
         loss, lm_part = last.loss(*outputs)
-        total.add_(lm_part.detach())
+        lm_parts.append(lm_part.detach())
         return loss
+
+    def add_lm_parts() -> None:
+        if lm_parts:
+            total.add_(torch.stack(lm_parts).sum())
+            lm_parts.clear()
 
     if runtime is None:
         for m, batch in enumerate(micro):
@@ -195,6 +201,7 @@ def forward_backward(stages: list[Stage], runtime: PipelineRuntime | None, micro
                 mark(f"backward of micro-batch {m}", ACTION)
                 with last_backward(optimizer, None) if m == len(micro) - 1 else contextlib.nullcontext():
                     loss.backward()
+            add_lm_parts()
         return total, 0.0
     busy = 0.0
     layout = runtime.schedule(chunks).layout
@@ -209,6 +216,7 @@ def forward_backward(stages: list[Stage], runtime: PipelineRuntime | None, micro
                          labels=(labels,) if exit_ else ())
         busy += sum(b for *_, b in runtime.timeline)
         runtime.timeline = None
+        add_lm_parts()
     return total, busy
 
 
