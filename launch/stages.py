@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dispatch.progress import LAYER, mark
-from launch.flops import head_flops, model_layer_flops
+from launch.flops import head_flops, model_layer_flops, mtp_flops
 from moe.config import ModelConfig
 from moe.cp import CPRegion
 from moe.layer import MoELayer, MoEStats
@@ -205,9 +205,9 @@ def token_cross_entropy(logits: Tensor, labels: Tensor, tp: TPRegion | None = No
 
 def stage_ranges(cfg: ModelConfig, seq_len: int, num_stages: int) -> list[range]:
     """The layers of each stage, balanced by forward FLOPs per token (launch.flops: the model's one count,
-    causal attention; the LM head counted in the last stage)."""
+    causal attention; the LM head and the MTP depths counted in the last stage)."""
     costs = [f.total for f in model_layer_flops(cfg, seq_len)]
-    return split_layers(costs, num_stages, head_cost=head_flops(cfg))
+    return split_layers(costs, num_stages, head_cost=head_flops(cfg) + mtp_flops(cfg, seq_len))
 
 
 def build_stages(model: MoETransformer, seq_len: int, num_stages: int, stage_ids: list[int]) -> list[Stage]:
