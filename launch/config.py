@@ -121,6 +121,7 @@ def _check_source(field_name: str, index: int, source: object, keys: tuple[str, 
 
 
 SCHEDULES = ("none", "dualpipev", "dualpipe", "1f1b", "zb1p", "afab")
+ENDS_TOGETHER = ("dualpipev", "dualpipe")  # schedules placing the first and the last stage on one rank
 COMM_BACKENDS = ("auto", "gloo", "nccl")
 DISPATCH_BACKENDS = ("flat", "hierarchical")
 DISPATCH_PAYLOADS = ("bf16", "fp8")
@@ -246,6 +247,7 @@ class RunConfig:
             raise ValueError(f"ops.inject_hang.rank = {hang['rank']} must be < the world size parallel.pp x dp x cp x tp = "
                              f"{par.world_size}")
         check_tp_shapes(model, self.train.seq_len, par.tp, par.sequence_parallel, par.cp)
+        _check_mtp(model, par)
         _check_fp8_sizes(model, par)
         layout = self.layout
         nodes = layout.ep_nodes()
@@ -259,12 +261,25 @@ class RunConfig:
         """The rank layout of [parallel] (no communication)."""
         par = self.parallel
         return Layout(par.pp, par.dp, par.tp, par.ep, par.gpus_per_node, mirrored=par.schedule == "dualpipe",
-                      cp=par.cp, hop_groups=par.dispatch_backend == "hierarchical" and par.ep > 1)
+                      cp=par.cp, hop_groups=par.dispatch_backend == "hierarchical" and par.ep > 1,
+                      embed_copy=self.model.mtp_depth > 0 and par.pp > 1 and par.schedule not in ENDS_TOGETHER)
 
     @property
     def chunks_per_step(self) -> int:
         """Micro-batches one DP rank runs in one pipeline step."""
         return self.parallel.num_chunks or self.train.grad_accum_steps // self.parallel.dp
+
+
+def _check_mtp(model: ModelConfig, par: ParallelSettings) -> None:
+    """Multi-token prediction runs without CP, and its embedding copy (first and last stage on different pipeline
+    ranks) is sharded by ZeRO-1 over a group of 2 x dp x cp ranks, which must divide the world."""
+    if model.mtp_depth and par.cp > 1:
+        raise ValueError(f"model.mtp_depth = {model.mtp_depth} does not run with parallel.cp = {par.cp}: "
+                         f"set parallel.cp = 1 or model.mtp_depth = 0")
+    if model.mtp_depth and par.schedule not in ENDS_TOGETHER and par.pp > 1 and par.pp % 2:
+        raise ValueError(f"model.mtp_depth = {model.mtp_depth} with parallel.schedule = {par.schedule!r} needs an "
+                         f"even parallel.pp (got {par.pp}): the last rank's embedding copy shares ZeRO-1 shards with "
+                         f"the first's; choose an even pp or schedule 'dualpipev'")
 
 
 def _check_fp8_sizes(model: ModelConfig, par: ParallelSettings) -> None:

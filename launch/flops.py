@@ -105,6 +105,13 @@ def head_flops(cfg: ModelConfig) -> float:
     return 2.0 * cfg.vocab_size * cfg.hidden_size
 
 
+def mtp_flops(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
+    """Forward FLOPs per token of the MTP depths (moe.mtp): each one's eh_proj, block (the model's MoE kind) and
+    output head; 0 without MTP."""
+    block = layer_flops(cfg, cfg.num_layers if cfg.num_moe_layers else 0, seq_len, causal).total
+    return cfg.mtp_depth * (block + 4.0 * cfg.hidden_size ** 2 + head_flops(cfg))
+
+
 def flops_by_precision(cfg: ModelConfig, seq_len: int, causal: bool = True) -> tuple[float, float]:
     """Training FLOPs per token as (BF16, FP8): the routed experts' GEMMs run in FP8 (forward, dgrad and
     wgrad, kernels.fp8_grouped_linear) when cfg.expert_precision is "fp8"; everything else is BF16 math."""

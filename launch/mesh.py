@@ -6,7 +6,9 @@ replicas of the stage's dense parameters. EP groups are `ep` consecutive ranks o
 block; expert-data-parallel groups join the ranks of a stage that hold the same experts; with hierarchical
 dispatch each EP group is cut once more into its ranks per node (node groups) and its ranks per local index
 (rail groups). Under DualPipe the stage pair (p, pp-1-p) is held by two pipeline ranks, so the replica groups of
-its parameters span both of them.
+its parameters span both of them. With multi-token prediction under a schedule that puts the first and the last
+stage on different pipeline ranks (1F1B, ZB1P, AFAB) the last rank holds a copy of the embedding: its replica
+group spans the first and the last pipeline rank.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class Layout:
     mirrored: bool = False  # DualPipe: pipeline ranks p and pp-1-p hold copies of the same two stages
     cp: int = 1  # context-parallel ranks per sequence
     hop_groups: bool = False  # hierarchical dispatch: per-hop (node, rail) groups inside each EP group
+    embed_copy: bool = False  # MTP with the first and last stages on pipeline ranks 0 and pp-1: both hold the embedding
 
     @property
     def stage_ranks(self) -> int:
@@ -114,9 +117,10 @@ class Layout:
         first = rank - rank % block
         return list(range(first + rank % self.ep, first + block, self.ep))
 
-    def _mirror(self, group: list[int]) -> list[int]:
-        """Under DualPipe, group joined with its twin on pipeline rank pp-1-p (the same stages' other copy)."""
-        if not self.mirrored:
+    def _mirror(self, group: list[int], twins: bool | None = None) -> list[int]:
+        """Under DualPipe (or with twins), group joined with its twin on pipeline rank pp-1-p (the same stages' other
+        copy)."""
+        if not (self.mirrored if twins is None else twins):
             return group
         shift = (self.pp - 1 - 2 * self.coords(group[0])[0]) * self.stage_ranks
         return sorted(group + [r + shift for r in group])
@@ -124,6 +128,11 @@ class Layout:
     def dense_replica_group(self, rank: int) -> list[int]:
         """Ranks holding copies of rank's dense (non-expert) parameters: ZeRO-1 shards over them."""
         return self._mirror(self.dp_group(rank))
+
+    def embed_replica_group(self, rank: int) -> list[int]:
+        """Ranks holding copies of the embedding, rank a holder (a first or last stage's): its dense replicas, and
+        with embed_copy those of the pipeline rank at the other end."""
+        return self._mirror(self.dense_replica_group(rank), self.embed_copy)
 
     def expert_replica_group(self, rank: int) -> list[int]:
         """Ranks holding copies of rank's experts: ZeRO-1 shards expert state over them."""
@@ -192,6 +201,8 @@ class Mesh:
         self.sequence_grad = self._mine(layout.sequence_group) if both else None
         self.dense_replicas = self._mine(layout.dense_replica_group)
         self.expert_replicas = self._mine(layout.expert_replica_group)
+        ends = self.pp_rank in (0, layout.pp - 1)
+        self.embed_replicas = self._mine(layout.embed_replica_group) if layout.embed_copy and ends else self.dense_replicas
 
     def _mine(self, group_of: Callable[[int], list[int]]) -> ProcessGroup:
         """This rank's group of one kind, created by its members only (a store barrier among them, none with

@@ -10,11 +10,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dispatch.progress import LAYER, mark
-from launch.flops import head_flops, model_layer_flops
+from launch.flops import head_flops, model_layer_flops, mtp_flops
 from moe.config import ModelConfig
 from moe.cp import CPRegion
 from moe.layer import MoELayer, MoEStats
 from moe.model import MoETransformer, position_tables
+from moe.mtp import mtp_loss, mtp_steps
 from moe.tp import TPRegion, vocab_parallel_cross_entropy
 from moe.tp import concurrent_backward as tp_concurrent_backward
 from pipeline.overlap import complete
@@ -95,7 +96,9 @@ class LayerTally:
 
 class Stage(nn.Module):
     """A contiguous run of an MoETransformer's layers: the first stage embeds tokens, the last applies the
-    final norm and LM head (its output is logits; under TP this rank's vocab block). Router losses are
+    final norm and LM head (its output is logits; under TP this rank's vocab block) and holds the MTP depths
+    (moe.mtp) with the embedding they share: the first stage's own tensor where both are here (one stage, or
+    DualPipe's V), else a copy whose grads the trainer sums with the first stage's. Router losses are
     scaled by loss_scale (the micro-batch's share of the step's loss) and injected into backward here;
     statistics are tallied."""
 
@@ -103,7 +106,9 @@ class Stage(nn.Module):
         super().__init__()
         self.cfg = model.cfg
         self.layer_ids = list(layers)
-        self.embed = model.embed if first else None
+        self.first = first
+        self.mtp = model.mtp if last else None
+        self.embed = model.embed if first or self.mtp is not None else None
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
         self.norm = model.norm if last else None
         self.lm_head = model.lm_head if last else None
@@ -111,10 +116,12 @@ class Stage(nn.Module):
         self.cp = model.cp  # under CP it holds this rank's zig-zag share of each sequence
         self.loss_scale = 1.0  # the micro-batch's share of the step's loss: the trainer sets it for each step
         self.tallies: dict[int, LayerTally] = {}
+        self.mtp_tally: Tensor | None = None  # [mtp_depth] float64: each depth's loss times its loss scale, summed
 
     def moe_layers(self) -> dict[int, MoELayer]:
-        """This stage's MoE layers by model layer index."""
-        return {int(i): b.ffn for i, b in self.blocks.items() if isinstance(b.ffn, MoELayer)}
+        """This stage's MoE layers by model layer index (MTP depth k's: num_layers + k - 1)."""
+        blocks = {**self.blocks, **{str(self.cfg.num_layers + k): d.block for k, d in enumerate(self.mtp or ())}}
+        return {int(i): b.ffn for i, b in blocks.items() if isinstance(b.ffn, MoELayer)}
 
     @property
     def concurrent_backward(self) -> bool:
@@ -127,15 +134,18 @@ class Stage(nn.Module):
         """Start a new step's routing statistics and EP traffic counters."""
         device = next(self.parameters()).device
         self.tallies = {i: LayerTally.zeros(self.cfg.num_experts, device) for i in self.moe_layers()}
+        if self.mtp is not None:
+            self.mtp_tally = torch.zeros(self.cfg.mtp_depth, dtype=torch.float64, device=device)
         for layer in self.moe_layers().values():
             meter = getattr(layer.dispatcher, "meter", None)
             if meter is not None:
                 meter.clear()
 
-    def forward_steps(self, x: Tensor) -> Generator[Any, None, Tensor]:
-        """tokens [B, S] (first stage) or hidden [B, S, H] -> hidden, or logits on the last stage;
-        pauses while an MoE layer's communication is in flight (pipeline.overlap)."""
-        if self.embed is not None:
+    def forward_steps(self, x: Tensor) -> Generator[Any, None, Tensor | tuple[Tensor, Tensor]]:
+        """tokens [B, S] (first stage) or hidden [B, S, H] -> hidden, or logits on the last stage (with MTP in
+        training: logits and the hidden state before the final norm, for loss); pauses while an MoE layer's
+        communication is in flight (pipeline.overlap)."""
+        if self.first:
             x = self.embed(x if self.cp is None else self.cp.shard(x))
         cos, sin = position_tables(self.cfg, x.shape[1], x.device, self.tp, self.cp)
         for i, block in self.blocks.items():
@@ -145,13 +155,33 @@ class Stage(nn.Module):
                 self.tallies[int(i)].add(stats, self.loss_scale)
                 x = AuxLossGrad.apply(x, stats.aux_loss * self.loss_scale)
         if self.lm_head is not None:
-            x = self.norm(x)
+            hidden, x = x, self.norm(x)
             x = self.lm_head(x if self.tp is None else self.tp.enter(x))
+            if self.mtp is not None and self.training:
+                return x, hidden
         return x
 
     def forward(self, x: Tensor) -> Tensor:
         """forward_steps run without pausing."""
         return complete(self.forward_steps(x))
+
+    def loss(self, logits: Tensor, *hidden_and_labels: Tensor) -> tuple[Tensor, Tensor]:
+        """The last stage's loss of one micro-batch from its output and the labels [B, S], and its LM part:
+        lm_loss, and with the hidden state (MTP in training) the MTP term (moe.mtp.mtp_loss) and the MTP blocks'
+        router losses, all times loss_scale; each depth's loss and the routing statistics tallied."""
+        *hidden, labels = hidden_and_labels
+        loss = lm_loss(logits, labels, self.loss_scale, self.tp, self.cp)
+        if not hidden:
+            return loss, loss
+        cos, sin = position_tables(self.cfg, hidden[0].shape[1], hidden[0].device, self.tp, self.cp)
+        losses, stats = complete(mtp_steps(self.mtp, hidden[0], labels, self.embed, self.lm_head,
+                                           lambda x, y: token_cross_entropy(x, y, self.tp), cos, sin, self.tp))
+        self.mtp_tally += torch.stack(losses).detach().double() * self.loss_scale
+        extra = mtp_loss(losses, self.cfg)
+        for k, layer_stats in enumerate(stats):  # the depths' MoE layers, numbered after the model's
+            self.tallies[self.cfg.num_layers + k].add(layer_stats, self.loss_scale)
+            extra = extra + layer_stats.aux_loss
+        return loss + extra * self.loss_scale, loss
 
 
 def lm_loss(logits: Tensor, labels: Tensor, scale: float, tp: TPRegion | None = None,
@@ -162,17 +192,22 @@ def lm_loss(logits: Tensor, labels: Tensor, scale: float, tp: TPRegion | None = 
     ranks' losses add up to the micro-batch's)."""
     if cp is not None:
         labels, scale = cp.shard(labels), scale / cp.size
-    logits = logits.flatten(0, 1)
+    return token_cross_entropy(logits.flatten(0, 1), labels.flatten(), tp) * scale
+
+
+def token_cross_entropy(logits: Tensor, labels: Tensor, tp: TPRegion | None = None) -> Tensor:
+    """Mean cross-entropy of logits [N, vocab] (under TP this rank's vocab block) against labels [N], in >= float32,
+    over the labels that are not moe.mtp.IGNORE."""
     if tp is not None:
-        return vocab_parallel_cross_entropy(logits, labels.flatten(), tp.group) * scale
-    return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels.flatten()) * scale
+        return vocab_parallel_cross_entropy(logits, labels, tp.group)
+    return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels)
 
 
 def stage_ranges(cfg: ModelConfig, seq_len: int, num_stages: int) -> list[range]:
     """The layers of each stage, balanced by forward FLOPs per token (launch.flops: the model's one count,
-    causal attention; the LM head counted in the last stage)."""
+    causal attention; the LM head and the MTP depths counted in the last stage)."""
     costs = [f.total for f in model_layer_flops(cfg, seq_len)]
-    return split_layers(costs, num_stages, head_cost=head_flops(cfg))
+    return split_layers(costs, num_stages, head_cost=head_flops(cfg) + mtp_flops(cfg, seq_len))
 
 
 def build_stages(model: MoETransformer, seq_len: int, num_stages: int, stage_ids: list[int]) -> list[Stage]:

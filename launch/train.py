@@ -35,7 +35,7 @@ from launch.materialize import materialize
 from launch.mesh import Mesh
 from launch.metrics import (JsonlWriter, TensorBoardWriter, expert_load_summary, mfu_peak, model_flops_per_token,
                             moe_layer_metrics, rank_metrics, step_record, throughput_metrics, traffic_metrics)
-from launch.stages import LOSS_KINDS, Stage, build_stages, lm_loss
+from launch.stages import LOSS_KINDS, Stage, build_stages
 from launch.watchdog import Progress, run_watchdog
 from moe.cp import CPRegion
 from moe.model import MoETransformer
@@ -135,10 +135,14 @@ def build_optimizer(stages: list[Stage], cfg: RunConfig, mesh: Mesh) -> ZeRO1:
     """ZeRO-1 AdamW: dense params sharded over their replicas (DP, and DualPipe's twin stage copy; per TP
     rank), experts over expert-DP; grads summed (each micro-batch's loss already carries its share).
     Dense params held whole on every TP rank count 1/tp each in the grad norm summed over the world; groups
-    holding TP-partial grads are reduced after the backward (sum_tp_partial_grads first), the others during it."""
-    groups = []
+    holding TP-partial grads are reduced after the backward (sum_tp_partial_grads first), the others during it.
+    A param two stages share (the embedding MTP uses on DualPipe's ends) is counted once; an embedding copy on
+    another pipeline rank (MTP under 1F1B-like schedules) forms a group of its own over every rank holding it."""
+    groups, seen = [], set()
+    copies = {id(s.embed.weight): s.embed.weight for s in stages if s.embed is not None and mesh.layout.embed_copy}
     for stage in sorted(stages, key=lambda s: s.layer_ids[0]):  # the same order on every replica
-        named = list(stage.named_parameters())
+        named = [(name, p) for name, p in stage.named_parameters() if id(p) not in seen and id(p) not in copies]
+        seen.update(id(p) for _, p in named)
         whole = {id(p) for name, p, _ in tp_replicated_params(stage) if ".experts." not in name}
         partial = {id(p) for p in tp_partial_params(stage)}
         for expert, replicated, decay in itertools.product((False, True), (False, True), (True, False)):
@@ -149,6 +153,8 @@ def build_optimizer(stages: list[Stage], cfg: RunConfig, mesh: Mesh) -> ZeRO1:
                                "process_group": mesh.expert_replicas if expert else mesh.dense_replicas,
                                "grad_divisor": 1, "norm_weight": 1 / mesh.layout.tp if replicated else 1.0,
                                "overlap": not any(id(p) in partial for p in params)})
+    groups += [{"params": [p], "weight_decay": cfg.train.weight_decay, "process_group": mesh.embed_replicas,
+                "grad_divisor": 1} for p in copies.values()]
     return ZeRO1(groups, torch.optim.AdamW, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2))
 
 
@@ -164,23 +170,38 @@ def last_backward(optimizer: ZeRO1 | None, runtime: PipelineRuntime | None) -> c
 
 def forward_backward(stages: list[Stage], runtime: PipelineRuntime | None, micro: list[MicroBatch],
                      chunks: int, loss_scale: float, optimizer: ZeRO1 | None = None) -> tuple[Tensor, float]:
-    """Forward and backward over this rank's micro-batches (grads accumulate), every LM and router loss
+    """Forward and backward over this rank's micro-batches (grads accumulate), every LM, MTP and router loss
     scaled by loss_scale (the micro-batch's share of the step's loss); returns (sum of the scaled LM losses
-    computed here, a float64 tensor on the stages' device; seconds the pipeline spent busy, or 0 without one).
+    computed here (without MTP's), a float64 tensor on the stages' device; seconds the pipeline spent busy, or 0 without one).
     optimizer: the ZeRO-1 optimizer to overlap its gradient reduction with the last backward (last_backward)."""
     for stage in stages:
         stage.loss_scale = loss_scale
     device = next(stages[0].parameters()).device
     total = torch.zeros((), dtype=torch.float64, device=device)
+    last = next((stage for stage in stages if stage.lm_head is not None), None)
+    lm_parts: list[Tensor] = []  # the LM losses of a micro-batch or pipeline step, summed into total after it
+
+    def criterion(*outputs: Tensor) -> Tensor:
+        """The last stage's loss (Stage.loss), its LM part kept for total."""
+        loss, lm_part = last.loss(*outputs)
+        lm_parts.append(lm_part.detach())
+        return loss
+
+    def add_lm_parts() -> None:
+        if lm_parts:
+            total.add_(torch.stack(lm_parts).sum())
+            lm_parts.clear()
+
     if runtime is None:
         for m, batch in enumerate(micro):
             mark(f"forward of micro-batch {m}", ACTION)
-            loss = lm_loss(stages[0](batch.inputs), batch.labels, loss_scale, stages[0].tp, stages[0].cp)
+            out = stages[0](batch.inputs)
+            loss = criterion(*(out if isinstance(out, tuple) else (out,)), batch.labels)
             if torch.is_grad_enabled():
                 mark(f"backward of micro-batch {m}", ACTION)
                 with last_backward(optimizer, None) if m == len(micro) - 1 else contextlib.nullcontext():
                     loss.backward()
-            total += loss.detach()
+            add_lm_parts()
         return total, 0.0
     busy = 0.0
     layout = runtime.schedule(chunks).layout
@@ -191,14 +212,11 @@ def forward_backward(stages: list[Stage], runtime: PipelineRuntime | None, micro
         labels = torch.cat([step[c].labels for c in exit_]) if exit_ else None
         runtime.timeline = []
         with last_backward(optimizer, runtime) if first + chunks >= len(micro) else contextlib.nullcontext():
-            losses, _ = runtime.step(*([inputs] if entry else []), num_chunks=chunks,
-                                     criterion=lambda logits, y: lm_loss(logits, y, loss_scale, stages[0].tp,
-                                                                         stages[0].cp),
-                                     labels=(labels,) if exit_ else ())
+            runtime.step(*([inputs] if entry else []), num_chunks=chunks, criterion=criterion,
+                         labels=(labels,) if exit_ else ())
         busy += sum(b for *_, b in runtime.timeline)
         runtime.timeline = None
-        if losses is not None:
-            total += losses.detach().sum()
+        add_lm_parts()
     return total, busy
 
 
@@ -207,13 +225,15 @@ def gather_step_stats(stages: list[Stage], cfg: RunConfig, mesh: Mesh, lm_part: 
     """The step's one stats all-reduce and its one copy to the host: losses and per-layer routing statistics
     summed over every rank (each layer counted once per micro-batch, DualPipe's twin copies seeing disjoint
     chunks; router losses, the same on every TP and CP rank, divided by tp x cp; they route disjoint tokens), expert biases
-    averaged over their holders, the EP-peer traffic matrix, and whether any rank was asked to stop; none of
+    averaged over their holders, each MTP depth's loss, the EP-peer traffic matrix, and whether any rank was asked
+    to stop (MTP blocks' MoE layers are rows after the model's: ModelConfig.num_routed_layers); none of
     it grows with the world. "loads_on_device" keeps the global loads on the device for the bias update.
     per_rank (every train.rank_metrics_every steps): also each rank's traffic, peak memory and idle share,
     gathered to rank 0 (launch.train.gather_rank_rows)."""
     device = lm_part.device
     by_kind, peers = traffic_table(stages, mesh)
-    first_moe, layers, experts = cfg.model.first_k_dense, cfg.model.num_moe_layers, cfg.model.num_experts
+    first_moe, layers, experts = cfg.model.first_k_dense, cfg.model.num_routed_layers, cfg.model.num_experts
+    mtp = torch.zeros(cfg.model.mtp_depth, dtype=torch.float64, device=device)  # each MTP depth's loss
     loads = torch.zeros(layers, experts, dtype=torch.float64, device=device)
     biases = torch.zeros(layers, experts, dtype=torch.float64, device=device)
     extra = torch.zeros(layers, 3 + len(LOSS_KINDS), dtype=torch.float64, device=device)  # dropped, aux, holders, losses
@@ -226,21 +246,25 @@ def gather_step_stats(stages: list[Stage], cfg: RunConfig, mesh: Mesh, lm_part: 
             extra[row, 1] += tally.aux_loss
             extra[row, 2] += 1
             extra[row, 3:] += tally.losses
+        if stage.mtp_tally is not None:
+            mtp += stage.mtp_tally
         stage.reset_tallies()  # and the EP traffic counters, read above
     # host numbers to the device for the all-reduce (a blocking copy: the step's compute is done by now)
     host_tables = [*peers.ravel().tolist(), float(stop)]
-    parts = [lm_part.view(1), loads, biases, extra, torch.tensor(host_tables, dtype=torch.float64, device=device)]
+    parts = [lm_part.view(1), loads, biases, extra, mtp, torch.tensor(host_tables, dtype=torch.float64, device=device)]
     flat = torch.cat([p.flatten() for p in parts])
     dist.all_reduce(flat)
     host = to_host(torch.cat([flat, grad_norm.detach().view(1).double()]))  # the step's one device-to-host copy
-    _, loads_h, biases_h, extra_h, tables, norm = (chunk.view_as(p) for chunk, p in zip(
+    _, loads_h, biases_h, extra_h, mtp_h, tables, norm = (chunk.view_as(p) for chunk, p in zip(
         host.split([p.numel() for p in parts] + [1]), parts + [grad_norm.view(1)]))
     tp, ep = cfg.parallel.tp, mesh.layout.ep
     shards = tp * cfg.parallel.cp  # the router losses are the same on every TP and CP rank of a sequence
     extra_h[:, 1], extra_h[:, 3:] = extra_h[:, 1] / shards, extra_h[:, 3:] / shards
     ranks = gather_rank_rows(np.concatenate([by_kind.ravel(), rank_row(device, idle)]), device) if per_rank else {}
-    return {"lm_loss": float(host[0]) / tp, "loads": [row.long() for row in loads_h], "dropped": extra_h[:, 0],
-            "aux_loss": float(extra_h[:, 1].sum()), "biases": biases_h / extra_h[:, 2:3].clamp(min=1),
+    lm, aux, mtp_losses = float(host[0]) / tp, float(extra_h[:, 1].sum()), (mtp_h / tp).tolist()
+    mtp_term = cfg.model.mtp_loss_coeff / cfg.model.mtp_depth * sum(mtp_losses) if mtp_losses else 0.0
+    return {"loss": lm + aux + mtp_term, "lm_loss": lm, "mtp_losses": mtp_losses, "loads": [row.long() for row in loads_h], "dropped": extra_h[:, 0],
+            "aux_loss": aux, "biases": biases_h / extra_h[:, 2:3].clamp(min=1),
             "losses": [dict(zip(LOSS_KINDS, row.tolist())) for row in extra_h[:, 3:]], "grad_norm": float(norm[0]),
             "stop": bool(tables[-1] > 0), "loads_on_device": flat[1:1 + loads.numel()].view_as(loads),
             **traffic_metrics(tables[:-1].view(ep, ep).long().tolist(), mesh.layout.ep_gpus_per_node() if ep > 1 else 0),
@@ -305,7 +329,8 @@ def step_metrics(step: int, cfg: RunConfig, stats: dict, scalars: dict, tokens: 
     """The step's metrics record (launch/dashboard/SCHEMA.md): scalars, throughput and MFU (against the peaks of
     the precisions the GEMMs run in on this rank's GPU: launch.metrics.mfu_peak), the "moe" section."""
     peak = mfu_peak(cfg.model, cfg.train.seq_len, device, cfg.train.peak_tflops_per_gpu)
-    return step_record(step, {"loss": stats["lm_loss"] + stats["aux_loss"], "lm_loss": stats["lm_loss"],
+    mtp = {f"mtp_loss_{k}": loss for k, loss in enumerate(stats["mtp_losses"], start=1)}
+    return step_record(step, {"loss": stats["loss"], "lm_loss": stats["lm_loss"], **mtp,
                               "aux_loss": stats["aux_loss"], "dropped_tokens": int(stats["dropped"].sum())},
                        scalars, throughput_metrics(tokens, seconds, model_flops_per_token(cfg.model, cfg.train.seq_len),
                                                    peak * cfg.parallel.world_size if peak else None),
@@ -417,7 +442,7 @@ def _loop(cfg: RunConfig, mesh: Mesh, stages: list[Stage], runtime: PipelineRunt
         per_rank = (step + 1) % settings.rank_metrics_every == 0 or step + 1 == settings.steps
         stats = gather_step_stats(stages, cfg, mesh, lm_part, grad_norm,
                                   1 - busy / compute_s if runtime is not None else 0.0, preemption.requested, per_rank)
-        status = guard.verdict(step, stats["lm_loss"] + stats["aux_loss"], stats["grad_norm"])
+        status = guard.verdict(step, stats["loss"], stats["grad_norm"])
         phases.enter("optimizer", step)
         if status == "ok":
             optimizer.step()

@@ -86,6 +86,8 @@ class ModelConfig:
     bias_update_rate: float = 0.0
     expert_precision: str = "native"
     init_std: float = 0.02
+    mtp_depth: int = 0        # multi-token prediction modules (moe.mtp, DeepSeek-V3: 1); 0: off
+    mtp_loss_coeff: float = 0.3  # weight of the MTP losses' mean over depths (V3: 0.3, later 0.1)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -106,6 +108,11 @@ class ModelConfig:
         check_router_settings(self.num_experts, self.top_k, self.score_func, self.num_groups,
                               self.topk_groups, self.capacity_factor, self.drop_policy)
         check_choice("expert_precision", self.expert_precision, EXPERT_PRECISIONS)
+        check_positive("mtp_depth", self.mtp_depth, minimum=0)
+        if self.mtp_depth and (isinstance(self.mtp_loss_coeff, bool) or not isinstance(self.mtp_loss_coeff, (int, float))
+                               or not 0 < self.mtp_loss_coeff < math.inf):
+            raise ValueError(f"mtp_loss_coeff = {self.mtp_loss_coeff!r} must be a finite number > 0 with mtp_depth = "
+                             f"{self.mtp_depth} (DeepSeek-V3: 0.3, then 0.1)")
 
     def _check_gqa(self) -> None:
         """Heads split hidden_size evenly into even (RoPE) widths and share KV heads evenly; no MLA widths set."""
@@ -151,6 +158,12 @@ class ModelConfig:
     def num_moe_layers(self) -> int:
         """Number of MoE layers (the layers after the first_k_dense dense ones)."""
         return self.num_layers - self.first_k_dense
+
+    @property
+    def num_routed_layers(self) -> int:
+        """MoE layers counted in the routing statistics: the model's, then each MTP depth's block when it is an MoE
+        block (as the model's layers after the dense ones are)."""
+        return self.num_moe_layers + (self.mtp_depth if self.num_moe_layers else 0)
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

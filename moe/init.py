@@ -4,7 +4,7 @@ A tensor's values depend only on the run's seed, its single-process name and (fo
 global expert id, so a rank of any layout can draw exactly the pieces it holds, without building the
 rest of the model, and every layout starts from the single-process weights. The rules are those of the
 modules' own constructors: normal(init_std) for input projections (GQA's qkv, MLA's down- and
-up-projections), embeddings, routers and the LM head, normal(init_std / sqrt(2 * num_layers)) for the
+up-projections, MTP's eh_proj), embeddings, routers and the LM head, normal(init_std / sqrt(2 * num_layers)) for the
 projections back into the residual stream, ones for RMSNorm weights (MLA's latent norms too) and zeros
 for the routers' expert biases.
 """
@@ -24,7 +24,7 @@ ZEROS = ("router.expert_bias",)
 RESIDUAL_OUT = ("attn.out.weight", "ffn.down.weight", "shared.down.weight", "experts.w_down")
 INPUT_SIDE = ("embed.weight", "attn.qkv.weight", "attn.q.weight", "attn.q_a.weight", "attn.q_b.weight",
               "attn.kv_a.weight", "attn.kv_b.weight", "gate_up.weight", "router.weight", "experts.w_gate_up",
-              "lm_head.weight")
+              "lm_head.weight", "eh_proj.weight")
 
 
 def init_rule(cfg: ModelConfig, name: str) -> tuple[str, float]:

@@ -16,6 +16,7 @@ from moe.cp import CPRegion
 from moe.experts import SwiGLU
 from moe.layer import MoELayer, MoEStats
 from moe.mla import MLA
+from moe.mtp import MTPDepth, mtp_loss, mtp_steps, parallelize_mtp
 from moe.norm import RMSNorm
 from moe.rope import apply_rope, rope_tables
 from moe.tp import (TensorParallelRouter, TPRegion, check_tp_shapes, parallelize_block, parallelize_embedding,
@@ -119,10 +120,11 @@ class ModelOutput:
     lm_loss: Tensor | None = None
     aux_loss: Tensor | None = None
     moe_stats: list[MoEStats] = field(default_factory=list)
+    mtp_losses: list[Tensor] = field(default_factory=list)  # with labels and model.mtp_depth: each depth's loss
 
 
 class MoETransformer(nn.Module):
-    """Embeddings, first_k_dense dense blocks, MoE blocks, final norm and LM head."""
+    """Embeddings, first_k_dense dense blocks, MoE blocks, final norm and LM head; mtp_depth MTP modules (moe.mtp)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -134,6 +136,8 @@ class MoETransformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         nn.init.normal_(self.lm_head.weight, std=cfg.init_std)
+        self.mtp = nn.ModuleList(MTPDepth(cfg, Block(cfg, moe=cfg.num_moe_layers > 0))
+                                 for _ in range(cfg.mtp_depth)) if cfg.mtp_depth else None
         self.tp: TPRegion | None = None
         self.cp: CPRegion | None = None
 
@@ -151,6 +155,8 @@ class MoETransformer(nn.Module):
         if (self.tp is not None) != (sequence_group is not None):
             raise ValueError("sequence_group (the cp x tp ranks sharing each sequence) is given exactly when the "
                              "model is tensor-parallel")
+        if self.mtp is not None:
+            raise ValueError("multi-token prediction (model.mtp_depth > 0) does not run under context parallelism")
         self.cp = region
         router = (TPRegion(region.group, False, 1, region.grad_group) if sequence_group is None
                   else TPRegion(sequence_group, False, 1, sequence_grad_group))
@@ -173,16 +179,21 @@ class MoETransformer(nn.Module):
         self.embed = parallelize_embedding(self.embed, tp_group, sequence_parallel, grad_group)
         for block in self.blocks:
             parallelize_block(block, tp_group, sequence_parallel, grad_group)
+        for depth in self.mtp or ():
+            parallelize_block(depth.block, tp_group, sequence_parallel, grad_group)
+            parallelize_mtp(depth, sequence_parallel)
         mark_replicated(self.norm, "partial" if sequence_parallel else "identical")
         parallelize_head(self.lm_head, tp_group)
         self.tp = TPRegion(tp_group, sequence_parallel, 1, grad_group)
 
     def moe_layers(self) -> list[MoELayer]:
-        """The MoE layers in depth order."""
-        return [b.ffn for b in self.blocks if isinstance(b.ffn, MoELayer)]
+        """The MoE layers in depth order, then the MTP depths' (cfg.num_routed_layers of them)."""
+        blocks = [*self.blocks, *(depth.block for depth in self.mtp or ())]
+        return [b.ffn for b in blocks if isinstance(b.ffn, MoELayer)]
 
     def forward(self, tokens: Tensor, labels: Tensor | None = None) -> ModelOutput:
-        """tokens [B, S] -> ModelOutput; with labels [B, S], loss = LM cross-entropy + router losses."""
+        """tokens [B, S] -> ModelOutput; with labels [B, S], loss = LM cross-entropy + router losses (+ the MTP term,
+        moe.mtp.mtp_loss, and the MTP blocks' router losses)."""
         seq = tokens.shape[1]
         if seq > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len = {self.cfg.max_seq_len}")
@@ -202,8 +213,14 @@ class MoETransformer(nn.Module):
         if labels is None:
             return ModelOutput(logits, moe_stats=stats)
         lm_loss = self.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        mtp_losses = []
+        if self.mtp is not None:
+            mtp_losses, mtp_stats = run_steps(mtp_steps(self.mtp, x, labels, self.embed, self.lm_head,
+                                                        self.cross_entropy, cos, sin, self.tp))
+            stats += mtp_stats
         aux_loss = sum((s.aux_loss for s in stats), lm_loss.new_zeros(()))
-        return ModelOutput(logits, lm_loss + aux_loss, lm_loss, aux_loss, stats)
+        loss = lm_loss + aux_loss if self.mtp is None else lm_loss + aux_loss + mtp_loss(mtp_losses, self.cfg)
+        return ModelOutput(logits, loss, lm_loss, aux_loss, stats, mtp_losses)
 
     def head(self, x: Tensor) -> Tensor:
         """Final norm and LM head on the residual stream x -> logits (under TP: gathered over the group's

@@ -70,14 +70,23 @@ def head_params(cfg: ModelConfig) -> Params:
     return Params(head, cfg.hidden_size, 0, head + cfg.hidden_size)
 
 
+def mtp_params(cfg: ModelConfig, attention: AttentionShape) -> Params:
+    """The MTP depths' own params (moe.mtp: hnorm, enorm, eh_proj, a block of the model's MoE kind, head_norm); the
+    embedding and output head they use are the model's, counted there."""
+    h = cfg.hidden_size
+    depth = layer_params(cfg, cfg.num_layers if cfg.num_moe_layers else 0, attention) + Params(0, 3 * h + 2 * h * h)
+    return depth * cfg.mtp_depth
+
+
 @dataclass(frozen=True)
 class ModelParams:
-    """Counts of the whole model and of each pipeline stage."""
+    """Counts of the main model (total) and of each pipeline stage (the last holding the MTP depths, mtp)."""
 
     total: Params
     stages: list[Params]
     embedding: int
     attention: AttentionShape
+    mtp: Params = Params()
 
     @property
     def activated(self) -> int:
@@ -97,4 +106,7 @@ def count_params(cfg: ModelConfig, stages: Sequence[range] | None = None) -> Mod
     counts = [sum((layers[i] for i in span), Params()) for span in (stages or [range(cfg.num_layers)])]
     counts[0] = counts[0] + embedding_params(cfg)
     counts[-1] = counts[-1] + head_params(cfg)
-    return ModelParams(sum(counts, Params()), counts, cfg.vocab_size * cfg.hidden_size, attention)
+    mtp = mtp_params(cfg, attention)
+    total = sum(counts, Params())
+    counts[-1] = counts[-1] + mtp
+    return ModelParams(total, counts, cfg.vocab_size * cfg.hidden_size, attention, mtp)

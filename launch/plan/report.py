@@ -74,7 +74,7 @@ def to_dict(plan: Plan) -> dict:
         "machine": {**asdict(plan.machine.gpu), "gemm_efficiency": plan.machine.gemm_efficiency,
                     "comm_sm_share": plan.machine.comm_sm_share},
         "attention": plan.params.attention.kind,
-        "params": {"total": plan.params.total.total, "activated": plan.params.activated,
+        "params": {"total": plan.params.total.total, "activated": plan.params.activated, "mtp": plan.params.mtp.total,
                    "activated_with_embedding": plan.params.activated_with_embedding,
                    "stages": [{"layers": [s.start, s.stop], **asdict(p), "total": p.total}
                               for s, p in zip(plan.layers, plan.params.stages)]},
@@ -113,7 +113,9 @@ def render(plan: Plan) -> str:
              f"  source: {gpu.source}",
              "",
              f"parameters ({p.attention.kind} attention): total {si(p.total.total)}, activated per token "
-             f"{si(p.activated)} ({si(p.activated_with_embedding)} with the input embedding)",
+             f"{si(p.activated)} ({si(p.activated_with_embedding)} with the input embedding)"
+             + (f"; +MTP {si(p.mtp.total)} (model.mtp_depth = {plan.config.model.mtp_depth}, on the last stage)"
+                if p.mtp.total else ""),
              table(["stage", "layers", "dense", "expert", "total"],
                    [[s, f"{span.start}-{span.stop - 1}", si(q.dense), si(q.expert), si(q.total)]
                     for s, (span, q) in enumerate(zip(plan.layers, p.stages))]),

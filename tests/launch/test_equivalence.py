@@ -9,6 +9,8 @@ MLA (test_batched_layouts_equal_single_process), the layouts of one world size t
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
 import torch
@@ -17,7 +19,7 @@ from dispatch.multiproc import run_processes
 from launch.checkpoint import consolidate
 from launch.config import build_config
 from launch.metrics import decode_array
-from launch.train import train
+from launch.train import build_model, train
 
 STEPS = 5
 LAYOUTS = {
@@ -48,6 +50,9 @@ ATTENTION = {"gqa": {}, "mla": {"attention": "mla", "q_lora_rank": 24, "kv_lora_
 SPAWNS = {2: [(name, "mla") for name in ("pp2 dualpipev", "pp2 1f1b", "tp2 sp", "cp2 ring")],  # by world size
           4: [(name, "mla") for name in ("dp2 tp2 ep2", "pp2 tp2 dualpipev sp", "pp2 dp2 ep2 dualpipev, EP across nodes")]
           + [("cp2 tp2 ep4 sp", "gqa"), ("cp2 tp2 ep4 sp", "mla")]}
+MTP_LAYOUTS = {"pp2 1f1b": LAYOUTS["pp2 1f1b"], "pp2 dp2 ep2 dualpipev": {"pp": 2, "dp": 2, "ep": 2, "schedule": "dualpipev"},
+               "dp2 tp2 sp": {"dp": 2, "tp": 2, "sequence_parallel": True}}
+MTP_SPAWNS = {2: ["pp2 1f1b"], 4: ["pp2 dp2 ep2 dualpipev", "dp2 tp2 sp"]}  # MLA + MTP depth 1, dropless
 
 
 def routings(parallel: dict) -> dict[str, float | None]:
@@ -57,14 +62,14 @@ def routings(parallel: dict) -> dict[str, float | None]:
 
 
 def raw_config(run_dir: str, corpus: str, parallel: dict, capacity_factor: float | None,
-               attention: str = "gqa") -> dict:
-    """A 4-layer (1 dense + 3 MoE) float64 model with GQA or MLA attention, 8 micro-batches of 2 x 16 tokens per
-    step."""
+               attention: str = "gqa", mtp_depth: int = 0) -> dict:
+    """A 4-layer (1 dense + 3 MoE) float64 model with GQA or MLA attention and mtp_depth MTP depths, 8 micro-batches
+    of 2 x 16 tokens per step."""
     model = {"vocab_size": 256, "hidden_size": 32, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
              "max_seq_len": 16, "first_k_dense": 1, "dense_ffn_size": 48, "num_experts": 8,
              "expert_ffn_size": 16, "top_k": 2, "num_shared_experts": 1, "score_func": "sigmoid",
              "num_groups": 2, "topk_groups": 1, "aux_loss_coeff": 0.01, "seq_aux_loss_coeff": 0.001,
-             "bias_update_rate": 0.01, "drop_policy": "probs", **ATTENTION[attention]}
+             "bias_update_rate": 0.01, "drop_policy": "probs", "mtp_depth": mtp_depth, **ATTENTION[attention]}
     if capacity_factor is not None:
         model["capacity_factor"] = capacity_factor
     settings = {"steps": STEPS, "micro_batch_size": 2, "grad_accum_steps": 8, "seq_len": 16, "lr": 0.01,
@@ -114,15 +119,17 @@ def corpus(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def reference(corpus, tmp_path_factory):
-    """(routing name, attention) -> (records, consolidated params) of the single process, each trained on first use."""
+    """(routing name, attention, MTP depth) -> (records, consolidated params) of the single process, each trained on
+    first use."""
     out = {}
 
-    def run(name: str, attention: str = "gqa") -> tuple[list[dict], dict]:
-        if (name, attention) not in out:
+    def run(name: str, attention: str = "gqa", mtp_depth: int = 0) -> tuple[list[dict], dict]:
+        if (name, attention, mtp_depth) not in out:
             run_dir = tmp_path_factory.mktemp("ref")
-            raw = raw_config(str(run_dir), corpus, {}, ROUTING[name], attention)
-            out[name, attention] = (train(build_config(raw), progress=False), consolidate(run_dir / "checkpoint"))
-        return out[name, attention]
+            raw = raw_config(str(run_dir), corpus, {}, ROUTING[name], attention, mtp_depth)
+            out[name, attention, mtp_depth] = (train(build_config(raw), progress=False),
+                                               consolidate(run_dir / "checkpoint"))
+        return out[name, attention, mtp_depth]
     return run
 
 
@@ -152,6 +159,39 @@ def test_batched_layouts_equal_single_process(world, corpus, reference, tmp_path
     results = run_processes(_train_both, world, raws, timeout_s=600)[0]
     for (name, attention), raw, records in zip(runs, raws, results):
         check_equal_runs(records, raw, reference("dropless", attention), layouts[name], f"{attention} {name}")
+
+
+def _train_with_embedding(rank: int, world: int, raws: list[dict]) -> list[tuple[list[dict], torch.Tensor | None]]:
+    """Each run's records and this rank's final embedding (None where no stage holds it)."""
+    held = []
+
+    def build(*args, **kwargs):
+        out = build_model(*args, **kwargs)
+        held.append(next((s.embed.weight for s in out[0] if s.embed is not None), None))
+        return out
+    with mock.patch("launch.train.build_model", build):
+        return [(train(build_config(raw), progress=False), held[-1]) for raw in raws]
+
+
+@pytest.mark.parametrize("world", list(MTP_SPAWNS))
+def test_mla_mtp_layouts_equal_single_process(world, corpus, reference, tmp_path):
+    """MLA with MTP depth 1: the MTP depth on the last stage shares the embedding tensor with the first under
+    DualPipeV, holds a copy under 1F1B (grads summed over both pipeline ranks, the copies equal after training), and
+    runs under TP + SP; losses (mtp_loss_1 too) and params as one process."""
+    names = MTP_SPAWNS[world]
+    raws = [raw_config(str(tmp_path / name.replace(" ", "_")), corpus, MTP_LAYOUTS[name], None, "mla", 1)
+            for name in names]
+    assert {build_config(raw).parallel.world_size for raw in raws} == {world}
+    results = run_processes(_train_with_embedding, world, raws, timeout_s=300)
+    want = reference("dropless", "mla", 1)
+    assert "mtp.0.eh_proj.weight" in want[1] and any(key.startswith("mtp.0.block.ffn.experts.") for key in want[1])
+    for i, (name, raw) in enumerate(zip(names, raws)):
+        records = results[0][i][0]
+        check_equal_runs(records, raw, want, MTP_LAYOUTS[name], f"mla mtp {name}")
+        for got, ref in zip(records, want[0]):
+            assert got["mtp_loss_1"] == pytest.approx(ref["mtp_loss_1"], rel=1e-10), (name, got["step"])
+        if name == "pp2 1f1b":  # rank 1's copy of the embedding equals rank 0's
+            assert torch.equal(results[0][i][1], results[1][i][1])
 
 
 def check_equal_runs(records: list[dict], raw: dict, reference: tuple[list[dict], dict], parallel: dict,

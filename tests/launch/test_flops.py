@@ -11,7 +11,7 @@ import torch
 
 from launch import metrics
 from launch.config import load_config
-from launch.flops import (attention_shape, flops_by_precision, head_flops, layer_flops, mixed_peak,
+from launch.flops import (attention_shape, flops_by_precision, head_flops, layer_flops, mixed_peak, mtp_flops,
                           model_flops_per_token, model_layer_flops)
 from launch.plan.efficiency import TENSOR_EFFICIENCY
 from launch.plan.planner import Machine, Options, make_plan
@@ -99,7 +99,9 @@ def test_the_stage_split_balances_the_same_figures():
         cfg, seq = config.model, config.train.seq_len
         costs = [f.total for f in model_layer_flops(cfg, seq)]
         for stages in range(1, cfg.num_layers + 1):
-            assert stage_ranges(cfg, seq, stages) == split_layers(costs, stages, head_cost=head_flops(cfg))
+            # the last stage also carries the MTP depths (deepseek-v3.toml: one)
+            head = head_flops(cfg) + mtp_flops(cfg, seq)
+            assert stage_ranges(cfg, seq, stages) == split_layers(costs, stages, head_cost=head)
     v3 = load_config(CONFIGS / "deepseek-v3.toml")  # the shipped splits (unchanged by the shared count)
     assert stage_ranges(v3.model, 4096, 16) == [range(i, i + 4) for i in range(0, 60, 4)] + [range(60, 61)]
     tiny = load_config(CONFIGS / "tiny.toml")

@@ -52,8 +52,12 @@ def test_deepseek_v3_has_671b_params_and_37b_activated():
     with torch.device("meta"):  # the model the config builds: 671B parameters without storage
         model = MoETransformer(cfg)
     counts = count_params(cfg)
-    assert counts.total.total == sum(p.numel() for p in model.parameters())
+    assert counts.total.total == sum(p.numel() for name, p in model.named_parameters() if not name.startswith("mtp."))
+    assert counts.mtp.total == sum(p.numel() for name, p in model.named_parameters() if name.startswith("mtp."))
     assert counts.total.total == pytest.approx(671e9, rel=0.01)
+    # the MTP module's own weights (its embedding and head are the model's): V3's 14B of MTP weights less the
+    # 0.9B embedding and 0.9B head it shares, ~11.5B (an MoE layer, MLA, 3 norms and a 14336 x 7168 projection)
+    assert counts.mtp.total == pytest.approx(11.5e9, rel=0.02)
     # README_WEIGHTS.md of DeepSeek-V3: 36.7B activated in the main model; the report rounds it to 37B
     assert counts.activated == pytest.approx(36.7e9, rel=0.01)
     assert round(counts.activated / 1e9) == 37

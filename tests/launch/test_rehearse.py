@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import launch.train
+import launch.stages
 from launch.config import build_config, load_config
 from launch.rehearse import DeviceError, rehearse
 from launch.train_cli import main
@@ -66,16 +66,23 @@ def test_chunked_hierarchical_rehearsal_runs_each_hop_on_its_group():
 
 
 def test_a_cpu_tensor_planted_in_the_step_fails_the_rehearsal_naming_it(monkeypatch):
-    real = launch.train.lm_loss
+    real = launch.stages.lm_loss
 
     def planted(*args, **kwargs):
         torch.ones(4)  # a tensor on the default device, as a careless line would make
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(launch.train, "lm_loss", planted)
+    monkeypatch.setattr(launch.stages, "lm_loss", planted)
     with pytest.raises(DeviceError, match=r"aten\.ones\.default created a tensor of shape \[4\] on cpu.*"
                                           r"test_rehearse\.py:\d+ \(torch\.ones\(4\)"):
         rehearse(load_config(TINY, ["parallel.pp=1", "parallel.schedule='none'"]))
+
+
+@pytest.mark.parametrize("layout", [["parallel.pp=1", "parallel.schedule='none'"], []])
+def test_mtp_rehearses_on_meta(layout):
+    """MTP (depth 2) runs on the meta device: one stage, and the tiny config's pipeline."""
+    result = rehearse(load_config(TINY, ["model.mtp_depth=2", *layout]))
+    assert result.peak["activations"] > 0
 
 
 def test_moe_train_rehearse_prints_memory_beside_the_plan_and_refuses_a_bad_rank(capsys):
