@@ -58,14 +58,15 @@ def check_same_device(**tensors: Tensor) -> None:
 
 def check_offs(offs: Tensor, rows: int | None, groups: int | None = None) -> int | None:
     """offs: int32 [G] non-decreasing cumulative group ends, starting >= 0 and ending at `rows` (when
-    given); returns the total row count offs[-1]. Meta offs hold no values: only their dtype and size
-    are checked, and `rows` is returned (the rehearsal rule, dispatch.rehearsal, has offs end there)."""
+    given); returns the total row count offs[-1]. Values are checked on the CPU only: meta offs hold none
+    (the rehearsal rule, dispatch.rehearsal, has them end at `rows`) and a GPU's would cost a host sync per
+    GEMM; there only their dtype and size are checked, and `rows` is returned."""
     check_tensor("offs", offs, 1, (torch.int32,))
     if offs.numel() == 0:
         raise ValueError("offs must name at least one group, got an empty tensor")
     if groups is not None and offs.numel() != groups:
         raise ValueError(f"offs has {offs.numel()} entries but the weights have {groups} groups")
-    if offs.is_meta:
+    if offs.device.type != "cpu":  # meta holds no values; reading a GPU's would sync the host once per GEMM
         return rows
     ends = offs.tolist()
     if ends[0] < 0:

@@ -13,6 +13,10 @@ from torch.distributed import ProcessGroup
 
 from optim.flat_layout import Bucket, FlatLayout
 
+# torch 2.13 renamed the flat collectives (the old names warn there); torch 2.11-2.12 have only the old ones.
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 CHUNK = 2**20
 P2P_TAG = 0x2E01  # ZeRO1's own tag: other p2p traffic on the group cannot match its messages
 MASTER_KEY = "master"
@@ -163,8 +167,7 @@ class ShardedParams:
         """Start reducing bucket b's grad sums; rank r's piece ends up on rank r (see _finish)."""
         grad, flat = self.grad, self.grad_flat
         if self.collectives == "scatter_gather":
-            return [dist.reduce_scatter_single(grad[b.shard], flat[b.full], group=self.group,
-                                               async_op=True)]
+            return [_reduce_scatter_flat(grad[b.shard], flat[b.full], group=self.group, async_op=True)]
         inboxes = [grad[b.shard], *(inbox[b.shard] for inbox in self._scratch)]
         return self._exchange([flat[b.piece(r)] for r in self.peers], inboxes)
 
@@ -207,8 +210,7 @@ class ShardedParams:
         """
         piece = piece.detach().to(out_flat.dtype)
         if self.collectives == "scatter_gather":
-            return [dist.all_gather_single(out_flat[b.full], piece, group=self.group,
-                                           async_op=True)], piece
+            return [_all_gather_flat(out_flat[b.full], piece, group=self.group, async_op=True)], piece
         if piece.data_ptr() != out_flat[b.owned].data_ptr():
             out_flat[b.owned].copy_(piece)
         return self._exchange([piece] * len(self.peers),

@@ -18,9 +18,12 @@ from kernels.quant_ref import FP8_DTYPE, FP8_MAX
 from launch.bench.harness import fields, ratio_fields, rounds
 from launch.bench.progress import Progress
 from launch.bench.report import HIGHER, LOWER, header, header_line, table, write_json
+from launch.plan.efficiency import GemmModel
+from launch.plan.presets import preset_for_device
 
 OPS = ("forward", "dgrad", "wgrad")
 PEERS = ("torch._grouped_mm bf16", "torch._scaled_grouped_mm fp8 rowwise")
+PLANNED_AS = {"ours": "fp8-block", PEERS[0]: "bf16", PEERS[1]: "fp8-tensor"}  # moe-plan's precision of each
 CPU_GROUP_SIZES = (0, 130, 1, 200, 0, 67)
 CPU_SHAPE = (256, 128)
 
@@ -44,13 +47,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="rows per group (default 128,512,2048,4096,8192)")
     p.add_argument("--max-total-rows", type=int, default=65536, help="skip cases with more rows in all")
     p.add_argument("--warmup", type=int, default=5, help="untimed rounds")
+    p.add_argument("--calls", type=int, default=1, help="back-to-back calls per timed round (1: each call on an "
+                   "idle GPU, its launch included; e.g. 10: the GPU's own time per call)")
     p.add_argument("--repeats", type=int, default=20, help="timed rounds of ours and the peers in turn; medians, "
                    "spreads and the ratio round by round are reported")
     p.add_argument("--call-budget", type=float, default=60.0,
                    help="seconds one case's timing may take before the run stops naming it (0: no limit)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.calls < 1:
+        p.error("--calls must be >= 1")
+    return args
 
 
 def _exact(op: str, x: Tensor, w: Tensor, dy: Tensor, bounds: list[tuple[int, int]]) -> Tensor:
@@ -107,14 +115,16 @@ def cpu_rows() -> list[dict]:
     return rows
 
 
-def _event_seconds(fn: Callable[[], object]) -> float:
-    """Seconds of one fn() on the GPU (CUDA events around it)."""
+def _event_seconds(fn: Callable[[], object], calls: int = 1) -> float:
+    """Seconds per fn() on the GPU: CUDA events around `calls` back-to-back calls (1: one call on an idle GPU,
+    its launch included; more: the host runs ahead, leaving the GPU's own time per call)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    fn()
+    for _ in range(calls):
+        fn()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / 1e3
+    return start.elapsed_time(end) / 1e3 / calls
 
 
 def _rowwise_fp8(t: Tensor, dim: int) -> tuple[Tensor, Tensor]:
@@ -161,9 +171,21 @@ def _runs(name: str, fn: Callable[[], object]) -> bool:
         return False
 
 
+def planned_tflops(model: GemmModel | None, op: str, shape: dict, precision: str) -> float | None:
+    """moe-plan's predicted TFLOPS (launch.plan.efficiency) of one op at a shape, for comparison with the
+    measured figure (None without a preset for this GPU)."""
+    if model is None:
+        return None
+    m, n, k, groups = shape["rows_per_group"], shape["N"], shape["K"], shape["groups"]
+    seconds = dict(zip(OPS, model.linear(m, n, k, precision, groups)))[op]
+    return 2.0 * groups * m * n * k / seconds / 1e12
+
+
 def gpu_rows(args: argparse.Namespace, device: str = "cuda") -> list[dict]:
-    """Times ours and the peers side by side at every requested shape."""
+    """Times ours and the peers side by side at every requested shape, beside moe-plan's prediction of each."""
     rows = []
+    gpu = preset_for_device(torch.cuda.get_device_name(device)) if torch.device(device).type == "cuda" else None
+    model = None if gpu is None else GemmModel(gpu)
     progress = Progress("kernels", not args.quiet)
     for k, n in args.shapes:
         for groups in args.groups:
@@ -179,7 +201,8 @@ def gpu_rows(args: argparse.Namespace, device: str = "cuda") -> list[dict]:
                     ours = _ours(op, None, x, w, dy, offs)
                     diff = calc_diff(ours(), _exact(op, x, w, dy, _group_bounds(sizes)))
                     calls = {"ours": ours, **_peers(op, x, w, dy, offs, _group_bounds(sizes))}
-                    calls = {name: partial(_event_seconds, fn) for name, fn in calls.items() if _runs(name, fn)}
+                    calls = {name: partial(_event_seconds, fn, args.calls)
+                             for name, fn in calls.items() if _runs(name, fn)}
                     timed = {name: t["time"] for name, t in rounds(calls, args.warmup, args.repeats, args.call_budget,
                                                                   what=f"{op} at {_shape_text(shape)}").items()}
                     mine = timed.get("ours")
@@ -188,6 +211,8 @@ def gpu_rows(args: argparse.Namespace, device: str = "cuda") -> list[dict]:
                         row = {"op": op, "shape": shape, "backend": "triton", "calc_diff": diff, "peer": peer,
                                "tflops": flops / mine.median / 1e12 if mine else None,
                                "peer_tflops": flops / theirs.median / 1e12 if theirs else None,
+                               "plan_tflops": planned_tflops(model, op, shape, PLANNED_AS["ours"]),
+                               "peer_plan_tflops": planned_tflops(model, op, shape, PLANNED_AS[peer]),
                                **(fields("ms", mine) if mine else {}), **(fields("peer_ms", theirs) if theirs else {})}
                         if mine and theirs:  # ours' speed over the peer's, round by round
                             row.update(ratio_fields("ratio", theirs / mine))
@@ -202,8 +227,9 @@ def _shape_text(shape: dict) -> str:
 
 
 COLUMNS = [("op", "op", ""), ("shape", "shape_text", ""), ("backend", "backend", ""), ("calc_diff", "calc_diff", ".2e"),
-           ("TFLOPS", "tflops", ".1f"), ("spread", "ms_spread", ".0%"), ("peer", "peer", ""),
-           ("peer TF", "peer_tflops", ".1f"), ("ratio", "ratio", ".2f"), ("spread", "ratio_spread", ".0%")]
+           ("TFLOPS", "tflops", ".1f"), ("plan TF", "plan_tflops", ".1f"), ("spread", "ms_spread", ".0%"),
+           ("peer", "peer", ""), ("peer TF", "peer_tflops", ".1f"), ("peer plan TF", "peer_plan_tflops", ".1f"),
+           ("ratio", "ratio", ".2f"), ("spread", "ratio_spread", ".0%")]
 
 
 ACCEPTANCE = {"op": "forward", "shape": {"groups": 8, "rows_per_group": 4096, "N": 4096, "K": 7168},

@@ -40,6 +40,12 @@ GPUS: dict[str, GPU] = {
 }
 
 
+def preset_for_device(device_name: str) -> GPU | None:
+    """The preset whose key appears in a device's name (torch.cuda.get_device_name: "NVIDIA H100 80GB HBM3"), or None."""
+    words = device_name.lower().replace("-", " ").split()
+    return next((gpu for key, gpu in GPUS.items() if key in words), None)
+
+
 def gpu_preset(name: str) -> GPU:
     """The preset called name (case-insensitive); ValueError naming the allowed ones."""
     key = name.lower()

@@ -29,6 +29,11 @@ def _waited(t: Tensor) -> Tensor:
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
+# torch 2.13 renamed the functional flat collectives; torch 2.11-2.12 have only the old names (same arguments).
+_all_gather_flat = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_reduce_scatter_flat = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
+
 def all_reduce(x: Tensor, group: Group, op: str = "sum") -> Tensor:
     """x reduced over group (not differentiable)."""
     return _waited(funcol.all_reduce(x, op, group))
@@ -36,7 +41,7 @@ def all_reduce(x: Tensor, group: Group, op: str = "sum") -> Tensor:
 
 def all_gather(x: Tensor, dim: int, group: Group) -> Tensor:
     """Every rank's x concatenated along dim in rank order (not differentiable)."""
-    return _waited(funcol.all_gather_single(x.contiguous(), dim, group))
+    return _waited(_all_gather_flat(x.contiguous(), dim, group))
 
 
 def reduce_scatter(x: Tensor, dim: int, group: Group) -> Tensor:
@@ -44,7 +49,7 @@ def reduce_scatter(x: Tensor, dim: int, group: Group) -> Tensor:
     size = dist.get_world_size(group)
     if x.shape[dim] % size:
         raise ValueError(f"dimension {dim} of size {x.shape[dim]} must be divisible by the TP size {size}")
-    return _waited(funcol.reduce_scatter_single(x.contiguous(), "sum", dim, group))
+    return _waited(_reduce_scatter_flat(x.contiguous(), "sum", dim, group))
 
 
 def own_chunk(x: Tensor, dim: int, group: Group) -> Tensor:

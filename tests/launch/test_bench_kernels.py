@@ -23,7 +23,7 @@ def test_cpu_run_checks_correctness_and_writes_null_timings(tmp_path, capsys):
 def test_gpu_accounting_with_a_fixed_clock(monkeypatch, capsys):
     """The timed path on CPU tensors with every call taking 2 ms: TFLOPS = 2*M*N*K / 2 ms, the fp8 peer
     (CUDA-only) is reported as skipped, cases over --max-total-rows are left out."""
-    monkeypatch.setattr(bench, "_event_seconds", lambda fn: (fn(), 2e-3)[1])
+    monkeypatch.setattr(bench, "_event_seconds", lambda fn, calls: (fn(), 2e-3)[1])
     args = bench.parse_args(["--shapes", "256x128", "--groups", "2,4", "--rows", "16,64", "--max-total-rows", "128"])
     rows = bench.gpu_rows(args, device="cpu")
     shapes = sorted({(r["shape"]["groups"], r["shape"]["rows_per_group"]) for r in rows})
@@ -39,3 +39,22 @@ def test_gpu_accounting_with_a_fixed_clock(monkeypatch, capsys):
             assert r["peer_tflops"] is None and r.get("ratio") is None
         assert r["calc_diff"] < 2e-3  # bf16 inputs and fp32 output of the reference path
     assert "skipped" in capsys.readouterr().err
+
+
+def test_planned_tflops_names_the_gpu_and_prices_each_op_as_the_planner_does():
+    """moe-plan's figure beside a measurement: the preset found from CUDA's device name, each op priced as
+    launch.plan.efficiency prices that linear's forward, input grad and weight grad."""
+    from launch.plan.efficiency import GemmModel
+    from launch.plan.presets import GPUS, preset_for_device
+
+    assert preset_for_device("NVIDIA H100 80GB HBM3") is GPUS["h100"]
+    assert preset_for_device("NVIDIA H200") is GPUS["h200"]
+    assert preset_for_device("NVIDIA A100-SXM4-80GB") is None
+    model = GemmModel(GPUS["h100"])
+    shape = {"groups": 8, "rows_per_group": 512, "N": 768, "K": 2048}
+    flops = 2.0 * 8 * 512 * 768 * 2048
+    forward, dgrad, wgrad = model.linear(512, 768, 2048, "bf16", 8)
+    assert bench.planned_tflops(model, "forward", shape, "bf16") == flops / forward / 1e12
+    assert bench.planned_tflops(model, "dgrad", shape, "bf16") == flops / dgrad / 1e12
+    assert bench.planned_tflops(model, "wgrad", shape, "fp8-block") == flops / model.linear(512, 768, 2048, "fp8-block", 8)[2] / 1e12
+    assert bench.planned_tflops(None, "forward", shape, "bf16") is None
