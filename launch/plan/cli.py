@@ -151,9 +151,8 @@ def run_measured(args: argparse.Namespace, config: RunConfig, options: Options) 
           f"beside predicted on {machine.gpu.name} ({machine.gpu.source})")
     print(table(["rank", "figure", "predicted", "measured", "error", "tolerance", "ok"],
                 [["all" if c.rank < 0 else c.rank, c.figure, _figure(c.predicted), _figure(c.measured),
-                  f"{c.error:+.1%}",
-                  "-" if c.tolerance is None else ("exact" if c.tolerance == 0 else f"{c.tolerance:.0%}"),
-                  {None: "-", True: "yes", False: "NO"}[c.ok]] for c in checks]))
+                  c.describe_error(), c.describe_tolerance(), {None: "-", True: "yes", False: "NO"}[c.ok]]
+                 for c in checks]))
     return {"plan": to_dict(plan), "checks": [{**asdict(c), "error": c.error, "ok": c.ok} for c in checks]}
 
 

@@ -171,15 +171,20 @@ def routed_traffic(config: RunConfig, measured: list[RankMeasure]) -> list[dict[
     return out
 
 
+IDLE_TOLERANCE = 0.05  # the bubble, as a share of all ranks' time: the median moves ~10% run to run here
+
+
 @dataclass(frozen=True)
 class Check:
-    """One predicted figure beside its measurement; tolerance is relative (0: must be equal)."""
+    """One predicted figure beside its measurement; tolerance is relative (0: must be equal), or absolute (a
+    difference of fractions, e.g. the pipeline's idle share)."""
 
     rank: int
     figure: str
     predicted: float
     measured: float
     tolerance: float | None  # None: shown for information, not checked
+    absolute: bool = False
 
     @property
     def error(self) -> float:
@@ -193,7 +198,19 @@ class Check:
         """Whether the prediction is within tolerance (None when not checked)."""
         if self.tolerance is None:
             return None
+        if self.absolute:
+            return abs(self.predicted - self.measured) <= self.tolerance
         return self.predicted == self.measured if self.tolerance == 0 else abs(self.error) <= self.tolerance
+
+    def describe_error(self) -> str:
+        """The error as the check reads it: a difference for an absolute tolerance, else relative."""
+        return f"{self.predicted - self.measured:+.3f}" if self.absolute else f"{self.error:+.1%}"
+
+    def describe_tolerance(self) -> str:
+        """The tolerance as the check applies it."""
+        if self.tolerance is None:
+            return "-"
+        return f"±{self.tolerance:g}" if self.absolute else ("exact" if self.tolerance == 0 else f"{self.tolerance:.0%}")
 
 
 def _links(traffic: dict, kinds: Iterable[str]) -> tuple[int, int]:
@@ -233,7 +250,7 @@ def compare(plan: Plan, measured: list[RankMeasure]) -> list[Check]:
         checks += [Check(m.rank, *row) for row in rows]
     if plan.config.parallel.pp > 1:
         checks.append(Check(-1, "pipeline bubble: idle share of all ranks' time", plan.idle_fraction,
-                            statistics.mean(m.idle for m in measured), 0.15))
+                            statistics.mean(m.idle for m in measured), IDLE_TOLERANCE, absolute=True))
     for pp_rank, plan_rank in enumerate(plan.ranks):
         replicas = [m for m in measured if m.pp_rank == pp_rank]
         busiest = max(replicas, key=lambda m: m.activation_peak)
