@@ -24,6 +24,7 @@ from moe.tp import (TensorParallelRouter, TPRegion, check_tp_shapes, parallelize
                     parallelize_head, vocab_parallel_cross_entropy)
 from moe.tp.comm import Group
 from moe.tp.layout import mark_replicated
+from moe.vocab import head_logits
 
 
 def position_tables(cfg: ModelConfig, local_len: int, device: torch.device, tp: TPRegion | None = None,
@@ -140,12 +141,12 @@ class MoETransformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed = nn.Embedding(cfg.padded_vocab_size, cfg.hidden_size)
         nn.init.normal_(self.embed.weight, std=cfg.init_std)
         self.blocks = nn.ModuleList(Block(cfg, moe=i >= cfg.first_k_dense)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.padded_vocab_size, bias=False)
         nn.init.normal_(self.lm_head.weight, std=cfg.init_std)
         self.mtp = nn.ModuleList(MTPDepth(cfg, Block(cfg, moe=cfg.num_moe_layers > 0))
                                  for _ in range(cfg.mtp_depth)) if cfg.mtp_depth else None
@@ -231,17 +232,16 @@ class MoETransformer(nn.Module):
         mtp_losses = []
         if self.mtp is not None:
             mtp_losses, mtp_stats = run_steps(mtp_steps(self.mtp, x, labels, self.embed, self.lm_head,
-                                                        self.cross_entropy, cos, sin, self.tp))
+                                                        self.cross_entropy, cos, sin, self.tp, self.cfg.vocab_size))
             stats += mtp_stats
         aux_loss = sum((s.aux_loss for s in stats), lm_loss.new_zeros(()))
         loss = lm_loss + aux_loss if self.mtp is None else lm_loss + aux_loss + mtp_loss(mtp_losses, self.cfg)
         return ModelOutput(logits, loss, lm_loss, aux_loss, stats, mtp_losses)
 
     def head(self, x: Tensor) -> Tensor:
-        """Final norm and LM head on the residual stream x -> logits (under TP: gathered over the group's
-        sequence shards with SP; logits [B, S, vocab/tp] are this rank's vocab block)."""
-        h = self.norm(x)
-        return self.lm_head(h if self.tp is None else self.tp.enter(h))
+        """Final norm and LM head on the residual stream x -> logits over the padded vocab, padded ids at -inf (under TP:
+        gathered over the group's sequence shards with SP; logits [B, S, padded vocab/tp] are this rank's vocab block)."""
+        return head_logits(self.lm_head, self.norm(x), self.cfg.vocab_size, self.tp)
 
     def sequence_length(self, x: Tensor) -> int:
         """Full sequence length of a residual stream x [B, S, H] (under TP+SP x holds S/tp positions)."""
