@@ -67,7 +67,8 @@ def routings(parallel: dict) -> dict[str, float | None]:
 def raw_config(run_dir: str, corpus: str, parallel: dict, capacity_factor: float | None,
                attention: str = "gqa", mtp_depth: int = 0, document_mask: bool = False) -> dict:
     """A 4-layer (1 dense + 3 MoE) float64 model with GQA or MLA attention and mtp_depth MTP depths, 8 micro-batches
-    of 2 x 16 tokens per step; data.document_mask as given."""
+    of 2 x 16 tokens per step; with document_mask also a padded vocab (300 ids in 320 rows: under tp2 the second
+    rank's block holds the 20 padded ids)."""
     model = {"vocab_size": 256, "hidden_size": 32, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
              "max_seq_len": 16, "first_k_dense": 1, "dense_ffn_size": 48, "num_experts": 8,
              "expert_ffn_size": 16, "top_k": 2, "num_shared_experts": 1, "score_func": "sigmoid",
@@ -75,6 +76,8 @@ def raw_config(run_dir: str, corpus: str, parallel: dict, capacity_factor: float
              "bias_update_rate": 0.01, "drop_policy": "probs", "mtp_depth": mtp_depth, **ATTENTION[attention]}
     if capacity_factor is not None:
         model["capacity_factor"] = capacity_factor
+    if document_mask:
+        model.update(vocab_size=300, vocab_multiple=64)
     settings = {"steps": STEPS, "micro_batch_size": 2, "grad_accum_steps": 8, "seq_len": 16, "lr": 0.01,
                 "warmup_steps": 1, "dtype": "float64", "eval_batches": 0, "run_dir": run_dir,
                 "rank_metrics_every": 2}
@@ -171,8 +174,8 @@ def test_batched_layouts_equal_single_process(world, corpus, documents, referenc
     """The layouts of one world size with their attention, trained dropless in one spawn: MLA (query latent, joint
     KV latent, TP-split heads with replicated down-projections) in pipeline, TP and CP layouts, and CP x TP
     (heads split over TP, each CP shard's sequence over SP, routers summing over cp x tp, EP over both) with
-    GQA and MLA; document masking under DualPipeV (rank 1 holds only middle stages: document ids reach it as the
-    runtime's context), TP + SP, and both."""
+    GQA and MLA; document masking with a padded vocab under DualPipeV (rank 1 holds only middle stages: document ids
+    reach it as the runtime's context), TP + SP (the padded ids in one rank's vocab block), and both."""
     runs = SPAWNS[world]
     layouts = LAYOUTS | BATCHED
     raws = [raw_config(str(tmp_path / f"{attention} {name} {masked}".replace(" ", "_")),
