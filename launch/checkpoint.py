@@ -324,7 +324,9 @@ def consolidate(path: str | Path) -> dict[str, Tensor]:
 
 
 def export(path: str | Path, out: str | Path) -> Path:
-    """Write consolidate(path) as one torch.save file that MoETransformer.load_state_dict takes."""
+    """Write consolidate(path) as one torch.save file that MoETransformer.load_state_dict takes. With
+    model.vocab_multiple, embed.weight and lm_head.weight hold the padded vocab's rows (moe.vocab): a model of the same
+    config loads them; an unpadded one takes their first model.vocab_size rows."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")

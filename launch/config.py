@@ -77,6 +77,9 @@ class DataSettings:
     sources: list = field(default_factory=list)  # [{path = PREPARED_FOLDER, weight = W}, ...]; replaces corpus
     eval_sources: list = field(default_factory=list)  # [{path = PREPARED_FOLDER}, ...]: held-out data of sources
     prefetch_steps: int = 1  # steps whose rows a background thread reads ahead (0: read when first used)
+    # Attention, RoPE positions and the loss stay inside each document: rows split after every EOS of data.tokenizer
+    # (moe.documents; Megatron's reset_attention_mask + reset_position_ids + eod_mask_loss)
+    document_mask: bool = False
 
     def __post_init__(self) -> None:
         check_positive("data.max_bytes", self.max_bytes)
@@ -248,6 +251,7 @@ class RunConfig:
                              f"{par.world_size}")
         check_tp_shapes(model, self.train.seq_len, par.tp, par.sequence_parallel, par.cp)
         _check_mtp(model, par)
+        _check_document_mask(self.data, model, par)
         _check_fp8_sizes(model, par)
         layout = self.layout
         nodes = layout.ep_nodes()
@@ -280,6 +284,16 @@ def _check_mtp(model: ModelConfig, par: ParallelSettings) -> None:
         raise ValueError(f"model.mtp_depth = {model.mtp_depth} with parallel.schedule = {par.schedule!r} needs an "
                          f"even parallel.pp (got {par.pp}): the last rank's embedding copy shares ZeRO-1 shards with "
                          f"the first's; choose an even pp or schedule 'dualpipev'")
+
+
+def _check_document_mask(data: DataSettings, model: ModelConfig, par: ParallelSettings) -> None:
+    """Document masking runs without context parallelism and without multi-token prediction."""
+    if data.document_mask and par.cp > 1:
+        raise ValueError(f"data.document_mask = true does not run with parallel.cp = {par.cp}: set parallel.cp = 1 "
+                         f"or data.document_mask = false")
+    if data.document_mask and model.mtp_depth:
+        raise ValueError(f"data.document_mask = true does not run with model.mtp_depth = {model.mtp_depth}: set "
+                         f"model.mtp_depth = 0 or data.document_mask = false")
 
 
 def _check_fp8_sizes(model: ModelConfig, par: ParallelSettings) -> None:

@@ -102,7 +102,7 @@ def model_layer_flops(cfg: ModelConfig, seq_len: int, causal: bool = True) -> li
 
 def head_flops(cfg: ModelConfig) -> float:
     """Forward FLOPs per token of the LM head (the final norm is free)."""
-    return 2.0 * cfg.vocab_size * cfg.hidden_size
+    return 2.0 * cfg.padded_vocab_size * cfg.hidden_size
 
 
 def mtp_flops(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:

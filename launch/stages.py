@@ -13,11 +13,13 @@ from dispatch.progress import LAYER, mark
 from launch.flops import head_flops, model_layer_flops, mtp_flops
 from moe.config import ModelConfig
 from moe.cp import CPRegion
+from moe.documents import document_attention_mask
 from moe.layer import MoELayer, MoEStats
 from moe.model import MoETransformer, position_tables
 from moe.mtp import mtp_loss, mtp_steps
 from moe.tp import TPRegion, vocab_parallel_cross_entropy
 from moe.tp import concurrent_backward as tp_concurrent_backward
+from moe.vocab import head_logits
 from pipeline.overlap import complete
 
 LOSS_KINDS = ("load_balance", "seq_balance", "z")  # the router's balance losses, in the tallies' order
@@ -141,29 +143,31 @@ class Stage(nn.Module):
             if meter is not None:
                 meter.clear()
 
-    def forward_steps(self, x: Tensor) -> Generator[Any, None, Tensor | tuple[Tensor, Tensor]]:
+    def forward_steps(self, x: Tensor, documents: Tensor | None = None
+                      ) -> Generator[Any, None, Tensor | tuple[Tensor, Tensor]]:
         """tokens [B, S] (first stage) or hidden [B, S, H] -> hidden, or logits on the last stage (with MTP in
         training: logits and the hidden state before the final norm, for loss); pauses while an MoE layer's
-        communication is in flight (pipeline.overlap)."""
+        communication is in flight (pipeline.overlap). documents: the micro-batch's moe.documents.document_ids
+        [B, S] (every stage gets them: data.document_mask), to attend and count positions inside each document."""
         if self.first:
             x = self.embed(x if self.cp is None else self.cp.shard(x))
-        cos, sin = position_tables(self.cfg, x.shape[1], x.device, self.tp, self.cp)
+        cos, sin = position_tables(self.cfg, x.shape[1], x.device, self.tp, self.cp, documents)
+        mask = None if documents is None else document_attention_mask(documents)
         for i, block in self.blocks.items():
             mark(f"layer {i}", LAYER)
-            x, stats = yield from block.forward_steps(x, cos, sin)
+            x, stats = yield from block.forward_steps(x, cos, sin, mask)
             if stats is not None:
                 self.tallies[int(i)].add(stats, self.loss_scale)
                 x = AuxLossGrad.apply(x, stats.aux_loss * self.loss_scale)
         if self.lm_head is not None:
-            hidden, x = x, self.norm(x)
-            x = self.lm_head(x if self.tp is None else self.tp.enter(x))
+            hidden, x = x, head_logits(self.lm_head, self.norm(x), self.cfg.vocab_size, self.tp)
             if self.mtp is not None and self.training:
                 return x, hidden
         return x
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, documents: Tensor | None = None) -> Tensor:
         """forward_steps run without pausing."""
-        return complete(self.forward_steps(x))
+        return complete(self.forward_steps(x, documents))
 
     def loss(self, logits: Tensor, *hidden_and_labels: Tensor) -> tuple[Tensor, Tensor]:
         """The last stage's loss of one micro-batch from its output and the labels [B, S], and its LM part:
@@ -175,7 +179,8 @@ class Stage(nn.Module):
             return loss, loss
         cos, sin = position_tables(self.cfg, hidden[0].shape[1], hidden[0].device, self.tp, self.cp)
         losses, stats = complete(mtp_steps(self.mtp, hidden[0], labels, self.embed, self.lm_head,
-                                           lambda x, y: token_cross_entropy(x, y, self.tp), cos, sin, self.tp))
+                                           lambda x, y: token_cross_entropy(x, y, self.tp), cos, sin, self.tp,
+                                           self.cfg.vocab_size))
         self.mtp_tally += torch.stack(losses).detach().double() * self.loss_scale
         extra = mtp_loss(losses, self.cfg)
         for k, layer_stats in enumerate(stats):  # the depths' MoE layers, numbered after the model's

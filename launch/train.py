@@ -36,8 +36,10 @@ from launch.mesh import Mesh
 from launch.metrics import (JsonlWriter, TensorBoardWriter, expert_load_summary, mfu_peak, model_flops_per_token,
                             moe_layer_metrics, rank_metrics, step_record, throughput_metrics, traffic_metrics)
 from launch.stages import LOSS_KINDS, Stage, build_stages
+from launch.tokenizer import load_tokenizer
 from launch.watchdog import Progress, run_watchdog
 from moe.cp import CPRegion
+from moe.documents import document_ids, document_labels
 from moe.model import MoETransformer
 from moe.tp import tp_replicated_params
 from optim import ZeRO1
@@ -168,12 +170,21 @@ def last_backward(optimizer: ZeRO1 | None, runtime: PipelineRuntime | None) -> c
     return optimizer.reduce_during_backward(runtime.last_grad if runtime is not None else None)
 
 
+def document_eos(cfg: RunConfig) -> int | None:
+    """The EOS id that ends documents when data.document_mask is on (data.tokenizer's), else None."""
+    return load_tokenizer(cfg.data.tokenizer).eos_id if cfg.data.document_mask else None
+
+
 def forward_backward(stages: list[Stage], runtime: PipelineRuntime | None, micro: list[MicroBatch],
-                     chunks: int, loss_scale: float, optimizer: ZeRO1 | None = None) -> tuple[Tensor, float]:
+                     chunks: int, loss_scale: float, optimizer: ZeRO1 | None = None,
+                     eos: int | None = None) -> tuple[Tensor, float]:
     """Forward and backward over this rank's micro-batches (grads accumulate), every LM, MTP and router loss
     scaled by loss_scale (the micro-batch's share of the step's loss); returns (sum of the scaled LM losses
     computed here (without MTP's), a float64 tensor on the stages' device; seconds the pipeline spent busy, or 0 without one).
-    optimizer: the ZeRO-1 optimizer to overlap its gradient reduction with the last backward (last_backward)."""
+    optimizer: the ZeRO-1 optimizer to overlap its gradient reduction with the last backward (last_backward).
+    eos: document masking (moe.documents) at this EOS id: every stage of the rank gets each micro-batch's document
+    ids, computed on the device from its tokens (which every pipeline rank of a DP rank reads), and the labels
+    after an EOS are ignored."""
     for stage in stages:
         stage.loss_scale = loss_scale
     device = next(stages[0].parameters()).device
@@ -192,11 +203,17 @@ def forward_backward(stages: list[Stage], runtime: PipelineRuntime | None, micro
             total.add_(torch.stack(lm_parts).sum())
             lm_parts.clear()
 
+    def labels_of(batch: MicroBatch) -> Tensor:
+        return batch.labels if eos is None else document_labels(batch.labels, batch.inputs, eos)
+
+    def documents_of(batch: MicroBatch) -> list[Tensor]:
+        return [] if eos is None else [document_ids(batch.inputs, eos)]
+
     if runtime is None:
         for m, batch in enumerate(micro):
             mark(f"forward of micro-batch {m}", ACTION)
-            out = stages[0](batch.inputs)
-            loss = criterion(*(out if isinstance(out, tuple) else (out,)), batch.labels)
+            out = stages[0](batch.inputs, *documents_of(batch))
+            loss = criterion(*(out if isinstance(out, tuple) else (out,)), labels_of(batch))
             if torch.is_grad_enabled():
                 mark(f"backward of micro-batch {m}", ACTION)
                 with last_backward(optimizer, None) if m == len(micro) - 1 else contextlib.nullcontext():
@@ -209,11 +226,12 @@ def forward_backward(stages: list[Stage], runtime: PipelineRuntime | None, micro
     for first in range(0, len(micro), chunks):
         step = micro[first:first + chunks]
         inputs = torch.cat([step[c].inputs for c in entry]) if entry else None
-        labels = torch.cat([step[c].labels for c in exit_]) if exit_ else None
+        labels = torch.cat([labels_of(step[c]) for c in exit_]) if exit_ else None
+        context = [torch.cat(parts) for parts in zip(*map(documents_of, step))]
         runtime.timeline = []
         with last_backward(optimizer, runtime) if first + chunks >= len(micro) else contextlib.nullcontext():
             runtime.step(*([inputs] if entry else []), num_chunks=chunks, criterion=criterion,
-                         labels=(labels,) if exit_ else ())
+                         labels=(labels,) if exit_ else (), context=context)
         busy += sum(b for *_, b in runtime.timeline)
         runtime.timeline = None
         add_lm_parts()
@@ -340,15 +358,16 @@ def step_metrics(step: int, cfg: RunConfig, stats: dict, scalars: dict, tokens: 
 
 
 @torch.no_grad()
-def evaluate(stages: list[Stage], runtime: PipelineRuntime | None, batches: DataFeed, cfg: RunConfig) -> float:
+def evaluate(stages: list[Stage], runtime: PipelineRuntime | None, batches: DataFeed, cfg: RunConfig,
+             eos: int | None = None) -> float:
     """Mean LM loss over the first held-out micro-batches (train.eval_batches, rounded up to fill
-    every DP rank's pipeline steps), the same ones every time."""
+    every DP rank's pipeline steps), the same ones every time; eos: document masking (forward_backward)."""
     unit = cfg.parallel.dp * (cfg.chunks_per_step if runtime is not None else 1)
     count = -(-cfg.train.eval_batches // unit) * unit
     held_out = batches.held_out(count)  # this DP rank's share; raises when the held-out rows are too few
     for stage in stages:
         stage.eval()
-    total, _ = forward_backward(stages, runtime, held_out, cfg.chunks_per_step, 1 / count)
+    total, _ = forward_backward(stages, runtime, held_out, cfg.chunks_per_step, 1 / count, eos=eos)
     for stage in stages:
         stage.train()
         stage.reset_tallies()
@@ -423,6 +442,7 @@ def _loop(cfg: RunConfig, mesh: Mesh, stages: list[Stage], runtime: PipelineRunt
         writers.append(TensorBoardWriter(Path(settings.run_dir) / "tensorboard"))
     records = []
     global_tokens = settings.grad_accum_steps * settings.micro_batch_size * settings.seq_len
+    eos = document_eos(cfg)
     bar = tqdm(total=settings.steps, initial=start, disable=not (progress and lead), desc="train", unit="step")
     step, saved = start, start
     while step < settings.steps:
@@ -432,7 +452,7 @@ def _loop(cfg: RunConfig, mesh: Mesh, stages: list[Stage], runtime: PipelineRunt
         micro = batches.next_step()
         lm_part, busy = forward_backward(stages, runtime, micro, cfg.chunks_per_step,
                                          guard.loss_scale(step, 1 / settings.grad_accum_steps),
-                                         optimizer if cfg.parallel.overlap_grad_reduce else None)
+                                         optimizer if cfg.parallel.overlap_grad_reduce else None, eos)
         phases.enter("grad sync", step)
         sum_tp_partial_grads(stages, mesh, optimizer)
         compute_s = time.perf_counter() - began
@@ -463,7 +483,7 @@ def _loop(cfg: RunConfig, mesh: Mesh, stages: list[Stage], runtime: PipelineRunt
         last = step + 1 == settings.steps
         if eval_batches is not None and (last or (settings.eval_every and step % settings.eval_every == 0)):
             phases.enter("eval", step, long=True)
-            record["eval_lm_loss"] = evaluate(stages, runtime, eval_batches, cfg)
+            record["eval_lm_loss"] = evaluate(stages, runtime, eval_batches, cfg, eos)
         if lead:
             for writer in writers:
                 writer.write(record)

@@ -53,6 +53,7 @@ class ModelConfig:
     """Shape of a DeepSeek-style MoE decoder and its router and expert settings (parallel layout: launch.config)."""
 
     vocab_size: int = 256
+    vocab_multiple: int = 1  # the embedding and LM head hold vocab_size rounded up to a multiple of this (moe.vocab)
     hidden_size: int = 128
     num_layers: int = 4
     num_heads: int = 4
@@ -93,6 +94,7 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                      "max_seq_len", "dense_ffn_size", "expert_ffn_size"):
             check_positive(name, getattr(self, name))
+        check_positive("vocab_multiple", self.vocab_multiple)
         check_positive("first_k_dense", self.first_k_dense, minimum=0)
         check_positive("num_shared_experts", self.num_shared_experts, minimum=0)
         check_positive("head_dim", self.head_dim, minimum=0)
@@ -143,6 +145,11 @@ class ModelConfig:
                                  f"v_head_dim 128)")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim = {self.qk_rope_head_dim} must be even (RoPE rotates pairs of dims)")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the embedding and the LM head: vocab_size rounded up to a multiple of vocab_multiple."""
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
     @property
     def rope_dim(self) -> int:

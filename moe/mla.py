@@ -79,8 +79,9 @@ class MLA(nn.Module):
             return self.q_b(self.q_a_norm(self.q_a(x)))
         return self.q(x)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """x [B, S, H] -> [B, S, H]; cos, sin: rope_tables of qk_rope_head_dim."""
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
+        """x [B, S, H] -> [B, S, H]; cos, sin: rope_tables of qk_rope_head_dim; mask: a boolean [B, 1, S, S] in place
+        of the causal mask (moe.documents.document_attention_mask)."""
         if self.tp is not None:
             x = self.tp.enter(x)
         batch, seq, _ = x.shape
@@ -95,6 +96,7 @@ class MLA(nn.Module):
         if self.cp is not None:
             attn = self.cp.attend(q, k, v, self.softmax_scale)
         else:
-            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                                  scale=self.softmax_scale)
         out = self.out(attn.transpose(1, 2).reshape(batch, seq, -1))
         return out if self.tp is None else self.tp.leave(out)

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from dispatch.channel import run_steps
 from moe.config import ModelConfig
 from moe.cp import CPRegion
+from moe.documents import document_attention_mask, document_positions
 from moe.experts import SwiGLU
 from moe.layer import MoELayer, MoEStats
 from moe.mla import MLA
@@ -23,14 +24,21 @@ from moe.tp import (TensorParallelRouter, TPRegion, check_tp_shapes, parallelize
                     parallelize_head, vocab_parallel_cross_entropy)
 from moe.tp.comm import Group
 from moe.tp.layout import mark_replicated
+from moe.vocab import head_logits
 
 
 def position_tables(cfg: ModelConfig, local_len: int, device: torch.device, tp: TPRegion | None = None,
-                    cp: CPRegion | None = None) -> tuple[Tensor, Tensor]:
+                    cp: CPRegion | None = None, documents: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """RoPE cos and sin rows for a residual stream of local_len positions: the whole sequence's under TP with
-    SP (attention gathers it), this rank's zig-zag positions under CP."""
+    SP (attention gathers it), this rank's zig-zag positions under CP; with documents (moe.documents.document_ids
+    [B, S]) each row's positions restart at every document, tables [B, S, rope_dim/2]."""
     seq = local_len * (tp.size if tp is not None and tp.sequence_parallel else 1) * (cp.size if cp is not None else 1)
     cos, sin = rope_tables(seq, cfg.rope_dim, cfg.rope_theta, device)
+    if documents is not None:
+        if cp is not None:
+            raise ValueError("document masking (data.document_mask) does not run under context parallelism")
+        rows = document_positions(documents)
+        return cos[rows], sin[rows]
     if cp is None:
         return cos, sin
     rows = cp.positions(seq, device)
@@ -57,9 +65,10 @@ class Attention(nn.Module):
         self.tp: TPRegion | None = None
         self.cp: CPRegion | None = None  # context parallelism: x holds this rank's zig-zag share of each sequence
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
         """x [B, S, H] -> [B, S, H] (under TP with SP: sequence shards [B, S/tp, H] in and out; under CP: zig-zag
-        shards, cos and sin their positions' rows)."""
+        shards, cos and sin their positions' rows); mask: a boolean [B, 1, S, S] replacing the causal mask
+        (moe.documents.document_attention_mask)."""
         if self.tp is not None:
             x = self.tp.enter(x)
         batch, seq, _ = x.shape
@@ -74,7 +83,7 @@ class Attention(nn.Module):
         else:
             repeat = self.num_heads // k.shape[1]
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         out = self.out(attn.transpose(1, 2).reshape(batch, seq, -1))
         return out if self.tp is None else self.tp.leave(out)
 
@@ -92,14 +101,17 @@ class Block(nn.Module):
                     else SwiGLU(cfg.hidden_size, cfg.dense_ffn_size, init_std=cfg.init_std, out_std=out_std))
         self.moe_tokens: TPRegion | None = None  # TP without SP: the MoE layer routes this rank's S/tp tokens
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, MoEStats | None]:
-        """x [B, S, H] -> (x [B, S, H], MoE stats or None for a dense block); with TP+SP x is [B, S/tp, H]."""
-        return run_steps(self.forward_steps(x, cos, sin))
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None
+                ) -> tuple[Tensor, MoEStats | None]:
+        """x [B, S, H] -> (x [B, S, H], MoE stats or None for a dense block); with TP+SP x is [B, S/tp, H];
+        mask: the attention's boolean mask in place of the causal one (moe.documents)."""
+        return run_steps(self.forward_steps(x, cos, sin, mask))
 
-    def forward_steps(self, x: Tensor, cos: Tensor, sin: Tensor) -> Generator[Any, None, tuple[Tensor, MoEStats | None]]:
+    def forward_steps(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None
+                      ) -> Generator[Any, None, tuple[Tensor, MoEStats | None]]:
         """forward as a generator that pauses while the MoE layer's communication is in flight
         (see pipeline.overlap); a dense block never pauses."""
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
         h = self.ffn_norm(x)
         if not isinstance(self.ffn, MoELayer):
             return x + self.ffn(h), None
@@ -129,12 +141,12 @@ class MoETransformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed = nn.Embedding(cfg.padded_vocab_size, cfg.hidden_size)
         nn.init.normal_(self.embed.weight, std=cfg.init_std)
         self.blocks = nn.ModuleList(Block(cfg, moe=i >= cfg.first_k_dense)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.padded_vocab_size, bias=False)
         nn.init.normal_(self.lm_head.weight, std=cfg.init_std)
         self.mtp = nn.ModuleList(MTPDepth(cfg, Block(cfg, moe=cfg.num_moe_layers > 0))
                                  for _ in range(cfg.mtp_depth)) if cfg.mtp_depth else None
@@ -191,10 +203,13 @@ class MoETransformer(nn.Module):
         blocks = [*self.blocks, *(depth.block for depth in self.mtp or ())]
         return [b.ffn for b in blocks if isinstance(b.ffn, MoELayer)]
 
-    def forward(self, tokens: Tensor, labels: Tensor | None = None) -> ModelOutput:
+    def forward(self, tokens: Tensor, labels: Tensor | None = None, documents: Tensor | None = None) -> ModelOutput:
         """tokens [B, S] -> ModelOutput; with labels [B, S], loss = LM cross-entropy + router losses (+ the MTP term,
-        moe.mtp.mtp_loss, and the MTP blocks' router losses)."""
+        moe.mtp.mtp_loss, and the MTP blocks' router losses). documents: moe.documents.document_ids of tokens, to
+        attend and count positions inside each document (the caller masks labels: moe.documents.document_labels)."""
         seq = tokens.shape[1]
+        if documents is not None and self.mtp is not None:
+            raise ValueError("multi-token prediction (model.mtp_depth > 0) does not run with document masking")
         if seq > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len = {self.cfg.max_seq_len}")
         if self.tp is not None:
@@ -202,11 +217,12 @@ class MoETransformer(nn.Module):
         if self.cp is not None:  # tokens and labels: whole sequences, of which this rank takes its zig-zag shard
             tokens = self.cp.shard(tokens)
             labels = None if labels is None else self.cp.shard(labels)
-        cos, sin = position_tables(self.cfg, tokens.shape[1], tokens.device, cp=self.cp)
+        cos, sin = position_tables(self.cfg, tokens.shape[1], tokens.device, cp=self.cp, documents=documents)
+        mask = None if documents is None else document_attention_mask(documents)
         x = self.embed(tokens)
         stats = []
         for block in self.blocks:
-            x, layer_stats = block(x, cos, sin)
+            x, layer_stats = block(x, cos, sin, mask)
             if layer_stats is not None:
                 stats.append(layer_stats)
         logits = self.head(x)
@@ -216,17 +232,16 @@ class MoETransformer(nn.Module):
         mtp_losses = []
         if self.mtp is not None:
             mtp_losses, mtp_stats = run_steps(mtp_steps(self.mtp, x, labels, self.embed, self.lm_head,
-                                                        self.cross_entropy, cos, sin, self.tp))
+                                                        self.cross_entropy, cos, sin, self.tp, self.cfg.vocab_size))
             stats += mtp_stats
         aux_loss = sum((s.aux_loss for s in stats), lm_loss.new_zeros(()))
         loss = lm_loss + aux_loss if self.mtp is None else lm_loss + aux_loss + mtp_loss(mtp_losses, self.cfg)
         return ModelOutput(logits, loss, lm_loss, aux_loss, stats, mtp_losses)
 
     def head(self, x: Tensor) -> Tensor:
-        """Final norm and LM head on the residual stream x -> logits (under TP: gathered over the group's
-        sequence shards with SP; logits [B, S, vocab/tp] are this rank's vocab block)."""
-        h = self.norm(x)
-        return self.lm_head(h if self.tp is None else self.tp.enter(h))
+        """Final norm and LM head on the residual stream x -> logits over the padded vocab, padded ids at -inf (under TP:
+        gathered over the group's sequence shards with SP; logits [B, S, padded vocab/tp] are this rank's vocab block)."""
+        return head_logits(self.lm_head, self.norm(x), self.cfg.vocab_size, self.tp)
 
     def sequence_length(self, x: Tensor) -> int:
         """Full sequence length of a residual stream x [B, S, H] (under TP+SP x holds S/tp positions)."""

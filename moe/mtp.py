@@ -26,6 +26,7 @@ from moe.layer import MoEStats
 from moe.norm import RMSNorm
 from moe.tp import TPRegion
 from moe.tp.layout import mark_replicated
+from moe.vocab import head_logits
 
 IGNORE = -100  # the cross-entropy's ignore_index: a position without a target
 
@@ -61,16 +62,17 @@ def mtp_tokens(labels: Tensor, depth: int) -> tuple[Tensor, Tensor]:
 
 
 def mtp_steps(depths: nn.ModuleList, hidden: Tensor, labels: Tensor, embed: nn.Module, lm_head: nn.Linear,
-              cross_entropy: Callable[[Tensor, Tensor], Tensor], cos: Tensor, sin: Tensor, tp: TPRegion | None
-              ) -> Generator[Any, None, tuple[list[Tensor], list[MoEStats]]]:
+              cross_entropy: Callable[[Tensor, Tensor], Tensor], cos: Tensor, sin: Tensor, tp: TPRegion | None,
+              vocab_size: int) -> Generator[Any, None, tuple[list[Tensor], list[MoEStats]]]:
     """Run every depth on the main model's hidden [B, S, H] (under TP+SP its sequence shard) and whole-sequence
     labels [B, S]: (each depth's mean cross-entropy over its positions with a target, the MoE stats of the depths'
-    blocks). cross_entropy(logits [N, vocab(/tp)], targets [N]) skips IGNORE targets."""
+    blocks). cross_entropy(logits [N, vocab(/tp)], targets [N]) skips IGNORE targets; vocab_size: the ids past it are
+    padding (moe.vocab)."""
     losses, stats = [], []
     for k, depth in enumerate(depths, start=1):
         inputs, targets = mtp_tokens(labels, k)
         hidden, normed, layer_stats = yield from depth.forward_steps(hidden, embed(inputs), cos, sin)
-        logits = lm_head(normed if tp is None else tp.enter(normed))
+        logits = head_logits(lm_head, normed, vocab_size, tp)
         losses.append(cross_entropy(logits.flatten(0, 1), targets.flatten()))
         if layer_stats is not None:
             stats.append(layer_stats)

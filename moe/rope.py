@@ -14,7 +14,10 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device 
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate pairs (even, odd) of x [B, heads, S, D] by the position angles."""
+    """Rotate pairs (even, odd) of x [B, heads, S, D] by the position angles: cos and sin [S, D/2], or [B, S, D/2]
+    where every row has positions of its own (moe.documents)."""
     even, odd = x[..., 0::2], x[..., 1::2]
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    if cos.dim() == 3:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)

@@ -98,11 +98,14 @@ class PipelineRuntime(nn.Module):
         return self._schedules[key]
 
     def step(self, *inputs: Tensor, num_chunks: int, criterion: Callable[..., Tensor] | None = None,
-             labels: Sequence[Tensor] = (), return_outputs: bool = False) -> tuple[Tensor | None, Any]:
+             labels: Sequence[Tensor] = (), return_outputs: bool = False,
+             context: Sequence[Tensor] = ()) -> tuple[Tensor | None, Any]:
         """Run one pipelined step over num_chunks micro-batches; accumulate grads into the modules.
 
         Ranks holding first stages pass the inputs, ranks holding last stages the labels (criterion
         gets (*outputs, *labels) per chunk; without criterion the last stage's output is the loss).
+        context: tensors of all num_chunks chunks (split like inputs) that every stage of this rank receives
+        after its inputs for each chunk; never sent between ranks nor differentiated (e.g. document ids).
         Returns (per-chunk losses stacked, outputs concatenated along batch_dim) on the ranks holding
         last stages, (None, None) elsewhere. Under torch.no_grad() only forwards run.
         """
@@ -112,6 +115,7 @@ class PipelineRuntime(nn.Module):
         entry, exit_ = layout.entry_chunks(self.rank), layout.exit_chunks(self.rank)
         self._inputs = self._split("inputs", inputs, entry, num_chunks) if entry else {}
         self._labels = self._split("labels", tuple(labels), exit_, num_chunks) if exit_ and labels else {}
+        self._context = self._split("context", tuple(context), list(range(num_chunks)), num_chunks) if context else {}
         self._criterion = criterion
         self._layout = layout
         self._channel.device = self._device()
@@ -238,10 +242,12 @@ class PipelineRuntime(nn.Module):
             self._sent_early.add(key)
 
     def _forward_inputs(self, phase: int, chunk: int) -> list[Tensor]:
+        """The chunk's inputs of the stage of phase (fed or received), then the chunk's context."""
+        context = list(self._context.get(chunk, ()))
         if self._stage(phase) == 0:
-            return list(self._inputs[chunk])
+            return list(self._inputs[chunk]) + context
         grad = torch.is_grad_enabled()
-        return [t.detach().requires_grad_(flag and grad) for t, flag in self._fetch(Op.RECV_F, phase, chunk)]
+        return [t.detach().requires_grad_(flag and grad) for t, flag in self._fetch(Op.RECV_F, phase, chunk)] + context
 
     def _start_forward(self, phase: int, chunk: int) -> tuple[list[Tensor], Any]:
         inputs = self._forward_inputs(phase, chunk)

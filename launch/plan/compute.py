@@ -103,4 +103,4 @@ def elementwise_seconds(model: GemmModel, cfg: ModelConfig, attention: Attention
 
 def head_seconds(model: GemmModel, cfg: ModelConfig, tokens: int, tp: int) -> Seconds:
     """The LM head (BF16, vocab split by TP)."""
-    return _linear(model, tokens, cfg.vocab_size / tp, cfg.hidden_size, "bf16")
+    return _linear(model, tokens, cfg.padded_vocab_size / tp, cfg.hidden_size, "bf16")

@@ -170,7 +170,7 @@ class ActivationModel:
     def head(self) -> float:
         """Final norm and LM head: the fp32 log-probabilities cross-entropy keeps (fused: also the
         logits in the training dtype), vocab split by TP."""
-        vocab = self.cfg.vocab_size / self.tp
+        vocab = self.cfg.padded_vocab_size / self.tp
         return self._norm() + vocab * (4 if self._project else self.itemsize + 4)
 
     def stage(self, layers: range, has_head: bool, tokens: int) -> float:
@@ -204,7 +204,7 @@ class ActivationModel:
         """Bytes one chunk keeps from a split backward of the stage to its W (the LM head: its input and the
         logits' grad)."""
         per_token = sum(self.deferred_layer(i >= self.cfg.first_k_dense) for i in layers)
-        per_token += self._linear_pairs(self.cfg.hidden_size, self.cfg.vocab_size / self.tp) if has_head else 0.0
+        per_token += self._linear_pairs(self.cfg.hidden_size, self.cfg.padded_vocab_size / self.tp) if has_head else 0.0
         return per_token * tokens
 
 
@@ -219,8 +219,8 @@ def backward_workspace(cfg: ModelConfig, layers: range, embedding: bool, head: b
     fp8 = cfg.expert_precision == "fp8"
     sizes = [2 * cfg.expert_ffn_size * h * (cfg.num_experts // ep) * (4 + itemsize if fp8 else itemsize)
              if i >= cfg.first_k_dense else 2 * cfg.dense_ffn_size / tp * h * itemsize for i in layers]
-    sizes += [cfg.vocab_size / tp * h * itemsize] * (embedding + head)
-    sizes += [2 * 4 * cfg.vocab_size / tp * tokens] * head
+    sizes += [cfg.padded_vocab_size / tp * h * itemsize] * (embedding + head)
+    sizes += [2 * 4 * cfg.padded_vocab_size / tp * tokens] * head
     return max(sizes, default=0.0)
 
 

@@ -60,13 +60,13 @@ def layer_params(cfg: ModelConfig, index: int, attention: AttentionShape) -> Par
 
 
 def embedding_params(cfg: ModelConfig) -> Params:
-    """Input embedding: vocab-parallel, a lookup (not counted as activated)."""
-    return Params(cfg.vocab_size * cfg.hidden_size)
+    """Input embedding over the padded vocab (model.vocab_multiple): vocab-parallel, a lookup (not activated)."""
+    return Params(cfg.padded_vocab_size * cfg.hidden_size)
 
 
 def head_params(cfg: ModelConfig) -> Params:
-    """Final norm and LM head."""
-    head = cfg.vocab_size * cfg.hidden_size
+    """Final norm and LM head (over the padded vocab: its padded rows are computed too)."""
+    head = cfg.padded_vocab_size * cfg.hidden_size
     return Params(head, cfg.hidden_size, 0, head + cfg.hidden_size)
 
 
@@ -109,4 +109,4 @@ def count_params(cfg: ModelConfig, stages: Sequence[range] | None = None) -> Mod
     mtp = mtp_params(cfg, attention)
     total = sum(counts, Params())
     counts[-1] = counts[-1] + mtp
-    return ModelParams(total, counts, cfg.vocab_size * cfg.hidden_size, attention, mtp)
+    return ModelParams(total, counts, cfg.padded_vocab_size * cfg.hidden_size, attention, mtp)

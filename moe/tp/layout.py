@@ -139,6 +139,17 @@ def check_divisible(field: str, value: int, tp: int) -> None:
                          f"tp must be one of {divisors(value)}")
 
 
+def check_vocab(cfg: ModelConfig, tp: int) -> None:
+    """Raise ValueError naming model.vocab_size, model.vocab_multiple and parallel.tp unless tp divides the padded vocab
+    (cfg.padded_vocab_size: each TP rank holds an equal block of the embedding's and the head's rows)."""
+    padded = cfg.padded_vocab_size
+    if padded % tp:
+        rows = (f" (padded to {padded} rows by model.vocab_multiple = {cfg.vocab_multiple})"
+                if padded != cfg.vocab_size else "")
+        raise ValueError(f"model.vocab_size = {cfg.vocab_size}{rows} is not divisible by parallel.tp = {tp}; "
+                         f"tp must be one of {divisors(padded)}, or set model.vocab_multiple to a multiple of {tp}")
+
+
 def check_kv_heads(num_kv_heads: int, tp: int) -> None:
     """KV heads are split when tp divides them, replicated when they divide tp; anything else is refused."""
     if num_kv_heads % tp and tp % num_kv_heads:
@@ -158,7 +169,8 @@ def check_tp_group(tp_group: Group, tp: int) -> None:
 def check_tp_shapes(cfg: ModelConfig, seq_len: int | None, tp: int, sequence_parallel: bool, cp: int = 1) -> None:
     """Raise ValueError naming the field and the allowed values unless cfg (and seq_len) split over tp ranks.
 
-    Needs tp | num_heads (GQA or MLA heads), tp | vocab_size, tp | dense_ffn_size (dense layers), tp | the shared
+    Needs tp | num_heads (GQA or MLA heads), tp | the padded vocab (check_vocab), tp | dense_ffn_size (dense layers),
+    tp | the shared
     experts' width (MoE layers with shared experts), GQA's num_kv_heads and tp dividing one another, and
     tp | seq_len / cp with SP or with MoE layers (each TP rank holds or routes S / (cp tp) tokens of its CP shard
     of S / cp; cp must already divide seq_len).
@@ -169,7 +181,7 @@ def check_tp_shapes(cfg: ModelConfig, seq_len: int | None, tp: int, sequence_par
     check_divisible("model.num_heads", cfg.num_heads, tp)
     if cfg.attention == "gqa":
         check_kv_heads(cfg.num_kv_heads, tp)
-    check_divisible("model.vocab_size", cfg.vocab_size, tp)
+    check_vocab(cfg, tp)
     if cfg.first_k_dense:
         check_divisible("model.dense_ffn_size", cfg.dense_ffn_size, tp)
     if cfg.num_moe_layers and cfg.num_shared_experts:

@@ -40,7 +40,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, embed: nn.Embedding, region: TPRegion) -> None:
         super().__init__()
-        check_divisible("model.vocab_size", embed.num_embeddings, region.size)
+        check_divisible("the padded vocab (model.vocab_size, model.vocab_multiple)", embed.num_embeddings, region.size)
         rows = vocab_rows(embed.num_embeddings, region.size)
         self.vocab_start, self.num_local = int(rows[region.rank][0]), rows[region.rank].numel()
         self.weight = embed.weight
@@ -68,7 +68,7 @@ def parallelize_head(lm_head: nn.Linear, tp_group: Group) -> nn.Linear:
     every rank) and pass its logits shard [..., vocab/tp] to vocab_parallel_cross_entropy.
     """
     size, rank = torch.distributed.get_world_size(tp_group), torch.distributed.get_rank(tp_group)
-    check_divisible("model.vocab_size", lm_head.out_features, size)
+    check_divisible("the padded vocab (model.vocab_size, model.vocab_multiple)", lm_head.out_features, size)
     shard_param(lm_head, "weight", vocab_rows(lm_head.out_features, size), rank)
     lm_head.out_features //= size
     return lm_head

@@ -47,9 +47,12 @@ BATCHED = {"cp2 tp2 ep4 sp": {"cp": 2, "tp": 2, "ep": 4, "sequence_parallel": Tr
 ROUTING = {"dropless": None, "capacity 1.0": 1.0}
 ATTENTION = {"gqa": {}, "mla": {"attention": "mla", "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
                                 "qk_rope_head_dim": 4, "v_head_dim": 8}}
-SPAWNS = {2: [(name, "mla") for name in ("pp2 dualpipev", "pp2 1f1b", "tp2 sp", "cp2 ring")],  # by world size
-          4: [(name, "mla") for name in ("dp2 tp2 ep2", "pp2 tp2 dualpipev sp", "pp2 dp2 ep2 dualpipev, EP across nodes")]
-          + [("cp2 tp2 ep4 sp", "gqa"), ("cp2 tp2 ep4 sp", "mla")]}
+# By world size: (layout, attention, data.document_mask on a corpus of short documents)
+SPAWNS = {2: [(name, "mla", False) for name in ("pp2 dualpipev", "pp2 1f1b", "tp2 sp", "cp2 ring")]
+          + [("pp2 dualpipev", "gqa", True), ("tp2 sp", "gqa", True)],
+          4: [(name, "mla", False) for name in ("dp2 tp2 ep2", "pp2 tp2 dualpipev sp",
+                                                "pp2 dp2 ep2 dualpipev, EP across nodes")]
+          + [("cp2 tp2 ep4 sp", "gqa", False), ("cp2 tp2 ep4 sp", "mla", False), ("pp2 tp2 dualpipev sp", "mla", True)]}
 MTP_LAYOUTS = {"pp2 1f1b": LAYOUTS["pp2 1f1b"], "pp2 dp2 ep2 dualpipev": {"pp": 2, "dp": 2, "ep": 2, "schedule": "dualpipev"},
                "dp2 tp2 sp": {"dp": 2, "tp": 2, "sequence_parallel": True}}
 MTP_SPAWNS = {2: ["pp2 1f1b"], 4: ["pp2 dp2 ep2 dualpipev", "dp2 tp2 sp"]}  # MLA + MTP depth 1, dropless
@@ -62,9 +65,10 @@ def routings(parallel: dict) -> dict[str, float | None]:
 
 
 def raw_config(run_dir: str, corpus: str, parallel: dict, capacity_factor: float | None,
-               attention: str = "gqa", mtp_depth: int = 0) -> dict:
+               attention: str = "gqa", mtp_depth: int = 0, document_mask: bool = False) -> dict:
     """A 4-layer (1 dense + 3 MoE) float64 model with GQA or MLA attention and mtp_depth MTP depths, 8 micro-batches
-    of 2 x 16 tokens per step."""
+    of 2 x 16 tokens per step; with document_mask also a padded vocab (300 ids in 320 rows: under tp2 the second
+    rank's block holds the 20 padded ids)."""
     model = {"vocab_size": 256, "hidden_size": 32, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
              "max_seq_len": 16, "first_k_dense": 1, "dense_ffn_size": 48, "num_experts": 8,
              "expert_ffn_size": 16, "top_k": 2, "num_shared_experts": 1, "score_func": "sigmoid",
@@ -72,10 +76,13 @@ def raw_config(run_dir: str, corpus: str, parallel: dict, capacity_factor: float
              "bias_update_rate": 0.01, "drop_policy": "probs", "mtp_depth": mtp_depth, **ATTENTION[attention]}
     if capacity_factor is not None:
         model["capacity_factor"] = capacity_factor
+    if document_mask:
+        model.update(vocab_size=300, vocab_multiple=64)
     settings = {"steps": STEPS, "micro_batch_size": 2, "grad_accum_steps": 8, "seq_len": 16, "lr": 0.01,
                 "warmup_steps": 1, "dtype": "float64", "eval_batches": 0, "run_dir": run_dir,
                 "rank_metrics_every": 2}
-    return {"model": model, "train": settings, "data": {"corpus": corpus, "max_bytes": 40_000},
+    return {"model": model, "train": settings,
+            "data": {"corpus": corpus, "max_bytes": 40_000, "document_mask": document_mask},
             "parallel": parallel}
 
 
@@ -118,18 +125,35 @@ def corpus(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(corpus, tmp_path_factory):
-    """(routing name, attention, MTP depth) -> (records, consolidated params) of the single process, each trained on
-    first use."""
+def documents(tmp_path_factory) -> str:
+    """A corpus folder of 600 documents of 4 to 16 bytes: each file one document, so every row of 17 tokens holds
+    an EOS (data.document_mask has boundaries to keep)."""
+    folder = tmp_path_factory.mktemp("documents")
+    for i in range(600):
+        (folder / f"{i:04d}.txt").write_text(f"x{i}=" + "ab"[i % 2] * (i % 11) + "\n")
+    return str(folder)
+
+
+def corpus_of(document_mask: bool, corpus: str, documents: str) -> str:
+    """The equivalence runs' corpus: the short documents with document masking, else the one long text."""
+    return documents if document_mask else corpus
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, documents, tmp_path_factory):
+    """(routing name, attention, MTP depth, document mask) -> (records, consolidated params) of the single process,
+    each trained on first use."""
     out = {}
 
-    def run(name: str, attention: str = "gqa", mtp_depth: int = 0) -> tuple[list[dict], dict]:
-        if (name, attention, mtp_depth) not in out:
+    def run(name: str, attention: str = "gqa", mtp_depth: int = 0, document_mask: bool = False
+            ) -> tuple[list[dict], dict]:
+        key = (name, attention, mtp_depth, document_mask)
+        if key not in out:
             run_dir = tmp_path_factory.mktemp("ref")
-            raw = raw_config(str(run_dir), corpus, {}, ROUTING[name], attention, mtp_depth)
-            out[name, attention, mtp_depth] = (train(build_config(raw), progress=False),
-                                               consolidate(run_dir / "checkpoint"))
-        return out[name, attention, mtp_depth]
+            raw = raw_config(str(run_dir), corpus_of(document_mask, corpus, documents), {}, ROUTING[name], attention,
+                             mtp_depth, document_mask)
+            out[key] = (train(build_config(raw), progress=False), consolidate(run_dir / "checkpoint"))
+        return out[key]
     return run
 
 
@@ -146,19 +170,22 @@ def test_layout_equals_single_process(layout, corpus, reference, tmp_path):
 
 
 @pytest.mark.parametrize("world", list(SPAWNS))
-def test_batched_layouts_equal_single_process(world, corpus, reference, tmp_path):
+def test_batched_layouts_equal_single_process(world, corpus, documents, reference, tmp_path):
     """The layouts of one world size with their attention, trained dropless in one spawn: MLA (query latent, joint
     KV latent, TP-split heads with replicated down-projections) in pipeline, TP and CP layouts, and CP x TP
     (heads split over TP, each CP shard's sequence over SP, routers summing over cp x tp, EP over both) with
-    GQA and MLA."""
+    GQA and MLA; document masking with a padded vocab under DualPipeV (rank 1 holds only middle stages: document ids
+    reach it as the runtime's context), TP + SP (the padded ids in one rank's vocab block), and both."""
     runs = SPAWNS[world]
     layouts = LAYOUTS | BATCHED
-    raws = [raw_config(str(tmp_path / f"{attention} {name}".replace(" ", "_")), corpus, layouts[name], None, attention)
-            for name, attention in runs]
+    raws = [raw_config(str(tmp_path / f"{attention} {name} {masked}".replace(" ", "_")),
+                       corpus_of(masked, corpus, documents), layouts[name], None, attention, 0, masked)
+            for name, attention, masked in runs]
     assert {build_config(raw).parallel.world_size for raw in raws} == {world}
     results = run_processes(_train_both, world, raws, timeout_s=600)[0]
-    for (name, attention), raw, records in zip(runs, raws, results):
-        check_equal_runs(records, raw, reference("dropless", attention), layouts[name], f"{attention} {name}")
+    for (name, attention, masked), raw, records in zip(runs, raws, results):
+        check_equal_runs(records, raw, reference("dropless", attention, 0, masked), layouts[name],
+                         f"{attention} {name} document_mask={masked}")
 
 
 def _train_with_embedding(rank: int, world: int, raws: list[dict]) -> list[tuple[list[dict], torch.Tensor | None]]:

@@ -85,6 +85,14 @@ def test_mtp_rehearses_on_meta(layout):
     assert result.peak["activations"] > 0
 
 
+@pytest.mark.parametrize("layout", [["parallel.pp=1", "parallel.schedule='none'"], []])
+def test_document_mask_and_padded_vocab_rehearse_on_meta(layout):
+    """Document ids (every stage of the tiny config's DualPipeV gets them) and a padded vocab (512 ids in 600 rows)
+    run on the meta device: nothing is created off it."""
+    result = rehearse(load_config(TINY, ["data.document_mask=true", "model.vocab_multiple=100", *layout]))
+    assert result.peak["activations"] > 0
+
+
 def test_moe_train_rehearse_prints_memory_beside_the_plan_and_refuses_a_bad_rank(capsys):
     assert main(["--config", str(TINY), "--rehearse", "--rank", "1"]) == 0
     out = capsys.readouterr().out

@@ -25,6 +25,13 @@ class MLPStage(nn.Module):
         return both[..., : y.shape[-1]], both[..., y.shape[-1]:]
 
 
+class ContextStage(MLPStage):
+    """An MLP stage that also takes a per-row context [B, 1] (not sent between stages) and scales its input by it."""
+
+    def forward(self, x: Tensor, skip: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:  # noqa: D102
+        return super().forward(x * scale, skip)
+
+
 class MoEStage(nn.Module):
     """Residual MoE layer (dropless, no aux loss; experts in `precision`) followed by an MLP stage."""
 

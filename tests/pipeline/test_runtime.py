@@ -8,8 +8,9 @@ import torch
 from dispatch.multiproc import run_processes
 from kernels.backend import BACKEND_ENV
 from tests.pipeline.models import calc_diff
-from tests.pipeline.workers import (bad_inputs, bw_split, ep_overlap, mixed_messages, p2p_both_ways, p2p_fixed,
-                                    p2p_messages, sent_messages)
+from tests.pipeline.models import criterion, make_data
+from tests.pipeline.workers import (BATCH, HIDDEN, bad_inputs, bw_split, context_stages, ep_overlap, mixed_messages,
+                                    p2p_both_ways, p2p_fixed, p2p_messages, sent_messages, with_context)
 
 
 @pytest.mark.timeout(200)
@@ -107,3 +108,27 @@ def test_p2p_messages_cross_both_ways_on_two_streams_intact_and_in_order() -> No
         for got, want in zip(received, sent):
             assert [t.dtype for t, _ in got] == [w.dtype for w in want]
             assert all(torch.equal(t, w) for (t, _), w in zip(got, want))
+
+
+@pytest.mark.timeout(120)
+def test_context_reaches_every_stage_with_its_chunk() -> None:
+    """step(context=): each stage of DualPipeV (rank 1 holds only middle stages) gets its chunk's rows of the context;
+    losses and grads as one process running the stages in order on each chunk."""
+    chunks = 4
+    results = run_processes(with_context, 2, chunks, timeout_s=60)
+    stages = context_stages(4)
+    data = make_data(BATCH, HIDDEN, torch.float64)
+    scale = torch.arange(1, BATCH + 1, dtype=torch.float64).unsqueeze(1) / BATCH
+    losses = []
+    for x, skip, label, rows in zip(*(t.chunk(chunks) for t in (*data, scale))):
+        h = (x, skip)
+        for stage in stages:
+            h = stage(*h, rows)
+        loss = criterion(*h, label)
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(results[0]["loss"], torch.stack(losses), rtol=1e-12, atol=0)
+    for res in results:
+        for index, grads in zip(res["held"], res["grads"]):
+            for got, want in zip(grads, stages[index].parameters()):
+                assert calc_diff(got, want.grad) < 1e-12

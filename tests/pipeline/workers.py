@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline import DualPipe, DualPipeV
-from tests.pipeline.models import criterion, make_data, make_stages
+from tests.pipeline.models import ContextStage, criterion, make_data, make_stages
 
 HIDDEN, BATCH = 16, 32
 
@@ -221,3 +221,22 @@ def p2p_fixed(rank: int, world: int, count: int = 12) -> dict:
     except ValueError as e:
         error = str(e)
     return {"got": got, "sizes": sizes, "error": error}
+
+
+def context_stages(num_stages: int) -> list[ContextStage]:
+    """float64 ContextStages of one seed."""
+    torch.manual_seed(0)
+    return [ContextStage(HIDDEN).double() for _ in range(num_stages)]
+
+
+def with_context(rank: int, world: int, num_chunks: int) -> dict:
+    """DualPipeV over context_stages, every stage given each chunk's rows of a context tensor (step(context=)):
+    losses (rank 0) and the grads of the held stages."""
+    held = placement("dualpipev", rank, world)
+    stages = context_stages(2 * world)
+    pipe = DualPipeV((stages[held[0]], stages[held[1]]))
+    data = make_data(BATCH, HIDDEN, torch.float64)
+    scale = torch.arange(1, BATCH + 1, dtype=torch.float64).unsqueeze(1) / BATCH
+    inputs, labels = rank_inputs("dualpipev", rank, world, data)
+    loss, _ = pipe.step(*inputs, num_chunks=num_chunks, criterion=criterion, labels=labels, context=(scale,))
+    return {"held": held, "loss": loss, "grads": [[p.grad for p in m.parameters()] for m in pipe.module]}
