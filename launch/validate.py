@@ -18,6 +18,7 @@ from pathlib import Path
 from launch.config import RunConfig, load_config
 from launch.data import corpus_files
 from launch.shards import Prepared
+from launch.hf.load import check_init_from
 from launch.tokenizer import load_tokenizer
 from launch.device import check_device
 
@@ -97,9 +98,15 @@ def _check_machine(cfg: RunConfig) -> None:
     check_device(cfg.train.device, cfg.parallel.comm_backend, cfg.model.expert_precision)
 
 
+def _check_init_from(cfg: RunConfig) -> None:
+    """model.init_from, when set, is a Hugging Face DeepSeek-V3 folder of this very model (launch.hf.load)."""
+    if cfg.model.init_from:
+        check_init_from(cfg.model)
+
+
 def check_run(cfg: RunConfig) -> None:
     """Raise ValueError naming the field unless the whole run can start (no process is spawned)."""
-    for check in (_check_finite, _check_optimizer, _check_machine, _check_data, _check_run_dir):
+    for check in (_check_finite, _check_optimizer, _check_machine, _check_data, _check_run_dir, _check_init_from):
         check(cfg)
 
 
