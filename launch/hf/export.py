@@ -38,11 +38,16 @@ def read_tensor(reader: Reader, key: str) -> Tensor:
     return out[f"model/{key}"]
 
 
-def saved_config(reader: Reader) -> dict:
-    """The run config (dataclasses.asdict of launch.config.RunConfig) a checkpoint was saved with."""
-    out: dict[str, object] = {"meta/config": {}}
-    dcp.load(out, storage_reader=reader, no_dist=True)
-    return out["meta/config"]
+def saved_config(reader: Reader) -> dict[str, dict]:
+    """The run config (dataclasses.asdict of launch.config.RunConfig, by section) a checkpoint was saved with."""
+    prefix = "meta/config."
+    out: dict[str, object] = {k: None for k in reader.read_metadata().state_dict_metadata if k.startswith(prefix)}
+    dcp.load(out, storage_reader=reader, no_dist=True)  # DCP flattened the nested dict: one entry per field
+    config: dict[str, dict] = {}
+    for key, value in out.items():
+        section, _, field = key.removeprefix(prefix).partition(".")
+        config.setdefault(section, {})[field] = value
+    return config
 
 
 def model_keys(cfg: ModelConfig) -> list[str]:
