@@ -30,7 +30,7 @@ def corpus(tmp_path_factory):
 def _raw(run_dir, corpus: str, init_from: str, parallel: dict | None = None, steps: int = 1) -> dict:
     raw = raw_config(str(run_dir), corpus, parallel or {}, None, "mla", mtp_depth=1)
     raw["model"].update(MODEL, init_from=init_from)
-    raw["train"].update(steps=steps, checkpoint_every=steps)
+    raw["train"].update(steps=steps, checkpoint_every=steps, grad_accum_steps=4)  # DualPipeV pp2: 4 chunks or more
     return raw
 
 
