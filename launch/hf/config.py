@@ -50,8 +50,9 @@ def _refuse_export(cfg: ModelConfig) -> None:
                          f"at 1e-6 (allowed: 1e-6)")
 
 
-def hub_config(cfg: ModelConfig, dtype: str) -> dict:
-    """config.json of a DeepseekV3ForCausalLM with cfg's shape, weights stored in dtype (e.g. 'float32')."""
+def hub_config(cfg: ModelConfig, dtype: str, eos_id: int | None = None) -> dict:
+    """config.json of a DeepseekV3ForCausalLM with cfg's shape, weights stored in dtype (e.g. 'float32'), the
+    tokenizer's end-of-document id eos_id (None: unknown); the data path adds no BOS token."""
     _refuse_export(cfg)
     out: dict = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
     out.update({hub: getattr(cfg, ours) for hub, ours in SHARED.items()})
@@ -59,7 +60,8 @@ def hub_config(cfg: ModelConfig, dtype: str) -> dict:
     out.update(q_lora_rank=cfg.q_lora_rank or None, num_key_value_heads=cfg.num_heads,
                max_position_embeddings=cfg.max_seq_len, initializer_range=cfg.init_std,
                rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, rope_scaling=None,
-               num_nextn_predict_layers=cfg.mtp_depth, dtype=dtype, torch_dtype=dtype, use_cache=True)
+               num_nextn_predict_layers=cfg.mtp_depth, dtype=dtype, torch_dtype=dtype, use_cache=True,
+               bos_token_id=None, eos_token_id=eos_id)
     return out
 
 

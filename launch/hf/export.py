@@ -22,6 +22,7 @@ from torch import Tensor
 from launch.dcp_chunks import Reader
 from launch.hf.config import hub_config
 from launch.hf.names import Part, export_parts
+from launch.tokenizer import load_tokenizer
 from moe.config import ModelConfig
 from moe.model import MoETransformer
 
@@ -117,6 +118,14 @@ class ShardWriter:
         return {"metadata": {"total_size": self.total}, "weight_map": weight_map}
 
 
+def eos_id(spec: str) -> int | None:
+    """The end-of-document id of data.tokenizer, None when it no longer loads."""
+    try:
+        return load_tokenizer(spec).eos_id
+    except ValueError:
+        return None
+
+
 def copy_tokenizer(spec: str, folder: Path) -> list[str]:
     """Copy data.tokenizer's files (a tokenizer.json, or a model folder's tokenizer files) into folder; their names."""
     if spec == "bytes":
@@ -142,7 +151,7 @@ def export_hub(folder: Path, out: str | Path, max_shard_bytes: int = MAX_SHARD_B
     cfg = ModelConfig(**config["model"])
     keys = model_keys(cfg)
     dtype = reader.read_metadata().state_dict_metadata[f"model/{keys[0]}"].properties.dtype
-    hub = hub_config(cfg, str(dtype).removeprefix("torch."))
+    hub = hub_config(cfg, str(dtype).removeprefix("torch."), eos_id(config["data"]["tokenizer"]))
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

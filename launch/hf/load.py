@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from launch.hf.config import check_hub_config
 from launch.hf.export import INDEX, model_keys
-from launch.hf.names import Part, hub_parts
+from launch.hf.names import Part, hub_names, hub_parts
 from launch.keys import placement
 from moe.config import ModelConfig
 from moe.init import initial_value
@@ -48,10 +48,9 @@ def check_init_from(cfg: ModelConfig) -> None:
     for key in model_keys(cfg):
         if key.startswith("mtp."):
             continue
-        for part in hub_parts(cfg, key, 1):
-            if part.name not in held:
-                raise ValueError(f"model.init_from = {cfg.init_from!r} lacks tensor {part.name!r} (model tensor "
-                                 f"{key!r})")
+        for name in hub_names(cfg, key):
+            if name not in held:
+                raise ValueError(f"model.init_from = {cfg.init_from!r} lacks tensor {name!r} (model tensor {key!r})")
 
 
 def _read_into(view: Tensor, offsets: tuple[int, ...], parts: list[Part], files: dict[str, str],

@@ -99,6 +99,11 @@ def _hub_parts(cfg: ModelConfig, key: str, rows: int) -> list[Part]:
     raise KeyError(key)
 
 
+def hub_names(cfg: ModelConfig, key: str) -> list[str]:
+    """The Hub tensors our key is read from."""
+    return [part.name for part in hub_parts(cfg, key, 0)]
+
+
 def export_parts(cfg: ModelConfig, key: str, rows: int) -> list[Part]:
     """hub_parts plus the copies V3's checkpoint keeps in each MTP layer (its embedding and output head)."""
     copies = {"embed.weight": "embed_tokens.weight", "lm_head.weight": "shared_head.head.weight"}

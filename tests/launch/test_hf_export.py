@@ -13,9 +13,11 @@ from safetensors import safe_open
 import launch.hf.export as hf_export
 from launch.checkpoint import checkpoint_folder, consolidate
 from launch.config import build_config
+from launch.hf.config import hub_config
 from launch.hf.export import INDEX, copy_tokenizer, export_hub
 from launch.train import train
 from launch.train_cli import main
+from moe.config import ModelConfig
 from tests.launch.hf_helpers import MODEL, ours_from_hub
 from tests.launch.test_equivalence import raw_config
 
@@ -53,7 +55,8 @@ def test_cli_writes_the_hub_layout(run, tmp_path, capsys):
             "first_k_dense_replace": 1, "norm_topk_prob": True, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
             "q_lora_rank": 24, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "v_head_dim": 8,
             "rms_norm_eps": 1e-6, "vocab_size": 256, "max_position_embeddings": 16, "num_nextn_predict_layers": 1,
-            "tie_word_embeddings": False, "num_hidden_layers": 4, "hidden_act": "silu"}
+            "tie_word_embeddings": False, "num_hidden_layers": 4, "hidden_act": "silu", "eos_token_id": 0,
+            "bos_token_id": None}
     assert {k: hub[k] for k in want} == want
     index = json.loads((out / INDEX).read_text())
     files = sorted(set(index["weight_map"].values()))
@@ -152,6 +155,19 @@ def test_tokenizer_files_are_copied(tmp_path):
     assert copy_tokenizer(str(folder / "tokenizer.json"), single) == ["tokenizer.json"]
     assert (single / "tokenizer.json").read_text() == '{"model": 1}'
     assert copy_tokenizer("bytes", single) == []
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"attention": "gqa", "q_lora_rank": 0, "kv_lora_rank": 0, "qk_nope_head_dim": 0, "qk_rope_head_dim": 0,
+      "v_head_dim": 0}, "model.attention = 'gqa'"),
+    ({"score_func": "softmax"}, "model.score_func = 'softmax' is not DeepSeek-V3's router (allowed: 'sigmoid')"),
+    ({"capacity_factor": 1.25}, "model.capacity_factor = 1.25: DeepSeek-V3 routes dropless"),
+    ({"norm_eps": 1e-5}, "model.norm_eps = 1e-05: transformers' DeepSeek-V3 fixes its latent norms' eps"),
+])
+def test_models_v3_cannot_describe_are_refused(change, message):
+    with pytest.raises(ValueError) as error:
+        hub_config(ModelConfig(**{**MODEL, **change}), "float32")
+    assert message in str(error.value)
 
 
 def test_gqa_model_is_refused_before_writing(tmp_path, capsys):
