@@ -14,6 +14,7 @@ from launch.checkpoint import checkpoint_folder, consolidate
 from launch.config import build_config
 from launch.hf.config import hub_config
 from launch.hf.export import export_hub
+from launch.materialize import fill_initial
 from launch.train import train
 from moe.config import ModelConfig
 from moe.model import MoETransformer
@@ -104,3 +105,16 @@ def test_transformers_weights_start_our_model_with_its_logits(saved, dtype, monk
     theirs = load_hub(folders[dtype], dtype)
     ours = ours_from_hub(cfg, folders[dtype], dtype)
     _check_parity(ours, theirs, tokens(cfg, seed=1), dtype)
+
+
+def test_mtp_depths_the_folder_lacks_start_from_the_seeded_values(saved):
+    """save_pretrained writes no MTP weights: a run with MTP depth 1 reads the rest and draws those (moe.init)."""
+    cfg, folders = saved
+    with_mtp = ModelConfig(**{**cfg.__dict__, "mtp_depth": 1})
+    got = ours_from_hub(with_mtp, folders[torch.float64], torch.float64).state_dict()
+    seeded = MoETransformer(with_mtp).double()
+    fill_initial(seeded, with_mtp, seed=0)
+    plain = ours_from_hub(cfg, folders[torch.float64], torch.float64).state_dict()
+    assert any(key.startswith("mtp.0.block.ffn.experts") for key in got)
+    for key, value in seeded.state_dict().items():
+        assert torch.equal(got[key], value if key.startswith("mtp.") else plain[key]), key
