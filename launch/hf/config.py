@@ -22,7 +22,7 @@ SHARED = {
     "kv_lora_rank": "kv_lora_rank", "qk_rope_head_dim": "qk_rope_head_dim", "qk_nope_head_dim": "qk_nope_head_dim",
     "v_head_dim": "v_head_dim", "rope_theta": "rope_theta", "rms_norm_eps": "norm_eps",
 }
-# config.json field -> (the only value we can honour, why); a field absent from config.json takes transformers' default
+# config.json field -> (the only value we can honour, why); each is transformers' default where config.json omits it
 FIXED = {
     "model_type": ("deepseek_v3", "the folder must hold a DeepSeek-V3 model"),
     "hidden_act": ("silu", "the experts and MLPs are SwiGLU"),
@@ -65,13 +65,6 @@ def hub_config(cfg: ModelConfig, dtype: str, eos_id: int | None = None) -> dict:
     return out
 
 
-def _default(field: str) -> object:
-    """transformers' DeepseekV3Config default of a field config.json leaves out."""
-    from transformers import DeepseekV3Config
-
-    return getattr(DeepseekV3Config, field, None)
-
-
 def _rope_type(hub: dict) -> object:
     """The RoPE scaling a config.json asks for (rope_scaling, or 5.x's rope_parameters): None or 'default' is plain."""
     for field in ("rope_scaling", "rope_parameters"):
@@ -85,7 +78,7 @@ def check_hub_config(cfg: ModelConfig, hub: dict, where: str) -> None:
     """Raise ValueError naming the field unless cfg's model is the one config.json `hub` (of folder `where`) describes
     and the model computes it as transformers' DeepseekV3ForCausalLM does."""
     for field, (value, why) in FIXED.items():
-        got = hub.get(field, value if field in ("scoring_func", "topk_method", "model_type") else _default(field))
+        got = hub.get(field) if field == "model_type" else hub.get(field, value)
         if got != value:
             raise ValueError(f"{where}/config.json: {field} = {got!r} is not supported ({why}; allowed: {value!r})")
     scaled = _rope_type(hub)
@@ -103,7 +96,7 @@ def check_hub_config(cfg: ModelConfig, hub: dict, where: str) -> None:
         raise ValueError(f"model.score_func = {cfg.score_func!r}: a DeepSeek-V3 router scores with sigmoids "
                          f"(allowed: 'sigmoid')")
     for field, ours in SHARED.items():
-        theirs = _hub_value(hub, field)
+        theirs = _hub_value(hub, field, where)
         mine = getattr(cfg, ours)
         if field == "q_lora_rank":
             theirs = theirs or 0
@@ -112,10 +105,11 @@ def check_hub_config(cfg: ModelConfig, hub: dict, where: str) -> None:
                              f"(model.init_from needs the same model)")
 
 
-def _hub_value(hub: dict, field: str) -> object:
-    """A config.json field's value, rope_theta also from 5.x's rope_parameters, else transformers' default."""
-    if field in hub:
-        return hub[field]
-    if field == "rope_theta" and isinstance(hub.get("rope_parameters"), dict):
+def _hub_value(hub: dict, field: str, where: str) -> object:
+    """A config.json field's value (rope_theta also from 5.x's rope_parameters); a shape field must be there."""
+    if field == "rope_theta" and field not in hub and isinstance(hub.get("rope_parameters"), dict):
         return hub["rope_parameters"].get("rope_theta")
-    return _default(field)
+    if field not in hub:
+        raise ValueError(f"{where}/config.json has no {field} (model.init_from needs every shape field: "
+                         f"{', '.join(SHARED)})")
+    return hub[field]

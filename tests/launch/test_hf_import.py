@@ -93,6 +93,17 @@ def test_missing_folder_and_missing_tensor_are_refused(corpus, tmp_path):
         check_run(build_config(_raw(tmp_path / "run", corpus, folder)))
 
 
+@pytest.mark.parametrize("field", ["n_group", "model_type"])
+def test_config_without_a_needed_field_is_refused(field, corpus, tmp_path):
+    folder = _folder(tmp_path)
+    hub = json.loads((tmp_path / "hf" / "config.json").read_text())
+    del hub[field]
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(hub))
+    message = "config.json has no n_group" if field == "n_group" else "model_type = None is not supported"
+    with pytest.raises(ValueError, match=message):
+        check_run(build_config(_raw(tmp_path / "run", corpus, folder)))
+
+
 def test_gqa_model_cannot_start_from_a_v3_folder(corpus, tmp_path):
     raw = raw_config(str(tmp_path / "run"), corpus, {}, None, "gqa")
     raw["model"].update(score_func="sigmoid", init_from=_folder(tmp_path))
