@@ -64,7 +64,7 @@ def model_keys(cfg: ModelConfig) -> list[str]:
 def hub_tensors(cfg: ModelConfig, key: str, tensor: Tensor) -> list[tuple[str, Tensor]]:
     """The Hub tensors our key's tensor makes (views where a Part is a row block, copies where it repeats)."""
     by_name: dict[str, list[Part]] = {}
-    for part in export_parts(cfg, key, tensor.shape[0] if tensor.dim() else 1):
+    for part in export_parts(cfg, key, tensor.shape[0]):
         by_name.setdefault(part.name, []).append(part)
     out, used = [], False
     for name, parts in by_name.items():

@@ -6,6 +6,8 @@ gate_up is the Hub's gate_proj then up_proj rows; MTP's eh_proj takes [hnorm(h),
 [enorm(emb), hnorm(h)] in V3's released weights (as vLLM's DeepSeek MTP reads them), so its column halves swap.
 MTP depth d (mtp.{d-1}) is Hub layer num_layers + d - 1; V3 stores the shared embedding and head there too
 (embed_tokens, shared_head.head), which export writes as extra copies and import does not read.
+No rows are permuted for RoPE: both sides rotate interleaved pairs of the rope dims (config.json rope_interleave
+true); transformers' V3 leaves the rotated dims of queries and keys alike de-interleaved, which keeps every score.
 """
 
 from __future__ import annotations
