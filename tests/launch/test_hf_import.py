@@ -125,7 +125,9 @@ def test_layouts_start_from_the_folder_as_one_process(corpus, tmp_path):
     source = build_config(_raw(tmp_path / "source", corpus, ""))
     train(source, progress=False)
     folder = str(export_hub(checkpoint_folder(tmp_path / "source" / "checkpoint"), tmp_path / "hf", 50_000))
-    want = train(build_config(_raw(tmp_path / "one", corpus, folder, steps=2)), progress=False)
+    one = build_config(_raw(tmp_path / "one", corpus, folder, steps=2))
+    check_run(one)  # the folder is accepted before spawning
+    want = train(one, progress=False)
     seeded = train(build_config(_raw(tmp_path / "seeded", corpus, "", steps=1)), progress=False)
     assert abs(seeded[0]["loss"] - want[0]["loss"]) > 1e-3
     raws = [_raw(tmp_path / name.replace(" ", "_"), corpus, folder, parallel, steps=2)
