@@ -52,7 +52,9 @@ def materialize(stages: list[nn.Module], cfg: ModelConfig, seed: int, device: to
     on meta: storage-free, no values."""
     for stage in stages:
         move_empty(stage, device)
-        if device.type != "meta" and cfg.init_from:
+        if device.type == "meta":
+            continue
+        if cfg.init_from:
             fill_from_hub(stage, cfg, seed)
-        elif device.type != "meta":
+        else:
             fill_initial(stage, cfg, seed)

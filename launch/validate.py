@@ -4,7 +4,7 @@ build_config already refuses unknown sections and keys, wrong types, out-of-rang
 inconsistent layouts; check_run adds what needs the whole config or the machine: finite numbers,
 optimizer ranges, the tokenizer (its vocabulary within model.vocab_size), the data (the corpus readable and
 large enough for one micro-batch; prepared sources complete, of the configured tokenizer, every shard's CRC-32
-intact) and a writable run directory.
+intact), a writable run directory and model.init_from (a Hugging Face folder of this model: launch.hf.load).
 Every error names the field and what is allowed.
 """
 

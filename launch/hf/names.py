@@ -95,7 +95,8 @@ def _hub_parts(cfg: ModelConfig, key: str, rows: int) -> list[Part]:
         return [Part(prefix + MTP_OWN[local])]
     if local == "eh_proj.weight":
         hidden = cfg.hidden_size
-        return [Part(prefix + "eh_proj.weight", 1, 0, hidden, hidden), Part(prefix + "eh_proj.weight", 1, hidden, hidden, 0)]
+        name = prefix + "eh_proj.weight"
+        return [Part(name, 1, 0, hidden, hidden), Part(name, 1, hidden, hidden, 0)]
     if local.startswith("block."):
         return _block_parts(prefix, local.removeprefix("block."), rows)
     raise KeyError(key)

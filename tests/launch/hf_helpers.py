@@ -79,8 +79,8 @@ def load_hub(folder: Path, dtype: torch.dtype) -> nn.Module:
     """transformers' DeepseekV3ForCausalLM from folder, eager attention and experts (the reference loops), in dtype."""
     from transformers import DeepseekV3ForCausalLM
 
-    return DeepseekV3ForCausalLM.from_pretrained(str(folder), attn_implementation="eager", experts_implementation="eager",
-                                                 dtype=dtype).eval()
+    return DeepseekV3ForCausalLM.from_pretrained(str(folder), attn_implementation="eager",
+                                                 experts_implementation="eager", dtype=dtype).eval()
 
 
 def ours_from_hub(cfg: ModelConfig, folder: Path, dtype: torch.dtype) -> MoETransformer:

@@ -21,7 +21,7 @@ from moe.config import ModelConfig
 from tests.launch.hf_helpers import MODEL, ours_from_hub
 from tests.launch.test_equivalence import raw_config
 
-SHARD = 70_000  # bytes: above the largest tensor (embedding, 64 KiB); the float64 test model (~0.95 MB) takes 14+ shards
+SHARD = 70_000  # bytes: above the largest tensor (the embedding, 64 KiB); the float64 model (~0.95 MB) takes 14+
 
 
 def _run(tmp, attention: str, **model) -> tuple:
@@ -63,9 +63,10 @@ def test_cli_writes_the_hub_layout(run, tmp_path, capsys):
     assert len(files) > 5 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
     assert sorted(p.name for p in out.iterdir()) == sorted([*files, INDEX, "config.json"])  # no tokenizer: bytes
     names = set(index["weight_map"])
-    for name in ("model.embed_tokens.weight", "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight",
-                 "model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.3.mlp.experts.7.down_proj.weight",
-                 "model.layers.2.mlp.shared_experts.up_proj.weight", "model.layers.1.self_attn.kv_a_proj_with_mqa.weight",
+    for name in ("model.embed_tokens.weight", "model.layers.0.mlp.gate_proj.weight",
+                 "model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.gate.e_score_correction_bias",
+                 "model.layers.3.mlp.experts.7.down_proj.weight", "model.layers.2.mlp.shared_experts.up_proj.weight",
+                 "model.layers.1.self_attn.kv_a_proj_with_mqa.weight",
                  "model.layers.4.eh_proj.weight", "model.layers.4.enorm.weight", "model.layers.4.hnorm.weight",
                  "model.layers.4.shared_head.norm.weight", "model.layers.4.shared_head.head.weight",
                  "model.layers.4.embed_tokens.weight", "model.layers.4.mlp.experts.0.gate_proj.weight",

@@ -111,7 +111,8 @@ def test_gqa_model_cannot_start_from_a_v3_folder(corpus, tmp_path):
         check_run(build_config(raw))
 
 
-LAYOUTS = {"tp2 ep2 sp": {"tp": 2, "ep": 2, "sequence_parallel": True}, "pp2 dualpipev": {"pp": 2, "schedule": "dualpipev"}}
+LAYOUTS = {"tp2 ep2 sp": {"tp": 2, "ep": 2, "sequence_parallel": True},
+           "pp2 dualpipev": {"pp": 2, "schedule": "dualpipev"}}
 
 
 def _train_all(rank: int, world: int, raws: list[dict]) -> list[list[dict]]:
