@@ -298,13 +298,19 @@ class Checkpointer:
         return not bad
 
 
-def consolidate(path: str | Path) -> dict[str, Tensor]:
-    """The single-process MoETransformer state dict of a checkpoint (a step folder, or a run's checkpoint
-    root: its latest valid one), experts stacked back in id order; no process group needed."""
+def checkpoint_folder(path: str | Path) -> Path:
+    """The step folder path names: path itself, or a run's checkpoint root's latest valid one."""
     path = Path(path)
     folder = path if (path / MANIFEST).is_file() else latest_valid(path)
     if folder is None:
         raise ValueError(f"no valid checkpoint under {path}")
+    return folder
+
+
+def consolidate(path: str | Path) -> dict[str, Tensor]:
+    """The single-process MoETransformer state dict of a checkpoint (a step folder, or a run's checkpoint
+    root: its latest valid one), experts stacked back in id order; no process group needed."""
+    folder = checkpoint_folder(path)
     metadata = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
     wanted = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items()
               if k.startswith("model/") and isinstance(m, TensorStorageMetadata)}
@@ -336,15 +342,22 @@ def export(path: str | Path, out: str | Path) -> Path:
 
 
 def export_main(argv: list[str]) -> int:
-    """`moe-train export CHECKPOINT OUT.pt`: CHECKPOINT is a step folder or a run's checkpoint root."""
+    """`moe-train export CHECKPOINT OUT [--format torch|hf]`: CHECKPOINT is a step folder or a run's checkpoint root."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="moe-train export", description=export_main.__doc__)
     parser.add_argument("checkpoint", help="RUN_DIR/checkpoint (its latest valid step) or one stepNNNNNNNN folder")
-    parser.add_argument("out", help="file for the consolidated MoETransformer state dict (torch.save)")
+    parser.add_argument("out", help="torch: file for the consolidated MoETransformer state dict (torch.save); "
+                                    "hf: a new folder for a Hugging Face DeepSeek-V3 model (safetensors shards)")
+    parser.add_argument("--format", choices=("torch", "hf"), default="torch", help="what to write (default torch)")
+    parser.add_argument("--max-shard-bytes", type=int, help="hf: largest safetensors shard (default 5 GiB)")
     args = parser.parse_args(argv)
     try:
-        path = export(args.checkpoint, args.out)
+        if args.format == "hf":
+            from launch.hf.export import MAX_SHARD_BYTES, export_hub
+            path = export_hub(checkpoint_folder(args.checkpoint), args.out, args.max_shard_bytes or MAX_SHARD_BYTES)
+        else:
+            path = export(args.checkpoint, args.out)
     except (ValueError, FileNotFoundError) as error:
         print(f"moe-train export: {error}", file=sys.stderr)
         return 2

@@ -372,6 +372,9 @@ def read_toml(path: str | Path, seen: tuple[Path, ...] = ()) -> dict:
     with path.open("rb") as handle:
         raw = tomllib.load(handle)
     _resolve_data_paths(raw.get("data"), path.parent)
+    model = raw.get("model")
+    if isinstance(model, dict) and isinstance(model.get("init_from"), str) and model["init_from"]:
+        model["init_from"] = str(path.parent / model["init_from"])  # relative to the config file, as data paths
     base = raw.pop("base", None)
     if base is None:
         return raw

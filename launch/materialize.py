@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from launch.hf.load import fill_from_hub
 from launch.keys import placement
 from moe.config import ModelConfig
 from moe.init import initial_value
@@ -47,8 +48,13 @@ def fill_initial(stage: nn.Module, cfg: ModelConfig, seed: int) -> None:
 
 
 def materialize(stages: list[nn.Module], cfg: ModelConfig, seed: int, device: torch.device) -> None:
-    """Move stages built on meta to device with their initial values (on meta: storage-free, no values)."""
+    """Move stages built on meta to device with their initial values, or model.init_from's weights (launch.hf.load);
+    on meta: storage-free, no values."""
     for stage in stages:
         move_empty(stage, device)
-        if device.type != "meta":
+        if device.type == "meta":
+            continue
+        if cfg.init_from:
+            fill_from_hub(stage, cfg, seed)
+        else:
             fill_initial(stage, cfg, seed)

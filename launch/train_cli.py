@@ -26,7 +26,9 @@ def main(argv: list[str] | None = None, trainer: Trainer | None = None) -> int:
     if argv[:1] == ["export"]:
         return export_main(argv[1:])
     parser = argparse.ArgumentParser(prog="moe-train", description=__doc__,
-                                     epilog="moe-train export CHECKPOINT OUT.pt: one consolidated state dict")
+                                     epilog="moe-train export CHECKPOINT OUT.pt: one consolidated state dict; "
+                                            "moe-train export CHECKPOINT OUT --format hf: a Hugging Face DeepSeek-V3 "
+                                            "folder")
     parser.add_argument("--config", required=True, help="TOML run config (see configs/)")
     parser.add_argument("--steps", type=int, help="override train.steps")
     parser.add_argument("--metrics-out", help="JSONL metrics file (default: RUN_DIR/metrics.jsonl)")

@@ -4,7 +4,7 @@ build_config already refuses unknown sections and keys, wrong types, out-of-rang
 inconsistent layouts; check_run adds what needs the whole config or the machine: finite numbers,
 optimizer ranges, the tokenizer (its vocabulary within model.vocab_size), the data (the corpus readable and
 large enough for one micro-batch; prepared sources complete, of the configured tokenizer, every shard's CRC-32
-intact) and a writable run directory.
+intact), a writable run directory and model.init_from (a Hugging Face folder of this model: launch.hf.load).
 Every error names the field and what is allowed.
 """
 
@@ -18,6 +18,7 @@ from pathlib import Path
 from launch.config import RunConfig, load_config
 from launch.data import corpus_files
 from launch.shards import Prepared
+from launch.hf.load import check_init_from
 from launch.tokenizer import load_tokenizer
 from launch.device import check_device
 
@@ -97,9 +98,15 @@ def _check_machine(cfg: RunConfig) -> None:
     check_device(cfg.train.device, cfg.parallel.comm_backend, cfg.model.expert_precision)
 
 
+def _check_init_from(cfg: RunConfig) -> None:
+    """model.init_from, when set, is a Hugging Face DeepSeek-V3 folder of this very model (launch.hf.load)."""
+    if cfg.model.init_from:
+        check_init_from(cfg.model)
+
+
 def check_run(cfg: RunConfig) -> None:
     """Raise ValueError naming the field unless the whole run can start (no process is spawned)."""
-    for check in (_check_finite, _check_optimizer, _check_machine, _check_data, _check_run_dir):
+    for check in (_check_finite, _check_optimizer, _check_machine, _check_data, _check_run_dir, _check_init_from):
         check(cfg)
 
 

@@ -89,6 +89,7 @@ class ModelConfig:
     init_std: float = 0.02
     mtp_depth: int = 0        # multi-token prediction modules (moe.mtp, DeepSeek-V3: 1); 0: off
     mtp_loss_coeff: float = 0.3  # weight of the MTP losses' mean over depths (V3: 0.3, later 0.1)
+    init_from: str = ""  # a Hugging Face DeepSeek-V3 folder whose weights start the run (launch.hf); "": seeded
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
