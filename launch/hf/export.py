@@ -74,7 +74,11 @@ def hub_tensors(cfg: ModelConfig, key: str, tensor: Tensor) -> list[tuple[str, T
             continue
         pieces = sorted(parts, key=lambda p: p.hub_start)
         blocks = [tensor.narrow(p.dim, p.start, p.length) for p in pieces]
-        out.append((name, blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=pieces[0].dim)))
+        if len(blocks) == 1:  # one row block (a padded vocab's first rows): a copy after its first use, as above
+            out.append((name, blocks[0].clone() if used else blocks[0]))
+            used = True
+            continue
+        out.append((name, torch.cat(blocks, dim=pieces[0].dim)))
     return out
 
 

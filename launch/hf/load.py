@@ -82,6 +82,7 @@ def fill_from_hub(stage: nn.Module, cfg: ModelConfig, seed: int) -> None:
             for key, offsets, view in place.boxes(0, tensor.detach().view(-1)):
                 parts = hub_parts(cfg, key, place.full_shape[0])
                 if all(part.name in files for part in parts):
+                    view.zero_()  # rows no Hub tensor holds (a padded vocab's, moe.vocab) start at zero
                     _read_into(view, offsets, parts, files, opened)
                     continue
                 if not key.startswith("mtp."):

@@ -71,6 +71,13 @@ def _block_parts(prefix: str, local: str, rows: int) -> list[Part]:
     return _rows(tuple(prefix + n for n in BLOCK[local]), rows)
 
 
+def _vocab_part(cfg: ModelConfig, key: str, name: str) -> Part:
+    """The whole Hub tensor name, or for the embedding and head of a padded vocab (model.vocab_multiple) their
+    first vocab_size rows: the Hub's tensors hold vocab_size rows (moe.vocab)."""
+    padded = key in ("embed.weight", "lm_head.weight") and cfg.padded_vocab_size != cfg.vocab_size
+    return Part(name, 0, 0, cfg.vocab_size) if padded else Part(name)
+
+
 def hub_parts(cfg: ModelConfig, key: str, rows: int) -> list[Part]:
     """Where our key (a tensor of `rows` rows along dim 0) is stored in the Hub's layout (import reads these)."""
     try:
@@ -83,7 +90,7 @@ def _hub_parts(cfg: ModelConfig, key: str, rows: int) -> list[Part]:
     top = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
            "lm_head.weight": "lm_head.weight"}
     if key in top:
-        return [Part(top[key])]
+        return [_vocab_part(cfg, key, top[key])]
     head, _, rest = key.partition(".")
     index, _, local = rest.partition(".")
     if head == "blocks" and index.isdigit():
@@ -110,6 +117,6 @@ def hub_names(cfg: ModelConfig, key: str) -> list[str]:
 def export_parts(cfg: ModelConfig, key: str, rows: int) -> list[Part]:
     """hub_parts plus the copies V3's checkpoint keeps in each MTP layer (its embedding and output head)."""
     copies = {"embed.weight": "embed_tokens.weight", "lm_head.weight": "shared_head.head.weight"}
-    extra = ([Part(f"model.layers.{cfg.num_layers + d}.{copies[key]}") for d in range(cfg.mtp_depth)]
+    extra = ([_vocab_part(cfg, key, f"model.layers.{cfg.num_layers + d}.{copies[key]}") for d in range(cfg.mtp_depth)]
              if key in copies else [])
     return hub_parts(cfg, key, rows) + extra

@@ -118,3 +118,24 @@ def test_mtp_depths_the_folder_lacks_start_from_the_seeded_values(saved):
     assert any(key.startswith("mtp.0.block.ffn.experts") for key in got)
     for key, value in seeded.state_dict().items():
         assert torch.equal(got[key], value if key.startswith("mtp.") else plain[key]), key
+
+
+def test_a_padded_vocab_reads_and_writes_the_hub_s_vocab_size_rows(saved, monkeypatch):
+    # model.vocab_multiple pads our embedding and head to 320 rows; the Hub's tensors keep the 256 real ones: import
+    # fills those (padded rows zero), our logits equal transformers' on them (padded ids at -inf), and export writes
+    # 256-row tensors transformers loads back
+    from launch.hf.export import hub_tensors
+
+    cfg, folders = saved
+    hub_in_float64(monkeypatch)
+    padded = ModelConfig(**{**cfg.__dict__, "vocab_multiple": 64 + 16})
+    assert padded.padded_vocab_size == 320
+    ours = ours_from_hub(padded, folders[torch.float64], torch.float64)
+    assert ours.embed.weight.shape[0] == 320 and not ours.embed.weight[256:].any()
+    ids = tokens(cfg, seed=2)
+    want = load_hub(folders[torch.float64], torch.float64)(ids).logits
+    got = ours(ids).logits
+    assert torch.isinf(got[..., 256:]).all() and (got[..., :256] - want).abs().max().item() < 1e-10
+    written = dict(hub_tensors(padded, "lm_head.weight", ours.lm_head.weight.detach()))
+    assert written["lm_head.weight"].shape == (256, cfg.hidden_size)
+    assert torch.equal(written["lm_head.weight"], ours.lm_head.weight[:256])
