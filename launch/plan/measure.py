@@ -112,7 +112,9 @@ def measure_rank(rank: int, world: int, config: RunConfig, steps: int) -> RankMe
     p2p = {"intra_node": 0, "inter_node": 0}
     if runtime is not None:
         _count_p2p(runtime, config.layout, p2p)
-    idle, saved = [], SavedTensorMeter(params=params)
+    # a split backward's weight-grad closures keep their inputs and output grads past the graph until their W
+    held = (lambda: runtime.store.held_bytes) if runtime is not None else (lambda: 0)
+    idle, saved = [], SavedTensorMeter(extra=held, params=params)
     for step in range(steps):
         optimizer.zero_grad(set_to_none=False)
         for stage in stages:
