@@ -12,14 +12,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dispatch.channel import run_steps
-from moe.config import ModelConfig
+from moe.config import ModelConfig, check_choice
 from moe.cp import CPRegion
 from moe.experts import SwiGLU
 from moe.layer import MoELayer, MoEStats
 from moe.mla import MLA
 from moe.mtp import MTPDepth, mtp_loss, mtp_steps, parallelize_mtp
 from moe.norm import RMSNorm
-from moe.recompute import Rebuild, check_recompute, norm_output, recomputed
+from moe.recompute import RECOMPUTE, Rebuild, norm_output, recomputed
 from moe.rope import apply_rope, rope_tables
 from moe.tp import (TensorParallelRouter, TPRegion, check_tp_shapes, parallelize_block, parallelize_embedding,
                     parallelize_head, vocab_parallel_cross_entropy)
@@ -95,7 +95,8 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, moe: bool, recompute: str = "none") -> None:
         super().__init__()
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        self.recompute = check_recompute("train.recompute", recompute)
+        check_choice("train.recompute", recompute, RECOMPUTE)
+        self.recompute = recompute
         self.attn_norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.attn = (MLA if cfg.attention == "mla" else Attention)(cfg, out_std)
         self.ffn_norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)

@@ -17,13 +17,6 @@ from torch import Tensor
 RECOMPUTE = ("none", "selective", "full")
 
 
-def check_recompute(name: str, mode: str) -> str:
-    """mode if it is one of RECOMPUTE, else a ValueError naming the field."""
-    if mode not in RECOMPUTE:
-        raise ValueError(f"{name} = {mode!r} is not allowed; choose one of {', '.join(map(repr, RECOMPUTE))}")
-    return mode
-
-
 def _storage_id(t: Tensor) -> int:
     """Identity of t's storage (meta tensors too, whose data pointers are all 0)."""
     return t.untyped_storage()._cdata

@@ -12,9 +12,9 @@ from launch.plan.timing import StageCost
 from launch.plan.traffic import cp_kv_width
 from moe.config import ModelConfig
 from moe.cp import CP_METHODS
+from moe.recompute import RECOMPUTE
 from pipeline.schedules import Op, Schedule
 
-RECOMPUTE = ("none", "selective", "full")
 KERNELS = ("project", "fused", "fused-fp8")
 FP8_CACHED = 1 + 4 / 128  # bytes per element of an e4m3 tensor with one fp32 scale per 128 (1x128 tiles)
 
@@ -66,7 +66,8 @@ class ActivationModel:
     log-sum-exp in at least float32, K/V unexpanded, the rank's own (ring) or all cp ranks' (allgather); each rank
     holds S / cp of a sequence's tokens. Recomputation:
     "selective" recomputes the norms, SwiGLU products and (MLA) the q/kv up-projections from their
-    latents, as DeepSeek-V3 does; "full" keeps only each layer's input and recomputes the layer.
+    latents, as DeepSeek-V3 does; "full" keeps only a dense layer's input and recomputes the layer, and reruns an
+    MoE layer's communication-free segments (see layer; moe.model.Block).
     """
 
     cfg: ModelConfig
@@ -143,29 +144,43 @@ class ActivationModel:
         grad (project: also the fp32 weight and two int64 row ids); the FP8 expert
         linear keeps its input unquantised, so FP8 experts save the same bytes. fused-fp8: the input
         cached in FP8 and no expert output (the routing weight scales the SwiGLU output before the down
-        projection, whose input grad and input give the weight's grad)."""
+        projection, whose input grad and input give the weight's grad). Full recompute keeps no SwiGLU bytes
+        (the experts rerun from their input)."""
         h, a = self.cfg.hidden_size, self.itemsize
+        swiglu = 0.0 if self.recompute == "full" else self._swiglu(self.cfg.expert_ffn_size)
         if self.kernels == "fused-fp8":
-            return h * FP8_CACHED + self._swiglu(self.cfg.expert_ffn_size)
+            return h * FP8_CACHED + swiglu
         combine = h * a + (4 + 16 if self._project else 0)
-        return h * a + self._swiglu(self.cfg.expert_ffn_size) + combine
+        return h * a + swiglu + combine
 
     def layer(self, moe: bool) -> float:
-        """Bytes per token one layer keeps for backward (full recompute: its input only)."""
-        if self.recompute == "full":
-            return self._hidden(1)
+        """Bytes per token one layer keeps for backward. Full recompute (moe.model.Block): a dense layer keeps its
+        input; an MoE layer its input, the FFN norm's output (the router's and the shared experts' input), the
+        router's and each slot's expert input and combine bytes (router, dispatch and combine are not rerun)."""
         cfg = self.cfg
+        experts = cfg.top_k * self._slot() / self.tp
+        if self.recompute == "full":
+            if not moe:
+                return self._hidden(1)
+            normed = 1 if cfg.num_shared_experts or self.itemsize == 4 else 0
+            return self._hidden(1 + normed) + experts + self._router()
         if not moe:
             return self._attention() + self._norm() + self._swiglu(cfg.dense_ffn_size / self.tp)
-        experts = cfg.top_k * self._slot() / self.tp
         shared = self._swiglu(cfg.num_shared_experts * cfg.expert_ffn_size / self.tp)
         return self._attention() + self._norm() + experts + self._router() + shared
 
     def transient_layer(self, moe: bool) -> float:
-        """Extra bytes per token while one layer is recomputed for its backward (full recompute)."""
+        """Extra bytes per token while one layer's recomputed part is rebuilt for its backward (full recompute):
+        a dense layer's whole saved set; for an MoE layer its largest segment (attention with both norms, the
+        routed experts' SwiGLUs, the shared experts' SwiGLU)."""
         if self.recompute != "full":
             return 0.0
-        return replace(self, recompute="none").layer(moe)
+        plain = replace(self, recompute="none")
+        if not moe:
+            return plain.layer(False)
+        cfg = self.cfg
+        return max(plain._attention() + plain._norm(), cfg.top_k * plain._swiglu(cfg.expert_ffn_size) / self.tp,
+                   plain._swiglu(cfg.num_shared_experts * cfg.expert_ffn_size / self.tp))
 
     def head(self) -> float:
         """Final norm and LM head: the fp32 log-probabilities cross-entropy keeps (fused: also the
