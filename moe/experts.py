@@ -67,7 +67,7 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"e4m3 rows (FP8Rows) need expert_precision = 'fp8', got {self.precision!r}")
         offs = group_offsets(tokens_per_expert)
         if self.recompute == "full" and isinstance(x, Tensor):
-            return recomputed(lambda rows: (self._swiglu(rows, offs, dtype),), [x], self.w_down)[0]
+            return recomputed(lambda rows: (self._swiglu(rows, offs, dtype),), [x])[0]
         return self._swiglu(x, offs, dtype)
 
     def _swiglu(self, x: Tensor | FP8Rows, offs: Tensor, dtype: torch.dtype) -> Tensor:
@@ -96,7 +96,7 @@ class SwiGLU(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """x [..., H] -> [..., H] (under TP with SP: token shards in and out)."""
         if self.recompute == "full" and self.tp is None:
-            return recomputed(lambda rows: (self._swiglu(rows),), [x], self.down.weight)[0]
+            return recomputed(lambda rows: (self._swiglu(rows),), [x])[0]
         return self._swiglu(x)
 
     def _swiglu(self, x: Tensor) -> Tensor:

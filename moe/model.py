@@ -102,7 +102,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.ffn = (MoELayer(cfg) if moe
                     else SwiGLU(cfg.hidden_size, cfg.dense_ffn_size, init_std=cfg.init_std, out_std=out_std))
-        self.attn.recompute = "selective" if recompute == "selective" else "none"
+        if isinstance(self.attn, MLA):
+            self.attn.recompute = "selective" if recompute == "selective" else "none"
         for mlp in (self.ffn.experts, self.ffn.shared) if moe else (self.ffn,):
             if mlp is not None:
                 mlp.recompute = recompute if moe or recompute == "selective" else "none"
@@ -118,8 +119,8 @@ class Block(nn.Module):
         rebuild = Rebuild() if self.recompute == "selective" else None
         if self.recompute == "full":
             if not isinstance(self.ffn, MoELayer):
-                return recomputed(lambda x: (self._dense(x, cos, sin, None),), [x], self.ffn_norm.weight)[0], None
-            x, h = recomputed(lambda x: self._attention(x, cos, sin, None), [x], self.ffn_norm.weight)
+                return recomputed(lambda x: (self._dense(x, cos, sin, None),), [x])[0], None
+            x, h = recomputed(lambda x: self._attention(x, cos, sin, None), [x])
         elif not isinstance(self.ffn, MoELayer):
             with rebuild or nullcontext():
                 return self._dense(x, cos, sin, rebuild), None

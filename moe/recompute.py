@@ -111,9 +111,10 @@ class _Recompute(torch.autograd.Function):
         return (None, None, *(t.grad if t.requires_grad else None for t in inputs))
 
 
-def recomputed(fn: Callable[..., tuple[Tensor, ...]], inputs: Sequence[Tensor], anchor: Tensor
-               ) -> tuple[Tensor, ...]:
+def recomputed(fn: Callable[..., tuple[Tensor, ...]], inputs: Sequence[Tensor]) -> tuple[Tensor, ...]:
     """fn(*inputs) (a tuple of tensors) keeping only inputs for backward, which reruns fn: fn must be a pure
-    function of inputs and the parameters it reads, and issue no communication (it runs again in backward).
-    anchor: one of those parameters, so the outputs need grad even where no input does."""
+    function of inputs and the parameters it reads, and issue no communication (it runs again in backward)."""
+    # an empty leaf that needs grad: the outputs need grad even where no input does (fn's parameters do), and no
+    # parameter's grad hooks fire for it (a ZeRO-1 bucket would see a second grad after the rerun's)
+    anchor = inputs[0].new_empty(0).requires_grad_()
     return _Recompute.apply(fn, anchor, *inputs)

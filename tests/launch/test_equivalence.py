@@ -49,7 +49,10 @@ ATTENTION = {"gqa": {}, "mla": {"attention": "mla", "q_lora_rank": 24, "kv_lora_
                                 "qk_rope_head_dim": 4, "v_head_dim": 8}}
 SPAWNS = {2: [(name, "mla") for name in ("pp2 dualpipev", "pp2 1f1b", "tp2 sp", "cp2 ring")],  # by world size
           4: [(name, "mla") for name in ("dp2 tp2 ep2", "pp2 tp2 dualpipev sp", "pp2 dp2 ep2 dualpipev, EP across nodes")]
-          + [("cp2 tp2 ep4 sp", "gqa"), ("cp2 tp2 ep4 sp", "mla")]}
+          + [("cp2 tp2 ep4 sp", "gqa"), ("cp2 tp2 ep4 sp", "mla")]
+          # train.recompute under DualPipeV's B/W split and EP's async dispatch (ZeRO-1 over dp2 too)
+          + [("pp2 dp2 ep2 dualpipev, EP across nodes", "mla", "selective"),
+             ("pp2 dp2 ep2 dualpipev, EP across nodes", "gqa", "full")]}
 MTP_LAYOUTS = {"pp2 1f1b": LAYOUTS["pp2 1f1b"], "pp2 dp2 ep2 dualpipev": {"pp": 2, "dp": 2, "ep": 2, "schedule": "dualpipev"},
                "dp2 tp2 sp": {"dp": 2, "tp": 2, "sequence_parallel": True}}
 MTP_SPAWNS = {2: ["pp2 1f1b"], 4: ["pp2 dp2 ep2 dualpipev", "dp2 tp2 sp"]}  # MLA + MTP depth 1, dropless
@@ -62,9 +65,9 @@ def routings(parallel: dict) -> dict[str, float | None]:
 
 
 def raw_config(run_dir: str, corpus: str, parallel: dict, capacity_factor: float | None,
-               attention: str = "gqa", mtp_depth: int = 0) -> dict:
+               attention: str = "gqa", mtp_depth: int = 0, recompute: str = "none") -> dict:
     """A 4-layer (1 dense + 3 MoE) float64 model with GQA or MLA attention and mtp_depth MTP depths, 8 micro-batches
-    of 2 x 16 tokens per step."""
+    of 2 x 16 tokens per step, activations recomputed as recompute says."""
     model = {"vocab_size": 256, "hidden_size": 32, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
              "max_seq_len": 16, "first_k_dense": 1, "dense_ffn_size": 48, "num_experts": 8,
              "expert_ffn_size": 16, "top_k": 2, "num_shared_experts": 1, "score_func": "sigmoid",
@@ -74,7 +77,7 @@ def raw_config(run_dir: str, corpus: str, parallel: dict, capacity_factor: float
         model["capacity_factor"] = capacity_factor
     settings = {"steps": STEPS, "micro_batch_size": 2, "grad_accum_steps": 8, "seq_len": 16, "lr": 0.01,
                 "warmup_steps": 1, "dtype": "float64", "eval_batches": 0, "run_dir": run_dir,
-                "rank_metrics_every": 2}
+                "rank_metrics_every": 2, "recompute": recompute}
     return {"model": model, "train": settings, "data": {"corpus": corpus, "max_bytes": 40_000},
             "parallel": parallel}
 
@@ -150,15 +153,16 @@ def test_batched_layouts_equal_single_process(world, corpus, reference, tmp_path
     """The layouts of one world size with their attention, trained dropless in one spawn: MLA (query latent, joint
     KV latent, TP-split heads with replicated down-projections) in pipeline, TP and CP layouts, and CP x TP
     (heads split over TP, each CP shard's sequence over SP, routers summing over cp x tp, EP over both) with
-    GQA and MLA."""
-    runs = SPAWNS[world]
+    GQA and MLA; and recomputed activations (train.recompute) against the single process without."""
+    runs = [(*run, "none")[:3] for run in SPAWNS[world]]  # (layout, attention, recompute: "none" unless given)
     layouts = LAYOUTS | BATCHED
-    raws = [raw_config(str(tmp_path / f"{attention} {name}".replace(" ", "_")), corpus, layouts[name], None, attention)
-            for name, attention in runs]
+    raws = [raw_config(str(tmp_path / f"{attention} {name} {recompute}".replace(" ", "_")), corpus, layouts[name],
+                       None, attention, recompute=recompute) for name, attention, recompute in runs]
     assert {build_config(raw).parallel.world_size for raw in raws} == {world}
     results = run_processes(_train_both, world, raws, timeout_s=600)[0]
-    for (name, attention), raw, records in zip(runs, raws, results):
-        check_equal_runs(records, raw, reference("dropless", attention), layouts[name], f"{attention} {name}")
+    for (name, attention, recompute), raw, records in zip(runs, raws, results):
+        check_equal_runs(records, raw, reference("dropless", attention), layouts[name],
+                         f"{attention} {name} recompute={recompute}")
 
 
 def _train_with_embedding(rank: int, world: int, raws: list[dict]) -> list[tuple[list[dict], torch.Tensor | None]]:
