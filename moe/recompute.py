@@ -45,7 +45,6 @@ class Rebuild:
 
     def __init__(self) -> None:
         self._drops: dict[int, tuple[Tensor, Callable[[], Tensor]]] = {}  # held: no other storage takes its id
-        self._stack: list[tuple[Any, Any]] = []  # per entry: the (pack, unpack) hooks active outside it
 
     def drop(self, t: Tensor, thunk: Callable[[], Tensor]) -> Tensor:
         """Register t (a fresh tensor owning its storage) to be rebuilt by thunk() (run without grad, from detached
@@ -54,8 +53,8 @@ class Rebuild:
         return t
 
     def __enter__(self) -> Rebuild:
+        # torch applies only the innermost hooks: this region's pass what they keep to the ones active outside it
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        self._stack.append(outer)
         pack, unpack = outer if outer is not None else (None, None)
         torch._C._autograd._push_saved_tensors_default_hooks(
             lambda t: self._pack(t, pack), lambda held: _unpack(held, unpack))
@@ -63,7 +62,6 @@ class Rebuild:
 
     def __exit__(self, *_: object) -> None:
         torch._C._autograd._pop_saved_tensors_default_hooks()
-        self._stack.pop()
 
     def _pack(self, t: Tensor, outer: Callable[[Tensor], Any] | None) -> Any:
         dropped = self._drops.get(_storage_id(t))

@@ -13,7 +13,7 @@ import pytest
 from dispatch.multiproc import run_processes
 from launch.config import load_config
 from launch.plan.measure import compare, cpu_machine, measure, measure_rank
-from launch.plan.planner import Machine, make_plan
+from launch.plan.planner import Machine, Options, make_plan
 from launch.plan.presets import GPUS
 from moe.recompute import RECOMPUTE
 
@@ -82,7 +82,7 @@ def test_measured_activation_peak_of_each_recompute_mode_matches_the_plan(attent
     measured = run_processes(_measure_each, 1, configs, timeout_s=240)[0]
     peaks = []
     for config, m in zip(configs, measured):
-        checks = compare(make_plan(config, Machine(GPUS["h800"], 1)), [m])
+        checks = compare(make_plan(config, Machine(GPUS["h800"], 1), Options(config.train.recompute)), [m])
         check = next(c for c in checks if c.figure.startswith("activation peak bytes, max"))
         assert check.ok, (config.train.recompute, check)
         peaks.append(m.activation_peak)

@@ -86,7 +86,15 @@ def test_sequence_parallel_and_recompute_shrink_activations():
              for sp in (False, True) for mode in ("none", "selective", "full")}
     assert sizes[(True, "none")] < sizes[(False, "none")]
     assert sizes[(False, "full")] < sizes[(False, "selective")] < sizes[(False, "none")]
-    assert sizes[(False, "full")] == 7168 * 2 and sizes[(True, "full")] == 7168 * 2 / 4
+    # full: an MoE layer keeps its input and the FFN norm's output (bf16, split by SP), the router's fp32 input copy,
+    # logits and scores and 8 slots' ids/weights (+12), and per slot (8 over tp 4) the expert input, the expert
+    # output and combine's weight and row ids; a dense layer keeps its input only
+    router = 4 * 7168 + 2 * 4 * 256 + 8 * 13 + 12
+    routed = 8 * (2 * 7168 * 2 + 4 + 16) / 4
+    assert sizes[(False, "full")] == 2 * 7168 * 2 + router + routed
+    assert sizes[(True, "full")] == 2 * 7168 * 2 / 4 + router + routed
+    dense = {sp: ActivationModel(cfg, attention, 2, 4, sp, "full").layer(moe=False) for sp in (False, True)}
+    assert dense == {False: 7168 * 2, True: 7168 * 2 / 4}
     with pytest.raises(ValueError, match="recompute = 'most' is not allowed"):
         ActivationModel(cfg, attention, recompute="most")
 
