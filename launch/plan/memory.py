@@ -169,18 +169,20 @@ class ActivationModel:
         shared = self._swiglu(cfg.num_shared_experts * cfg.expert_ffn_size / self.tp)
         return self._attention() + self._norm() + experts + self._router() + shared
 
-    def transient_layer(self, moe: bool) -> float:
-        """Extra bytes per token while one layer's recomputed part is rebuilt for its backward (full recompute):
-        a dense layer's whole saved set; for an MoE layer its largest segment (attention with both norms, the
-        routed experts' SwiGLUs, the shared experts' SwiGLU)."""
+    def backward_layer(self, moe: bool) -> float:
+        """Bytes per token one layer holds at most during its own backward: what it keeps, or under full recompute
+        what a rerun segment saves beside it (a dense layer: the whole layer's; an MoE layer: the routed or shared
+        experts' SwiGLUs beside all it keeps, or, once those are done, attention with both norms, its input included)."""
+        kept = self.layer(moe)
         if self.recompute != "full":
-            return 0.0
-        plain = replace(self, recompute="none")
+            return kept
+        plain = replace(self, recompute="none")  # the rerun saves the kept input again: counted once
         if not moe:
             return plain.layer(False)
         cfg = self.cfg
-        return max(plain._attention() + plain._norm(), cfg.top_k * plain._swiglu(cfg.expert_ffn_size) / self.tp,
-                   plain._swiglu(cfg.num_shared_experts * cfg.expert_ffn_size / self.tp))
+        experts = max(cfg.top_k * plain._swiglu(cfg.expert_ffn_size) / self.tp,
+                      plain._swiglu(cfg.num_shared_experts * cfg.expert_ffn_size / self.tp))
+        return max(kept + experts, plain._attention() + plain._norm())
 
     def head(self) -> float:
         """Final norm and LM head: the fp32 log-probabilities cross-entropy keeps (fused: also the
@@ -193,6 +195,16 @@ class ActivationModel:
         per_token = sum(self.layer(i >= self.cfg.first_k_dense) for i in layers)
         per_token += self.head() if has_head else 0.0
         return per_token * tokens
+
+    def backward_stage(self, layers: range, has_head: bool, tokens: int) -> float:
+        """The most bytes one chunk holds during its backward through a stage (the head's first, then the layers
+        last to first: each layer's backward_layer beside what the layers before it keep); at least stage()."""
+        held, most = 0.0, 0.0
+        for i in layers:
+            moe = i >= self.cfg.first_k_dense
+            most = max(most, held + self.backward_layer(moe))
+            held += self.layer(moe)
+        return max(most * tokens, self.stage(layers, has_head, tokens))
 
     def _linear_pairs(self, width_in: float, width_out: float) -> float:
         """A linear's input and output grad, kept for its deferred weight grad."""
@@ -241,16 +253,19 @@ def backward_workspace(cfg: ModelConfig, layers: range, embedding: bool, head: b
 
 def schedule_peaks(schedule: Schedule, stage_bytes: Sequence[float],
                    pair_costs: Sequence[StageCost] | None = None,
-                   deferred_bytes: Sequence[float] | None = None) -> list[float]:
+                   deferred_bytes: Sequence[float] | None = None,
+                   backward_bytes: Sequence[float] | None = None) -> list[float]:
     """Per rank, the most activation bytes held at once: each forward adds its stage's chunk bytes
     until that chunk's backward; a split backward leaves deferred_bytes (per stage; none if not given)
-    held until its W.
+    held until its W. While a backward runs, its chunk holds backward_bytes (per stage, ActivationModel.backward_stage;
+    the stage bytes if not given) instead of its stage bytes.
 
     An F&B pair counts its forward, then its backward, unless pair_costs (per stage) says the runtime
     runs the two halves at once: the forward then allocates and the backward frees at even rates over
     their own durations, so the pair peaks when its forward ends, less what the backward freed by then."""
     layout = schedule.layout
     deferred = deferred_bytes or [0.0] * len(stage_bytes)
+    rerun = [b - s for b, s in zip(backward_bytes, stage_bytes)] if backward_bytes else [0.0] * len(stage_bytes)
     peaks = []
     for rank in range(layout.num_ranks):
         live = peak = 0.0
@@ -264,14 +279,16 @@ def schedule_peaks(schedule: Schedule, stage_bytes: Sequence[float],
             elif pair_costs is not None and action.op is Op.FB:
                 f, b = (pair_costs[s].compute(h.op, h.split) for h, s in zip(halves, stages))
                 freed = sizes[1] * (min(1.0, f / b) if b > 0 else 1.0)
-                peak = max(peak, live + sizes[0] - freed)
+                # a backward reruns its segments as it goes: counted at its start, beside none of the forward yet
+                peak = max(peak, live + sizes[0] - freed, live + rerun[stages[1]])
                 live += sizes[0] - sizes[1]
                 continue
-            for half, size in zip(halves, sizes):
+            for half, size, stage in zip(halves, sizes, stages):
                 if half.op is Op.F:
                     live += size
                     peak = max(peak, live)
                 elif half.op is Op.B:
+                    peak = max(peak, live + rerun[stage])
                     live -= size
         peaks.append(peak)
     return peaks

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,32 @@ def test_dualpipe_holds_two_stages_per_rank_and_dualpipev_two_half_stages():
     # DualPipe mirrors the stage pair on two ranks: ZeRO-1 shards over both, so optimizer bytes do not double
     assert dual.ranks[0].states.optimizer == pytest.approx((one.ranks[0].states.optimizer
                                                             + one.ranks[3].states.optimizer) / 2)
+
+
+def test_a_backward_that_reruns_its_segments_holds_them_beside_the_live_chunks():
+    # 1F1B on 4 ranks, 8 chunks of 1 byte per stage: rank 0 holds 4 chunks when its first backward starts, which
+    # holds 3 bytes more while it reruns (a backward stage of 4 bytes); the last rank holds 1 chunk and 3 more
+    schedule = build("1f1b", 4, 8)
+    assert schedule_peaks(schedule, [1.0] * 4, backward_bytes=[4.0] * 4) == [7.0, 6.0, 5.0, 4.0]
+    # DualPipeV's pairs: the rerun counted at the backward's start, beside none of the paired forward (rank 0: 4
+    # chunks when its first pair starts); rank 1's first backward, after its 5-chunk warm-up, is not paired
+    dualpipev = build("dualpipev", 2, 8)
+    costs = [StageCost(1.0, 1.0, 0.0, 0.0, 0.0)] * 4
+    assert schedule_peaks(dualpipev, [1.0] * 4, costs, backward_bytes=[1.5] * 4) == [4.5, 5.5]
+
+
+def test_full_recompute_backward_peaks_at_the_largest_rerun_beside_the_layers_before_it():
+    cfg = load_config(CONFIGS / "tiny.toml").model  # 1 dense + 3 MoE layers
+    full = ActivationModel(cfg, count_params(cfg).attention, 4, recompute="full")
+    none = replace(full, recompute="none")
+    dense, moe = full.layer(False), full.layer(True)
+    assert full.backward_layer(False) == none.layer(False)  # its input, saved again by the rerun, counted once
+    # the last MoE layer reruns its attention (larger than its experts' SwiGLUs here) beside the 3 layers before it
+    attention = none._attention() + none._norm()
+    assert full.backward_layer(True) == max(moe + 2 * none._swiglu(96), attention, moe + none._swiglu(96))
+    assert full.backward_stage(range(4), False, 10) == 10 * max(none.layer(False), dense + moe + moe
+                                                               + full.backward_layer(True))
+    assert none.backward_stage(range(4), True, 10) == none.stage(range(4), True, 10)
 
 
 def test_sequence_parallel_and_recompute_shrink_activations():
