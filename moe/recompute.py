@@ -9,6 +9,7 @@ communication (see Block), so no collective is issued again in backward.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -53,11 +54,14 @@ class Rebuild:
         return t
 
     def __enter__(self) -> Rebuild:
-        # torch applies only the innermost hooks: this region's pass what they keep to the ones active outside it
+        # torch applies only the innermost hooks: this region's pass what they keep to the ones active outside it.
+        # Every saved tensor keeps both hooks alive: the pack hook reaches this Rebuild (and the tensors it holds)
+        # through a weak reference only, so they are freed once the forward is done with them
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         pack, unpack = outer if outer is not None else (None, None)
+        me = weakref.ref(self)
         torch._C._autograd._push_saved_tensors_default_hooks(
-            lambda t: self._pack(t, pack), lambda held: _unpack(held, unpack))
+            lambda t: me()._pack(t, pack), lambda held: _unpack(held, unpack))
         return self
 
     def __exit__(self, *_: object) -> None:

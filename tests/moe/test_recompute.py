@@ -3,6 +3,8 @@ and drops what it says it drops from the tensors saved for backward."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -121,3 +123,18 @@ def test_the_mode_changes_no_state() -> None:
     for state in states[1:]:
         assert state.keys() == states[0].keys()
         assert all(torch.equal(state[k], states[0][k]) for k in state)
+
+
+def test_a_dropped_tensor_is_freed_once_the_forward_lets_go_of_it() -> None:
+    # the saved tensors keep the region's hooks alive; the tensor itself must not be (the memory selective saves)
+    x = torch.randn(4, 3, requires_grad=True)
+
+    def forward() -> tuple[torch.Tensor, weakref.ref]:
+        with Rebuild() as rebuild:
+            y = rebuild.drop(x.sin(), lambda: x.detach().sin())  # sin keeps its input, not y
+            return (y * y).sum(), weakref.ref(y)
+
+    out, dropped = forward()
+    assert dropped() is None
+    out.backward()
+    torch.testing.assert_close(x.grad, 2 * x.sin() * x.cos())
