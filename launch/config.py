@@ -250,9 +250,9 @@ class RunConfig:
             raise ValueError(f"ops.inject_hang.rank = {hang['rank']} must be < the world size parallel.pp x dp x cp x tp = "
                              f"{par.world_size}")
         if self.train.recompute == "full" and (par.tp > 1 or par.cp > 1):
-            raise ValueError(f"train.recompute = 'full' reruns attention in backward, which under parallel.tp = {par.tp} "
-                             f"and parallel.cp = {par.cp} would issue its collectives again: with tp or cp > 1 use "
-                             f"'none' or 'selective'")
+            raise ValueError(f"train.recompute = 'full' reruns attention in backward, which under parallel.tp = "
+                             f"{par.tp} and parallel.cp = {par.cp} would issue its collectives again: with tp or cp > 1 "
+                             f"use 'none' or 'selective'")
         check_tp_shapes(model, self.train.seq_len, par.tp, par.sequence_parallel, par.cp)
         _check_mtp(model, par)
         _check_fp8_sizes(model, par)

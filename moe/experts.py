@@ -40,7 +40,7 @@ class GroupedExperts(nn.Module):
     """num_experts SwiGLU MLPs: w_gate_up [E, 2F, H] and w_down [E, H, F], applied to sorted rows.
 
     recompute (moe.recompute): "selective" rebuilds the SwiGLU products in backward, "full" keeps the input rows
-    only and reruns the experts in backward."""
+    only and reruns the experts in backward (an fp8 dispatch's FP8Rows are not rerun: kept as without recompute)."""
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_size: int, *,
                  precision: str = "native", init_std: float = 0.02, out_std: float | None = None) -> None:

@@ -108,8 +108,8 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError("give a CONFIG to plan (or --validate)")
     config = load_config(args.config, args.set + ([f'train.recompute="{args.recompute}"'] if args.recompute else []))
     par = config.parallel
-    options = Options(config.train.recompute, args.kernels, args.recipe, args.sample_tokens, args.linears, args.virtual_stages,
-                      args.paired_1f1b, args.overlap_dp)
+    options = Options(config.train.recompute, args.kernels, args.recipe, args.sample_tokens, args.linears,
+                      args.virtual_stages, args.paired_1f1b, args.overlap_dp)
     if args.search:
         if not args.gpus or args.gpus < 1:
             raise ValueError("--search needs --gpus N (N >= 1)")

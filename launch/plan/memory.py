@@ -172,7 +172,8 @@ class ActivationModel:
     def backward_layer(self, moe: bool) -> float:
         """Bytes per token one layer holds at most during its own backward: what it keeps, or under full recompute
         what a rerun segment saves beside it (a dense layer: the whole layer's; an MoE layer: the routed or shared
-        experts' SwiGLUs beside all it keeps, or, once those are done, attention with both norms, its input included)."""
+        experts' SwiGLUs beside all it keeps, or, once those are done, attention with both norms, its input
+        included)."""
         kept = self.layer(moe)
         if self.recompute != "full":
             return kept

@@ -77,7 +77,7 @@ class RankPlan:
     expert_params: float
     states: ModelStates
     activations: float
-    transient: float  # what full recompute's reruns add to the schedule's activation peak (schedule_peaks, backward_bytes)
+    transient: float  # what full recompute's reruns add to the schedule's peak (schedule_peaks' backward_bytes)
     workspace: float = 0.0  # launch.plan.memory.backward_workspace of the rank's stages
     bytes: dict[str, Traffic] = field(default_factory=dict)
 

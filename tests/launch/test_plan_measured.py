@@ -66,7 +66,8 @@ def test_predicted_bubble_on_this_machine_tracks_the_measured_idle():
 # log-sum-exp kept, as the plan counts); narrower values take the composite path, which keeps the S x S probabilities
 MLA = ['model.attention="mla"', "model.q_lora_rank=32", "model.kv_lora_rank=32", "model.qk_nope_head_dim=16",
        "model.qk_rope_head_dim=8", "model.v_head_dim=24"]
-ONE_PROCESS = ["parallel.pp=1", "parallel.dp=1", "parallel.ep=1", 'parallel.schedule="none"', "train.grad_accum_steps=1"]
+ONE_PROCESS = ["parallel.pp=1", "parallel.dp=1", "parallel.ep=1", 'parallel.schedule="none"',
+               "train.grad_accum_steps=1"]
 
 
 def _measure_each(rank: int, world: int, configs: list) -> list:
