@@ -47,7 +47,8 @@ BATCHED = {"cp2 tp2 ep4 sp": {"cp": 2, "tp": 2, "ep": 4, "sequence_parallel": Tr
 ROUTING = {"dropless": None, "capacity 1.0": 1.0}
 ATTENTION = {"gqa": {}, "mla": {"attention": "mla", "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
                                 "qk_rope_head_dim": 4, "v_head_dim": 8}}
-SPAWNS = {2: [(name, "mla") for name in ("pp2 dualpipev", "pp2 1f1b", "tp2 sp", "cp2 ring")],  # by world size
+SPAWNS = {2: [(name, "mla") for name in ("pp2 dualpipev", "pp2 1f1b", "tp2 sp", "cp2 ring")]  # by world size
+          + [("tp2 sp", "mla", "selective")],  # the rebuilt tensors of TP-split heads and FFN columns
           4: [(name, "mla") for name in ("dp2 tp2 ep2", "pp2 tp2 dualpipev sp", "pp2 dp2 ep2 dualpipev, EP across nodes")]
           + [("cp2 tp2 ep4 sp", "gqa"), ("cp2 tp2 ep4 sp", "mla")]
           # train.recompute under DualPipeV's B/W split and EP's async dispatch (ZeRO-1 over dp2 too)
