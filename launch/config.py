@@ -15,6 +15,7 @@ from kernels.quant_ref import ALIGN as FP8_ALIGN
 from launch.mesh import Layout
 from moe.config import ModelConfig, check_choice, check_positive
 from moe.cp import CP_METHODS
+from moe.recompute import RECOMPUTE
 from pipeline.schedules import min_chunks
 from moe.tp import check_tp_shapes
 
@@ -46,6 +47,7 @@ class TrainSettings:
     peak_tflops_per_gpu: float = 0.0  # for MFU; 0: from the GPU's name (none on CPU)
     tensorboard: bool = False  # also write TensorBoard events to run_dir/tensorboard
     rank_metrics_every: int = 10  # steps between the records' per-rank sections (gathered to rank 0), and the last
+    recompute: str = "none"  # activation recomputation (moe.recompute): "none", "selective" (V3's) or "full"
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batch_size", "grad_accum_steps", "seq_len", "rank_metrics_every"):
@@ -61,6 +63,7 @@ class TrainSettings:
             raise ValueError(f"train.min_lr_ratio = {self.min_lr_ratio!r} must be in [0, 1]")
         check_choice("train.dtype", self.dtype, DTYPES)
         check_choice("train.device", self.device, DEVICES)
+        check_choice("train.recompute", self.recompute, RECOMPUTE)
 
 
 @dataclass
@@ -249,6 +252,10 @@ class RunConfig:
         if hang and hang["rank"] >= par.world_size:
             raise ValueError(f"ops.inject_hang.rank = {hang['rank']} must be < the world size parallel.pp x dp x cp x tp = "
                              f"{par.world_size}")
+        if self.train.recompute == "full" and (par.tp > 1 or par.cp > 1):
+            raise ValueError(f"train.recompute = 'full' reruns attention in backward, which under parallel.tp = "
+                             f"{par.tp} and parallel.cp = {par.cp} would issue its collectives again: with tp or cp > 1 "
+                             f"use 'none' or 'selective'")
         check_tp_shapes(model, self.train.seq_len, par.tp, par.sequence_parallel, par.cp)
         _check_mtp(model, par)
         _check_document_mask(self.data, model, par)

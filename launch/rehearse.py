@@ -214,7 +214,7 @@ class Rehearsal:
 def planned_memory(cfg: RunConfig) -> list[dict[str, float]]:
     """moe-plan's bytes by category for each pipeline rank (memory only; the layout's own gpus_per_node)."""
     machine = Machine(gpu_preset("h800"), cfg.parallel.gpus_per_node or cfg.parallel.world_size)
-    plan = make_plan(cfg, machine, Options(), timed=False)
+    plan = make_plan(cfg, machine, Options(cfg.train.recompute), timed=False)
     return [{"params": r.states.params, "grads": r.states.grads, "optimizer": r.states.optimizer,
              "activations": r.activations + r.transient + r.workspace} for r in plan.ranks]
 

@@ -80,7 +80,7 @@ def build_model(cfg: RunConfig, mesh: Mesh, device: torch.device) -> tuple[list[
     par = cfg.parallel
     torch.manual_seed(cfg.train.seed)
     with torch.device("meta"):
-        model = MoETransformer(cfg.model).to(getattr(torch, cfg.train.dtype))
+        model = MoETransformer(cfg.model, cfg.train.recompute).to(getattr(torch, cfg.train.dtype))
     if par.tp > 1:  # before the runtime is built, so its B/W split patches every TP linear
         model.to_tensor_parallel(mesh.tp, par.sequence_parallel, grad_group=mesh.tp_grad)
     if par.cp > 1:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Generator
 
@@ -14,6 +15,7 @@ from dispatch.progress import EXCHANGE, mark
 from moe.config import ModelConfig
 from moe.experts import GroupedExperts, SwiGLU
 from moe.local_dispatch import LocalDispatcher
+from moe.recompute import Rebuild
 from moe.router import TopKRouter
 
 if TYPE_CHECKING:
@@ -78,14 +80,17 @@ class MoELayer(nn.Module):
         not communicate at all (one process)."""
         return getattr(self.dispatcher, "concurrent_backward", True)
 
-    def forward_steps(self, x: Tensor, seq_len: int | None = None) -> Generator[Any, None, tuple[Tensor, MoEStats]]:
+    def forward_steps(self, x: Tensor, seq_len: int | None = None, saved: Rebuild | None = None
+                      ) -> Generator[Any, None, tuple[Tensor, MoEStats]]:
         """forward as a generator that yields while dispatch and combine exchanges are in flight (the
-        shared experts run while dispatch's first exchange is); same numbers as forward."""
+        shared experts run while dispatch's first exchange is); same numbers as forward. saved: the
+        block's selective-recompute region (x rebuilt in backward), entered around the router and shared experts."""
         flat = x.reshape(-1, x.shape[-1])
-        route = self.router(flat, seq_len)
+        with saved or nullcontext():
+            route = self.router(flat, seq_len)
         mark("dispatch", EXCHANGE)
         dispatching = _steps(self.dispatcher, "dispatch", flat, route.indices, route.weights)
-        (recv_x, recv_info, handle), shared = yield from _at_first_pause(dispatching, self._shared, flat)
+        (recv_x, recv_info, handle), shared = yield from _at_first_pause(dispatching, self._shared, flat, saved)
         mark("experts", EXCHANGE)
         y = self.experts(recv_x, recv_info.tokens_per_local_expert)
         mark("combine", EXCHANGE)
@@ -99,8 +104,11 @@ class MoELayer(nn.Module):
         """x [..., H] -> (out [..., H], stats); seq_len feeds the sequence-wise balance loss."""
         return run_steps(self.forward_steps(x, seq_len))
 
-    def _shared(self, flat: Tensor) -> Tensor | None:
-        return self.shared(flat) if self.shared is not None else None
+    def _shared(self, flat: Tensor, saved: Rebuild | None = None) -> Tensor | None:
+        if self.shared is None:
+            return None
+        with saved or nullcontext():
+            return self.shared(flat)
 
 
 def _steps(dispatcher: Any, name: str, *args: Any) -> Generator[Any, None, Any]:

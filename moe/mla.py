@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from moe.config import ModelConfig
 from moe.norm import RMSNorm
+from moe.recompute import Rebuild, norm_output
 from moe.rope import apply_rope
 
 if TYPE_CHECKING:
@@ -63,6 +64,7 @@ class MLA(nn.Module):
         self.out = _linear(cfg.num_heads * self.v_dim, h, out_std)
         self.tp: TPRegion | None = None
         self.cp: CPRegion | None = None  # context parallelism: x holds this rank's zig-zag share of each sequence
+        self.recompute = "none"  # "selective": q, k, v and the latent norms' outputs rebuilt in backward
 
     def query_projection(self) -> nn.Linear:
         """The linear whose rows are the heads' queries (q_b, or q without a query latent)."""
@@ -73,30 +75,64 @@ class MLA(nn.Module):
         query = [self.q_a, self.q_a_norm] if self.q_lora_rank else []
         return [*query, self.kv_a, self.kv_a_norm]
 
-    def _queries(self, x: Tensor) -> Tensor:
-        """x [B, S, H] -> queries [B, S, heads * qk_head_dim]."""
-        if self.q_lora_rank:
-            return self.q_b(self.q_a_norm(self.q_a(x)))
-        return self.q(x)
-
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
         """x [B, S, H] -> [B, S, H]; cos, sin: rope_tables of qk_rope_head_dim; mask: a boolean [B, 1, S, S] in place
         of the causal mask (moe.documents.document_attention_mask)."""
         if self.tp is not None:
             x = self.tp.enter(x)
         batch, seq, _ = x.shape
-        q = self._queries(x).view(batch, seq, -1, self.qk_head_dim).transpose(1, 2)
-        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_latent = self.q_a(x) if self.q_lora_rank else x
         latent, k_rope = self.kv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = self.kv_b(self.kv_a_norm(latent)).view(batch, seq, -1, self.nope_dim + self.v_dim).transpose(1, 2)
-        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        k_rope = apply_rope(k_rope.unsqueeze(1), cos, sin).expand(-1, self.num_heads, -1, -1)
-        q = torch.cat((q_nope, apply_rope(q_rope, cos, sin)), dim=-1)
-        k = torch.cat((k_nope, k_rope), dim=-1)
-        if self.cp is not None:
-            attn = self.cp.attend(q, k, v, self.softmax_scale)
+        if self.recompute == "selective":
+            attn = self._attend_rebuilt(q_latent, latent, k_rope, cos, sin, mask)
         else:
-            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                                  scale=self.softmax_scale)
+            attn = self._attend(self._query(q_latent, cos, sin), *self._key_value(latent, k_rope, cos, sin), mask)
         out = self.out(attn.transpose(1, 2).reshape(batch, seq, -1))
         return out if self.tp is None else self.tp.leave(out)
+
+    def _query(self, q_latent: Tensor, cos: Tensor, sin: Tensor, rebuild: Rebuild | None = None) -> Tensor:
+        """Queries [B, heads, S, qk_head_dim] (RoPE applied) from the query latent (x itself without one)."""
+        batch, seq, _ = q_latent.shape
+        if self.q_lora_rank:
+            q = self.q_b(norm_output(rebuild, self.q_a_norm, q_latent))
+        else:
+            q = self.q(q_latent)
+        q_nope, q_rope = q.view(batch, seq, -1, self.qk_head_dim).transpose(1, 2).split(
+            [self.nope_dim, self.rope_dim], dim=-1)
+        return torch.cat((q_nope, apply_rope(q_rope, cos, sin)), dim=-1)
+
+    def _key_value(self, latent: Tensor, k_rope: Tensor, cos: Tensor, sin: Tensor,
+                   rebuild: Rebuild | None = None) -> tuple[Tensor, Tensor]:
+        """Keys [B, heads, S, qk_head_dim] and values [B, heads, S, v_dim] from the joint latent and the shared
+        RoPE key part."""
+        batch, seq, _ = latent.shape
+        kv = self.kv_b(norm_output(rebuild, self.kv_a_norm, latent))
+        kv = kv.view(batch, seq, -1, self.nope_dim + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k_rope = apply_rope(k_rope.unsqueeze(1), cos, sin).expand(-1, k_nope.shape[1], -1, -1)
+        return torch.cat((k_nope, k_rope), dim=-1), v
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+        if self.cp is not None:
+            return self.cp.attend(q, k, v, self.softmax_scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.softmax_scale)
+
+    def _attend_rebuilt(self, q_latent: Tensor, latent: Tensor, k_rope: Tensor, cos: Tensor, sin: Tensor,
+                        mask: Tensor | None = None) -> Tensor:
+        """_attend under selective recompute: the latent norms' outputs and q, k, v are not kept for backward but
+        rebuilt there from the latents (the up-projections run again, once for k and v when k is unpacked first,
+        as the attention's backward does)."""
+        q_kept, *kv_kept = (t.detach() for t in (q_latent, latent, k_rope))
+        values: list[Tensor] = []
+
+        def rebuild_k() -> Tensor:
+            k, v = self._key_value(*kv_kept, cos, sin)
+            values.append(v)
+            return k
+
+        with Rebuild() as rebuild:
+            q = rebuild.drop(self._query(q_latent, cos, sin, rebuild), lambda: self._query(q_kept, cos, sin))
+            k, v = self._key_value(latent, k_rope, cos, sin, rebuild)
+            rebuild.drop(k, rebuild_k)
+            rebuild.drop(v, lambda: values.pop() if values else self._key_value(*kv_kept, cos, sin)[1])
+            return self._attend(q, k, v, mask)

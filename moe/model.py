@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Generator
 
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dispatch.channel import run_steps
-from moe.config import ModelConfig
+from moe.config import ModelConfig, check_choice
 from moe.cp import CPRegion
 from moe.documents import document_attention_mask, document_positions
 from moe.experts import SwiGLU
@@ -19,6 +20,7 @@ from moe.layer import MoELayer, MoEStats
 from moe.mla import MLA
 from moe.mtp import MTPDepth, mtp_loss, mtp_steps, parallelize_mtp
 from moe.norm import RMSNorm
+from moe.recompute import RECOMPUTE, Rebuild, norm_output, recomputed
 from moe.rope import apply_rope, rope_tables
 from moe.tp import (TensorParallelRouter, TPRegion, check_tp_shapes, parallelize_block, parallelize_embedding,
                     parallelize_head, vocab_parallel_cross_entropy)
@@ -89,16 +91,31 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block whose FFN is a dense SwiGLU or an MoE layer."""
+    """Pre-norm transformer block whose FFN is a dense SwiGLU or an MoE layer.
 
-    def __init__(self, cfg: ModelConfig, moe: bool) -> None:
+    recompute (moe.recompute.RECOMPUTE): "selective" rebuilds the norms' outputs, MLA's q/k/v and the SwiGLU
+    products in backward. "full" keeps a dense block's input only and reruns the block in backward; an MoE block
+    is rerun in segments that hold no communication: attention with both norms (its input kept), the routed experts
+    (their dispatched rows kept) and the shared experts (the FFN norm's output kept); the router, dispatch and
+    combine keep what they keep without recompute and never run again, so routing, its statistics and the aux loss
+    are those of the forward and no collective is issued in backward. "full" needs a model without TP or CP.
+    """
+
+    def __init__(self, cfg: ModelConfig, moe: bool, recompute: str = "none") -> None:
         super().__init__()
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        check_choice("train.recompute", recompute, RECOMPUTE)
+        self.recompute = recompute
         self.attn_norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.attn = (MLA if cfg.attention == "mla" else Attention)(cfg, out_std)
         self.ffn_norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.ffn = (MoELayer(cfg) if moe
                     else SwiGLU(cfg.hidden_size, cfg.dense_ffn_size, init_std=cfg.init_std, out_std=out_std))
+        if isinstance(self.attn, MLA):
+            self.attn.recompute = "selective" if recompute == "selective" else "none"
+        for mlp in (self.ffn.experts, self.ffn.shared) if moe else (self.ffn,):
+            if mlp is not None:
+                mlp.recompute = recompute if moe or recompute == "selective" else "none"
         self.moe_tokens: TPRegion | None = None  # TP without SP: the MoE layer routes this rank's S/tp tokens
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None
@@ -111,16 +128,33 @@ class Block(nn.Module):
                       ) -> Generator[Any, None, tuple[Tensor, MoEStats | None]]:
         """forward as a generator that pauses while the MoE layer's communication is in flight
         (see pipeline.overlap); a dense block never pauses."""
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
-        h = self.ffn_norm(x)
-        if not isinstance(self.ffn, MoELayer):
-            return x + self.ffn(h), None
+        rebuild = Rebuild() if self.recompute == "selective" else None
+        if self.recompute == "full":
+            if not isinstance(self.ffn, MoELayer):
+                return recomputed(lambda x: (self._dense(x, cos, sin, mask, None),), [x])[0], None
+            x, h = recomputed(lambda x: self._attention(x, cos, sin, mask, None), [x])
+        elif not isinstance(self.ffn, MoELayer):
+            with rebuild or nullcontext():
+                return self._dense(x, cos, sin, mask, rebuild), None
+        else:
+            with rebuild or nullcontext():
+                x, h = self._attention(x, cos, sin, mask, rebuild)
         if self.moe_tokens is not None:
             h = self.moe_tokens.scatter(h)
-        out, stats = yield from self.ffn.forward_steps(h, seq_len=h.shape[1])
+        out, stats = yield from self.ffn.forward_steps(h, seq_len=h.shape[1], saved=rebuild)
         if self.moe_tokens is not None:
             out = self.moe_tokens.gather(out)
         return x + out, stats
+
+    def _attention(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
+                   rebuild: Rebuild | None) -> tuple[Tensor, Tensor]:
+        """The residual stream after attention and the FFN norm's output of it."""
+        x = x + self.attn(norm_output(rebuild, self.attn_norm, x), cos, sin, mask)
+        return x, norm_output(rebuild, self.ffn_norm, x)
+
+    def _dense(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, rebuild: Rebuild | None) -> Tensor:
+        x, h = self._attention(x, cos, sin, mask, rebuild)
+        return x + self.ffn(h)
 
 
 @dataclass
@@ -136,19 +170,20 @@ class ModelOutput:
 
 
 class MoETransformer(nn.Module):
-    """Embeddings, first_k_dense dense blocks, MoE blocks, final norm and LM head; mtp_depth MTP modules (moe.mtp)."""
+    """Embeddings, first_k_dense dense blocks, MoE blocks, final norm and LM head; mtp_depth MTP modules (moe.mtp);
+    every block recomputes activations as `recompute` says (see Block)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, recompute: str = "none") -> None:
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.padded_vocab_size, cfg.hidden_size)
         nn.init.normal_(self.embed.weight, std=cfg.init_std)
-        self.blocks = nn.ModuleList(Block(cfg, moe=i >= cfg.first_k_dense)
+        self.blocks = nn.ModuleList(Block(cfg, moe=i >= cfg.first_k_dense, recompute=recompute)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.padded_vocab_size, bias=False)
         nn.init.normal_(self.lm_head.weight, std=cfg.init_std)
-        self.mtp = nn.ModuleList(MTPDepth(cfg, Block(cfg, moe=cfg.num_moe_layers > 0))
+        self.mtp = nn.ModuleList(MTPDepth(cfg, Block(cfg, moe=cfg.num_moe_layers > 0, recompute=recompute))
                                  for _ in range(cfg.mtp_depth)) if cfg.mtp_depth else None
         self.tp: TPRegion | None = None
         self.cp: CPRegion | None = None

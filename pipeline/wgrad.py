@@ -38,14 +38,16 @@ def _merged_linear_weight_grads(weight: Tensor, bias: Tensor | None, parts: list
 class _SplitLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # noqa: D102
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(x)
+        # weight and bias held as they are: a saved-tensor hook (a meter, moe.recompute) hands back an alias of a
+        # saved leaf, into which a deferred weight grad would accumulate instead of the parameter
+        ctx.weight, ctx.bias = weight, bias
         ctx.has_bias = bias is not None
-        ctx.bias = bias
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, dy: Tensor):  # noqa: D102
-        x, weight = ctx.saved_tensors
+        (x,), weight = ctx.saved_tensors, ctx.weight
         dx = dy @ weight if ctx.needs_input_grad[0] else None
         if not (ctx.needs_input_grad[1] or (ctx.has_bias and ctx.needs_input_grad[2])):
             return dx, None, None

@@ -47,7 +47,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--comm-sm-share", type=float, default=COMM_SM_SHARE,
                    help=f"share of SMs communication holds while it overlaps compute (default {COMM_SM_SHARE:.3f}: "
                         "DeepSeek-V3's 20 of 132)")
-    p.add_argument("--recompute", choices=RECOMPUTE, default="none")
+    p.add_argument("--recompute", choices=RECOMPUTE, help="activation recomputation (default: the config's "
+                   "train.recompute; --measure runs the model with it)")
     p.add_argument("--recipe", choices=tuple(RECIPES), help="bytes per param of weights/grads/optimizer "
                    "(default: this project's ZeRO-1 for train.dtype)")
     p.add_argument("--linears", choices=PRECISIONS, help="precision of every linear layer's GEMMs (default: BF16, "
@@ -105,10 +106,10 @@ def run(args: argparse.Namespace) -> dict:
         return {"runs": to_dicts(checks)}
     if args.config is None:
         raise ValueError("give a CONFIG to plan (or --validate)")
-    config = load_config(args.config, args.set)
+    config = load_config(args.config, args.set + ([f'train.recompute="{args.recompute}"'] if args.recompute else []))
     par = config.parallel
-    options = Options(args.recompute, args.kernels, args.recipe, args.sample_tokens, args.linears, args.virtual_stages,
-                      args.paired_1f1b, args.overlap_dp)
+    options = Options(config.train.recompute, args.kernels, args.recipe, args.sample_tokens, args.linears,
+                      args.virtual_stages, args.paired_1f1b, args.overlap_dp)
     if args.search:
         if not args.gpus or args.gpus < 1:
             raise ValueError("--search needs --gpus N (N >= 1)")

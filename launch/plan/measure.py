@@ -241,7 +241,7 @@ def compare(plan: Plan, measured: list[RankMeasure]) -> list[Check]:
         rows = [("dense params", r.dense_params, m.dense_params, 0.01),
                 ("expert params", r.expert_params, m.expert_params, 0.01),
                 ("optimizer bytes", r.states.optimizer, m.optimizer_bytes, 0.01),
-                ("activation peak bytes", r.activations, m.activation_peak, None),
+                ("activation peak bytes", r.activations + r.transient, m.activation_peak, None),
                 ("pipeline idle fraction", plan.idle_fractions[m.pp_rank], m.idle, None),
                 ("EP bytes intra (routing seen)", ep_pred[0], ep_meas[0], 0),
                 ("EP bytes inter (routing seen)", ep_pred[1], ep_meas[1], 0),
@@ -257,5 +257,5 @@ def compare(plan: Plan, measured: list[RankMeasure]) -> list[Check]:
         replicas = [m for m in measured if m.pp_rank == pp_rank]
         busiest = max(replicas, key=lambda m: m.activation_peak)
         checks.append(Check(busiest.rank, f"activation peak bytes, max of {len(replicas)} replicas",
-                            plan_rank.activations, busiest.activation_peak, 0.10))
+                            plan_rank.activations + plan_rank.transient, busiest.activation_peak, 0.10))
     return checks

@@ -12,9 +12,9 @@ from launch.plan.timing import StageCost
 from launch.plan.traffic import cp_kv_width
 from moe.config import ModelConfig
 from moe.cp import CP_METHODS
+from moe.recompute import RECOMPUTE
 from pipeline.schedules import Op, Schedule
 
-RECOMPUTE = ("none", "selective", "full")
 KERNELS = ("project", "fused", "fused-fp8")
 FP8_CACHED = 1 + 4 / 128  # bytes per element of an e4m3 tensor with one fp32 scale per 128 (1x128 tiles)
 
@@ -66,7 +66,8 @@ class ActivationModel:
     log-sum-exp in at least float32, K/V unexpanded, the rank's own (ring) or all cp ranks' (allgather); each rank
     holds S / cp of a sequence's tokens. Recomputation:
     "selective" recomputes the norms, SwiGLU products and (MLA) the q/kv up-projections from their
-    latents, as DeepSeek-V3 does; "full" keeps only each layer's input and recomputes the layer.
+    latents, as DeepSeek-V3 does; "full" keeps only a dense layer's input and recomputes the layer, and reruns an
+    MoE layer's communication-free segments (see layer; moe.model.Block).
     """
 
     cfg: ModelConfig
@@ -143,29 +144,46 @@ class ActivationModel:
         grad (project: also the fp32 weight and two int64 row ids); the FP8 expert
         linear keeps its input unquantised, so FP8 experts save the same bytes. fused-fp8: the input
         cached in FP8 and no expert output (the routing weight scales the SwiGLU output before the down
-        projection, whose input grad and input give the weight's grad)."""
+        projection, whose input grad and input give the weight's grad). Full recompute keeps no SwiGLU bytes
+        (the experts rerun from their input)."""
         h, a = self.cfg.hidden_size, self.itemsize
+        swiglu = 0.0 if self.recompute == "full" else self._swiglu(self.cfg.expert_ffn_size)
         if self.kernels == "fused-fp8":
-            return h * FP8_CACHED + self._swiglu(self.cfg.expert_ffn_size)
+            return h * FP8_CACHED + swiglu
         combine = h * a + (4 + 16 if self._project else 0)
-        return h * a + self._swiglu(self.cfg.expert_ffn_size) + combine
+        return h * a + swiglu + combine
 
     def layer(self, moe: bool) -> float:
-        """Bytes per token one layer keeps for backward (full recompute: its input only)."""
-        if self.recompute == "full":
-            return self._hidden(1)
+        """Bytes per token one layer keeps for backward. Full recompute (moe.model.Block): a dense layer keeps its
+        input; an MoE layer its input, the FFN norm's output (the router's and the shared experts' input), the
+        router's and each slot's expert input and combine bytes (router, dispatch and combine are not rerun)."""
         cfg = self.cfg
+        experts = cfg.top_k * self._slot() / self.tp
+        if self.recompute == "full":
+            if not moe:
+                return self._hidden(1)
+            normed = 1 if cfg.num_shared_experts or self.itemsize == 4 else 0
+            return self._hidden(1 + normed) + experts + self._router()
         if not moe:
             return self._attention() + self._norm() + self._swiglu(cfg.dense_ffn_size / self.tp)
-        experts = cfg.top_k * self._slot() / self.tp
         shared = self._swiglu(cfg.num_shared_experts * cfg.expert_ffn_size / self.tp)
         return self._attention() + self._norm() + experts + self._router() + shared
 
-    def transient_layer(self, moe: bool) -> float:
-        """Extra bytes per token while one layer is recomputed for its backward (full recompute)."""
+    def backward_layer(self, moe: bool) -> float:
+        """Bytes per token one layer holds at most during its own backward: what it keeps, or under full recompute
+        what a rerun segment saves beside it (a dense layer: the whole layer's; an MoE layer: the routed or shared
+        experts' SwiGLUs beside all it keeps, or, once those are done, attention with both norms, its input
+        included)."""
+        kept = self.layer(moe)
         if self.recompute != "full":
-            return 0.0
-        return replace(self, recompute="none").layer(moe)
+            return kept
+        plain = replace(self, recompute="none")  # the rerun saves the kept input again: counted once
+        if not moe:
+            return plain.layer(False)
+        cfg = self.cfg
+        experts = max(cfg.top_k * plain._swiglu(cfg.expert_ffn_size) / self.tp,
+                      plain._swiglu(cfg.num_shared_experts * cfg.expert_ffn_size / self.tp))
+        return max(kept + experts, plain._attention() + plain._norm())
 
     def head(self) -> float:
         """Final norm and LM head: the fp32 log-probabilities cross-entropy keeps (fused: also the
@@ -178,6 +196,16 @@ class ActivationModel:
         per_token = sum(self.layer(i >= self.cfg.first_k_dense) for i in layers)
         per_token += self.head() if has_head else 0.0
         return per_token * tokens
+
+    def backward_stage(self, layers: range, has_head: bool, tokens: int) -> float:
+        """The most bytes one chunk holds during its backward through a stage (the head's first, then the layers
+        last to first: each layer's backward_layer beside what the layers before it keep); at least stage()."""
+        held, most = 0.0, 0.0
+        for i in layers:
+            moe = i >= self.cfg.first_k_dense
+            most = max(most, held + self.backward_layer(moe))
+            held += self.layer(moe)
+        return max(most * tokens, self.stage(layers, has_head, tokens))
 
     def _linear_pairs(self, width_in: float, width_out: float) -> float:
         """A linear's input and output grad, kept for its deferred weight grad."""
@@ -226,16 +254,19 @@ def backward_workspace(cfg: ModelConfig, layers: range, embedding: bool, head: b
 
 def schedule_peaks(schedule: Schedule, stage_bytes: Sequence[float],
                    pair_costs: Sequence[StageCost] | None = None,
-                   deferred_bytes: Sequence[float] | None = None) -> list[float]:
+                   deferred_bytes: Sequence[float] | None = None,
+                   backward_bytes: Sequence[float] | None = None) -> list[float]:
     """Per rank, the most activation bytes held at once: each forward adds its stage's chunk bytes
     until that chunk's backward; a split backward leaves deferred_bytes (per stage; none if not given)
-    held until its W.
+    held until its W. While a backward runs, its chunk holds backward_bytes (per stage, ActivationModel.backward_stage;
+    the stage bytes if not given) instead of its stage bytes.
 
     An F&B pair counts its forward, then its backward, unless pair_costs (per stage) says the runtime
     runs the two halves at once: the forward then allocates and the backward frees at even rates over
     their own durations, so the pair peaks when its forward ends, less what the backward freed by then."""
     layout = schedule.layout
     deferred = deferred_bytes or [0.0] * len(stage_bytes)
+    rerun = [b - s for b, s in zip(backward_bytes, stage_bytes)] if backward_bytes else [0.0] * len(stage_bytes)
     peaks = []
     for rank in range(layout.num_ranks):
         live = peak = 0.0
@@ -249,14 +280,16 @@ def schedule_peaks(schedule: Schedule, stage_bytes: Sequence[float],
             elif pair_costs is not None and action.op is Op.FB:
                 f, b = (pair_costs[s].compute(h.op, h.split) for h, s in zip(halves, stages))
                 freed = sizes[1] * (min(1.0, f / b) if b > 0 else 1.0)
-                peak = max(peak, live + sizes[0] - freed)
+                # a backward reruns its segments as it goes: counted at its start, beside none of the forward yet
+                peak = max(peak, live + sizes[0] - freed, live + rerun[stages[1]])
                 live += sizes[0] - sizes[1]
                 continue
-            for half, size in zip(halves, sizes):
+            for half, size, stage in zip(halves, sizes, stages):
                 if half.op is Op.F:
                     live += size
                     peak = max(peak, live)
                 elif half.op is Op.B:
+                    peak = max(peak, live + rerun[stage])
                     live -= size
         peaks.append(peak)
     return peaks

@@ -77,7 +77,7 @@ class RankPlan:
     expert_params: float
     states: ModelStates
     activations: float
-    transient: float
+    transient: float  # what full recompute's reruns add to the schedule's peak (schedule_peaks' backward_bytes)
     workspace: float = 0.0  # launch.plan.memory.backward_workspace of the rank's stages
     bytes: dict[str, Traffic] = field(default_factory=dict)
 
@@ -218,6 +218,10 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
     deferred = [acts.deferred_stage(layers[s], s == num_stages - 1, tokens) for s in range(num_stages)]
     peaks = (schedule_peaks(schedule, stage_bytes, costs if par.overlap else None, deferred) if schedule
              else [stage_bytes[0]])
+    # full recompute: the same schedule with each backward's rerun segments held beside the rest
+    backward = [acts.backward_stage(layers[s], s == num_stages - 1, tokens) for s in range(num_stages)]
+    reruns = (schedule_peaks(schedule, stage_bytes, costs if par.overlap else None, deferred, backward) if schedule
+              else [backward[0]])
     act_bytes = tokens * cfg.hidden_size * itemsize / (par.tp if par.sequence_parallel else 1)
     ranks, sync = [], 0.0
     for rank in range(par.pp):
@@ -226,7 +230,7 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
         expert = sum(params.stages[s].on_rank(par.tp, par.ep)[1] for s in held)
         dense_group, expert_group, dense_inter, expert_inter = _groups(config, gpn, rank)
         states = zero_model_states(dense, dense_group, 1, recipe) + zero_model_states(expert, expert_group, 1, recipe)
-        transient = max(acts.transient_layer(i >= cfg.first_k_dense) for s in held for i in layers[s]) * tokens
+        transient = reruns[rank] - peaks[rank]
         workspace = max(backward_workspace(cfg, layers[s], s == 0, s == num_stages - 1, par.ep, par.tp, itemsize,
                                            tokens) for s in held)
         plan = RankPlan(rank, held, dense, expert, states, peaks[rank], transient, workspace)

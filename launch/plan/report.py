@@ -50,9 +50,10 @@ def activation_variants(plan: Plan) -> list[tuple[bool, str, float]]:
             stage = [model.stage(span, s == len(plan.layers) - 1, tokens) for s, span in enumerate(plan.layers)]
             deferred = [model.deferred_stage(span, s == len(plan.layers) - 1, tokens)
                         for s, span in enumerate(plan.layers)]
-            peaks = schedule_peaks(schedule, stage, None, deferred) if schedule else [stage[0]]
-            extra = max(model.transient_layer(i >= cfg.first_k_dense) for i in range(cfg.num_layers)) * tokens
-            out.append((sp, mode, (max(peaks) + extra) / GB))
+            backward = [model.backward_stage(span, s == len(plan.layers) - 1, tokens)
+                        for s, span in enumerate(plan.layers)]
+            peaks = schedule_peaks(schedule, stage, None, deferred, backward) if schedule else [backward[0]]
+            out.append((sp, mode, max(peaks) / GB))
     return out
 
 

@@ -47,12 +47,17 @@ BATCHED = {"cp2 tp2 ep4 sp": {"cp": 2, "tp": 2, "ep": 4, "sequence_parallel": Tr
 ROUTING = {"dropless": None, "capacity 1.0": 1.0}
 ATTENTION = {"gqa": {}, "mla": {"attention": "mla", "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
                                 "qk_rope_head_dim": 4, "v_head_dim": 8}}
-# By world size: (layout, attention, data.document_mask on a corpus of short documents)
-SPAWNS = {2: [(name, "mla", False) for name in ("pp2 dualpipev", "pp2 1f1b", "tp2 sp", "cp2 ring")]
-          + [("pp2 dualpipev", "gqa", True), ("tp2 sp", "gqa", True)],
-          4: [(name, "mla", False) for name in ("dp2 tp2 ep2", "pp2 tp2 dualpipev sp",
-                                                "pp2 dp2 ep2 dualpipev, EP across nodes")]
-          + [("cp2 tp2 ep4 sp", "gqa", False), ("cp2 tp2 ep4 sp", "mla", False), ("pp2 tp2 dualpipev sp", "mla", True)]}
+# By world size: (layout, attention, data.document_mask on a corpus of short documents, train.recompute)
+SPAWNS = {2: [(name, "mla", False, "none") for name in ("pp2 dualpipev", "pp2 1f1b", "tp2 sp", "cp2 ring")]
+          + [("pp2 dualpipev", "gqa", True, "none"), ("tp2 sp", "gqa", True, "none")]
+          + [("tp2 sp", "mla", False, "selective")],  # the rebuilt tensors of TP-split heads and FFN columns
+          4: [(name, "mla", False, "none") for name in ("dp2 tp2 ep2", "pp2 tp2 dualpipev sp",
+                                                         "pp2 dp2 ep2 dualpipev, EP across nodes")]
+          + [("cp2 tp2 ep4 sp", "gqa", False, "none"), ("cp2 tp2 ep4 sp", "mla", False, "none"),
+             ("pp2 tp2 dualpipev sp", "mla", True, "none")]
+          # train.recompute under DualPipeV's B/W split and EP's async dispatch (ZeRO-1 over dp2 too)
+          + [("pp2 dp2 ep2 dualpipev, EP across nodes", "mla", False, "selective"),
+             ("pp2 dp2 ep2 dualpipev, EP across nodes", "gqa", False, "full")]}
 MTP_LAYOUTS = {"pp2 1f1b": LAYOUTS["pp2 1f1b"], "pp2 dp2 ep2 dualpipev": {"pp": 2, "dp": 2, "ep": 2, "schedule": "dualpipev"},
                "dp2 tp2 sp": {"dp": 2, "tp": 2, "sequence_parallel": True}}
 MTP_SPAWNS = {2: ["pp2 1f1b"], 4: ["pp2 dp2 ep2 dualpipev", "dp2 tp2 sp"]}  # MLA + MTP depth 1, dropless
@@ -65,10 +70,11 @@ def routings(parallel: dict) -> dict[str, float | None]:
 
 
 def raw_config(run_dir: str, corpus: str, parallel: dict, capacity_factor: float | None,
-               attention: str = "gqa", mtp_depth: int = 0, document_mask: bool = False) -> dict:
+               attention: str = "gqa", mtp_depth: int = 0, document_mask: bool = False,
+               recompute: str = "none") -> dict:
     """A 4-layer (1 dense + 3 MoE) float64 model with GQA or MLA attention and mtp_depth MTP depths, 8 micro-batches
-    of 2 x 16 tokens per step; with document_mask also a padded vocab (300 ids in 320 rows: under tp2 the second
-    rank's block holds the 20 padded ids)."""
+    of 2 x 16 tokens per step, activations recomputed as recompute says; with document_mask also a padded vocab
+    (300 ids in 320 rows: under tp2 the second rank's block holds the 20 padded ids)."""
     model = {"vocab_size": 256, "hidden_size": 32, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
              "max_seq_len": 16, "first_k_dense": 1, "dense_ffn_size": 48, "num_experts": 8,
              "expert_ffn_size": 16, "top_k": 2, "num_shared_experts": 1, "score_func": "sigmoid",
@@ -80,7 +86,7 @@ def raw_config(run_dir: str, corpus: str, parallel: dict, capacity_factor: float
         model.update(vocab_size=300, vocab_multiple=64)
     settings = {"steps": STEPS, "micro_batch_size": 2, "grad_accum_steps": 8, "seq_len": 16, "lr": 0.01,
                 "warmup_steps": 1, "dtype": "float64", "eval_batches": 0, "run_dir": run_dir,
-                "rank_metrics_every": 2}
+                "rank_metrics_every": 2, "recompute": recompute}
     return {"model": model, "train": settings,
             "data": {"corpus": corpus, "max_bytes": 40_000, "document_mask": document_mask},
             "parallel": parallel}
@@ -175,17 +181,18 @@ def test_batched_layouts_equal_single_process(world, corpus, documents, referenc
     KV latent, TP-split heads with replicated down-projections) in pipeline, TP and CP layouts, and CP x TP
     (heads split over TP, each CP shard's sequence over SP, routers summing over cp x tp, EP over both) with
     GQA and MLA; document masking with a padded vocab under DualPipeV (rank 1 holds only middle stages: document ids
-    reach it as the runtime's context), TP + SP (the padded ids in one rank's vocab block), and both."""
+    reach it as the runtime's context), TP + SP (the padded ids in one rank's vocab block), and both; and recomputed
+    activations (train.recompute) against the single process without."""
     runs = SPAWNS[world]
     layouts = LAYOUTS | BATCHED
-    raws = [raw_config(str(tmp_path / f"{attention} {name} {masked}".replace(" ", "_")),
-                       corpus_of(masked, corpus, documents), layouts[name], None, attention, 0, masked)
-            for name, attention, masked in runs]
+    raws = [raw_config(str(tmp_path / f"{attention} {name} {masked} {recompute}".replace(" ", "_")),
+                       corpus_of(masked, corpus, documents), layouts[name], None, attention, 0, masked, recompute)
+            for name, attention, masked, recompute in runs]
     assert {build_config(raw).parallel.world_size for raw in raws} == {world}
     results = run_processes(_train_both, world, raws, timeout_s=600)[0]
-    for (name, attention, masked), raw, records in zip(runs, raws, results):
+    for (name, attention, masked, recompute), raw, records in zip(runs, raws, results):
         check_equal_runs(records, raw, reference("dropless", attention, 0, masked), layouts[name],
-                         f"{attention} {name} document_mask={masked}")
+                         f"{attention} {name} document_mask={masked} recompute={recompute}")
 
 
 def _train_with_embedding(rank: int, world: int, raws: list[dict]) -> list[tuple[list[dict], torch.Tensor | None]]:

@@ -1,8 +1,8 @@
 """moe-plan against measured runs of the trainer's own pieces (model stages, pipeline runtime, EP dispatch,
 ZeRO-1) on 4 gloo ranks over 2 simulated nodes: the EPDispatcher counters equal dispatch.predict on the
 routings the routers chose, the p2p payload bytes equal the planned ones exactly, parameters and
-optimizer bytes per rank are within 1%, the activations saved for backward within 10%; on a machine profiled
-here the predicted pipeline bubble follows the measured idle."""
+optimizer bytes per rank are within 1%, the activations saved for backward within 10% (also per train.recompute
+mode); on a machine profiled here the predicted pipeline bubble follows the measured idle."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from dispatch.multiproc import run_processes
 from launch.config import load_config
-from launch.plan.measure import IDLE_TOLERANCE, Check, compare, cpu_machine, measure
-from launch.plan.planner import Machine, make_plan
+from launch.plan.measure import IDLE_TOLERANCE, Check, compare, cpu_machine, measure, measure_rank
+from launch.plan.planner import Machine, Options, make_plan
 from launch.plan.presets import GPUS
+from moe.recompute import RECOMPUTE
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"
 # 1F1B over pp=2 x dp=2, EP over the 2 ranks of a stage, nodes of 2: EP inside a node, p2p across nodes
@@ -68,3 +70,31 @@ def test_the_bubble_is_checked_as_an_absolute_difference_of_idle_shares():
     relative = Check(0, "activation peak bytes", 105, 100, 0.10)
     assert relative.ok and relative.describe_error() == "+5.0%" and relative.describe_tolerance() == "10%"
     assert not Check(0, "bytes", 101, 100, 0).ok and Check(0, "bytes", 100, 100, 0).describe_tolerance() == "exact"
+
+
+# MLA with v_head_dim = qk_nope + qk_rope: torch's CPU attention then takes its fused kernel (q, k, v, output and
+# log-sum-exp kept, as the plan counts); narrower values take the composite path, which keeps the S x S probabilities
+MLA = ['model.attention="mla"', "model.q_lora_rank=32", "model.kv_lora_rank=32", "model.qk_nope_head_dim=16",
+       "model.qk_rope_head_dim=8", "model.v_head_dim=24"]
+ONE_PROCESS = ["parallel.pp=1", "parallel.dp=1", "parallel.ep=1", 'parallel.schedule="none"',
+               "train.grad_accum_steps=1"]
+
+
+def _measure_each(rank: int, world: int, configs: list) -> list:
+    return [measure_rank(rank, world, config, 1) for config in configs]
+
+
+@pytest.mark.parametrize("attention", ["gqa", "mla"])
+def test_measured_activation_peak_of_each_recompute_mode_matches_the_plan(attention):
+    # the tiny config on one process (1 dense + 3 MoE layers and the head, 2 x 128 tokens): the saved bytes drop from
+    # none to selective to full, and moe-plan predicts each within 10%
+    configs = [load_config(TINY, ONE_PROCESS + (MLA if attention == "mla" else []) + [f'train.recompute="{mode}"'])
+               for mode in RECOMPUTE]
+    measured = run_processes(_measure_each, 1, configs, timeout_s=240)[0]
+    peaks = []
+    for config, m in zip(configs, measured):
+        checks = compare(make_plan(config, Machine(GPUS["h800"], 1), Options(config.train.recompute)), [m])
+        check = next(c for c in checks if c.figure.startswith("activation peak bytes, max"))
+        assert check.ok, (config.train.recompute, check)
+        peaks.append(m.activation_peak)
+    assert peaks[0] > 1.3 * peaks[1] and peaks[1] > 2 * peaks[2], peaks

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,32 @@ def test_dualpipe_holds_two_stages_per_rank_and_dualpipev_two_half_stages():
                                                             + one.ranks[3].states.optimizer) / 2)
 
 
+def test_a_backward_that_reruns_its_segments_holds_them_beside_the_live_chunks():
+    # 1F1B on 4 ranks, 8 chunks of 1 byte per stage: rank 0 holds 4 chunks when its first backward starts, which
+    # holds 3 bytes more while it reruns (a backward stage of 4 bytes); the last rank holds 1 chunk and 3 more
+    schedule = build("1f1b", 4, 8)
+    assert schedule_peaks(schedule, [1.0] * 4, backward_bytes=[4.0] * 4) == [7.0, 6.0, 5.0, 4.0]
+    # DualPipeV's pairs: the rerun counted at the backward's start, beside none of the paired forward (rank 0: 4
+    # chunks when its first pair starts); rank 1's first backward, after its 5-chunk warm-up, is not paired
+    dualpipev = build("dualpipev", 2, 8)
+    costs = [StageCost(1.0, 1.0, 0.0, 0.0, 0.0)] * 4
+    assert schedule_peaks(dualpipev, [1.0] * 4, costs, backward_bytes=[1.5] * 4) == [4.5, 5.5]
+
+
+def test_full_recompute_backward_peaks_at_the_largest_rerun_beside_the_layers_before_it():
+    cfg = load_config(CONFIGS / "tiny.toml").model  # 1 dense + 3 MoE layers
+    full = ActivationModel(cfg, count_params(cfg).attention, 4, recompute="full")
+    none = replace(full, recompute="none")
+    dense, moe = full.layer(False), full.layer(True)
+    assert full.backward_layer(False) == none.layer(False)  # its input, saved again by the rerun, counted once
+    # the last MoE layer reruns its attention (larger than its experts' SwiGLUs here) beside the 3 layers before it
+    attention = none._attention() + none._norm()
+    assert full.backward_layer(True) == max(moe + 2 * none._swiglu(96), attention, moe + none._swiglu(96))
+    assert full.backward_stage(range(4), False, 10) == 10 * max(none.layer(False), dense + moe + moe
+                                                               + full.backward_layer(True))
+    assert none.backward_stage(range(4), True, 10) == none.stage(range(4), True, 10)
+
+
 def test_sequence_parallel_and_recompute_shrink_activations():
     cfg = load_config(CONFIGS / "deepseek-v3.toml").model
     attention = count_params(cfg).attention
@@ -86,7 +113,15 @@ def test_sequence_parallel_and_recompute_shrink_activations():
              for sp in (False, True) for mode in ("none", "selective", "full")}
     assert sizes[(True, "none")] < sizes[(False, "none")]
     assert sizes[(False, "full")] < sizes[(False, "selective")] < sizes[(False, "none")]
-    assert sizes[(False, "full")] == 7168 * 2 and sizes[(True, "full")] == 7168 * 2 / 4
+    # full: an MoE layer keeps its input and the FFN norm's output (bf16, split by SP), the router's fp32 input copy,
+    # logits and scores and 8 slots' ids/weights (+12), and per slot (8 over tp 4) the expert input, the expert
+    # output and combine's weight and row ids; a dense layer keeps its input only
+    router = 4 * 7168 + 2 * 4 * 256 + 8 * 13 + 12
+    routed = 8 * (2 * 7168 * 2 + 4 + 16) / 4
+    assert sizes[(False, "full")] == 2 * 7168 * 2 + router + routed
+    assert sizes[(True, "full")] == 2 * 7168 * 2 / 4 + router + routed
+    dense = {sp: ActivationModel(cfg, attention, 2, 4, sp, "full").layer(moe=False) for sp in (False, True)}
+    assert dense == {False: 7168 * 2, True: 7168 * 2 / 4}
     with pytest.raises(ValueError, match="recompute = 'most' is not allowed"):
         ActivationModel(cfg, attention, recompute="most")
 
