@@ -201,6 +201,35 @@ class ParallelSettings:
         return 2 * self.pp if self.schedule == "dualpipev" else self.pp
 
 
+ZERO_STAGES = (1, 2)
+OFFLOADS = ("none",)
+
+
+@dataclass
+class OptimSettings:
+    """The distributed optimizer: zero_stage 1 shards the fp32 masters and AdamW moments over each param's
+    replicas, 2 also the grads (reduce-scattered during every backward, full grads freed; optim.ZeRO1)."""
+
+    zero_stage: int = 1
+    offload: str = "none"
+
+    def __post_init__(self) -> None:
+        check_choice("optim.zero_stage", self.zero_stage, ZERO_STAGES)
+        check_choice("optim.offload", self.offload, OFFLOADS)
+
+
+def _check_optim(cfg: "RunConfig") -> None:
+    """Layouts the ZeRO stages do not run: ZeRO-2 frees each full grad bucket once reduced over DP, so it needs the
+    reduction inside the backward and no TP-partial grads still to be summed over TP after it."""
+    optim, par = cfg.optim, cfg.parallel
+    if optim.zero_stage >= 2 and not par.overlap_grad_reduce:
+        raise ValueError(f"optim.zero_stage = {optim.zero_stage} reduce-scatters grads during every backward: "
+                         f"parallel.overlap_grad_reduce must be true (allowed with false: optim.zero_stage = 1)")
+    if optim.zero_stage >= 2 and par.tp > 1:
+        raise ValueError(f"optim.zero_stage = {optim.zero_stage} does not run with parallel.tp = {par.tp} (TP-partial "
+                         f"grads are summed over TP after the backward): allowed optim.zero_stage = 1, or parallel.tp = 1")
+
+
 @dataclass
 class RunConfig:
     """A whole run: model shape, training loop, data, layout and operations (checkpoints, faults)."""
@@ -210,6 +239,7 @@ class RunConfig:
     data: DataSettings = field(default_factory=DataSettings)
     parallel: ParallelSettings = field(default_factory=ParallelSettings)
     ops: OpsSettings = field(default_factory=OpsSettings)
+    optim: OptimSettings = field(default_factory=OptimSettings)
 
     def __post_init__(self) -> None:
         if self.train.seq_len > self.model.max_seq_len:
@@ -248,6 +278,7 @@ class RunConfig:
                              f"{par.world_size}")
         check_tp_shapes(model, self.train.seq_len, par.tp, par.sequence_parallel, par.cp)
         _check_mtp(model, par)
+        _check_optim(self)
         _check_fp8_sizes(model, par)
         layout = self.layout
         nodes = layout.ep_nodes()
@@ -299,7 +330,7 @@ def _check_fp8_sizes(model: ModelConfig, par: ParallelSettings) -> None:
 
 
 SECTIONS = {"model": ModelConfig, "train": TrainSettings, "data": DataSettings, "parallel": ParallelSettings,
-            "ops": OpsSettings}
+            "ops": OpsSettings, "optim": OptimSettings}
 
 
 def _accepted_types(hint: object) -> tuple[type, ...]:

@@ -155,15 +155,17 @@ def build_optimizer(stages: list[Stage], cfg: RunConfig, mesh: Mesh) -> ZeRO1:
                                "overlap": not any(id(p) in partial for p in params)})
     groups += [{"params": [p], "weight_decay": cfg.train.weight_decay, "process_group": mesh.embed_replicas,
                 "grad_divisor": 1} for p in copies.values()]
-    return ZeRO1(groups, torch.optim.AdamW, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2))
+    return ZeRO1(groups, torch.optim.AdamW, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2),
+                 stage=cfg.optim.zero_stage)
 
 
-def last_backward(optimizer: ZeRO1 | None, runtime: PipelineRuntime | None) -> contextlib.AbstractContextManager:
-    """Around the step's last backward (the last micro-batch's, or the last pipeline step): ZeRO-1 starts
-    reducing each bucket as soon as all its grads are final, while the backward goes on; with a pipeline the
-    runtime says which grads are (runtime.last_grad: a deferred weight grad once its last W ran). The
-    reductions still in flight are waited for in the clip (ZeRO1.clip_grad_norm_)."""
-    if optimizer is None:
+def last_backward(optimizer: ZeRO1 | None, runtime: PipelineRuntime | None,
+                  last: bool = True) -> contextlib.AbstractContextManager:
+    """Around the step's last backward (the last micro-batch's, or the last pipeline step; ZeRO-2: around every
+    one, `last` or not): ZeRO-1 starts reducing each bucket as soon as all its grads are final, while the backward
+    goes on; with a pipeline the runtime says which grads are (runtime.last_grad: a deferred weight grad once its
+    last W ran). The reductions still in flight are waited for in the clip (ZeRO1.clip_grad_norm_)."""
+    if optimizer is None or not (last or optimizer.stage >= 2):
         return contextlib.nullcontext()
     return optimizer.reduce_during_backward(runtime.last_grad if runtime is not None else None)
 
@@ -199,7 +201,7 @@ def forward_backward(stages: list[Stage], runtime: PipelineRuntime | None, micro
             loss = criterion(*(out if isinstance(out, tuple) else (out,)), batch.labels)
             if torch.is_grad_enabled():
                 mark(f"backward of micro-batch {m}", ACTION)
-                with last_backward(optimizer, None) if m == len(micro) - 1 else contextlib.nullcontext():
+                with last_backward(optimizer, None, m == len(micro) - 1):
                     loss.backward()
             add_lm_parts()
         return total, 0.0
@@ -211,7 +213,7 @@ def forward_backward(stages: list[Stage], runtime: PipelineRuntime | None, micro
         inputs = torch.cat([step[c].inputs for c in entry]) if entry else None
         labels = torch.cat([step[c].labels for c in exit_]) if exit_ else None
         runtime.timeline = []
-        with last_backward(optimizer, runtime) if first + chunks >= len(micro) else contextlib.nullcontext():
+        with last_backward(optimizer, runtime, first + chunks >= len(micro)):
             runtime.step(*([inputs] if entry else []), num_chunks=chunks, criterion=criterion,
                          labels=(labels,) if exit_ else ())
         busy += sum(b for *_, b in runtime.timeline)

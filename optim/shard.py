@@ -62,10 +62,11 @@ class ShardedParams:
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], group: ProcessGroup | None,
-                 bucket_cap: int, grad_divisor: float, collectives: str) -> None:
+                 bucket_cap: int, grad_divisor: float, collectives: str, shard_grads: bool = False) -> None:
         self.params = list(params)
         self.group = group
         self.grad_divisor = grad_divisor
+        self.shard_grads = shard_grads
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         if collectives == "auto":
             collectives = "p2p" if dist.get_backend(group) == "gloo" else "scatter_gather"
@@ -85,14 +86,17 @@ class ShardedParams:
         self.bucket_chunks = [self._chunks(m, self.grad[b.shard])
                               for m, b in zip(self.masters, self.layout.buckets)]
         self.optims: list[torch.optim.Optimizer] = []
-        self.grad_flat = torch.zeros(self.layout.total, dtype=self.master_dtype,
-                                     device=self.param_flat.device)
-        self.grad_views = self.layout.views(self.grad_flat)
-        self.binds_grads = dtype == self.master_dtype
-        self.zero_grad(set_to_none=False)
-        scratch_rows = max(world - 2, 0) if collectives == "p2p" else 0  # only p2p receives into it
+        self.grad_buckets = [torch.zeros(b.numel, dtype=self.master_dtype, device=self.param_flat.device)
+                             for b in self.layout.buckets]
+        self.grad_views = self.layout.bucket_views(self.grad_buckets)
+        self.binds_grads = dtype == self.master_dtype and not shard_grads
+        # receive rows: ZeRO-1's reduction lands in the grad shard (p2p: plus N-2 rows for the other peers);
+        # ZeRO-2's lands in row 0 (p2p: N-1 rows), then is added to the shard, which sums every backward's
+        scratch_rows = (max(world - 2, 0) if collectives == "p2p" else 0) + shard_grads
         self._scratch = torch.empty(scratch_rows, self.layout.shard_numel, dtype=self.master_dtype,
                                     device=self.grad.device)
+        self._inboxes = list(self._scratch) if shard_grads else [self.grad, *self._scratch]
+        self.zero_grad(set_to_none=False)
         self.bucket_params = [[i for i, b in enumerate(self.layout.bucket_of) if b == bucket]
                               for bucket in range(len(self.layout.buckets))]
         self.listener: Callable[[int], None] | None = None  # told each param index whose grad came in
@@ -118,11 +122,29 @@ class ShardedParams:
                        for chunks in self.bucket_chunks]
 
     def zero_grad(self, set_to_none: bool) -> None:
-        """Drop fp32 grads (set_to_none) or bind them to the zeroed flat buffer; zero the sums."""
-        if not (set_to_none and self.binds_grads):
-            self.grad_flat.zero_()
+        """Drop fp32 grads (set_to_none) or bind them to the zeroed bucket buffers; zero the sums. With
+        shard_grads (ZeRO-2) the full buffers are freed instead (each comes back, zeroed, with its first grad)
+        and the grad shard, which sums the reductions of every backward, is zeroed."""
+        if self.shard_grads:
+            self.grad.zero_()
+            for b in range(len(self.grad_buckets)):
+                self._free(b)
+        elif not (set_to_none and self.binds_grads):
+            for buffer in self.grad_buckets:
+                buffer.zero_()
         for p, view in zip(self.params, self.grad_views):
             p.grad = view if self.binds_grads and not set_to_none else None
+
+    def _free(self, b: int) -> None:
+        """Release bucket b's full grad buffer (its views stay valid for _hold)."""
+        self.grad_buckets[b].untyped_storage().resize_(0)
+
+    def _hold(self, b: int) -> None:
+        """Give bucket b's full grad buffer its storage back, zeroed, if it was freed."""
+        buffer = self.grad_buckets[b]
+        if buffer.untyped_storage().nbytes() == 0:
+            buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
+            buffer.zero_()
 
     def _collect(self, i: int) -> None:
         """Move param i's .grad into the flat fp32 buffer: fp32 by copy and rebinding (zero for
@@ -130,6 +152,7 @@ class ShardedParams:
         p, view = self.params[i], self.grad_views[i]
         if not self.binds_grads:
             if p.grad is not None:
+                self._hold(self.layout.bucket_of[i])
                 view.add_(p.grad)
                 p.grad = None
         elif p.grad is None:
@@ -140,6 +163,7 @@ class ShardedParams:
 
     def local_grad(self, i: int) -> torch.Tensor:
         """Param i's local (not yet reduced) grad sum: its view of the flat fp32 buffer, whatever its dtype."""
+        self._hold(self.layout.bucket_of[i])
         self._collect(i)
         return self.grad_views[i]
 
@@ -154,19 +178,20 @@ class ShardedParams:
 
     def launch(self, bucket: int) -> None:
         """Start reducing a bucket's grad sums (its params' grads collected first: none is zero)."""
+        self._hold(bucket)
         for i in self.bucket_params[bucket]:
             self._collect(i)
-        self._works[bucket] = self._start_reduce(self.layout.buckets[bucket])
+        self._works[bucket] = self._start_reduce(bucket)
         self.launched.add(bucket)
 
-    def _start_reduce(self, b: Bucket) -> list[dist.Work]:
-        """Start reducing bucket b's grad sums; rank r's piece ends up on rank r (see _finish)."""
-        grad, flat = self.grad, self.grad_flat
+    def _start_reduce(self, bucket: int) -> list[dist.Work]:
+        """Start reducing a bucket's grad sums; rank r's piece ends up on rank r (see _finish)."""
+        b, flat = self.layout.buckets[bucket], self.grad_buckets[bucket]
         if self.collectives == "scatter_gather":
-            return [dist.reduce_scatter_single(grad[b.shard], flat[b.full], group=self.group,
+            return [dist.reduce_scatter_single(self._inboxes[0][b.shard], flat, group=self.group,
                                                async_op=True)]
-        inboxes = [grad[b.shard], *(inbox[b.shard] for inbox in self._scratch)]
-        return self._exchange([flat[b.piece(r)] for r in self.peers], inboxes)
+        return self._exchange([flat[b.local_piece(r)] for r in self.peers],
+                              [inbox[b.shard] for inbox in self._inboxes])
 
     def _exchange(self, outgoing: list[torch.Tensor], incoming: list[torch.Tensor]
                   ) -> list[dist.Work]:
@@ -178,20 +203,24 @@ class ShardedParams:
         return works
 
     def _finish(self, i: int) -> None:
-        """Wait for bucket i's reduction (if pending), sum its pieces, divide by grad_divisor."""
+        """Wait for bucket i's reduction (if pending), sum its pieces, divide by grad_divisor (ZeRO-2: add the
+        result to the grad shard and free the bucket's full buffer)."""
         if i not in self._works:
             return
         _wait(self._works.pop(i))
         b = self.layout.buckets[i]
-        grad, own = self.grad[b.shard], self.grad_flat[b.owned]
+        grad, own = self._inboxes[0][b.shard], self.grad_buckets[i][b.local_piece(b.rank)]
         if self.collectives == "p2p":
             if self.peers:
                 grad.add_(own)
             else:
                 grad.copy_(own)
-            for inbox in self._scratch:
+            for inbox in self._inboxes[1:]:
                 grad.add_(inbox[b.shard])
         grad.div_(self.grad_divisor)
+        if self.shard_grads:
+            self.grad[b.shard].add_(grad)
+            self._free(i)
 
     def finish_reduce(self) -> None:
         """Wait for every started reduction; this rank's shard of the grad sums / grad_divisor is in self.grad."""

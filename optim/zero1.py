@@ -16,6 +16,7 @@ from optim.shard import MASTER_KEY, Piece, ShardedParams
 
 LAYOUT_KEYS = ("process_group", "norm_groups", "grad_divisor", "norm_weight", "overlap")
 COLLECTIVES = ("auto", "scatter_gather", "p2p")
+STAGES = (1, 2)
 FUSED_BY_DEFAULT = (torch.optim.Adam, torch.optim.AdamW)
 IMPLEMENTATION_KEYS = ("fused", "foreach", "differentiable")
 
@@ -101,14 +102,23 @@ class ZeRO1(torch.optim.Optimizer):
     TP, even inside reduce_during_backward). bucket_cap_mb caps one
     collective's fp32 bucket; collectives picks the primitives (see ShardedParams; "auto"
     chooses by backend).
+
+    stage=2 (ZeRO-2) also shards the grads: every backward run inside reduce_during_backward() (each
+    micro-batch's, or each pipeline step's) reduce-scatters its buckets as they are ready into the fp32
+    grad shards, which sum them, and each bucket's full buffer is freed once its reduction is done (it
+    comes back, zeroed, with the bucket's next grad). The full grads live only from a bucket's first grad
+    of one backward to its reduction, at the cost of one reduce-scatter per backward instead of per step.
     """
 
     def __init__(self, params: Iterable[Any],
                  optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
                  process_group: ProcessGroup | None = None, *, bucket_cap_mb: float = 25.0,
                  norm_groups: Sequence[ProcessGroup] = (), collectives: str = "auto",
-                 **defaults: Any) -> None:
+                 stage: int = 1, **defaults: Any) -> None:
         groups = _param_groups(params)
+        if stage not in STAGES:
+            raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+        self.stage = stage
         if collectives not in COLLECTIVES:
             raise ValueError(f"collectives must be one of {COLLECTIVES}, got {collectives!r}")
         if not (isinstance(optimizer_class, type)
@@ -127,7 +137,7 @@ class ZeRO1(torch.optim.Optimizer):
             _check_group(i, group)
         bucket_cap = max(1, int(bucket_cap_mb * 2**20) // 4)
         self._shards = [ShardedParams(g["params"], g["process_group"], bucket_cap,
-                                      g["grad_divisor"], collectives) for g in groups]
+                                      g["grad_divisor"], collectives, stage >= 2) for g in groups]
         for group, shard in zip(groups, self._shards):
             shard.build_optimizers(optimizer_class, _hyper(group),
                                    _inner_defaults(optimizer_class, defaults, shard.grad.device))
@@ -170,10 +180,21 @@ class ZeRO1(torch.optim.Optimizer):
         final grad. final(param), asked from param's post-accumulate-grad hook, says whether the grad just
         accumulated is param's last this step (default: every grad is, for one last backward; a pipeline
         runtime's last_grad for deferred weight grads). Buckets start in one fixed order, the same on every
-        rank, so a bucket also waits for those before it; the rest start in reduce_gradients() or step()."""
+        rank, so a bucket also waits for those before it; the rest start in reduce_gradients() or step().
+        ZeRO-2 wraps every backward: the previous one's reductions are finished on entry (their full buffers
+        freed) and the buckets still waiting start on exit."""
+        if self.stage >= 2:
+            self._finish_all()
         self._reset()
         self._final = final or (lambda param: True)
         yield
+        if self.stage >= 2:
+            self._launch(flush=True)
+
+    def _finish_all(self) -> None:
+        """Wait for every bucket reduction started (each group's shard now holds its sums)."""
+        for shard in self._shards:
+            shard.finish_reduce()
 
     def _grad_in(self, s: int, i: int) -> None:
         """Group s's param i got a grad: when armed and it is final, start the buckets now complete."""
@@ -205,8 +226,7 @@ class ZeRO1(torch.optim.Optimizer):
         """Reduce-scatter the accumulated local grads into the fp32 shards (once per step)."""
         if not self._reduced:
             self._launch(flush=True)
-            for shard in self._shards:
-                shard.finish_reduce()
+            self._finish_all()
             self._reset()
             self._reduced = True
 
@@ -271,7 +291,8 @@ class ZeRO1(torch.optim.Optimizer):
         """Bytes of this rank's ZeRO-1 buffers besides the params, their .grad and the inner optimizers' state:
         the full fp32 grad sums of params whose .grad is not bound to them (bf16 params), the reduced grad
         shards, fp32 master shards held apart from the params (bf16 params), the p2p receive scratch."""
-        return {"grad_sums": sum(s.grad_flat.nbytes for s in self._shards if not s.binds_grads),
+        return {"grad_sums": sum(g.untyped_storage().nbytes() for s in self._shards if not s.binds_grads
+                                 for g in s.grad_buckets),
                 "grad_shards": sum(s.grad.nbytes for s in self._shards),
                 "masters": sum(m.nbytes for s in self._shards for m in s.masters if m.dtype != s.param_flat.dtype),
                 "scratch": sum(s._scratch.nbytes for s in self._shards)}

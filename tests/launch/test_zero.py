@@ -1,0 +1,118 @@
+"""The trainer under optim.zero_stage 2 equals the single-process run (float64, 5 steps), reduces every backward,
+frees its full grads, and its checkpoints reshard to and from other layouts.
+
+Layouts of one world size train in one spawn (tests/launch/test_equivalence.py's method and tolerances: losses
+1e-10 relative, consolidated params calc_diff < 1e-12); capacity factor 1.0 drops slots in the dp2 ep2 run.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dispatch.multiproc import run_processes
+from launch.checkpoint import consolidate
+from launch.config import build_config
+from launch.train import train
+from optim.shard import ShardedParams
+from optim.zero1 import ZeRO1
+from tests.launch.test_equivalence import (STEPS, _train_runs, calc_diff, check_equal_runs, corpus,  # noqa: F401
+                                           raw_config, reference)
+
+# name -> ([parallel], [optim], capacity factor); grad_accum_steps 8: 4 micro-batches per DP rank
+RUNS = {2: {"zero2 dp2 ep2 capacity 1.0": ({"dp": 2, "ep": 2}, {"zero_stage": 2}, 1.0),
+            "zero2 pp2 dualpipev, 2 pipeline steps per step": ({"pp": 2, "schedule": "dualpipev", "num_chunks": 4},
+                                                               {"zero_stage": 2}, None)}}
+ROUTING_NAME = {None: "dropless", 1.0: "capacity 1.0"}
+
+
+def zero_raw(path, corpus: str, parallel: dict, optim: dict, capacity: float | None) -> dict:
+    """raw_config with an [optim] section."""
+    return {**raw_config(str(path), corpus, parallel, capacity), "optim": optim}
+
+
+def _train_counting(rank: int, world: int, raws: list[dict]) -> list[tuple[list[dict], list[int], list[int]]]:
+    """Each run's records, the bucket reductions started per zero_grad-to-zero_grad step divided by the buckets
+    this rank's optimizer holds, and the full-grad bytes ZeRO-2 held after each step's optimizer update."""
+    out = []
+    for raw in raws:
+        launches: list[int] = []
+        held: list[int] = []
+        buckets: list[int] = []
+        launch, zero_grad, step = ShardedParams.launch, ZeRO1.zero_grad, ZeRO1.step
+
+        def counted_launch(self, bucket):
+            launches[-1] += 1
+            return launch(self, bucket)
+
+        def counted_zero_grad(self, *args, **kwargs):
+            launches.append(0)
+            buckets.append(sum(len(shard.layout.buckets) for shard in self._shards))
+            return zero_grad(self, *args, **kwargs)
+
+        def measured_step(self, *args, **kwargs):
+            result = step(self, *args, **kwargs)
+            held.append(sum(g.untyped_storage().nbytes() for shard in self._shards for g in shard.grad_buckets))
+            return result
+        ShardedParams.launch, ZeRO1.zero_grad, ZeRO1.step = counted_launch, counted_zero_grad, measured_step
+        try:
+            records = train(build_config(raw), progress=False)
+        finally:
+            ShardedParams.launch, ZeRO1.zero_grad, ZeRO1.step = launch, zero_grad, step
+        out.append((records, [n / b for n, b in zip(launches, buckets)], held))
+    return out
+
+
+@pytest.mark.parametrize("world", list(RUNS))
+def test_zero2_layouts_equal_single_process(world, corpus, reference, tmp_path):  # noqa: F811
+    """Losses and params as one process; each backward (micro-batch, or pipeline step) reduces every bucket once,
+    and no full grad buffer is held after the update."""
+    runs = RUNS[world]
+    raws = [zero_raw(tmp_path / name.replace(" ", "_").replace(",", ""), corpus, *spec) for name, spec in runs.items()]
+    assert {build_config(raw).parallel.world_size for raw in raws} == {world}
+    results = run_processes(_train_counting, world, raws, timeout_s=600)
+    for i, ((name, (parallel, _, capacity)), raw) in enumerate(zip(runs.items(), raws)):
+        check_equal_runs(results[0][i][0], raw, reference(ROUTING_NAME[capacity]), parallel, name)
+        micro = raw["train"]["grad_accum_steps"] // parallel.get("dp", 1)
+        backwards = micro // parallel.get("num_chunks", 1) if "pp" in parallel else micro  # pipeline steps
+        for rank in range(world):
+            _, launches, held = results[rank][i]
+            assert held == [0] * STEPS, (name, rank, held)
+            assert launches == [backwards] * STEPS, (name, rank, launches)
+
+
+def test_zero2_checkpoints_reshard_to_and_from_one_process(corpus, tmp_path):  # noqa: F811
+    """A 1-process ZeRO-1 checkpoint resumes under ZeRO-2 dp2 ep2 and a ZeRO-2 dp2 ep2 one in 1 process (ZeRO-1):
+    both continue the uninterrupted 1-process run (warmup covers the cut at step 3, so LRs do not depend on
+    train.steps)."""
+    cut, parallel, optim = 3, {"dp": 2, "ep": 2}, {"zero_stage": 2}
+
+    def raw(name: str, sharded: bool, steps: int) -> dict:
+        out = zero_raw(tmp_path / name, corpus, parallel if sharded else {}, optim if sharded else {}, None)
+        out["train"].update(steps=steps, warmup_steps=cut)
+        return out
+    whole = train(build_config(raw("whole", False, STEPS)), progress=False)
+    train(build_config(raw("from_one", False, cut)), progress=False)
+    saved, resumed = run_processes(_train_runs, 2, [(raw("from_zero2", True, cut), False),
+                                                    (raw("from_one", True, STEPS), True)], timeout_s=300)[0]
+    back = train(build_config(raw("from_zero2", False, STEPS)), resume=True, progress=False)
+    want = consolidate(tmp_path / "whole" / "checkpoint")
+    for name, records, first in (("from_one", resumed, cut), ("from_zero2", saved + back, 0)):
+        assert [r["step"] for r in records] == list(range(first, STEPS)), name
+        for got, ref in zip(records, whole[first:]):
+            assert got["lm_loss"] == pytest.approx(ref["lm_loss"], rel=1e-10), (name, got["step"])
+        state = consolidate(tmp_path / name / "checkpoint")
+        assert set(state) == set(want)
+        for key, value in want.items():
+            if value.is_floating_point() and value.abs().sum() > 0:
+                assert calc_diff(state[key], value) < 1e-12, (name, key)
+
+
+@pytest.mark.parametrize("optim, parallel, field", [
+    ({"zero_stage": 4}, {}, "optim.zero_stage"),
+    ({"zero_stage": 2}, {"dp": 2, "tp": 2}, "optim.zero_stage"),
+    ({"zero_stage": 2}, {"dp": 2, "overlap_grad_reduce": False}, "parallel.overlap_grad_reduce"),
+    ({"offload": "gpu"}, {}, "optim.offload"),
+])
+def test_bad_optim_settings_name_the_field(optim, parallel, field, corpus, tmp_path):  # noqa: F811
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        build_config(zero_raw(tmp_path, corpus, parallel, optim, None))
