@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -21,6 +23,20 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     params = [p for g in optimizer.param_groups for p in g["params"]]
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     return sum(t.numel() * t.element_size() for t in params + state)
+
+
+def model_state_bytes(optimizer: ZeRO1, params: Iterable[torch.Tensor]) -> dict[str, int]:
+    """Bytes this rank holds right now for the model states of params under optimizer: "params" (the storage the
+    params view, freed storage counting 0, plus masters kept apart), "grads" (full grad buffers held, the reduced
+    shards, receive scratch, any .grad outside them) and "optimizer" (held_optimizer_bytes less those masters)."""
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params}
+    buffers = optimizer.buffer_bytes()
+    apart = {g.untyped_storage().data_ptr() for s in optimizer._shards for g in s.grad_buckets}
+    loose = sum(p.grad.nbytes for p in params if p.grad is not None and p.grad.untyped_storage().data_ptr() not in apart)
+    held = sum(g.untyped_storage().nbytes() for s in optimizer._shards for g in s.grad_buckets)
+    return {"params": sum(storages.values()) + buffers["masters"],
+            "grads": held + buffers["grad_shards"] + buffers["scratch"] + loose,
+            "optimizer": held_optimizer_bytes(optimizer) - buffers["masters"]}
 
 
 def held_optimizer_bytes(optimizer: ZeRO1) -> int:

@@ -225,12 +225,13 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
         dense = sum(params.stages[s].on_rank(par.tp, par.ep)[0] for s in held)
         expert = sum(params.stages[s].on_rank(par.tp, par.ep)[1] for s in held)
         dense_group, expert_group, dense_inter, expert_inter = _groups(config, gpn, rank)
-        states = zero_model_states(dense, dense_group, 1, recipe) + zero_model_states(expert, expert_group, 1, recipe)
+        states = (zero_model_states(dense, dense_group, config.optim.zero_stage, recipe)
+                  + zero_model_states(expert, expert_group, min(config.optim.zero_stage, 2), recipe))
         transient = max(acts.transient_layer(i >= cfg.first_k_dense) for s in held for i in layers[s]) * tokens
         workspace = max(backward_workspace(cfg, layers[s], s == 0, s == num_stages - 1, par.ep, par.tp, itemsize,
                                            tokens) for s in held)
         plan = RankPlan(rank, held, dense, expert, states, peaks[rank], transient, workspace)
-        grad_sync = [(dense, dense_group, dense_inter), (expert, expert_group, expert_inter)]
+        grad_sync = [(dense, dense_group, dense_inter, True), (expert, expert_group, expert_inter, False)]
         ranks.append(plan)
         if timed:
             plan.bytes = _rank_bytes(config, layout, rank, held, moe_layers, layers, ep_layer, act_bytes, grad_sync,
@@ -296,8 +297,13 @@ def _rank_bytes(config: RunConfig, layout: Layout, rank: int, held: list[int], m
                     peer = layout.locate(chunk, neighbour)[0]
                     if peer != rank:
                         _add(out, "pp", node_of(config, gpn, peer) != me, steps * act_bytes)
-    for numel, group, inter in grad_sync:
-        _add(out, "dp", inter, ring_bytes(numel, group, 4) + ring_bytes(numel, group, recipe.param))
+    stage = config.optim.zero_stage
+    reductions = steps * (chunks if par.pp == 1 else 1) if stage >= 2 else 1  # ZeRO-2: one per backward
+    micro_batches = steps * max(visits.values())  # through this rank's busiest stage
+    for numel, group, inter, dense in grad_sync:
+        # ZeRO-3: the dense params gathered before every micro-batch's forward and backward, not after the step
+        gathers = 2 * micro_batches if stage == 3 and dense else 1
+        _add(out, "dp", inter, reductions * ring_bytes(numel, group, 4) + gathers * ring_bytes(numel, group, recipe.param))
     if par.tp > 1:
         tp_layers = sum(len(layers[s]) * visits[s] for s in held)
         all_reduce = 2 * ring_bytes(act_bytes * par.tp / itemsize, par.tp, itemsize)

@@ -7,11 +7,16 @@ Layouts of one world size train in one spawn (tests/launch/test_equivalence.py's
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from dispatch.multiproc import run_processes
 from launch.checkpoint import consolidate
-from launch.config import build_config
+from launch.config import build_config, load_config
+from launch.plan.measure import measure
+from launch.plan.planner import Machine, make_plan
+from launch.plan.presets import GPUS
 from launch.train import train
 from optim.shard import ShardedParams
 from optim.zero1 import ZeRO1
@@ -116,3 +121,27 @@ def test_zero2_checkpoints_reshard_to_and_from_one_process(corpus, tmp_path):  #
 def test_bad_optim_settings_name_the_field(optim, parallel, field, corpus, tmp_path):  # noqa: F811
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         build_config(zero_raw(tmp_path, corpus, parallel, optim, None))
+
+
+# the tiny config at dp2 x ep2 (no pipeline): dense params sharded over 2 DP ranks, each expert on one rank
+TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"
+DP2_EP2 = ["parallel.pp=1", "parallel.dp=2", "parallel.ep=2", 'parallel.schedule="none"', "parallel.gpus_per_node=0",
+           'parallel.dispatch_backend="flat"', "train.seq_len=32", "train.grad_accum_steps=4"]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_planned_model_states_match_the_measured_bytes_per_rank(stage):
+    """moe-plan's params, grads and optimizer bytes per rank (zero_model_states at optim.zero_stage) within 10% of
+    what a rank of the trainer holds after a step (optim.memory.model_state_bytes); each stage plans less."""
+    config = load_config(TINY, [*DP2_EP2, f"optim.zero_stage={stage}"])
+    plan = make_plan(config, Machine(GPUS["h800"], 8), timed=False)
+    measured = measure(config, steps=1, timeout_s=300)
+    for m in measured:
+        states = plan.ranks[m.pp_rank].states
+        for kind, want in (("params", states.params), ("grads", states.grads), ("optimizer", states.optimizer)):
+            got = m.model_state_bytes[kind]
+            assert abs(got - want) <= 0.10 * want, (m.rank, kind, got, want)
+    if stage > 1:
+        lower = make_plan(load_config(TINY, [*DP2_EP2, f"optim.zero_stage={stage - 1}"]), Machine(GPUS["h800"], 8),
+                          timed=False)
+        assert plan.ranks[0].states.total < lower.ranks[0].states.total
