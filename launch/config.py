@@ -201,14 +201,15 @@ class ParallelSettings:
         return 2 * self.pp if self.schedule == "dualpipev" else self.pp
 
 
-ZERO_STAGES = (1, 2)
+ZERO_STAGES = (1, 2, 3)
 OFFLOADS = ("none",)
 
 
 @dataclass
 class OptimSettings:
     """The distributed optimizer: zero_stage 1 shards the fp32 masters and AdamW moments over each param's
-    replicas, 2 also the grads (reduce-scattered during every backward, full grads freed; optim.ZeRO1)."""
+    replicas, 2 also the grads (reduce-scattered during every backward, full grads freed; optim.ZeRO1), 3 also the
+    dense params (each module's gathered around its forward and backward, per micro-batch; optim.zero3)."""
 
     zero_stage: int = 1
     offload: str = "none"
@@ -220,7 +221,8 @@ class OptimSettings:
 
 def _check_optim(cfg: "RunConfig") -> None:
     """Layouts the ZeRO stages do not run: ZeRO-2 frees each full grad bucket once reduced over DP, so it needs the
-    reduction inside the backward and no TP-partial grads still to be summed over TP after it."""
+    reduction inside the backward and no TP-partial grads still to be summed over TP after it; ZeRO-3's gathers
+    and reductions share the DP group, so a pipeline must not run a backward beside a forward (parallel.overlap)."""
     optim, par = cfg.optim, cfg.parallel
     if optim.zero_stage >= 2 and not par.overlap_grad_reduce:
         raise ValueError(f"optim.zero_stage = {optim.zero_stage} reduce-scatters grads during every backward: "
@@ -228,6 +230,9 @@ def _check_optim(cfg: "RunConfig") -> None:
     if optim.zero_stage >= 2 and par.tp > 1:
         raise ValueError(f"optim.zero_stage = {optim.zero_stage} does not run with parallel.tp = {par.tp} (TP-partial "
                          f"grads are summed over TP after the backward): allowed optim.zero_stage = 1, or parallel.tp = 1")
+    if optim.zero_stage == 3 and par.pp > 1 and par.overlap:
+        raise ValueError("optim.zero_stage = 3 with parallel.pp > 1 gathers params in the forward and the backward on "
+                         "one group: parallel.overlap must be false (allowed with overlap: optim.zero_stage = 1 or 2)")
 
 
 @dataclass

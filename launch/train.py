@@ -21,7 +21,7 @@ from typing import Iterator
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from tqdm import tqdm
 
 from dispatch import EPDispatcher, Traffic
@@ -137,8 +137,12 @@ def build_optimizer(stages: list[Stage], cfg: RunConfig, mesh: Mesh) -> ZeRO1:
     Dense params held whole on every TP rank count 1/tp each in the grad norm summed over the world; groups
     holding TP-partial grads are reduced after the backward (sum_tp_partial_grads first), the others during it.
     A param two stages share (the embedding MTP uses on DualPipe's ends) is counted once; an embedding copy on
-    another pipeline rank (MTP under 1F1B-like schedules) forms a group of its own over every rank holding it."""
+    another pipeline rank (MTP under 1F1B-like schedules) forms a group of its own over every rank holding it.
+    optim.zero_stage 3: the dense params of each module holding them directly (a norm, a linear, a router, the
+    embedding) form groups of their own, named by that module: ZeRO-3 gathers them around its forward and
+    backward (optim.zero3); experts stay sharded as ZeRO-2 (over expert-DP)."""
     groups, seen = [], set()
+    zero3 = cfg.optim.zero_stage == 3
     copies = {id(s.embed.weight): s.embed.weight for s in stages if s.embed is not None and mesh.layout.embed_copy}
     for stage in sorted(stages, key=lambda s: s.layer_ids[0]):  # the same order on every replica
         named = [(name, p) for name, p in stage.named_parameters() if id(p) not in seen and id(p) not in copies]
@@ -148,15 +152,23 @@ def build_optimizer(stages: list[Stage], cfg: RunConfig, mesh: Mesh) -> ZeRO1:
         for expert, replicated, decay in itertools.product((False, True), (False, True), (True, False)):
             params = [p for name, p in named if (".experts." in name) == expert and (id(p) in whole) == replicated
                       and (p.dim() >= 2) == decay]
-            if params:
-                groups.append({"params": params, "weight_decay": cfg.train.weight_decay if decay else 0.0,
-                               "process_group": mesh.expert_replicas if expert else mesh.dense_replicas,
-                               "grad_divisor": 1, "norm_weight": 1 / mesh.layout.tp if replicated else 1.0,
-                               "overlap": not any(id(p) in partial for p in params)})
+            base = {"weight_decay": cfg.train.weight_decay if decay else 0.0,
+                    "process_group": mesh.expert_replicas if expert else mesh.dense_replicas,
+                    "grad_divisor": 1, "norm_weight": 1 / mesh.layout.tp if replicated else 1.0}
+            for module, part in (_by_owner(stage, params) if zero3 and not expert else [(None, params)]):
+                if part:
+                    groups.append({"params": part, **base, "overlap": not any(id(p) in partial for p in part),
+                                   **({"module": module} if module is not None else {})})
     groups += [{"params": [p], "weight_decay": cfg.train.weight_decay, "process_group": mesh.embed_replicas,
                 "grad_divisor": 1} for p in copies.values()]
     return ZeRO1(groups, torch.optim.AdamW, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2),
                  stage=cfg.optim.zero_stage)
+
+
+def _by_owner(stage: Stage, params: list[Tensor]) -> list[tuple[nn.Module, list[Tensor]]]:
+    """params split by the module holding each directly, in the stage's module order."""
+    wanted = {id(p) for p in params}
+    return [(module, [p for p in module.parameters(recurse=False) if id(p) in wanted]) for module in stage.modules()]
 
 
 def last_backward(optimizer: ZeRO1 | None, runtime: PipelineRuntime | None,

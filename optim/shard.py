@@ -62,11 +62,13 @@ class ShardedParams:
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], group: ProcessGroup | None,
-                 bucket_cap: int, grad_divisor: float, collectives: str, shard_grads: bool = False) -> None:
+                 bucket_cap: int, grad_divisor: float, collectives: str, shard_grads: bool = False,
+                 shard_params: bool = False) -> None:
         self.params = list(params)
         self.group = group
         self.grad_divisor = grad_divisor
         self.shard_grads = shard_grads
+        self.shard_params = shard_params
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         if collectives == "auto":
             collectives = "p2p" if dist.get_backend(group) == "gloo" else "scatter_gather"
@@ -80,7 +82,8 @@ class ShardedParams:
             for p, view in zip(self.params, self.layout.views(self.param_flat)):
                 p.data = view
             owned = [self.param_flat[b.owned] for b in self.layout.buckets]
-            self.masters = owned if dtype == self.master_dtype else [o.to(self.master_dtype) for o in owned]
+            self.masters = (owned if dtype == self.master_dtype and not shard_params
+                            else [o.to(self.master_dtype, copy=True) for o in owned])
         self.grad = torch.zeros(self.layout.shard_numel, dtype=self.master_dtype,
                                 device=self.param_flat.device)
         self.bucket_chunks = [self._chunks(m, self.grad[b.shard])
@@ -104,6 +107,28 @@ class ShardedParams:
         self._works: dict[int, list[dist.Work]] = {}
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
+        if shard_params:
+            self.release()
+
+    @property
+    def held(self) -> bool:
+        """Whether the full params have their storage (ZeRO-3 frees it between uses)."""
+        return self.param_flat.untyped_storage().nbytes() > 0
+
+    def gather(self) -> tuple[list[dist.Work], list[torch.Tensor]]:
+        """ZeRO-3: give the params their storage back and start all-gathering the masters into them; (works, the
+        pieces sent, to keep until the works are done)."""
+        self.param_flat.untyped_storage().resize_(self.param_flat.numel() * self.param_flat.element_size())
+        works, pieces = [], []
+        for master, b in zip(self.masters, self.layout.buckets):
+            started, piece = self._gather_bucket(self.param_flat, master, b)
+            works += started
+            pieces.append(piece)
+        return works, pieces
+
+    def release(self) -> None:
+        """ZeRO-3: free the full params' storage (the params keep their shapes; gather() brings the values back)."""
+        self.param_flat.untyped_storage().resize_(0)
 
     @staticmethod
     def _chunks(master: torch.Tensor, grad: torch.Tensor) -> list[torch.nn.Parameter]:
@@ -251,10 +276,10 @@ class ShardedParams:
             optim = self.optims[i]
             optim.param_groups[0].update(hyper)
             optim.step()
-            started, piece = self._gather_bucket(self.param_flat, self.masters[i],
-                                                 self.layout.buckets[i])
-            works += started
-            pieces.append(piece)
+            if not self.shard_params:  # ZeRO-3 gathers a param where it is used next
+                started, piece = self._gather_bucket(self.param_flat, self.masters[i], self.layout.buckets[i])
+                works += started
+                pieces.append(piece)
         _wait(works)
         self.launched.clear()
 
@@ -266,8 +291,9 @@ class ShardedParams:
         return out
 
     def set_params(self, full: torch.Tensor) -> None:
-        """Set the model params and this rank's masters from a full flat buffer."""
-        self.param_flat.copy_(full)
+        """Set the model params (unless ZeRO-3 freed them) and this rank's masters from a full flat buffer."""
+        if not self.shard_params:
+            self.param_flat.copy_(full)
         for master, b in zip(self.masters, self.layout.buckets):
             master.copy_(full[b.owned])
 
@@ -316,7 +342,11 @@ class ShardedParams:
                     optim.state[chunk] = entry | {k: torch.zeros_like(chunk) for k in elementwise}
 
     def gather_params(self) -> None:
-        """All-gather every rank's master pieces into the model params (after the masters were written)."""
+        """All-gather every rank's master pieces into the model params (after the masters were written; ZeRO-3
+        frees them instead, to be gathered where used)."""
+        if self.shard_params:
+            self.release()
+            return
         works, pieces = [], []
         for master, b in zip(self.masters, self.layout.buckets):
             started, piece = self._gather_bucket(self.param_flat, master, b)

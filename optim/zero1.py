@@ -13,10 +13,11 @@ from torch.distributed import ProcessGroup
 
 from optim.grad_norm import global_sq_norm
 from optim.shard import MASTER_KEY, Piece, ShardedParams
+from optim.zero3 import Unit
 
-LAYOUT_KEYS = ("process_group", "norm_groups", "grad_divisor", "norm_weight", "overlap")
+LAYOUT_KEYS = ("process_group", "norm_groups", "grad_divisor", "norm_weight", "overlap", "module")
 COLLECTIVES = ("auto", "scatter_gather", "p2p")
-STAGES = (1, 2)
+STAGES = (1, 2, 3)
 FUSED_BY_DEFAULT = (torch.optim.Adam, torch.optim.AdamW)
 IMPLEMENTATION_KEYS = ("fused", "foreach", "differentiable")
 
@@ -108,6 +109,9 @@ class ZeRO1(torch.optim.Optimizer):
     grad shards, which sum them, and each bucket's full buffer is freed once its reduction is done (it
     comes back, zeroed, with the bucket's next grad). The full grads live only from a bucket's first grad
     of one backward to its reduction, at the cost of one reduce-scatter per backward instead of per step.
+    stage=3 (ZeRO-3) also shards the params of every group given a "module" key (a layout key: the module the
+    params belong to; groups without one run as ZeRO-2): they are freed, all-gathered from the masters before
+    each forward and backward of their module and freed after (optim.zero3), and step() gathers nothing.
     """
 
     def __init__(self, params: Iterable[Any],
@@ -130,6 +134,9 @@ class ZeRO1(torch.optim.Optimizer):
         if not dist.is_initialized():
             raise RuntimeError("ZeRO1 needs torch.distributed initialised (init_process_group)")
         for i, group in enumerate(groups):
+            if "module" in group and stage != 3:
+                raise ValueError(f"param group {i} names a module (ZeRO-3 gathers its params around it): "
+                                 f"needs stage=3, got stage={stage}")
             group.setdefault("process_group", process_group)
             group["norm_groups"] = tuple(group.get("norm_groups", norm_groups))
             group.setdefault("norm_weight", 1.0)
@@ -137,7 +144,13 @@ class ZeRO1(torch.optim.Optimizer):
             _check_group(i, group)
         bucket_cap = max(1, int(bucket_cap_mb * 2**20) // 4)
         self._shards = [ShardedParams(g["params"], g["process_group"], bucket_cap,
-                                      g["grad_divisor"], collectives, stage >= 2) for g in groups]
+                                      g["grad_divisor"], collectives, stage >= 2, "module" in g) for g in groups]
+        self._unit_order: list[Unit] = []
+        by_module: dict[int, tuple[torch.nn.Module, list[ShardedParams]]] = {}
+        for group, shard in zip(groups, self._shards):
+            if "module" in group:
+                by_module.setdefault(id(group["module"]), (group["module"], []))[1].append(shard)
+        self._units = [Unit(module, shards, self._unit_order) for module, shards in by_module.values()]
         for group, shard in zip(groups, self._shards):
             shard.build_optimizers(optimizer_class, _hyper(group),
                                    _inner_defaults(optimizer_class, defaults, shard.grad.device))
@@ -166,8 +179,14 @@ class ZeRO1(torch.optim.Optimizer):
         """Zero the flat gradient buffers (fp32 params keep .grad bound to them)."""
         for shard in self._shards:
             shard.zero_grad(set_to_none)
+        self.release_params()
         self._reset()
         self._reduced = False
+
+    def release_params(self) -> None:
+        """ZeRO-3: free every module's gathered params (the next forward gathers them from the masters)."""
+        for unit in self._units:
+            unit.release()
 
     def _reset(self) -> None:
         """No bucket launched, none ready, not armed."""
@@ -269,6 +288,7 @@ class ZeRO1(torch.optim.Optimizer):
             self._launch(flush=True)
         for group, shard in zip(self.param_groups, self._shards):
             shard.step(_hyper(group))
+        self.release_params()
         self._reset()
         self._reduced = False
         return loss
@@ -313,7 +333,8 @@ class ZeRO1(torch.optim.Optimizer):
     @torch.no_grad()
     def gather_params(self) -> None:
         """All-gather the masters into the model params (a collective over every group's process group), after
-        the masters were written through pieces()."""
+        the masters were written through pieces(); ZeRO-3 frees its params instead, gathered where used)."""
+        self.release_params()
         for shard in self._shards:
             shard.gather_params()
 

@@ -25,8 +25,11 @@ from tests.launch.test_equivalence import (STEPS, _train_runs, calc_diff, check_
 
 # name -> ([parallel], [optim], capacity factor); grad_accum_steps 8: 4 micro-batches per DP rank
 RUNS = {2: {"zero2 dp2 ep2 capacity 1.0": ({"dp": 2, "ep": 2}, {"zero_stage": 2}, 1.0),
+            "zero3 dp2 ep2 capacity 1.0": ({"dp": 2, "ep": 2}, {"zero_stage": 3}, 1.0),
             "zero2 pp2 dualpipev, 2 pipeline steps per step": ({"pp": 2, "schedule": "dualpipev", "num_chunks": 4},
-                                                               {"zero_stage": 2}, None)}}
+                                                               {"zero_stage": 2}, None)},
+        4: {"zero3 pp2 dp2 ep2 dualpipev, B/W split": ({"pp": 2, "dp": 2, "ep": 2, "schedule": "dualpipev",
+                                                         "overlap": False}, {"zero_stage": 3}, None)}}
 ROUTING_NAME = {None: "dropless", 1.0: "capacity 1.0"}
 
 
@@ -37,12 +40,14 @@ def zero_raw(path, corpus: str, parallel: dict, optim: dict, capacity: float | N
 
 def _train_counting(rank: int, world: int, raws: list[dict]) -> list[tuple[list[dict], list[int], list[int]]]:
     """Each run's records, the bucket reductions started per zero_grad-to-zero_grad step divided by the buckets
-    this rank's optimizer holds, and the full-grad bytes ZeRO-2 held after each step's optimizer update."""
+    this rank's optimizer holds, the full-grad bytes ZeRO-2 held after each step's optimizer update, and then the
+    (groups of ZeRO-3-sharded params, the bytes of their full params held)."""
     out = []
     for raw in raws:
         launches: list[int] = []
         held: list[int] = []
         buckets: list[int] = []
+        params: list[tuple[int, int]] = []
         launch, zero_grad, step = ShardedParams.launch, ZeRO1.zero_grad, ZeRO1.step
 
         def counted_launch(self, bucket):
@@ -57,20 +62,22 @@ def _train_counting(rank: int, world: int, raws: list[dict]) -> list[tuple[list[
         def measured_step(self, *args, **kwargs):
             result = step(self, *args, **kwargs)
             held.append(sum(g.untyped_storage().nbytes() for shard in self._shards for g in shard.grad_buckets))
+            sharded = [shard for shard in self._shards if shard.shard_params]
+            params.append((len(sharded), sum(shard.param_flat.untyped_storage().nbytes() for shard in sharded)))
             return result
         ShardedParams.launch, ZeRO1.zero_grad, ZeRO1.step = counted_launch, counted_zero_grad, measured_step
         try:
             records = train(build_config(raw), progress=False)
         finally:
             ShardedParams.launch, ZeRO1.zero_grad, ZeRO1.step = launch, zero_grad, step
-        out.append((records, [n / b for n, b in zip(launches, buckets)], held))
+        out.append((records, [n / b for n, b in zip(launches, buckets)], held, params))
     return out
 
 
 @pytest.mark.parametrize("world", list(RUNS))
 def test_zero2_layouts_equal_single_process(world, corpus, reference, tmp_path):  # noqa: F811
     """Losses and params as one process; each backward (micro-batch, or pipeline step) reduces every bucket once,
-    and no full grad buffer is held after the update."""
+    no full grad buffer is held after the update, and under ZeRO-3 no full dense param either."""
     runs = RUNS[world]
     raws = [zero_raw(tmp_path / name.replace(" ", "_").replace(",", ""), corpus, *spec) for name, spec in runs.items()]
     assert {build_config(raw).parallel.world_size for raw in raws} == {world}
@@ -78,10 +85,12 @@ def test_zero2_layouts_equal_single_process(world, corpus, reference, tmp_path):
     for i, ((name, (parallel, _, capacity)), raw) in enumerate(zip(runs.items(), raws)):
         check_equal_runs(results[0][i][0], raw, reference(ROUTING_NAME[capacity]), parallel, name)
         micro = raw["train"]["grad_accum_steps"] // parallel.get("dp", 1)
-        backwards = micro // parallel.get("num_chunks", 1) if "pp" in parallel else micro  # pipeline steps
+        backwards = micro // parallel.get("num_chunks", micro) if "pp" in parallel else micro  # pipeline steps
         for rank in range(world):
-            _, launches, held = results[rank][i]
+            _, launches, held, params = results[rank][i]
             assert held == [0] * STEPS, (name, rank, held)
+            zero3 = raw["optim"]["zero_stage"] == 3
+            assert all((groups > 0) == zero3 and nbytes == 0 for groups, nbytes in params), (name, rank, params)
             assert launches == [backwards] * STEPS, (name, rank, launches)
 
 
