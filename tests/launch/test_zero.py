@@ -94,11 +94,12 @@ def test_zero2_layouts_equal_single_process(world, corpus, reference, tmp_path):
             assert launches == [backwards] * STEPS, (name, rank, launches)
 
 
-def test_zero2_checkpoints_reshard_to_and_from_one_process(corpus, tmp_path):  # noqa: F811
-    """A 1-process ZeRO-1 checkpoint resumes under ZeRO-2 dp2 ep2 and a ZeRO-2 dp2 ep2 one in 1 process (ZeRO-1):
-    both continue the uninterrupted 1-process run (warmup covers the cut at step 3, so LRs do not depend on
-    train.steps)."""
-    cut, parallel, optim = 3, {"dp": 2, "ep": 2}, {"zero_stage": 2}
+@pytest.mark.parametrize("stage", [2, 3])
+def test_sharded_checkpoints_reshard_to_and_from_one_process(stage, corpus, tmp_path):  # noqa: F811
+    """A 1-process ZeRO-1 checkpoint resumes under ZeRO-2/3 dp2 ep2 and a ZeRO-2/3 dp2 ep2 one in 1 process
+    (ZeRO-1): both continue the uninterrupted 1-process run (warmup covers the cut at step 3, so LRs do not depend
+    on train.steps)."""
+    cut, parallel, optim = 3, {"dp": 2, "ep": 2}, {"zero_stage": stage}
 
     def raw(name: str, sharded: bool, steps: int) -> dict:
         out = zero_raw(tmp_path / name, corpus, parallel if sharded else {}, optim if sharded else {}, None)
@@ -106,11 +107,11 @@ def test_zero2_checkpoints_reshard_to_and_from_one_process(corpus, tmp_path):  #
         return out
     whole = train(build_config(raw("whole", False, STEPS)), progress=False)
     train(build_config(raw("from_one", False, cut)), progress=False)
-    saved, resumed = run_processes(_train_runs, 2, [(raw("from_zero2", True, cut), False),
+    saved, resumed = run_processes(_train_runs, 2, [(raw("from_sharded", True, cut), False),
                                                     (raw("from_one", True, STEPS), True)], timeout_s=300)[0]
-    back = train(build_config(raw("from_zero2", False, STEPS)), resume=True, progress=False)
+    back = train(build_config(raw("from_sharded", False, STEPS)), resume=True, progress=False)
     want = consolidate(tmp_path / "whole" / "checkpoint")
-    for name, records, first in (("from_one", resumed, cut), ("from_zero2", saved + back, 0)):
+    for name, records, first in (("from_one", resumed, cut), ("from_sharded", saved + back, 0)):
         assert [r["step"] for r in records] == list(range(first, STEPS)), name
         for got, ref in zip(records, whole[first:]):
             assert got["lm_loss"] == pytest.approx(ref["lm_loss"], rel=1e-10), (name, got["step"])
@@ -126,6 +127,7 @@ def test_zero2_checkpoints_reshard_to_and_from_one_process(corpus, tmp_path):  #
     ({"zero_stage": 2}, {"dp": 2, "tp": 2}, "optim.zero_stage"),
     ({"zero_stage": 2}, {"dp": 2, "overlap_grad_reduce": False}, "parallel.overlap_grad_reduce"),
     ({"offload": "gpu"}, {}, "optim.offload"),
+    ({"zero_stage": 3}, {"pp": 2, "schedule": "1f1b"}, "parallel.overlap"),
 ])
 def test_bad_optim_settings_name_the_field(optim, parallel, field, corpus, tmp_path):  # noqa: F811
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
@@ -138,7 +140,7 @@ DP2_EP2 = ["parallel.pp=1", "parallel.dp=2", "parallel.ep=2", 'parallel.schedule
            'parallel.dispatch_backend="flat"', "train.seq_len=32", "train.grad_accum_steps=4"]
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_planned_model_states_match_the_measured_bytes_per_rank(stage):
     """moe-plan's params, grads and optimizer bytes per rank (zero_model_states at optim.zero_stage) within 10% of
     what a rank of the trainer holds after a step (optim.memory.model_state_bytes); each stage plans less."""
