@@ -6,6 +6,7 @@ from typing import Iterable
 
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 
 from optim.zero1 import ZeRO1
 
@@ -14,7 +15,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """This rank's optimizer bytes: (master) params it updates + state tensors, for any optimizer.
 
     ZeRO1 counts its fp32 master shards; ZeroRedundancyOptimizer counts its local optimizer
-    (the params of its partition); a plain optimizer counts all of its params.
+    (the params of its partition); a plain optimizer counts all of its params (of DTensors, the local shards).
     """
     if isinstance(optimizer, ZeRO1):
         return optimizer.state_bytes()["total"]
@@ -22,7 +23,12 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
         optimizer = optimizer.optim
     params = [p for g in optimizer.param_groups for p in g["params"]]
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-    return sum(t.numel() * t.element_size() for t in params + state)
+    return sum(local(t).nbytes for t in params + state)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: a DTensor's local shard (torch FSDP2's params and state), else itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def model_state_bytes(optimizer: ZeRO1, params: Iterable[torch.Tensor]) -> dict[str, int]:
