@@ -202,14 +202,16 @@ class ParallelSettings:
 
 
 ZERO_STAGES = (1, 2, 3)
-OFFLOADS = ("none",)
+OFFLOADS = ("none", "optimizer")
 
 
 @dataclass
 class OptimSettings:
     """The distributed optimizer: zero_stage 1 shards the fp32 masters and AdamW moments over each param's
     replicas, 2 also the grads (reduce-scattered during every backward, full grads freed; optim.ZeRO1), 3 also the
-    dense params (each module's gathered around its forward and backward, per micro-batch; optim.zero3)."""
+    dense params (each module's gathered around its forward and backward, per micro-batch; optim.zero3).
+    offload "optimizer" (ZeRO-Offload, stage 1 or 2) keeps the fp32 masters and AdamW moments in host memory and
+    updates them there."""
 
     zero_stage: int = 1
     offload: str = "none"
@@ -230,6 +232,9 @@ def _check_optim(cfg: "RunConfig") -> None:
     if optim.zero_stage >= 2 and par.tp > 1:
         raise ValueError(f"optim.zero_stage = {optim.zero_stage} does not run with parallel.tp = {par.tp} (TP-partial "
                          f"grads are summed over TP after the backward): allowed optim.zero_stage = 1, or parallel.tp = 1")
+    if optim.offload != "none" and optim.zero_stage == 3:
+        raise ValueError(f"optim.offload = {optim.offload!r} does not run with optim.zero_stage = 3 (its params are "
+                         f"gathered from device masters): allowed optim.zero_stage = 1 or 2, or optim.offload = 'none'")
     if optim.zero_stage == 3 and par.pp > 1 and par.overlap:
         raise ValueError("optim.zero_stage = 3 with parallel.pp > 1 gathers params in the forward and the backward on "
                          "one group: parallel.overlap must be false (allowed with overlap: optim.zero_stage = 1 or 2)")

@@ -63,12 +63,13 @@ class ShardedParams:
 
     def __init__(self, params: Sequence[torch.nn.Parameter], group: ProcessGroup | None,
                  bucket_cap: int, grad_divisor: float, collectives: str, shard_grads: bool = False,
-                 shard_params: bool = False) -> None:
+                 shard_params: bool = False, host: torch.device | None = None) -> None:
         self.params = list(params)
         self.group = group
         self.grad_divisor = grad_divisor
         self.shard_grads = shard_grads
         self.shard_params = shard_params
+        self.host = host
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         if collectives == "auto":
             collectives = "p2p" if dist.get_backend(group) == "gloo" else "scatter_gather"
@@ -82,11 +83,19 @@ class ShardedParams:
             for p, view in zip(self.params, self.layout.views(self.param_flat)):
                 p.data = view
             owned = [self.param_flat[b.owned] for b in self.layout.buckets]
-            self.masters = (owned if dtype == self.master_dtype and not shard_params
-                            else [o.to(self.master_dtype, copy=True) for o in owned])
+            if host is not None:  # ZeRO-Offload: masters (and so the optimizer state) in host memory
+                self.masters = [_host_buffer(o.numel(), self.master_dtype, host, o.device) for o in owned]
+                for master, o in zip(self.masters, owned):
+                    master.copy_(o)
+            else:
+                self.masters = (owned if dtype == self.master_dtype and not shard_params
+                                else [o.to(self.master_dtype, copy=True) for o in owned])
         self.grad = torch.zeros(self.layout.shard_numel, dtype=self.master_dtype,
                                 device=self.param_flat.device)
-        self.bucket_chunks = [self._chunks(m, self.grad[b.shard])
+        # the inner optimizers' grads: the reduced shard itself, or (offload) its host copy
+        self.host_grad = (self.grad if host is None
+                          else _host_buffer(self.layout.shard_numel, self.master_dtype, host, self.grad.device))
+        self.bucket_chunks = [self._chunks(m, self.host_grad[b.shard])
                               for m, b in zip(self.masters, self.layout.buckets)]
         self.optims: list[torch.optim.Optimizer] = []
         self.grad_buckets = [torch.zeros(b.numel, dtype=self.master_dtype, device=self.param_flat.device)
@@ -259,7 +268,7 @@ class ShardedParams:
 
         piece is this rank's part, in place already when it is a view of out_flat[b.owned].
         """
-        piece = piece.detach().to(out_flat.dtype)
+        piece = piece.detach().to(out_flat.device, out_flat.dtype)
         if self.collectives == "scatter_gather":
             return [dist.all_gather_single(out_flat[b.full], piece, group=self.group,
                                            async_op=True)], piece
@@ -269,10 +278,22 @@ class ShardedParams:
                               [out_flat[b.piece(r)] for r in self.peers]), piece
 
     def step(self, hyper: dict[str, Any]) -> None:
-        """Per bucket in reduction order: finish its reduction, update it, start its gather."""
+        """Per bucket in reduction order: finish its reduction, update it, start its gather. Offloaded: every
+        bucket's grad shard is first copied to the host (all started at once, non-blocking into pinned memory on
+        CUDA), a bucket updated on the host as soon as its copy is in, its params copied back as the gather's
+        input (one copy each way per bucket and step)."""
         works, pieces = [], []
+        arrived = {}
+        if self.host is not None:
+            for i in reversed(range(len(self.layout.buckets))):
+                self._finish(i)
+                shard = self.layout.buckets[i].shard
+                self.host_grad[shard].copy_(self.grad[shard], non_blocking=True)
+                arrived[i] = _copied(self.grad.device)
         for i in reversed(range(len(self.layout.buckets))):
             self._finish(i)
+            if i in arrived and arrived[i] is not None:
+                arrived[i].synchronize()
             optim = self.optims[i]
             optim.param_groups[0].update(hyper)
             optim.step()
@@ -363,6 +384,20 @@ class ShardedParams:
                 entry.update(copy.deepcopy(dict(scalars)))
                 optim.state[chunk] = entry
                 start += chunk.numel()
+
+
+def _host_buffer(numel: int, dtype: torch.dtype, host: torch.device, device: torch.device) -> torch.Tensor:
+    """A zeroed host buffer for copies to and from device: pinned where the device is a GPU."""
+    return torch.zeros(numel, dtype=dtype, device=host, pin_memory=device.type == "cuda")
+
+
+def _copied(device: torch.device) -> torch.cuda.Event | None:
+    """An event marking the copies issued so far on device's current stream (None off CUDA: copies are done)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 def _elementwise(value: Any, chunk: torch.Tensor) -> bool:

@@ -112,16 +112,22 @@ class ZeRO1(torch.optim.Optimizer):
     stage=3 (ZeRO-3) also shards the params of every group given a "module" key (a layout key: the module the
     params belong to; groups without one run as ZeRO-2): they are freed, all-gathered from the masters before
     each forward and backward of their module and freed after (optim.zero3), and step() gathers nothing.
+    offload=True (ZeRO-Offload, stage 1 or 2): the fp32 masters and the inner optimizers' state live in host
+    memory and the update runs there; step() copies each bucket's reduced grad shard to the host and its updated
+    masters back (see ShardedParams.step).
     """
 
     def __init__(self, params: Iterable[Any],
                  optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
                  process_group: ProcessGroup | None = None, *, bucket_cap_mb: float = 25.0,
                  norm_groups: Sequence[ProcessGroup] = (), collectives: str = "auto",
-                 stage: int = 1, **defaults: Any) -> None:
+                 stage: int = 1, offload: bool = False, **defaults: Any) -> None:
         groups = _param_groups(params)
         if stage not in STAGES:
             raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+        if offload and stage == 3:
+            raise ValueError("offload keeps the masters in host memory, which ZeRO-3 gathers from on the device: "
+                             "allowed with offload: stage 1 or 2")
         self.stage = stage
         if collectives not in COLLECTIVES:
             raise ValueError(f"collectives must be one of {COLLECTIVES}, got {collectives!r}")
@@ -144,7 +150,8 @@ class ZeRO1(torch.optim.Optimizer):
             _check_group(i, group)
         bucket_cap = max(1, int(bucket_cap_mb * 2**20) // 4)
         self._shards = [ShardedParams(g["params"], g["process_group"], bucket_cap,
-                                      g["grad_divisor"], collectives, stage >= 2, "module" in g) for g in groups]
+                                      g["grad_divisor"], collectives, stage >= 2, "module" in g,
+                                      torch.device("cpu") if offload else None) for g in groups]
         self._unit_order: list[Unit] = []
         by_module: dict[int, tuple[torch.nn.Module, list[ShardedParams]]] = {}
         for group, shard in zip(groups, self._shards):
@@ -153,7 +160,7 @@ class ZeRO1(torch.optim.Optimizer):
         self._units = [Unit(module, shards, self._unit_order) for module, shards in by_module.values()]
         for group, shard in zip(groups, self._shards):
             shard.build_optimizers(optimizer_class, _hyper(group),
-                                   _inner_defaults(optimizer_class, defaults, shard.grad.device))
+                                   _inner_defaults(optimizer_class, defaults, shard.host_grad.device))
             group.update(_hyper(shard.optims[0].param_groups[0]))
         # one launch order for every bucket of every group (overlapped groups first, last bucket first): the
         # same on every rank, since collectives on a process group must start in the same order everywhere
@@ -310,13 +317,14 @@ class ZeRO1(torch.optim.Optimizer):
     def buffer_bytes(self) -> dict[str, int]:
         """Bytes of this rank's ZeRO-1 buffers besides the params, their .grad and the inner optimizers' state:
         the full fp32 grad sums of params whose .grad is not bound to them (bf16 params), the reduced grad
-        shards, fp32 master shards held apart from the params (bf16 params; every ZeRO-3 param), the p2p receive
-        scratch."""
+        shards, fp32 master shards held apart from the params (bf16 params; every ZeRO-3 or offloaded param), the
+        p2p receive scratch, the host copies of the reduced grad shards (offload)."""
         return {"grad_sums": sum(g.untyped_storage().nbytes() for s in self._shards if not s.binds_grads
                                  for g in s.grad_buckets),
                 "grad_shards": sum(s.grad.nbytes for s in self._shards),
                 "masters": sum(m.nbytes for s in self._shards for m in s.masters
-                               if s.shard_params or m.dtype != s.param_flat.dtype),
+                               if s.shard_params or s.host is not None or m.dtype != s.param_flat.dtype),
+                "host_grads": sum(s.host_grad.nbytes for s in self._shards if s.host is not None),
                 "scratch": sum(s._scratch.nbytes for s in self._shards)}
 
     def pieces(self) -> list[Piece]:

@@ -26,6 +26,8 @@ from tests.launch.test_equivalence import (STEPS, _train_runs, calc_diff, check_
 # name -> ([parallel], [optim], capacity factor); grad_accum_steps 8: 4 micro-batches per DP rank
 RUNS = {2: {"zero2 dp2 ep2 capacity 1.0": ({"dp": 2, "ep": 2}, {"zero_stage": 2}, 1.0),
             "zero3 dp2 ep2 capacity 1.0": ({"dp": 2, "ep": 2}, {"zero_stage": 3}, 1.0),
+            "zero1 offload dp2": ({"dp": 2}, {"offload": "optimizer"}, None),
+            "zero2 offload dp2 ep2 capacity 1.0": ({"dp": 2, "ep": 2}, {"zero_stage": 2, "offload": "optimizer"}, 1.0),
             "zero2 pp2 dualpipev, 2 pipeline steps per step": ({"pp": 2, "schedule": "dualpipev", "num_chunks": 4},
                                                                {"zero_stage": 2}, None)},
         4: {"zero3 pp2 dp2 ep2 dualpipev, B/W split": ({"pp": 2, "dp": 2, "ep": 2, "schedule": "dualpipev",
@@ -76,8 +78,9 @@ def _train_counting(rank: int, world: int, raws: list[dict]) -> list[tuple[list[
 
 @pytest.mark.parametrize("world", list(RUNS))
 def test_zero2_layouts_equal_single_process(world, corpus, reference, tmp_path):  # noqa: F811
-    """Losses and params as one process; each backward (micro-batch, or pipeline step) reduces every bucket once,
-    no full grad buffer is held after the update, and under ZeRO-3 no full dense param either."""
+    """Losses and params as one process; under ZeRO-2/3 each backward (micro-batch, or pipeline step) reduces every
+    bucket once and no full grad buffer is held after the update, under ZeRO-3 no full dense param either (ZeRO-1,
+    offloaded here: one reduction per step, full grads kept)."""
     runs = RUNS[world]
     raws = [zero_raw(tmp_path / name.replace(" ", "_").replace(",", ""), corpus, *spec) for name, spec in runs.items()]
     assert {build_config(raw).parallel.world_size for raw in raws} == {world}
@@ -86,12 +89,12 @@ def test_zero2_layouts_equal_single_process(world, corpus, reference, tmp_path):
         check_equal_runs(results[0][i][0], raw, reference(ROUTING_NAME[capacity]), parallel, name)
         micro = raw["train"]["grad_accum_steps"] // parallel.get("dp", 1)
         backwards = micro // parallel.get("num_chunks", micro) if "pp" in parallel else micro  # pipeline steps
+        stage = raw["optim"].get("zero_stage", 1)
         for rank in range(world):
             _, launches, held, params = results[rank][i]
-            assert held == [0] * STEPS, (name, rank, held)
-            zero3 = raw["optim"]["zero_stage"] == 3
-            assert all((groups > 0) == zero3 and nbytes == 0 for groups, nbytes in params), (name, rank, params)
-            assert launches == [backwards] * STEPS, (name, rank, launches)
+            assert all((n == 0) == (stage >= 2) for n in held), (name, rank, held)  # ZeRO-1 keeps its full grads
+            assert all((groups > 0) == (stage == 3) and nbytes == 0 for groups, nbytes in params), (name, rank, params)
+            assert launches == [backwards if stage >= 2 else 1] * STEPS, (name, rank, launches)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -128,6 +131,7 @@ def test_sharded_checkpoints_reshard_to_and_from_one_process(stage, corpus, tmp_
     ({"zero_stage": 2}, {"dp": 2, "overlap_grad_reduce": False}, "parallel.overlap_grad_reduce"),
     ({"offload": "gpu"}, {}, "optim.offload"),
     ({"zero_stage": 3}, {"pp": 2, "schedule": "1f1b"}, "parallel.overlap"),
+    ({"zero_stage": 3, "offload": "optimizer"}, {}, "optim.offload"),
 ])
 def test_bad_optim_settings_name_the_field(optim, parallel, field, corpus, tmp_path):  # noqa: F811
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
