@@ -97,12 +97,13 @@ def test_zero2_layouts_equal_single_process(world, corpus, reference, tmp_path):
             assert launches == [backwards if stage >= 2 else 1] * STEPS, (name, rank, launches)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_sharded_checkpoints_reshard_to_and_from_one_process(stage, corpus, tmp_path):  # noqa: F811
-    """A 1-process ZeRO-1 checkpoint resumes under ZeRO-2/3 dp2 ep2 and a ZeRO-2/3 dp2 ep2 one in 1 process
-    (ZeRO-1): both continue the uninterrupted 1-process run (warmup covers the cut at step 3, so LRs do not depend
-    on train.steps)."""
-    cut, parallel, optim = 3, {"dp": 2, "ep": 2}, {"zero_stage": stage}
+@pytest.mark.parametrize("optim", [{"zero_stage": 2}, {"zero_stage": 3}, {"zero_stage": 2, "offload": "optimizer"}],
+                         ids=["zero2", "zero3", "zero2 offload"])
+def test_sharded_checkpoints_reshard_to_and_from_one_process(optim, corpus, tmp_path):  # noqa: F811
+    """A 1-process ZeRO-1 checkpoint resumes under ZeRO-2/3 (or offloaded) dp2 ep2 and a ZeRO-2/3 (offloaded) dp2
+    ep2 one in 1 process (ZeRO-1): both continue the uninterrupted 1-process run (warmup covers the cut at step 3,
+    so LRs do not depend on train.steps)."""
+    cut, parallel = 3, {"dp": 2, "ep": 2}
 
     def raw(name: str, sharded: bool, steps: int) -> dict:
         out = zero_raw(tmp_path / name, corpus, parallel if sharded else {}, optim if sharded else {}, None)
