@@ -12,7 +12,8 @@ from launch.config import RunConfig
 from launch.flops import attention_shape, layer_flops, mixed_peak, model_flops_per_token
 from launch.plan.compute import Precisions, Seconds, elementwise_seconds, head_seconds, layer_seconds
 from launch.plan.efficiency import PRECISIONS, GemmModel
-from launch.plan.memory import FP8_CACHED, ActivationModel, ModelStates, schedule_peaks, backward_workspace, zero_model_states
+from launch.plan.memory import (FP8_CACHED, ActivationModel, ModelStates, backward_workspace, offloaded, schedule_peaks,
+                                zero_model_states)
 from launch.plan.params import ModelParams, count_params
 from launch.plan.presets import GPU, RECIPES, StateBytes
 from launch.plan.timing import Rates, StageCost, interleave, paired, simulate_step
@@ -225,8 +226,11 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
         dense = sum(params.stages[s].on_rank(par.tp, par.ep)[0] for s in held)
         expert = sum(params.stages[s].on_rank(par.tp, par.ep)[1] for s in held)
         dense_group, expert_group, dense_inter, expert_inter = _groups(config, gpn, rank)
-        states = (zero_model_states(dense, dense_group, config.optim.zero_stage, recipe)
-                  + zero_model_states(expert, expert_group, min(config.optim.zero_stage, 2), recipe))
+        parts = [(dense, dense_group, config.optim.zero_stage), (expert, expert_group, min(config.optim.zero_stage, 2))]
+        states = ModelStates(0.0, 0.0, 0.0)
+        for numel, group, stage in parts:
+            part = zero_model_states(numel, group, stage, recipe)
+            states += offloaded(part, numel, group, recipe) if config.optim.offload == "optimizer" else part
         transient = max(acts.transient_layer(i >= cfg.first_k_dense) for s in held for i in layers[s]) * tokens
         workspace = max(backward_workspace(cfg, layers[s], s == 0, s == num_stages - 1, par.ep, par.tp, itemsize,
                                            tokens) for s in held)

@@ -161,3 +161,14 @@ def test_planned_model_states_match_the_measured_bytes_per_rank(stage):
         lower = make_plan(load_config(TINY, [*DP2_EP2, f"optim.zero_stage={stage - 1}"]), Machine(GPUS["h800"], 8),
                           timed=False)
         assert plan.ranks[0].states.total < lower.ranks[0].states.total
+
+
+def test_plan_moves_the_offloaded_optimizer_to_host_memory():
+    """optim.offload: no optimizer bytes on the GPU; on the host, per param of the rank's shard (fp32 training):
+    AdamW's two moments (8), the fp32 master held apart from the param (4) and the grad shard's copy (4)."""
+    on_gpu, offloaded = (make_plan(load_config(TINY, [*DP2_EP2, *extra]), Machine(GPUS["h800"], 8), timed=False).ranks[0]
+                         for extra in ([], ['optim.offload="optimizer"']))
+    shard = on_gpu.dense_params / 2 + on_gpu.expert_params  # dense over dp = 2, each expert on one rank
+    assert offloaded.states.optimizer == 0 and on_gpu.states.host == 0
+    assert offloaded.states.host == pytest.approx(16 * shard)
+    assert (offloaded.states.params, offloaded.states.grads) == (on_gpu.states.params, on_gpu.states.grads)
