@@ -33,16 +33,17 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 def model_state_bytes(optimizer: ZeRO1, params: Iterable[torch.Tensor]) -> dict[str, int]:
     """Bytes this rank holds right now for the model states of params under optimizer: "params" (the storage the
-    params view, freed storage counting 0, plus masters kept apart), "grads" (full grad buffers held, the reduced
-    shards, receive scratch, any .grad outside them) and "optimizer" (held_optimizer_bytes less those masters)."""
+    params view, freed storage counting 0, plus masters of their dtype kept apart: ZeRO-3's shards, offload's),
+    "grads" (full grad buffers held, the reduced shards, receive scratch, host copies, any .grad outside them)
+    and "optimizer" (held_optimizer_bytes: state and masters of another dtype)."""
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params}
     buffers = optimizer.buffer_bytes()
     apart = {g.untyped_storage().data_ptr() for s in optimizer._shards for g in s.grad_buckets}
     loose = sum(p.grad.nbytes for p in params if p.grad is not None and p.grad.untyped_storage().data_ptr() not in apart)
     held = sum(g.untyped_storage().nbytes() for s in optimizer._shards for g in s.grad_buckets)
-    return {"params": sum(storages.values()) + buffers["masters"],
-            "grads": held + buffers["grad_shards"] + buffers["scratch"] + loose,
-            "optimizer": held_optimizer_bytes(optimizer) - buffers["masters"]}
+    return {"params": sum(storages.values()) + buffers["param_shards"],
+            "grads": held + buffers["grad_shards"] + buffers["scratch"] + buffers["host_grads"] + loose,
+            "optimizer": held_optimizer_bytes(optimizer)}
 
 
 def held_optimizer_bytes(optimizer: ZeRO1) -> int:

@@ -317,13 +317,15 @@ class ZeRO1(torch.optim.Optimizer):
     def buffer_bytes(self) -> dict[str, int]:
         """Bytes of this rank's ZeRO-1 buffers besides the params, their .grad and the inner optimizers' state:
         the full fp32 grad sums of params whose .grad is not bound to them (bf16 params), the reduced grad
-        shards, fp32 master shards held apart from the params (bf16 params; every ZeRO-3 or offloaded param), the
-        p2p receive scratch, the host copies of the reduced grad shards (offload)."""
+        shards, fp32 master shards held apart from the params (bf16 params), masters of the params' dtype held apart
+        from them (param_shards: ZeRO-3, offload), the p2p receive scratch, the host copies of the reduced grad
+        shards (offload)."""
         return {"grad_sums": sum(g.untyped_storage().nbytes() for s in self._shards if not s.binds_grads
                                  for g in s.grad_buckets),
                 "grad_shards": sum(s.grad.nbytes for s in self._shards),
-                "masters": sum(m.nbytes for s in self._shards for m in s.masters
-                               if s.shard_params or s.host is not None or m.dtype != s.param_flat.dtype),
+                "masters": sum(m.nbytes for s in self._shards for m in s.masters if m.dtype != s.param_flat.dtype),
+                "param_shards": sum(m.nbytes for s in self._shards for m in s.masters
+                                    if (s.shard_params or s.host is not None) and m.dtype == s.param_flat.dtype),
                 "host_grads": sum(s.host_grad.nbytes for s in self._shards if s.host is not None),
                 "scratch": sum(s._scratch.nbytes for s in self._shards)}
 

@@ -17,6 +17,7 @@ from launch.config import build_config, load_config
 from launch.plan.measure import measure
 from launch.plan.planner import Machine, make_plan
 from launch.plan.presets import GPUS
+from launch.rehearse import rehearse
 from launch.train import train
 from optim.shard import ShardedParams
 from optim.zero1 import ZeRO1
@@ -172,3 +173,19 @@ def test_plan_moves_the_offloaded_optimizer_to_host_memory():
     assert offloaded.states.optimizer == 0 and on_gpu.states.host == 0
     assert offloaded.states.host == pytest.approx(16 * shard)
     assert (offloaded.states.params, offloaded.states.grads) == (on_gpu.states.params, on_gpu.states.grads)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_rehearsal_on_meta_holds_the_planned_model_states(stage):
+    """moe-train --rehearse of the tiny layout (DualPipeV pp2 x dp2, EP 2) under ZeRO-2/3: the rank's params,
+    grads and optimizer bytes as moe-plan's within 1%; ZeRO-3 all-gathers over dp = 2 during forward and
+    backward, many more times than ZeRO-2's one gather per bucket after the step."""
+    overrides = [f"optim.zero_stage={stage}", "parallel.overlap=false"]
+    result = rehearse(load_config(TINY, overrides))
+    for category in ("params", "grads", "optimizer"):
+        assert result.peak[category] == pytest.approx(result.planned[category], rel=0.01), category
+    gathers = {k: calls for k, group, calls, _ in result.collectives.rows() if group == 2 and "allgather" in k}
+    if stage == 3:
+        lower = rehearse(load_config(TINY, ["optim.zero_stage=2", "parallel.overlap=false"]))
+        fewer = {k: calls for k, group, calls, _ in lower.collectives.rows() if group == 2 and "allgather" in k}
+        assert sum(gathers.values()) > 4 * sum(fewer.values()) > 0, (gathers, fewer)
