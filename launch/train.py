@@ -162,7 +162,15 @@ def build_optimizer(stages: list[Stage], cfg: RunConfig, mesh: Mesh) -> ZeRO1:
     groups += [{"params": [p], "weight_decay": cfg.train.weight_decay, "process_group": mesh.embed_replicas,
                 "grad_divisor": 1} for p in copies.values()]
     return ZeRO1(groups, torch.optim.AdamW, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2),
-                 stage=cfg.optim.zero_stage, offload=cfg.optim.offload == "optimizer")
+                 stage=cfg.optim.zero_stage, offload=_host(cfg, stages))
+
+
+def _host(cfg: RunConfig, stages: list[Stage]) -> torch.device | None:
+    """Where optim.offload "optimizer" keeps the optimizer: host memory, or in a rehearsal the meta device too."""
+    if cfg.optim.offload == "none":
+        return None
+    device = next(stages[0].parameters()).device
+    return device if device.type == "meta" else torch.device("cpu")
 
 
 def _by_owner(stage: Stage, params: list[Tensor]) -> list[tuple[nn.Module, list[Tensor]]]:

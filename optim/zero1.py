@@ -112,8 +112,8 @@ class ZeRO1(torch.optim.Optimizer):
     stage=3 (ZeRO-3) also shards the params of every group given a "module" key (a layout key: the module the
     params belong to; groups without one run as ZeRO-2): they are freed, all-gathered from the masters before
     each forward and backward of their module and freed after (optim.zero3), and step() gathers nothing.
-    offload=True (ZeRO-Offload, stage 1 or 2): the fp32 masters and the inner optimizers' state live in host
-    memory and the update runs there; step() copies each bucket's reduced grad shard to the host and its updated
+    offload=host device ("cpu"; ZeRO-Offload, stage 1 or 2): the fp32 masters and the inner optimizers' state
+    live there and the update runs there; step() copies each bucket's reduced grad shard to the host and its updated
     masters back (see ShardedParams.step).
     """
 
@@ -121,11 +121,11 @@ class ZeRO1(torch.optim.Optimizer):
                  optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
                  process_group: ProcessGroup | None = None, *, bucket_cap_mb: float = 25.0,
                  norm_groups: Sequence[ProcessGroup] = (), collectives: str = "auto",
-                 stage: int = 1, offload: bool = False, **defaults: Any) -> None:
+                 stage: int = 1, offload: torch.device | str | None = None, **defaults: Any) -> None:
         groups = _param_groups(params)
         if stage not in STAGES:
             raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
-        if offload and stage == 3:
+        if offload is not None and stage == 3:
             raise ValueError("offload keeps the masters in host memory, which ZeRO-3 gathers from on the device: "
                              "allowed with offload: stage 1 or 2")
         self.stage = stage
@@ -151,7 +151,7 @@ class ZeRO1(torch.optim.Optimizer):
         bucket_cap = max(1, int(bucket_cap_mb * 2**20) // 4)
         self._shards = [ShardedParams(g["params"], g["process_group"], bucket_cap,
                                       g["grad_divisor"], collectives, stage >= 2, "module" in g,
-                                      torch.device("cpu") if offload else None) for g in groups]
+                                      None if offload is None else torch.device(offload)) for g in groups]
         self._unit_order: list[Unit] = []
         by_module: dict[int, tuple[torch.nn.Module, list[ShardedParams]]] = {}
         for group, shard in zip(groups, self._shards):

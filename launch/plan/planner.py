@@ -109,11 +109,13 @@ class Plan:
     flops_per_token: float
     pipeline_steps: int = 1
     idle_fractions: list[float] = field(default_factory=list)  # per pipeline rank, from the simulator
+    offload_seconds: float = 0.0  # optim.offload: the grad shards' copy to the host and the params' back
 
     @property
     def step_seconds(self) -> float:
-        """The pipeline steps of one optimizer step plus the gradient sync after them."""
-        return self.pipeline_steps * self.makespan + self.dp_sync_seconds
+        """The pipeline steps of one optimizer step plus the gradient sync and the offloaded optimizer's copies
+        after them (the host's AdamW itself is not priced)."""
+        return self.pipeline_steps * self.makespan + self.dp_sync_seconds + self.offload_seconds
 
     @property
     def tokens_per_second(self) -> float:
@@ -257,10 +259,15 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
         makespan, idles = chunks * costs[0].serial, [0.0]
     if options.dp_overlap:
         sync = max(0.0, sync - max(c.b for c in costs))
+    offload = 0.0
+    if config.optim.offload == "optimizer" and timed:  # fp32 grad shard out, params back, the two directions at once
+        offload = max(max(4, recipe.param) * (r.dense_params / _groups(config, gpn, r.rank)[0]
+                                              + r.expert_params / _groups(config, gpn, r.rank)[1]) for r in ranks
+                      ) / (machine.gpu.host_gbps * 1e9)
     return Plan(config, machine, options, params, layers, ranks, ep, costs, p2p_seconds, makespan,
                 sum(idles) / len(idles), sync,
                 train.grad_accum_steps * tokens * par.cp, model_flops_per_token(cfg, train.seq_len),
-                train.grad_accum_steps // par.dp // chunks, list(idles))
+                train.grad_accum_steps // par.dp // chunks, list(idles), offload)
 
 
 def _check_options(config: RunConfig, options: Options) -> None:

@@ -189,3 +189,15 @@ def test_rehearsal_on_meta_holds_the_planned_model_states(stage):
         lower = rehearse(load_config(TINY, ["optim.zero_stage=2", "parallel.overlap=false"]))
         fewer = {k: calls for k, group, calls, _ in lower.collectives.rows() if group == 2 and "allgather" in k}
         assert sum(gathers.values()) > 4 * sum(fewer.values()) > 0, (gathers, fewer)
+
+
+def test_plan_prices_the_offloaded_optimizers_copies_over_the_host_link():
+    """Per step a rank copies its fp32 grad shard to the host and its updated params back, both directions at
+    once: 4 bytes per param of its shard over the GPU's host link, added to the step."""
+    machine = Machine(GPUS["h800"], 8)
+    on_gpu, offloaded = (make_plan(load_config(TINY, [*DP2_EP2, *extra]), machine)
+                         for extra in ([], ['optim.offload="optimizer"']))
+    rank = offloaded.ranks[0]
+    want = 4 * (rank.dense_params / 2 + rank.expert_params) / (GPUS["h800"].host_gbps * 1e9)
+    assert on_gpu.offload_seconds == 0 and offloaded.offload_seconds == pytest.approx(want)
+    assert offloaded.step_seconds == pytest.approx(on_gpu.step_seconds + want)
