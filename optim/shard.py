@@ -268,7 +268,7 @@ class ShardedParams:
 
         piece is this rank's part, in place already when it is a view of out_flat[b.owned].
         """
-        piece = piece.detach().to(out_flat.device, out_flat.dtype)
+        piece = piece.detach().to(out_flat.device, out_flat.dtype, non_blocking=True)  # offload: pinned host -> GPU
         if self.collectives == "scatter_gather":
             return [dist.all_gather_single(out_flat[b.full], piece, group=self.group,
                                            async_op=True)], piece
@@ -293,7 +293,7 @@ class ShardedParams:
         for i in reversed(range(len(self.layout.buckets))):
             self._finish(i)
             if i in arrived and arrived[i] is not None:
-                arrived[i].synchronize()
+                arrived[i].synchronize()  # host sync by design: the host's update reads the grad shard just copied
             optim = self.optims[i]
             optim.param_groups[0].update(hyper)
             optim.step()
