@@ -119,11 +119,6 @@ class ShardedParams:
         if shard_params:
             self.release()
 
-    @property
-    def held(self) -> bool:
-        """Whether the full params have their storage (ZeRO-3 frees it between uses)."""
-        return self.param_flat.untyped_storage().nbytes() > 0
-
     def gather(self) -> tuple[list[dist.Work], list[torch.Tensor]]:
         """ZeRO-3: give the params their storage back and start all-gathering the masters into them; (works, the
         pieces sent, to keep until the works are done)."""

@@ -389,6 +389,7 @@ class ZeRO1(torch.optim.Optimizer):
                                  f"the model's {[p.shape for p in shard.params]}")
             self._load_group(shard, entries, state_dict["elementwise_keys"][i])
             self.param_groups[i].update({k: v for k, v in saved.items() if k != "params"})
+        self.release_params()  # ZeRO-3: the next forward gathers the loaded masters
         self._reduced = False
 
     def _load_group(self, shard: ShardedParams, entries: list[dict[str, Any]],
