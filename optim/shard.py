@@ -251,6 +251,11 @@ class ShardedParams:
             self.grad[b.shard].add_(grad)
             self._free(i)
 
+    def finish_completed(self) -> None:
+        """Finish the reductions whose collectives are done (ZeRO-2: their full buffers are freed now)."""
+        for i in [i for i, works in self._works.items() if all(w.is_completed() for w in works)]:
+            self._finish(i)
+
     def finish_reduce(self) -> None:
         """Wait for every started reduction; this rank's shard of the grad sums / grad_divisor is in self.grad."""
         for i in reversed(range(len(self.layout.buckets))):

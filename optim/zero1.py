@@ -230,6 +230,9 @@ class ZeRO1(torch.optim.Optimizer):
         if self._final(shard.params[i]):
             self._ready[s][shard.layout.bucket_of[i]].add(i)
             self._launch(flush=False)
+        if self.stage >= 2:  # free the full buffers of reductions already done, while the backward goes on
+            for other in self._shards:
+                other.finish_completed()
 
     def _launch(self, flush: bool) -> None:
         """Start bucket reductions in the fixed order while they are ready (flush: all the rest)."""

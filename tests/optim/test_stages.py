@@ -53,3 +53,23 @@ def test_stage_or_offload_steps_equal_zero1(kind, dtype, one_rank):
     """The fp32 masters (the params themselves for fp32 ZeRO-1/2) bitwise equal after every step."""
     for got, want in zip(train(kind, dtype), train("zero1", dtype), strict=True):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero2_frees_each_full_grad_bucket_during_the_backward(stage, one_rank):
+    """Four layers, one bucket each: sampled at every grad hook of a backward, ZeRO-1 holds all four full grad
+    buckets; ZeRO-2 at most the bucket being filled and the one just launched, each freed once reduced."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
+    opt = ZeRO1(model.parameters(), lr=1e-2, stage=stage, bucket_cap_mb=(32 * 32 + 32) * 4 / 2**20)
+    buckets = [g for shard in opt._shards for g in shard.grad_buckets]
+    assert len(buckets) == 4
+    seen: list[int] = []
+    for p in model.parameters():  # after ZeRO1's own hooks
+        p.register_post_accumulate_grad_hook(lambda _: seen.append(sum(g.untyped_storage().nbytes() for g in buckets)))
+    opt.zero_grad()
+    with opt.reduce_during_backward():
+        model(torch.randn(4, 32)).square().sum().backward()
+    full = sum(g.numel() * g.element_size() for g in buckets)
+    assert max(seen) == full if stage == 1 else max(seen) <= full / 2, (seen, full)
+    opt.step()
