@@ -1,8 +1,9 @@
-"""The trainer under optim.zero_stage 2 equals the single-process run (float64, 5 steps), reduces every backward,
-frees its full grads, and its checkpoints reshard to and from other layouts.
+"""The trainer under optim.zero_stage 2 and 3 and optim.offload equals the single-process run (float64, 5 steps),
+reduces every backward, frees its full grads (and ZeRO-3 its dense params), and its checkpoints reshard to and from
+other layouts; moe-plan's model states per rank match the measured and rehearsed ones, offload moves them to host.
 
 Layouts of one world size train in one spawn (tests/launch/test_equivalence.py's method and tolerances: losses
-1e-10 relative, consolidated params calc_diff < 1e-12); capacity factor 1.0 drops slots in the dp2 ep2 run.
+1e-10 relative, consolidated params calc_diff < 1e-12); capacity factor 1.0 drops slots in the dp2 ep2 runs.
 """
 
 from __future__ import annotations
