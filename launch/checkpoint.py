@@ -93,10 +93,9 @@ class TrainState:
         flat: dict[str, object] = {}
         for piece in self.optimizer.pieces():
             place = self.places[self.names[id(piece.param)]]
-            param = piece.param.detach().view(-1)[piece.start:piece.start + piece.length]
-            keys = _add(flat, "model/{}", place, piece.start, param)
+            keys = _add(flat, "model/{}", place, piece.start, _param_values(piece))
             for kind, view in piece.state.items():
-                if kind != MASTER_KEY or view.dtype != param.dtype:  # an fp32 param is its own master
+                if kind != MASTER_KEY or view.dtype != piece.param.dtype:  # an fp32 param is its own master
                     _add(flat, f"optim/{{}}/{kind}", place, piece.start, view)
             for kind, value in piece.scalars.items():
                 flat.update({f"optim/{key}/{kind}": value for key in keys})
@@ -175,6 +174,18 @@ class TrainState:
         if rng is not None:
             torch.set_rng_state(rng)
         return int(wanted["meta/step"])
+
+
+def _param_values(piece: Piece) -> Tensor:
+    """A piece's run of its param's values: the master where it has the param's dtype (the param itself, or under
+    ZeRO-3 its copy while the param is freed), else the param's own elements (a bf16 param freed by ZeRO-3: a
+    cast of the master)."""
+    master = piece.state[MASTER_KEY]
+    if master.dtype == piece.param.dtype:
+        return master
+    if piece.param.untyped_storage().nbytes() == 0:
+        return master.to(piece.param.dtype)
+    return piece.param.detach().view(-1)[piece.start:piece.start + piece.length]
 
 
 def _first_key(place: Placement, piece: Piece) -> str:

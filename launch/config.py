@@ -207,6 +207,45 @@ class ParallelSettings:
         return 2 * self.pp if self.schedule == "dualpipev" else self.pp
 
 
+ZERO_STAGES = (1, 2, 3)
+OFFLOADS = ("none", "optimizer")
+
+
+@dataclass
+class OptimSettings:
+    """The distributed optimizer: zero_stage 1 shards the fp32 masters and AdamW moments over each param's
+    replicas, 2 also the grads (reduce-scattered during every backward, full grads freed; optim.ZeRO1), 3 also the
+    dense params (each module's gathered around its forward and backward, per micro-batch; optim.zero3).
+    offload "optimizer" (ZeRO-Offload, stage 1 or 2) keeps the fp32 masters and AdamW moments in host memory and
+    updates them there."""
+
+    zero_stage: int = 1
+    offload: str = "none"
+
+    def __post_init__(self) -> None:
+        check_choice("optim.zero_stage", self.zero_stage, ZERO_STAGES)
+        check_choice("optim.offload", self.offload, OFFLOADS)
+
+
+def _check_optim(cfg: "RunConfig") -> None:
+    """Layouts the ZeRO stages do not run: ZeRO-2 frees each full grad bucket once reduced over DP, so it needs the
+    reduction inside the backward and no TP-partial grads still to be summed over TP after it; ZeRO-3's gathers
+    and reductions share the DP group, so a pipeline must not run a backward beside a forward (parallel.overlap)."""
+    optim, par = cfg.optim, cfg.parallel
+    if optim.zero_stage >= 2 and not par.overlap_grad_reduce:
+        raise ValueError(f"optim.zero_stage = {optim.zero_stage} reduce-scatters grads during every backward: "
+                         f"parallel.overlap_grad_reduce must be true (allowed with false: optim.zero_stage = 1)")
+    if optim.zero_stage >= 2 and par.tp > 1:
+        raise ValueError(f"optim.zero_stage = {optim.zero_stage} does not run with parallel.tp = {par.tp} (TP-partial "
+                         f"grads are summed over TP after the backward): allowed optim.zero_stage = 1, or parallel.tp = 1")
+    if optim.offload != "none" and optim.zero_stage == 3:
+        raise ValueError(f"optim.offload = {optim.offload!r} does not run with optim.zero_stage = 3 (its params are "
+                         f"gathered from device masters): allowed optim.zero_stage = 1 or 2, or optim.offload = 'none'")
+    if optim.zero_stage == 3 and par.pp > 1 and par.overlap:
+        raise ValueError("optim.zero_stage = 3 with parallel.pp > 1 gathers params in the forward and the backward on "
+                         "one group: parallel.overlap must be false (allowed with overlap: optim.zero_stage = 1 or 2)")
+
+
 @dataclass
 class RunConfig:
     """A whole run: model shape, training loop, data, layout and operations (checkpoints, faults)."""
@@ -216,6 +255,7 @@ class RunConfig:
     data: DataSettings = field(default_factory=DataSettings)
     parallel: ParallelSettings = field(default_factory=ParallelSettings)
     ops: OpsSettings = field(default_factory=OpsSettings)
+    optim: OptimSettings = field(default_factory=OptimSettings)
 
     def __post_init__(self) -> None:
         if self.train.seq_len > self.model.max_seq_len:
@@ -259,6 +299,7 @@ class RunConfig:
         check_tp_shapes(model, self.train.seq_len, par.tp, par.sequence_parallel, par.cp)
         _check_mtp(model, par)
         _check_document_mask(self.data, model, par)
+        _check_optim(self)
         _check_fp8_sizes(model, par)
         layout = self.layout
         nodes = layout.ep_nodes()
@@ -320,7 +361,7 @@ def _check_fp8_sizes(model: ModelConfig, par: ParallelSettings) -> None:
 
 
 SECTIONS = {"model": ModelConfig, "train": TrainSettings, "data": DataSettings, "parallel": ParallelSettings,
-            "ops": OpsSettings}
+            "ops": OpsSettings, "optim": OptimSettings}
 
 
 def _accepted_types(hint: object) -> tuple[type, ...]:

@@ -109,15 +109,17 @@ class StepMemTracker(MemTracker):
         super().__exit__(*exc)
 
     def categories(self) -> dict[str, int]:
-        """Bytes by category: model states as the step leaves them (params and buffers; grads with ZeRO-1's
-        fp32 sums and reduced shards; optimizer state with its separate fp32 masters), activations at the peak of
+        """Bytes by category: model states as the step leaves them (params and buffers, with ZeRO-3's param shards;
+        grads with ZeRO-1's fp32 sums, reduced shards and receive rows; optimizer state with its separate fp32
+        masters), activations at the peak of
         forward and backward (MemTracker's activation and temporary bytes there, less the ZeRO-1 buffers it counted
         among them; the optimizer step's own temporaries, and the first step's lazily made AdamW state, which
         MemTracker counts as activations while they are made, are not activations)."""
         peak = self.before_step or self._peak_by_kind()
         extra = self.optimizer_buffers
-        return {"params": peak["Parameter"] + peak["Buffer"],
-                "grads": peak["Gradient"] + extra.get("grad_sums", 0) + extra.get("grad_shards", 0),
+        return {"params": peak["Parameter"] + peak["Buffer"] + extra.get("param_shards", 0),
+                "grads": (peak["Gradient"] + extra.get("grad_sums", 0) + extra.get("grad_shards", 0)
+                          + extra.get("scratch", 0)),
                 "optimizer": self.final.get("Optstate", 0) + extra.get("masters", 0),
                 "activations": peak["Activation"] + peak["Temp"] + peak["Other"] - sum(extra.values())}
 

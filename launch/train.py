@@ -21,7 +21,7 @@ from typing import Iterator
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from tqdm import tqdm
 
 from dispatch import EPDispatcher, Traffic
@@ -139,8 +139,12 @@ def build_optimizer(stages: list[Stage], cfg: RunConfig, mesh: Mesh) -> ZeRO1:
     Dense params held whole on every TP rank count 1/tp each in the grad norm summed over the world; groups
     holding TP-partial grads are reduced after the backward (sum_tp_partial_grads first), the others during it.
     A param two stages share (the embedding MTP uses on DualPipe's ends) is counted once; an embedding copy on
-    another pipeline rank (MTP under 1F1B-like schedules) forms a group of its own over every rank holding it."""
+    another pipeline rank (MTP under 1F1B-like schedules) forms a group of its own over every rank holding it.
+    optim.zero_stage 3: the dense params of each module holding them directly (a norm, a linear, a router, the
+    embedding) form groups of their own, named by that module: ZeRO-3 gathers them around its forward and
+    backward (optim.zero3); experts stay sharded as ZeRO-2 (over expert-DP)."""
     groups, seen = [], set()
+    zero3 = cfg.optim.zero_stage == 3
     copies = {id(s.embed.weight): s.embed.weight for s in stages if s.embed is not None and mesh.layout.embed_copy}
     for stage in sorted(stages, key=lambda s: s.layer_ids[0]):  # the same order on every replica
         named = [(name, p) for name, p in stage.named_parameters() if id(p) not in seen and id(p) not in copies]
@@ -150,22 +154,40 @@ def build_optimizer(stages: list[Stage], cfg: RunConfig, mesh: Mesh) -> ZeRO1:
         for expert, replicated, decay in itertools.product((False, True), (False, True), (True, False)):
             params = [p for name, p in named if (".experts." in name) == expert and (id(p) in whole) == replicated
                       and (p.dim() >= 2) == decay]
-            if params:
-                groups.append({"params": params, "weight_decay": cfg.train.weight_decay if decay else 0.0,
-                               "process_group": mesh.expert_replicas if expert else mesh.dense_replicas,
-                               "grad_divisor": 1, "norm_weight": 1 / mesh.layout.tp if replicated else 1.0,
-                               "overlap": not any(id(p) in partial for p in params)})
+            base = {"weight_decay": cfg.train.weight_decay if decay else 0.0,
+                    "process_group": mesh.expert_replicas if expert else mesh.dense_replicas,
+                    "grad_divisor": 1, "norm_weight": 1 / mesh.layout.tp if replicated else 1.0}
+            for module, part in (_by_owner(stage, params) if zero3 and not expert else [(None, params)]):
+                if part:
+                    groups.append({"params": part, **base, "overlap": not any(id(p) in partial for p in part),
+                                   **({"module": module} if module is not None else {})})
     groups += [{"params": [p], "weight_decay": cfg.train.weight_decay, "process_group": mesh.embed_replicas,
                 "grad_divisor": 1} for p in copies.values()]
-    return ZeRO1(groups, torch.optim.AdamW, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2))
+    return ZeRO1(groups, torch.optim.AdamW, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2),
+                 stage=cfg.optim.zero_stage, offload=_host(cfg, stages))
 
 
-def last_backward(optimizer: ZeRO1 | None, runtime: PipelineRuntime | None) -> contextlib.AbstractContextManager:
-    """Around the step's last backward (the last micro-batch's, or the last pipeline step): ZeRO-1 starts
-    reducing each bucket as soon as all its grads are final, while the backward goes on; with a pipeline the
-    runtime says which grads are (runtime.last_grad: a deferred weight grad once its last W ran). The
-    reductions still in flight are waited for in the clip (ZeRO1.clip_grad_norm_)."""
-    if optimizer is None:
+def _host(cfg: RunConfig, stages: list[Stage]) -> torch.device | None:
+    """Where optim.offload "optimizer" keeps the optimizer: host memory, or in a rehearsal the meta device too."""
+    if cfg.optim.offload == "none":
+        return None
+    device = next(stages[0].parameters()).device
+    return device if device.type == "meta" else torch.device("cpu")
+
+
+def _by_owner(stage: Stage, params: list[Tensor]) -> list[tuple[nn.Module, list[Tensor]]]:
+    """params split by the module holding each directly, in the stage's module order."""
+    wanted = {id(p) for p in params}
+    return [(module, [p for p in module.parameters(recurse=False) if id(p) in wanted]) for module in stage.modules()]
+
+
+def last_backward(optimizer: ZeRO1 | None, runtime: PipelineRuntime | None,
+                  last: bool = True) -> contextlib.AbstractContextManager:
+    """Around the step's last backward (the last micro-batch's, or the last pipeline step; ZeRO-2: around every
+    one, `last` or not): ZeRO-1 starts reducing each bucket as soon as all its grads are final, while the backward
+    goes on; with a pipeline the runtime says which grads are (runtime.last_grad: a deferred weight grad once its
+    last W ran). The reductions still in flight are waited for in the clip (ZeRO1.clip_grad_norm_)."""
+    if optimizer is None or not (last or optimizer.stage >= 2):
         return contextlib.nullcontext()
     return optimizer.reduce_during_backward(runtime.last_grad if runtime is not None else None)
 
@@ -216,7 +238,7 @@ def forward_backward(stages: list[Stage], runtime: PipelineRuntime | None, micro
             loss = criterion(*(out if isinstance(out, tuple) else (out,)), labels_of(batch))
             if torch.is_grad_enabled():
                 mark(f"backward of micro-batch {m}", ACTION)
-                with last_backward(optimizer, None) if m == len(micro) - 1 else contextlib.nullcontext():
+                with last_backward(optimizer, None, m == len(micro) - 1):
                     loss.backward()
             add_lm_parts()
         return total, 0.0
@@ -229,7 +251,7 @@ def forward_backward(stages: list[Stage], runtime: PipelineRuntime | None, micro
         labels = torch.cat([labels_of(step[c]) for c in exit_]) if exit_ else None
         context = [torch.cat(parts) for parts in zip(*map(documents_of, step))]
         runtime.timeline = []
-        with last_backward(optimizer, runtime) if first + chunks >= len(micro) else contextlib.nullcontext():
+        with last_backward(optimizer, runtime, first + chunks >= len(micro)):
             runtime.step(*([inputs] if entry else []), num_chunks=chunks, criterion=criterion,
                          labels=(labels,) if exit_ else (), context=context)
         busy += sum(b for *_, b in runtime.timeline)

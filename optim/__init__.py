@@ -1,4 +1,5 @@
-"""Optimizers: ZeRO-1 distributed optimizer, global gradient clipping, LR schedules."""
+"""Optimizers: ZeRO-1/2/3 distributed optimizer (optionally offloaded to the host), global gradient clipping, LR
+schedules."""
 
 from optim.lr_schedule import warmup_cosine
 from optim.memory import optimizer_state_bytes

@@ -43,6 +43,10 @@ class Bucket:
         begin = self.start + rank * self.shard_numel
         return slice(begin, begin + self.shard_numel)
 
+    def local_piece(self, rank: int) -> slice:
+        """The piece of the bucket that rank owns, as a range of the bucket's own buffer."""
+        return slice(rank * self.shard_numel, (rank + 1) * self.shard_numel)
+
 
 @dataclass(frozen=True)
 class FlatLayout:
@@ -90,6 +94,14 @@ class FlatLayout:
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of flat shaped like each tensor (no copy)."""
         return [flat[o:o + s.numel()].view(s) for o, s in zip(self.offsets, self.shapes)]
+
+    def bucket_views(self, buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Views shaped like each tensor of per-bucket buffers (buffers[b] holds bucket b's numel elements)."""
+        views = []
+        for offset, shape, b in zip(self.offsets, self.shapes, self.bucket_of):
+            at = offset - self.buckets[b].start
+            views.append(buffers[b][at:at + shape.numel()].view(shape))
+        return views
 
     def flatten(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """A new zero-padded flat buffer holding the given tensors."""

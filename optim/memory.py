@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 
 from optim.zero1 import ZeRO1
 
@@ -12,7 +15,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """This rank's optimizer bytes: (master) params it updates + state tensors, for any optimizer.
 
     ZeRO1 counts its fp32 master shards; ZeroRedundancyOptimizer counts its local optimizer
-    (the params of its partition); a plain optimizer counts all of its params.
+    (the params of its partition); a plain optimizer counts all of its params (of DTensors, the local shards).
     """
     if isinstance(optimizer, ZeRO1):
         return optimizer.state_bytes()["total"]
@@ -20,7 +23,27 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
         optimizer = optimizer.optim
     params = [p for g in optimizer.param_groups for p in g["params"]]
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-    return sum(t.numel() * t.element_size() for t in params + state)
+    return sum(local(t).nbytes for t in params + state)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: a DTensor's local shard (torch FSDP2's params and state), else itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def model_state_bytes(optimizer: ZeRO1, params: Iterable[torch.Tensor]) -> dict[str, int]:
+    """Bytes this rank holds right now for the model states of params under optimizer: "params" (the storage the
+    params view, freed storage counting 0, plus masters of their dtype kept apart: ZeRO-3's shards, offload's),
+    "grads" (full grad buffers held, the reduced shards, receive scratch, host copies, any .grad outside them)
+    and "optimizer" (held_optimizer_bytes: state and masters of another dtype)."""
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params}
+    buffers = optimizer.buffer_bytes()
+    apart = {g.untyped_storage().data_ptr() for s in optimizer._shards for g in s.grad_buckets}
+    loose = sum(p.grad.nbytes for p in params if p.grad is not None and p.grad.untyped_storage().data_ptr() not in apart)
+    held = sum(g.untyped_storage().nbytes() for s in optimizer._shards for g in s.grad_buckets)
+    return {"params": sum(storages.values()) + buffers["param_shards"],
+            "grads": held + buffers["grad_shards"] + buffers["scratch"] + buffers["host_grads"] + loose,
+            "optimizer": held_optimizer_bytes(optimizer)}
 
 
 def held_optimizer_bytes(optimizer: ZeRO1) -> int:

@@ -66,10 +66,14 @@ class ShardedParams:
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], group: ProcessGroup | None,
-                 bucket_cap: int, grad_divisor: float, collectives: str) -> None:
+                 bucket_cap: int, grad_divisor: float, collectives: str, shard_grads: bool = False,
+                 shard_params: bool = False, host: torch.device | None = None) -> None:
         self.params = list(params)
         self.group = group
         self.grad_divisor = grad_divisor
+        self.shard_grads = shard_grads
+        self.shard_params = shard_params
+        self.host = host
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         if collectives == "auto":
             collectives = "p2p" if dist.get_backend(group) == "gloo" else "scatter_gather"
@@ -83,20 +87,32 @@ class ShardedParams:
             for p, view in zip(self.params, self.layout.views(self.param_flat)):
                 p.data = view
             owned = [self.param_flat[b.owned] for b in self.layout.buckets]
-            self.masters = owned if dtype == self.master_dtype else [o.to(self.master_dtype) for o in owned]
+            if host is not None:  # ZeRO-Offload: masters (and so the optimizer state) in host memory
+                self.masters = [_host_buffer(o.numel(), self.master_dtype, host, o.device) for o in owned]
+                for master, o in zip(self.masters, owned):
+                    master.copy_(o)
+            else:
+                self.masters = (owned if dtype == self.master_dtype and not shard_params
+                                else [o.to(self.master_dtype, copy=True) for o in owned])
         self.grad = torch.zeros(self.layout.shard_numel, dtype=self.master_dtype,
                                 device=self.param_flat.device)
-        self.bucket_chunks = [self._chunks(m, self.grad[b.shard])
+        # the inner optimizers' grads: the reduced shard itself, or (offload) its host copy
+        self.host_grad = (self.grad if host is None
+                          else _host_buffer(self.layout.shard_numel, self.master_dtype, host, self.grad.device))
+        self.bucket_chunks = [self._chunks(m, self.host_grad[b.shard])
                               for m, b in zip(self.masters, self.layout.buckets)]
         self.optims: list[torch.optim.Optimizer] = []
-        self.grad_flat = torch.zeros(self.layout.total, dtype=self.master_dtype,
-                                     device=self.param_flat.device)
-        self.grad_views = self.layout.views(self.grad_flat)
-        self.binds_grads = dtype == self.master_dtype
-        self.zero_grad(set_to_none=False)
-        scratch_rows = max(world - 2, 0) if collectives == "p2p" else 0  # only p2p receives into it
+        self.grad_buckets = [torch.zeros(b.numel, dtype=self.master_dtype, device=self.param_flat.device)
+                             for b in self.layout.buckets]
+        self.grad_views = self.layout.bucket_views(self.grad_buckets)
+        self.binds_grads = dtype == self.master_dtype and not shard_grads
+        # receive rows: ZeRO-1's reduction lands in the grad shard (p2p: plus N-2 rows for the other peers);
+        # ZeRO-2's lands in row 0 (p2p: N-1 rows), then is added to the shard, which sums every backward's
+        scratch_rows = (max(world - 2, 0) if collectives == "p2p" else 0) + shard_grads
         self._scratch = torch.empty(scratch_rows, self.layout.shard_numel, dtype=self.master_dtype,
                                     device=self.grad.device)
+        self._inboxes = list(self._scratch) if shard_grads else [self.grad, *self._scratch]
+        self.zero_grad(set_to_none=False)
         self.bucket_params = [[i for i, b in enumerate(self.layout.bucket_of) if b == bucket]
                               for bucket in range(len(self.layout.buckets))]
         self.listener: Callable[[int], None] | None = None  # told each param index whose grad came in
@@ -104,6 +120,23 @@ class ShardedParams:
         self._works: dict[int, list[dist.Work]] = {}
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
+        if shard_params:
+            self.release()
+
+    def gather(self) -> tuple[list[dist.Work], list[torch.Tensor]]:
+        """ZeRO-3: give the params their storage back and start all-gathering the masters into them; (works, the
+        pieces sent, to keep until the works are done)."""
+        self.param_flat.untyped_storage().resize_(self.param_flat.numel() * self.param_flat.element_size())
+        works, pieces = [], []
+        for master, b in zip(self.masters, self.layout.buckets):
+            started, piece = self._gather_bucket(self.param_flat, master, b)
+            works += started
+            pieces.append(piece)
+        return works, pieces
+
+    def release(self) -> None:
+        """ZeRO-3: free the full params' storage (the params keep their shapes; gather() brings the values back)."""
+        self.param_flat.untyped_storage().resize_(0)
 
     @staticmethod
     def _chunks(master: torch.Tensor, grad: torch.Tensor) -> list[torch.nn.Parameter]:
@@ -122,11 +155,29 @@ class ShardedParams:
                        for chunks in self.bucket_chunks]
 
     def zero_grad(self, set_to_none: bool) -> None:
-        """Drop fp32 grads (set_to_none) or bind them to the zeroed flat buffer; zero the sums."""
-        if not (set_to_none and self.binds_grads):
-            self.grad_flat.zero_()
+        """Drop fp32 grads (set_to_none) or bind them to the zeroed bucket buffers; zero the sums. With
+        shard_grads (ZeRO-2) the full buffers are freed instead (each comes back, zeroed, with its first grad)
+        and the grad shard, which sums the reductions of every backward, is zeroed."""
+        if self.shard_grads:
+            self.grad.zero_()
+            for b in range(len(self.grad_buckets)):
+                self._free(b)
+        elif not (set_to_none and self.binds_grads):
+            for buffer in self.grad_buckets:
+                buffer.zero_()
         for p, view in zip(self.params, self.grad_views):
             p.grad = view if self.binds_grads and not set_to_none else None
+
+    def _free(self, b: int) -> None:
+        """Release bucket b's full grad buffer (its views stay valid for _hold)."""
+        self.grad_buckets[b].untyped_storage().resize_(0)
+
+    def _hold(self, b: int) -> None:
+        """Give bucket b's full grad buffer its storage back, zeroed, if it was freed."""
+        buffer = self.grad_buckets[b]
+        if buffer.untyped_storage().nbytes() == 0:
+            buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
+            buffer.zero_()
 
     def _collect(self, i: int) -> None:
         """Move param i's .grad into the flat fp32 buffer: fp32 by copy and rebinding (zero for
@@ -134,6 +185,7 @@ class ShardedParams:
         p, view = self.params[i], self.grad_views[i]
         if not self.binds_grads:
             if p.grad is not None:
+                self._hold(self.layout.bucket_of[i])
                 view.add_(p.grad)
                 p.grad = None
         elif p.grad is None:
@@ -144,6 +196,7 @@ class ShardedParams:
 
     def local_grad(self, i: int) -> torch.Tensor:
         """Param i's local (not yet reduced) grad sum: its view of the flat fp32 buffer, whatever its dtype."""
+        self._hold(self.layout.bucket_of[i])
         self._collect(i)
         return self.grad_views[i]
 
@@ -158,18 +211,19 @@ class ShardedParams:
 
     def launch(self, bucket: int) -> None:
         """Start reducing a bucket's grad sums (its params' grads collected first: none is zero)."""
+        self._hold(bucket)
         for i in self.bucket_params[bucket]:
             self._collect(i)
-        self._works[bucket] = self._start_reduce(self.layout.buckets[bucket])
+        self._works[bucket] = self._start_reduce(bucket)
         self.launched.add(bucket)
 
-    def _start_reduce(self, b: Bucket) -> list[dist.Work]:
-        """Start reducing bucket b's grad sums; rank r's piece ends up on rank r (see _finish)."""
-        grad, flat = self.grad, self.grad_flat
+    def _start_reduce(self, bucket: int) -> list[dist.Work]:
+        """Start reducing a bucket's grad sums; rank r's piece ends up on rank r (see _finish)."""
+        b, flat = self.layout.buckets[bucket], self.grad_buckets[bucket]
         if self.collectives == "scatter_gather":
-            return [_reduce_scatter_flat(grad[b.shard], flat[b.full], group=self.group, async_op=True)]
-        inboxes = [grad[b.shard], *(inbox[b.shard] for inbox in self._scratch)]
-        return self._exchange([flat[b.piece(r)] for r in self.peers], inboxes)
+            return [_reduce_scatter_flat(self._inboxes[0][b.shard], flat, group=self.group, async_op=True)]
+        return self._exchange([flat[b.local_piece(r)] for r in self.peers],
+                              [inbox[b.shard] for inbox in self._inboxes])
 
     def _exchange(self, outgoing: list[torch.Tensor], incoming: list[torch.Tensor]
                   ) -> list[dist.Work]:
@@ -181,20 +235,29 @@ class ShardedParams:
         return works
 
     def _finish(self, i: int) -> None:
-        """Wait for bucket i's reduction (if pending), sum its pieces, divide by grad_divisor."""
+        """Wait for bucket i's reduction (if pending), sum its pieces, divide by grad_divisor (ZeRO-2: add the
+        result to the grad shard and free the bucket's full buffer)."""
         if i not in self._works:
             return
         _wait(self._works.pop(i))
         b = self.layout.buckets[i]
-        grad, own = self.grad[b.shard], self.grad_flat[b.owned]
+        grad, own = self._inboxes[0][b.shard], self.grad_buckets[i][b.local_piece(b.rank)]
         if self.collectives == "p2p":
             if self.peers:
                 grad.add_(own)
             else:
                 grad.copy_(own)
-            for inbox in self._scratch:
+            for inbox in self._inboxes[1:]:
                 grad.add_(inbox[b.shard])
         grad.div_(self.grad_divisor)
+        if self.shard_grads:
+            self.grad[b.shard].add_(grad)
+            self._free(i)
+
+    def finish_completed(self) -> None:
+        """Finish the reductions whose collectives are done (ZeRO-2: their full buffers are freed now)."""
+        for i in [i for i, works in self._works.items() if all(w.is_completed() for w in works)]:
+            self._finish(i)
 
     def finish_reduce(self) -> None:
         """Wait for every started reduction; this rank's shard of the grad sums / grad_divisor is in self.grad."""
@@ -208,7 +271,7 @@ class ShardedParams:
 
         piece is this rank's part, in place already when it is a view of out_flat[b.owned].
         """
-        piece = piece.detach().to(out_flat.dtype)
+        piece = piece.detach().to(out_flat.device, out_flat.dtype, non_blocking=True)  # offload: pinned host -> GPU
         if self.collectives == "scatter_gather":
             return [_all_gather_flat(out_flat[b.full], piece, group=self.group, async_op=True)], piece
         if piece.data_ptr() != out_flat[b.owned].data_ptr():
@@ -217,17 +280,29 @@ class ShardedParams:
                               [out_flat[b.piece(r)] for r in self.peers]), piece
 
     def step(self, hyper: dict[str, Any]) -> None:
-        """Per bucket in reduction order: finish its reduction, update it, start its gather."""
+        """Per bucket in reduction order: finish its reduction, update it, start its gather. Offloaded: every
+        bucket's grad shard is first copied to the host (all started at once, non-blocking into pinned memory on
+        CUDA), a bucket updated on the host as soon as its copy is in, its params copied back as the gather's
+        input (one copy each way per bucket and step)."""
         works, pieces = [], []
+        arrived = {}
+        if self.host is not None:
+            for i in reversed(range(len(self.layout.buckets))):
+                self._finish(i)
+                shard = self.layout.buckets[i].shard
+                self.host_grad[shard].copy_(self.grad[shard], non_blocking=True)
+                arrived[i] = _copied(self.grad.device)
         for i in reversed(range(len(self.layout.buckets))):
             self._finish(i)
+            if i in arrived and arrived[i] is not None:
+                arrived[i].synchronize()  # host sync by design: the host's update reads the grad shard just copied
             optim = self.optims[i]
             optim.param_groups[0].update(hyper)
             optim.step()
-            started, piece = self._gather_bucket(self.param_flat, self.masters[i],
-                                                 self.layout.buckets[i])
-            works += started
-            pieces.append(piece)
+            if not self.shard_params:  # ZeRO-3 gathers a param where it is used next
+                started, piece = self._gather_bucket(self.param_flat, self.masters[i], self.layout.buckets[i])
+                works += started
+                pieces.append(piece)
         _wait(works)
         self.launched.clear()
 
@@ -239,8 +314,9 @@ class ShardedParams:
         return out
 
     def set_params(self, full: torch.Tensor) -> None:
-        """Set the model params and this rank's masters from a full flat buffer."""
-        self.param_flat.copy_(full)
+        """Set the model params (unless ZeRO-3 freed them) and this rank's masters from a full flat buffer."""
+        if not self.shard_params:
+            self.param_flat.copy_(full)
         for master, b in zip(self.masters, self.layout.buckets):
             master.copy_(full[b.owned])
 
@@ -289,7 +365,11 @@ class ShardedParams:
                     optim.state[chunk] = entry | {k: torch.zeros_like(chunk) for k in elementwise}
 
     def gather_params(self) -> None:
-        """All-gather every rank's master pieces into the model params (after the masters were written)."""
+        """All-gather every rank's master pieces into the model params (after the masters were written; ZeRO-3
+        frees them instead, to be gathered where used)."""
+        if self.shard_params:
+            self.release()
+            return
         works, pieces = [], []
         for master, b in zip(self.masters, self.layout.buckets):
             started, piece = self._gather_bucket(self.param_flat, master, b)
@@ -306,6 +386,20 @@ class ShardedParams:
                 entry.update(copy.deepcopy(dict(scalars)))
                 optim.state[chunk] = entry
                 start += chunk.numel()
+
+
+def _host_buffer(numel: int, dtype: torch.dtype, host: torch.device, device: torch.device) -> torch.Tensor:
+    """A zeroed host buffer for copies to and from device: pinned where the device is a GPU."""
+    return torch.zeros(numel, dtype=dtype, device=host, pin_memory=device.type == "cuda")
+
+
+def _copied(device: torch.device) -> torch.cuda.Event | None:
+    """An event marking the copies issued so far on device's current stream (None off CUDA: copies are done)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 def _elementwise(value: Any, chunk: torch.Tensor) -> bool:

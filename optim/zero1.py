@@ -13,9 +13,11 @@ from torch.distributed import ProcessGroup
 
 from optim.grad_norm import global_sq_norm
 from optim.shard import MASTER_KEY, Piece, ShardedParams
+from optim.zero3 import Unit
 
-LAYOUT_KEYS = ("process_group", "norm_groups", "grad_divisor", "norm_weight", "overlap")
+LAYOUT_KEYS = ("process_group", "norm_groups", "grad_divisor", "norm_weight", "overlap", "module")
 COLLECTIVES = ("auto", "scatter_gather", "p2p")
+STAGES = (1, 2, 3)
 FUSED_BY_DEFAULT = (torch.optim.Adam, torch.optim.AdamW)
 IMPLEMENTATION_KEYS = ("fused", "foreach", "differentiable")
 
@@ -101,14 +103,32 @@ class ZeRO1(torch.optim.Optimizer):
     TP, even inside reduce_during_backward). bucket_cap_mb caps one
     collective's fp32 bucket; collectives picks the primitives (see ShardedParams; "auto"
     chooses by backend).
+
+    stage=2 (ZeRO-2) also shards the grads: every backward run inside reduce_during_backward() (each
+    micro-batch's, or each pipeline step's) reduce-scatters its buckets as they are ready into the fp32
+    grad shards, which sum them, and each bucket's full buffer is freed once its reduction is done (it
+    comes back, zeroed, with the bucket's next grad). The full grads live only from a bucket's first grad
+    of one backward to its reduction, at the cost of one reduce-scatter per backward instead of per step.
+    stage=3 (ZeRO-3) also shards the params of every group given a "module" key (a layout key: the module the
+    params belong to; groups without one run as ZeRO-2): they are freed, all-gathered from the masters before
+    each forward and backward of their module and freed after (optim.zero3), and step() gathers nothing.
+    offload=host device ("cpu"; ZeRO-Offload, stage 1 or 2): the fp32 masters and the inner optimizers' state
+    live there and the update runs there; step() copies each bucket's reduced grad shard to the host and its updated
+    masters back (see ShardedParams.step).
     """
 
     def __init__(self, params: Iterable[Any],
                  optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
                  process_group: ProcessGroup | None = None, *, bucket_cap_mb: float = 25.0,
                  norm_groups: Sequence[ProcessGroup] = (), collectives: str = "auto",
-                 **defaults: Any) -> None:
+                 stage: int = 1, offload: torch.device | str | None = None, **defaults: Any) -> None:
         groups = _param_groups(params)
+        if stage not in STAGES:
+            raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+        if offload is not None and stage == 3:
+            raise ValueError("offload keeps the masters in host memory, which ZeRO-3 gathers from on the device: "
+                             "allowed with offload: stage 1 or 2")
+        self.stage = stage
         if collectives not in COLLECTIVES:
             raise ValueError(f"collectives must be one of {COLLECTIVES}, got {collectives!r}")
         if not (isinstance(optimizer_class, type)
@@ -120,6 +140,9 @@ class ZeRO1(torch.optim.Optimizer):
         if not dist.is_initialized():
             raise RuntimeError("ZeRO1 needs torch.distributed initialised (init_process_group)")
         for i, group in enumerate(groups):
+            if "module" in group and stage != 3:
+                raise ValueError(f"param group {i} names a module (ZeRO-3 gathers its params around it): "
+                                 f"needs stage=3, got stage={stage}")
             group.setdefault("process_group", process_group)
             group["norm_groups"] = tuple(group.get("norm_groups", norm_groups))
             group.setdefault("norm_weight", 1.0)
@@ -127,10 +150,17 @@ class ZeRO1(torch.optim.Optimizer):
             _check_group(i, group)
         bucket_cap = max(1, int(bucket_cap_mb * 2**20) // 4)
         self._shards = [ShardedParams(g["params"], g["process_group"], bucket_cap,
-                                      g["grad_divisor"], collectives) for g in groups]
+                                      g["grad_divisor"], collectives, stage >= 2, "module" in g,
+                                      None if offload is None else torch.device(offload)) for g in groups]
+        self._unit_order: list[Unit] = []
+        by_module: dict[int, tuple[torch.nn.Module, list[ShardedParams]]] = {}
+        for group, shard in zip(groups, self._shards):
+            if "module" in group:
+                by_module.setdefault(id(group["module"]), (group["module"], []))[1].append(shard)
+        self._units = [Unit(module, shards, self._unit_order) for module, shards in by_module.values()]
         for group, shard in zip(groups, self._shards):
             shard.build_optimizers(optimizer_class, _hyper(group),
-                                   _inner_defaults(optimizer_class, defaults, shard.grad.device))
+                                   _inner_defaults(optimizer_class, defaults, shard.host_grad.device))
             group.update(_hyper(shard.optims[0].param_groups[0]))
         # one launch order for every bucket of every group (overlapped groups first, last bucket first): the
         # same on every rank, since collectives on a process group must start in the same order everywhere
@@ -156,8 +186,14 @@ class ZeRO1(torch.optim.Optimizer):
         """Zero the flat gradient buffers (fp32 params keep .grad bound to them)."""
         for shard in self._shards:
             shard.zero_grad(set_to_none)
+        self.release_params()
         self._reset()
         self._reduced = False
+
+    def release_params(self) -> None:
+        """ZeRO-3: free every module's gathered params (the next forward gathers them from the masters)."""
+        for unit in self._units:
+            unit.release()
 
     def _reset(self) -> None:
         """No bucket launched, none ready, not armed."""
@@ -170,10 +206,21 @@ class ZeRO1(torch.optim.Optimizer):
         final grad. final(param), asked from param's post-accumulate-grad hook, says whether the grad just
         accumulated is param's last this step (default: every grad is, for one last backward; a pipeline
         runtime's last_grad for deferred weight grads). Buckets start in one fixed order, the same on every
-        rank, so a bucket also waits for those before it; the rest start in reduce_gradients() or step()."""
+        rank, so a bucket also waits for those before it; the rest start in reduce_gradients() or step().
+        ZeRO-2 wraps every backward: the previous one's reductions are finished on entry (their full buffers
+        freed) and the buckets still waiting start on exit."""
+        if self.stage >= 2:
+            self._finish_all()
         self._reset()
         self._final = final or (lambda param: True)
         yield
+        if self.stage >= 2:
+            self._launch(flush=True)
+
+    def _finish_all(self) -> None:
+        """Wait for every bucket reduction started (each group's shard now holds its sums)."""
+        for shard in self._shards:
+            shard.finish_reduce()
 
     def _grad_in(self, s: int, i: int) -> None:
         """Group s's param i got a grad: when armed and it is final, start the buckets now complete."""
@@ -183,6 +230,9 @@ class ZeRO1(torch.optim.Optimizer):
         if self._final(shard.params[i]):
             self._ready[s][shard.layout.bucket_of[i]].add(i)
             self._launch(flush=False)
+        if self.stage >= 2:  # free the full buffers of reductions already done, while the backward goes on
+            for other in self._shards:
+                other.finish_completed()
 
     def _launch(self, flush: bool) -> None:
         """Start bucket reductions in the fixed order while they are ready (flush: all the rest)."""
@@ -205,8 +255,7 @@ class ZeRO1(torch.optim.Optimizer):
         """Reduce-scatter the accumulated local grads into the fp32 shards (once per step)."""
         if not self._reduced:
             self._launch(flush=True)
-            for shard in self._shards:
-                shard.finish_reduce()
+            self._finish_all()
             self._reset()
             self._reduced = True
 
@@ -249,6 +298,7 @@ class ZeRO1(torch.optim.Optimizer):
             self._launch(flush=True)
         for group, shard in zip(self.param_groups, self._shards):
             shard.step(_hyper(group))
+        self.release_params()
         self._reset()
         self._reduced = False
         return loss
@@ -270,10 +320,16 @@ class ZeRO1(torch.optim.Optimizer):
     def buffer_bytes(self) -> dict[str, int]:
         """Bytes of this rank's ZeRO-1 buffers besides the params, their .grad and the inner optimizers' state:
         the full fp32 grad sums of params whose .grad is not bound to them (bf16 params), the reduced grad
-        shards, fp32 master shards held apart from the params (bf16 params), the p2p receive scratch."""
-        return {"grad_sums": sum(s.grad_flat.nbytes for s in self._shards if not s.binds_grads),
+        shards, fp32 master shards held apart from the params (bf16 params), masters of the params' dtype held apart
+        from them (param_shards: ZeRO-3, offload), the p2p receive scratch, the host copies of the reduced grad
+        shards (offload)."""
+        return {"grad_sums": sum(g.untyped_storage().nbytes() for s in self._shards if not s.binds_grads
+                                 for g in s.grad_buckets),
                 "grad_shards": sum(s.grad.nbytes for s in self._shards),
                 "masters": sum(m.nbytes for s in self._shards for m in s.masters if m.dtype != s.param_flat.dtype),
+                "param_shards": sum(m.nbytes for s in self._shards for m in s.masters
+                                    if (s.shard_params or s.host is not None) and m.dtype == s.param_flat.dtype),
+                "host_grads": sum(s.host_grad.nbytes for s in self._shards if s.host is not None),
                 "scratch": sum(s._scratch.nbytes for s in self._shards)}
 
     def pieces(self) -> list[Piece]:
@@ -292,7 +348,8 @@ class ZeRO1(torch.optim.Optimizer):
     @torch.no_grad()
     def gather_params(self) -> None:
         """All-gather the masters into the model params (a collective over every group's process group), after
-        the masters were written through pieces()."""
+        the masters were written through pieces(); ZeRO-3 frees its params instead, gathered where used)."""
+        self.release_params()
         for shard in self._shards:
             shard.gather_params()
 
@@ -335,6 +392,7 @@ class ZeRO1(torch.optim.Optimizer):
                                  f"the model's {[p.shape for p in shard.params]}")
             self._load_group(shard, entries, state_dict["elementwise_keys"][i])
             self.param_groups[i].update({k: v for k, v in saved.items() if k != "params"})
+        self.release_params()  # ZeRO-3: the next forward gathers the loaded masters
         self._reduced = False
 
     def _load_group(self, shard: ShardedParams, entries: list[dict[str, Any]],

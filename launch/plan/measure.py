@@ -27,7 +27,7 @@ from launch.plan.profile import profile
 from launch.plan.traffic import moe_layer_traffic
 from launch.device import rank_device
 from launch.train import build_model, build_optimizer, forward_backward
-from optim.memory import held_optimizer_bytes
+from optim.memory import held_optimizer_bytes, model_state_bytes
 from pipeline.memory import SavedTensorMeter
 
 
@@ -61,6 +61,7 @@ class RankMeasure:
     dense_params: int
     expert_params: int
     optimizer_bytes: int                   # optim.memory.held_optimizer_bytes: state and masters kept apart
+    model_state_bytes: dict[str, int]      # optim.memory.model_state_bytes after the step: params, grads, optimizer
     activation_peak: int
     idle: float
     ep: dict[str, dict[str, int]]          # EPDispatcher counters summed over the rank's MoE layers, by kind
@@ -141,7 +142,7 @@ def measure_rank(rank: int, world: int, config: RunConfig, steps: int) -> RankMe
             for kind, traffic in (meter.total.items() if meter else ()):
                 ep[kind] = ep.get(kind, Traffic()) + traffic
     return RankMeasure(rank, mesh.pp_rank, sum(p.numel() for p in params) - expert, expert,
-                       held_optimizer_bytes(optimizer), saved.peak,
+                       held_optimizer_bytes(optimizer), model_state_bytes(optimizer, params), saved.peak,
                        statistics.median(idle[1:] or idle) if idle else 0.0,
                        {k: v.as_dict() for k, v in ep.items()}, routes, dict(p2p))
 
@@ -241,6 +242,7 @@ def compare(plan: Plan, measured: list[RankMeasure]) -> list[Check]:
         rows = [("dense params", r.dense_params, m.dense_params, 0.01),
                 ("expert params", r.expert_params, m.expert_params, 0.01),
                 ("optimizer bytes", r.states.optimizer, m.optimizer_bytes, 0.01),
+                ("model-state bytes", r.states.total, sum(m.model_state_bytes.values()), 0.10),
                 ("activation peak bytes", r.activations + r.transient, m.activation_peak, None),
                 ("pipeline idle fraction", plan.idle_fractions[m.pp_rank], m.idle, None),
                 ("EP bytes intra (routing seen)", ep_pred[0], ep_meas[0], 0),

@@ -21,19 +21,31 @@ FP8_CACHED = 1 + 4 / 128  # bytes per element of an e4m3 tensor with one fp32 sc
 
 @dataclass(frozen=True)
 class ModelStates:
-    """Bytes of one rank's weights, gradients and optimizer state."""
+    """Bytes of one rank's weights, gradients and optimizer state on the GPU, and what it keeps in host memory
+    (ZeRO-Offload: masters, optimizer state, the grad shards' copies)."""
 
     params: float
     grads: float
     optimizer: float
+    host: float = 0.0
 
     def __add__(self, other: ModelStates) -> ModelStates:
-        return ModelStates(self.params + other.params, self.grads + other.grads, self.optimizer + other.optimizer)
+        return ModelStates(self.params + other.params, self.grads + other.grads, self.optimizer + other.optimizer,
+                           self.host + other.host)
 
     @property
     def total(self) -> float:
-        """All model-state bytes."""
+        """All model-state bytes on the GPU."""
         return self.params + self.grads + self.optimizer
+
+
+def offloaded(states: ModelStates, num_params: float, shard_group: int, recipe: StateBytes) -> ModelStates:
+    """states with the optimizer moved to host memory (optim.offload "optimizer"): its state, the fp32 masters
+    (apart from the params where those are fp32 and were their own masters) and a host copy of the reduced fp32
+    grad shard."""
+    shard = num_params / shard_group
+    masters = 4 * shard if recipe.param >= 4 else 0.0
+    return ModelStates(states.params, states.grads, 0.0, states.host + states.optimizer + masters + 4 * shard)
 
 
 def zero_model_states(num_params: float, shard_group: int, stage: int, recipe: StateBytes) -> ModelStates:

@@ -12,7 +12,8 @@ from launch.config import RunConfig
 from launch.flops import attention_shape, layer_flops, mixed_peak, model_flops_per_token
 from launch.plan.compute import Precisions, Seconds, elementwise_seconds, head_seconds, layer_seconds
 from launch.plan.efficiency import PRECISIONS, GemmModel
-from launch.plan.memory import FP8_CACHED, ActivationModel, ModelStates, schedule_peaks, backward_workspace, zero_model_states
+from launch.plan.memory import (FP8_CACHED, ActivationModel, ModelStates, backward_workspace, offloaded, schedule_peaks,
+                                zero_model_states)
 from launch.plan.params import ModelParams, count_params
 from launch.plan.presets import GPU, RECIPES, StateBytes
 from launch.plan.timing import Rates, StageCost, interleave, paired, simulate_step
@@ -108,11 +109,13 @@ class Plan:
     flops_per_token: float
     pipeline_steps: int = 1
     idle_fractions: list[float] = field(default_factory=list)  # per pipeline rank, from the simulator
+    offload_seconds: float = 0.0  # optim.offload: the grad shards' copy to the host and the params' back
 
     @property
     def step_seconds(self) -> float:
-        """The pipeline steps of one optimizer step plus the gradient sync after them."""
-        return self.pipeline_steps * self.makespan + self.dp_sync_seconds
+        """The pipeline steps of one optimizer step plus the gradient sync and the offloaded optimizer's copies
+        after them (the host's AdamW itself is not priced)."""
+        return self.pipeline_steps * self.makespan + self.dp_sync_seconds + self.offload_seconds
 
     @property
     def tokens_per_second(self) -> float:
@@ -229,12 +232,16 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
         dense = sum(params.stages[s].on_rank(par.tp, par.ep)[0] for s in held)
         expert = sum(params.stages[s].on_rank(par.tp, par.ep)[1] for s in held)
         dense_group, expert_group, dense_inter, expert_inter = _groups(config, gpn, rank)
-        states = zero_model_states(dense, dense_group, 1, recipe) + zero_model_states(expert, expert_group, 1, recipe)
+        parts = [(dense, dense_group, config.optim.zero_stage), (expert, expert_group, min(config.optim.zero_stage, 2))]
+        states = ModelStates(0.0, 0.0, 0.0)
+        for numel, group, stage in parts:
+            part = zero_model_states(numel, group, stage, recipe)
+            states += offloaded(part, numel, group, recipe) if config.optim.offload == "optimizer" else part
         transient = reruns[rank] - peaks[rank]
         workspace = max(backward_workspace(cfg, layers[s], s == 0, s == num_stages - 1, par.ep, par.tp, itemsize,
                                            tokens) for s in held)
         plan = RankPlan(rank, held, dense, expert, states, peaks[rank], transient, workspace)
-        grad_sync = [(dense, dense_group, dense_inter), (expert, expert_group, expert_inter)]
+        grad_sync = [(dense, dense_group, dense_inter, True), (expert, expert_group, expert_inter, False)]
         ranks.append(plan)
         if timed:
             plan.bytes = _rank_bytes(config, layout, rank, held, moe_layers, layers, ep_layer, act_bytes, grad_sync,
@@ -256,10 +263,15 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
         makespan, idles = chunks * costs[0].serial, [0.0]
     if options.dp_overlap:
         sync = max(0.0, sync - max(c.b for c in costs))
+    offload = 0.0
+    if config.optim.offload == "optimizer" and timed:  # fp32 grad shard out, params back, the two directions at once
+        offload = max(max(4, recipe.param) * (r.dense_params / _groups(config, gpn, r.rank)[0]
+                                              + r.expert_params / _groups(config, gpn, r.rank)[1]) for r in ranks
+                      ) / (machine.gpu.host_gbps * 1e9)
     return Plan(config, machine, options, params, layers, ranks, ep, costs, p2p_seconds, makespan,
                 sum(idles) / len(idles), sync,
                 train.grad_accum_steps * tokens * par.cp, model_flops_per_token(cfg, train.seq_len),
-                train.grad_accum_steps // par.dp // chunks, list(idles))
+                train.grad_accum_steps // par.dp // chunks, list(idles), offload)
 
 
 def _check_options(config: RunConfig, options: Options) -> None:
@@ -300,8 +312,13 @@ def _rank_bytes(config: RunConfig, layout: Layout, rank: int, held: list[int], m
                     peer = layout.locate(chunk, neighbour)[0]
                     if peer != rank:
                         _add(out, "pp", node_of(config, gpn, peer) != me, steps * act_bytes)
-    for numel, group, inter in grad_sync:
-        _add(out, "dp", inter, ring_bytes(numel, group, 4) + ring_bytes(numel, group, recipe.param))
+    stage = config.optim.zero_stage
+    reductions = steps * (chunks if par.pp == 1 else 1) if stage >= 2 else 1  # ZeRO-2: one per backward
+    micro_batches = steps * max(visits.values())  # through this rank's busiest stage
+    for numel, group, inter, dense in grad_sync:
+        # ZeRO-3: the dense params gathered before every micro-batch's forward and backward, not after the step
+        gathers = 2 * micro_batches if stage == 3 and dense else 1
+        _add(out, "dp", inter, reductions * ring_bytes(numel, group, 4) + gathers * ring_bytes(numel, group, recipe.param))
     if par.tp > 1:
         tp_layers = sum(len(layers[s]) * visits[s] for s in held)
         all_reduce = 2 * ring_bytes(act_bytes * par.tp / itemsize, par.tp, itemsize)

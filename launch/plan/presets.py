@@ -20,6 +20,7 @@ class GPU:
     source: str
     exchange_latency_us: float = 0.0  # fixed cost of one all-to-all exchange of an EP hop, on top of its bytes
     hbm_gbps: float = 3350.0  # HBM bandwidth, GB/s (launch.plan.efficiency prices GEMM operand and output bytes)
+    host_gbps: float = 64.0  # host link (PCIe 5.0 x16: 64 GB/s per direction), for an offloaded optimizer's copies
 
 
 GPUS: dict[str, GPU] = {

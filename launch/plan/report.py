@@ -121,14 +121,17 @@ def render(plan: Plan) -> str:
                    [[s, f"{span.start}-{span.stop - 1}", si(q.dense), si(q.expert), si(q.total)]
                     for s, (span, q) in enumerate(zip(plan.layers, p.stages))]),
              "",
-             f"memory per GPU (bytes; ZeRO-1, recompute={plan.options.recompute}, sequence_parallel="
-             f"{par.sequence_parallel}):",
+             f"memory per GPU (bytes; ZeRO-{plan.config.optim.zero_stage}"
+             f"{', optimizer offloaded' if plan.config.optim.offload != 'none' else ''}, recompute="
+             f"{plan.options.recompute}, sequence_parallel={par.sequence_parallel}):",
              table(["pp rank", "stages", "dense params", "expert params", "params", "grads", "optimizer",
                     "activations", "recompute", "bwd ws", "peak"],
                    [[r.rank, ",".join(map(str, r.stages)), si(r.dense_params), si(r.expert_params),
                      *map(si, (r.states.params, r.states.grads, r.states.optimizer, r.activations, r.transient,
                                r.workspace, r.peak))] for r in plan.ranks]),
-             f"peak {si(plan.peak_memory)}B of {gpu.memory_gb:g} GB: {'fits' if plan.fits else 'DOES NOT FIT'}",
+             f"peak {si(plan.peak_memory)}B of {gpu.memory_gb:g} GB: {'fits' if plan.fits else 'DOES NOT FIT'}"
+             + (f"; host memory per GPU (offloaded optimizer): {si(max(r.states.host for r in plan.ranks))}B"
+                if plan.config.optim.offload != "none" else ""),
              "",
              "activation peak of the busiest rank by sequence parallelism and recomputation:",
              table(["SP", "recompute", "bytes"],

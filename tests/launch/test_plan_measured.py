@@ -28,7 +28,7 @@ def test_measured_bytes_memory_and_params_match_the_plan():
     config = load_config(TINY, LAYOUT)
     plan = make_plan(config, Machine(GPUS["h800"], config.parallel.gpus_per_node))
     checks = compare(plan, measure(config, steps=1, timeout_s=240))
-    assert len(checks) == 4 * 11 + 3
+    assert len(checks) == 4 * 12 + 3
     failed = [c for c in checks if c.ok is False and not c.figure.startswith("pipeline bubble")]
     assert not failed, failed
     crossed = {c.figure for c in checks if c.tolerance == 0 and c.measured > 0}
