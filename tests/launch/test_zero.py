@@ -23,7 +23,7 @@ from launch.train import train
 from optim.shard import ShardedParams
 from optim.zero1 import ZeRO1
 from tests.launch.test_equivalence import (STEPS, _train_runs, calc_diff, check_equal_runs, corpus,  # noqa: F401
-                                           raw_config, reference)
+                                           documents, raw_config, reference)
 
 # name -> ([parallel], [optim], capacity factor); grad_accum_steps 8: 4 micro-batches per DP rank
 RUNS = {2: {"zero2 dp2 ep2 capacity 1.0": ({"dp": 2, "ep": 2}, {"zero_stage": 2}, 1.0),
