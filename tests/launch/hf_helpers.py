@@ -7,11 +7,13 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from launch.config import RunConfig, build_config
 from launch.hf.load import fill_from_hub
+from launch.train import train
 from moe.config import ModelConfig
 from moe.model import MoETransformer
 from moe.router import TopKRouter
-from tests.launch.test_equivalence import ATTENTION
+from tests.launch.test_equivalence import ATTENTION, raw_config
 
 # MLA, 1 dense + 3 MoE layers, 2 expert groups of 4 (1 chosen), a shared expert, routed_scaling_factor 2.5
 MODEL = {"vocab_size": 256, "hidden_size": 32, "num_layers": 4, "num_heads": 4, "max_seq_len": 16, "first_k_dense": 1,
@@ -91,3 +93,18 @@ def ours_from_hub(cfg: ModelConfig, folder: Path, dtype: torch.dtype) -> MoETran
     model.to_empty(device="cpu")
     fill_from_hub(model, cfg, seed=0)
     return model.eval()
+
+
+def trained_run(tmp: Path, attention: str = "mla", steps: int = 1, **model) -> tuple[RunConfig, Path]:
+    """A float64 run of the V3-shaped MODEL (attention "mla"; "gqa": raw_config's GQA model) with MTP depth 1 and
+    model overrides, trained `steps` steps with a checkpoint at the last; (config, its checkpoint root)."""
+    corpus = tmp / "text.txt"
+    corpus.write_text("".join(f"def function_{i}(x):\n    return x * {i} + {i % 7}  # line {i}\n" for i in range(800)))
+    raw = raw_config(str(tmp / "run"), str(corpus), {}, None, attention, mtp_depth=1)
+    if attention == "mla":
+        raw["model"].update(MODEL)
+    raw["model"].update(model)
+    raw["train"].update(steps=steps, checkpoint_every=steps, grad_accum_steps=1)
+    cfg = build_config(raw)
+    train(cfg, progress=False)
+    return cfg, tmp / "run" / "checkpoint"

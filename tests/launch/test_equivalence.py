@@ -276,8 +276,14 @@ def test_tp_and_cp_checkpoints_reshard_to_and_from_one_process(layout, corpus, t
     saved, resumed = run_processes(_train_runs, 2, [(raw("from_tp", tp, cut), False),
                                                     (raw("from_one", tp, STEPS), True)], timeout_s=300)[0]
     back = train(build_config(raw("from_tp", {}, STEPS)), resume=True, progress=False)
+    check_resumed_runs(tmp_path, whole, [("from_one", resumed, cut), ("from_tp", saved + back, 0)])
+
+
+def check_resumed_runs(tmp_path, whole: list[dict], runs: list[tuple[str, list[dict], int]]) -> None:
+    """Each (run dir name under tmp_path, its records, first step) continues the uninterrupted run `whole` (its
+    dir "whole"): the same LM losses (1e-10) from its first step, and its final checkpoint's params (1e-12)."""
     want = consolidate(tmp_path / "whole" / "checkpoint")
-    for name, records, first in (("from_one", resumed, cut), ("from_tp", saved + back, 0)):
+    for name, records, first in runs:
         assert [r["step"] for r in records] == list(range(first, STEPS)), name
         for got, ref in zip(records, whole[first:]):
             assert got["lm_loss"] == pytest.approx(ref["lm_loss"], rel=1e-10), (name, got["step"])

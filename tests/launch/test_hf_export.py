@@ -12,35 +12,19 @@ from safetensors import safe_open
 
 import launch.hf.export as hf_export
 from launch.checkpoint import checkpoint_folder, consolidate
-from launch.config import build_config
 from launch.hf.config import hub_config
 from launch.hf.export import INDEX, copy_tokenizer, export_hub
-from launch.train import train
 from launch.train_cli import main
 from moe.config import ModelConfig
-from tests.launch.hf_helpers import MODEL, ours_from_hub
-from tests.launch.test_equivalence import raw_config
+from tests.launch.hf_helpers import MODEL, ours_from_hub, trained_run
 
 SHARD = 70_000  # bytes: above the largest tensor (the embedding, 64 KiB); the float64 model (~0.95 MB) takes 14+
-
-
-def _run(tmp, attention: str, **model) -> tuple:
-    corpus = tmp / "text.txt"
-    corpus.write_text("".join(f"def function_{i}(x):\n    return x * {i} + {i % 7}  # line {i}\n" for i in range(800)))
-    raw = raw_config(str(tmp / "run"), str(corpus), {}, None, attention, mtp_depth=1)
-    if attention == "mla":
-        raw["model"].update(MODEL)
-    raw["model"].update(model)
-    raw["train"].update(steps=1, checkpoint_every=1, grad_accum_steps=1)
-    cfg = build_config(raw)
-    train(cfg, progress=False)
-    return cfg, tmp / "run" / "checkpoint"
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """A 1-step float64 MLA run with MTP depth 1 and its checkpoint."""
-    return _run(tmp_path_factory.mktemp("hf_export"), "mla")
+    return trained_run(tmp_path_factory.mktemp("hf_export"), "mla")
 
 
 def test_cli_writes_the_hub_layout(run, tmp_path, capsys):
@@ -172,7 +156,7 @@ def test_models_v3_cannot_describe_are_refused(change, message):
 
 
 def test_gqa_model_is_refused_before_writing(tmp_path, capsys):
-    _, checkpoint = _run(tmp_path, "gqa", score_func="sigmoid")
+    _, checkpoint = trained_run(tmp_path, "gqa", score_func="sigmoid")
     out = tmp_path / "hf"
     assert main(["export", str(checkpoint), str(out), "--format", "hf"]) == 2
     err = capsys.readouterr().err

@@ -11,15 +11,13 @@ import pytest
 import torch
 
 from launch.checkpoint import checkpoint_folder, consolidate
-from launch.config import build_config
 from launch.hf.config import hub_config
 from launch.hf.export import export_hub
 from launch.materialize import fill_initial
-from launch.train import train
 from moe.config import ModelConfig
 from moe.model import MoETransformer
-from tests.launch.hf_helpers import MODEL, hub_in_float64, hub_logits, load_hub, our_logits, ours_from_hub, tokens
-from tests.launch.test_equivalence import raw_config
+from tests.launch.hf_helpers import (MODEL, hub_in_float64, hub_logits, load_hub, our_logits, ours_from_hub, tokens,
+                                     trained_run)
 
 pytest.importorskip("transformers")
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -28,15 +26,7 @@ TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """A float64 run with MTP depth 1, trained 2 steps (router biases moved off zero), and its checkpoint."""
-    tmp = tmp_path_factory.mktemp("hf_run")
-    corpus = tmp / "text.txt"
-    corpus.write_text("".join(f"def function_{i}(x):\n    return x * {i} + {i % 7}  # line {i}\n" for i in range(800)))
-    raw = raw_config(str(tmp / "run"), str(corpus), {}, None, "mla", mtp_depth=1)
-    raw["model"].update(MODEL)
-    raw["train"].update(steps=2, checkpoint_every=2, grad_accum_steps=1)
-    cfg = build_config(raw)
-    train(cfg, progress=False)
-    return cfg, tmp / "run" / "checkpoint"
+    return trained_run(tmp_path_factory.mktemp("hf_run"), "mla", steps=2)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from dispatch.multiproc import run_processes
-from launch.checkpoint import consolidate
 from launch.config import build_config, load_config
 from launch.plan.measure import measure
 from launch.plan.planner import Machine, make_plan
@@ -22,8 +21,8 @@ from launch.rehearse import rehearse
 from launch.train import train
 from optim.shard import ShardedParams
 from optim.zero1 import ZeRO1
-from tests.launch.test_equivalence import (STEPS, _train_runs, calc_diff, check_equal_runs, corpus,  # noqa: F401
-                                           documents, raw_config, reference)
+from tests.launch.test_equivalence import (STEPS, _train_runs, check_equal_runs,  # noqa: F401
+                                           check_resumed_runs, corpus, documents, raw_config, reference)
 
 # name -> ([parallel], [optim], capacity factor); grad_accum_steps 8: 4 micro-batches per DP rank
 RUNS = {2: {"zero2 dp2 ep2 capacity 1.0": ({"dp": 2, "ep": 2}, {"zero_stage": 2}, 1.0),
@@ -116,16 +115,7 @@ def test_sharded_checkpoints_reshard_to_and_from_one_process(optim, corpus, tmp_
     saved, resumed = run_processes(_train_runs, 2, [(raw("from_sharded", True, cut), False),
                                                     (raw("from_one", True, STEPS), True)], timeout_s=300)[0]
     back = train(build_config(raw("from_sharded", False, STEPS)), resume=True, progress=False)
-    want = consolidate(tmp_path / "whole" / "checkpoint")
-    for name, records, first in (("from_one", resumed, cut), ("from_sharded", saved + back, 0)):
-        assert [r["step"] for r in records] == list(range(first, STEPS)), name
-        for got, ref in zip(records, whole[first:]):
-            assert got["lm_loss"] == pytest.approx(ref["lm_loss"], rel=1e-10), (name, got["step"])
-        state = consolidate(tmp_path / name / "checkpoint")
-        assert set(state) == set(want)
-        for key, value in want.items():
-            if value.is_floating_point() and value.abs().sum() > 0:
-                assert calc_diff(state[key], value) < 1e-12, (name, key)
+    check_resumed_runs(tmp_path, whole, [("from_one", resumed, cut), ("from_sharded", saved + back, 0)])
 
 
 @pytest.mark.parametrize("optim, parallel, field", [
