@@ -30,8 +30,8 @@ def train_one_step_recording_routes(rank: int, world_size: int, run_dir: str, la
                 routes.setdefault(index, []).append(out.indices.numpy().copy())
         return hook
 
-    def build_and_hook(model: MoETransformer, cfg) -> None:
-        build(model, cfg)
+    def build_and_hook(model: MoETransformer, cfg, *args) -> None:
+        build(model, cfg, *args)
         for index, layer in enumerate(model.moe_layers()):
             layer.router.register_forward_hook(keep(index))
 

@@ -49,7 +49,8 @@ CASES = [
      "parallel.gpus_per_node"),
     ("tensor parallel shapes", {"parallel": {"tp": 3}}, "parallel.tp"),
     ("num chunks", {"parallel": {"pp": 2, "schedule": "1f1b", "num_chunks": 3}}, "parallel.num_chunks"),
-    ("cp with tp", {"parallel": {"cp": 2, "tp": 2}}, "parallel.cp"),
+    ("cp with mtp", {"parallel": {"cp": 2}, "model": {"mtp_depth": 1}}, "model.mtp_depth"),  # cp x tp runs since 52738b0
+    ("cp with document mask", {"parallel": {"cp": 2}, "data": {"document_mask": True}}, "data.document_mask"),
     ("cp method", {"parallel": {"cp": 2, "cp_method": "ulysses"}}, "parallel.cp_method"),
     ("cp chunks", {"parallel": {"cp": 3}, "train": {"seq_len": 64}}, "train.seq_len"),
     ("afab chunks", {"parallel": {"pp": 4, "schedule": "afab", "num_chunks": 2}, "model": {"num_layers": 8}},
