@@ -3,11 +3,13 @@ predicted tokens/s per GPU with the published figure."""
 
 from __future__ import annotations
 
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from launch.config import load_config
+from launch.plan.efficiency import ROUTED_SLOT_SECONDS
 from launch.plan.planner import Machine, Options, Plan, make_plan
 from launch.plan.presets import gpu_preset
 from launch.plan.report import table
@@ -15,6 +17,7 @@ from launch.plan.report import table
 CALIBRATION = Path(__file__).with_name("calibration.toml")
 ROOT = Path(__file__).resolve().parents[2]
 BAND = 0.20  # a prediction within +-20% of the published throughput passes
+FIT_LIMIT_NS = 2000  # the routed-slot cost is fitted over 0..2 us
 
 
 @dataclass
@@ -50,10 +53,14 @@ def load_runs(path: Path = CALIBRATION) -> list[Run]:
 
 @dataclass
 class Check:
-    """One run planned (plan None: no public layout) beside its published throughput."""
+    """One run planned (plan None: no public layout) beside its published throughput; base is the same plan
+    without the routed-slot cost (efficiency.ROUTED_SLOT_SECONDS), loo the ratio with that cost fitted to the other
+    runs only (None for a run without routed slots)."""
 
     run: Run
     plan: Plan | None
+    base: Plan | None = None
+    loo: float | None = None
 
     @property
     def predicted(self) -> float | None:
@@ -70,8 +77,28 @@ class Check:
         """Whether the prediction is inside the band."""
         return None if self.plan is None else abs(self.ratio - 1) <= BAND
 
+    @property
+    def slot_share(self) -> float:
+        """Step seconds per second of routed-slot cost (the step time is linear in it: the slot cost adds to every
+        MoE stage's F and B alike); 0 without routed slots."""
+        if self.plan is None or not self.plan.machine.slot_seconds:
+            return 0.0
+        return (self.plan.step_seconds - self.base.step_seconds) / self.plan.machine.slot_seconds
 
-def plan_run(run: Run) -> Plan | None:
+    def ratio_at(self, slot_seconds: float) -> float:
+        """Predicted over published with slot_seconds a routed slot (on the line through base and plan)."""
+        published = self.plan.tokens_per_step / (self.run.tokens_per_s_per_gpu * self.run.gpus)
+        return published / (self.base.step_seconds + self.slot_share * slot_seconds)
+
+
+def fit_slot_seconds(checks: list[Check]) -> float:
+    """The routed-slot cost (seconds, to 1 ns) that minimises the squared log ratios of the planned checks."""
+    planned = [c for c in checks if c.plan is not None]
+    grid = [n * 1e-9 for n in range(FIT_LIMIT_NS + 1)]
+    return min(grid, key=lambda slot: sum(math.log(c.ratio_at(slot)) ** 2 for c in planned))
+
+
+def plan_run(run: Run, slot_seconds: float = ROUTED_SLOT_SECONDS) -> Plan | None:
     """The run planned in its own layout on its GPU (None when its layout is not public)."""
     if run.config is None:
         return None
@@ -79,12 +106,17 @@ def plan_run(run: Run) -> Plan | None:
     if config.parallel.world_size != run.gpus:
         raise ValueError(f"calibration run {run.name}: the layout has {config.parallel.world_size} ranks, "
                          f"the run {run.gpus} GPUs")
-    return make_plan(config, Machine(gpu_preset(run.gpu), config.parallel.gpus_per_node or 8), run.options())
+    machine = Machine(gpu_preset(run.gpu), config.parallel.gpus_per_node or 8, slot_seconds=slot_seconds)
+    return make_plan(config, machine, run.options())
 
 
 def validate(path: Path = CALIBRATION) -> list[Check]:
-    """Every run of the calibration file planned."""
-    return [Check(run, plan_run(run)) for run in load_runs(path)]
+    """Every run of the calibration file planned, with its leave-one-out ratio."""
+    checks = [Check(run, plan_run(run), plan_run(run, 0.0)) for run in load_runs(path)]
+    for check in checks:
+        if check.slot_share:
+            check.loo = check.ratio_at(fit_slot_seconds([c for c in checks if c is not check]))
+    return checks
 
 
 def render(checks: list[Check]) -> str:
@@ -95,12 +127,15 @@ def render(checks: list[Check]) -> str:
         run, plan = c.run, c.plan
         rows.append([run.name, f"{run.gpus} {gpu_preset(run.gpu).name}", run.precision,
                      "-" if plan is None else f"{c.predicted:,.0f}", f"{run.tokens_per_s_per_gpu:,.0f}",
-                     "-" if plan is None else f"{c.ratio:.2f}",
+                     "-" if plan is None else f"{c.ratio:.2f}", "-" if c.loo is None else f"{c.loo:.2f}",
                      "-" if plan is None else f"{plan.peak_memory / 1e9:.1f} GB {'fits' if plan.fits else 'DOES NOT FIT'}",
                      {None: "not planned", True: "ok", False: "MISS"}[c.within]])
+    fitted = fit_slot_seconds(checks)
     lines = [f"published MoE runs, each planned in its own layout (band +-{BAND:.0%}; {CALIBRATION.name}):",
-             table(["run", "GPUs", "precision", "predicted tok/s/GPU", "published", "ratio", "peak memory",
-                    f"+-{BAND:.0%}"], rows), ""]
+             table(["run", "GPUs", "precision", "predicted tok/s/GPU", "published", "ratio", "leave-one-out",
+                    "peak memory", f"+-{BAND:.0%}"], rows),
+             f"routed-slot cost: {ROUTED_SLOT_SECONDS * 1e9:g} ns planned, {fitted * 1e9:g} ns fitted to these runs "
+             f"(least squares of log ratios); leave-one-out: the ratio with the cost fitted to the other runs", ""]
     for c in checks:
         run = c.run
         lines.append(f"{run.name}: {run.stack}; {run.layout}; published {run.published}")
@@ -113,6 +148,6 @@ def to_dicts(checks: list[Check]) -> list[dict]:
     """The checks, JSON-ready."""
     return [{"name": c.run.name, "gpus": c.run.gpus, "gpu": c.run.gpu, "published_tokens_per_s_per_gpu":
              c.run.tokens_per_s_per_gpu, "predicted_tokens_per_s_per_gpu": c.predicted, "ratio": c.ratio,
-             "within_band": c.within, "fits": None if c.plan is None else c.plan.fits,
+             "leave_one_out_ratio": c.loo, "within_band": c.within, "fits": None if c.plan is None else c.plan.fits,
              "peak_memory_bytes": None if c.plan is None else c.plan.peak_memory, "source": c.run.source}
             for c in checks]

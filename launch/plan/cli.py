@@ -12,7 +12,7 @@ from pathlib import Path
 from launch.config import RunConfig, load_config
 from launch.plan.calibrate import render as render_checks
 from launch.plan.calibrate import to_dicts, validate
-from launch.plan.efficiency import PRECISIONS
+from launch.plan.efficiency import PRECISIONS, ROUTED_SLOT_SECONDS
 from launch.plan.memory import KERNELS, RECOMPUTE
 from launch.plan.measure import compare, cpu_machine, measure
 from launch.plan.planner import COMM_SM_SHARE, Machine, Options, make_plan
@@ -47,6 +47,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--comm-sm-share", type=float, default=COMM_SM_SHARE,
                    help=f"share of SMs communication holds while it overlaps compute (default {COMM_SM_SHARE:.3f}: "
                         "DeepSeek-V3's 20 of 132)")
+    p.add_argument("--slot-ns", type=float, default=ROUTED_SLOT_SECONDS * 1e9,
+                   help=f"ns per routed slot of an MoE layer's forward + backward beyond its GEMMs and bytes (default "
+                        f"{ROUTED_SLOT_SECONDS * 1e9:g}: fitted to the published runs, --validate; 0: none)")
     p.add_argument("--recompute", choices=RECOMPUTE, help="activation recomputation (default: the config's "
                    "train.recompute; --measure runs the model with it)")
     p.add_argument("--recipe", choices=tuple(RECIPES), help="bytes per param of weights/grads/optimizer "
@@ -95,7 +98,9 @@ def machine_from(args: argparse.Namespace, default_gpn: int) -> Machine:
         raise ValueError(f"--gemm-efficiency = {args.gemm_efficiency} must be in (0, 1]")
     if not 0 <= args.comm_sm_share < 1:
         raise ValueError(f"--comm-sm-share = {args.comm_sm_share} must be in [0, 1)")
-    return Machine(gpu, gpn, args.gemm_efficiency, comm_sm_share=args.comm_sm_share)
+    if args.slot_ns < 0:
+        raise ValueError(f"--slot-ns = {args.slot_ns} must be >= 0")
+    return Machine(gpu, gpn, args.gemm_efficiency, comm_sm_share=args.comm_sm_share, slot_seconds=args.slot_ns * 1e-9)
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -6,7 +6,8 @@ part's columns, the replicated part runs on the rank's T / tp sequence shard), f
 dense FFN or shared experts (gate|up then down, columns split by TP), the router ([T / tp, hidden] x
 [hidden, E], BF16) and the routed experts as two grouped GEMMs over the E / ep local experts, each receiving
 T / tp x top_k / (E / ep) rows under balanced routing (every EP rank receives as many slots as it sends).
-Backward = input grads + weight grads of every GEMM and twice the attention core's forward FLOPs.
+Backward = input grads + weight grads of every GEMM and twice the attention core's forward FLOPs. An MoE layer also
+pays for handling its T / tp x top_k routed slots (GemmModel.routed_slots), half forward, half backward.
 
 Between the GEMMs run memory-bound ops, priced by the bytes they move through HBM (reads + writes in the
 training dtype, each op once, as fused kernels do): two RMSNorms and two residual adds (10 hidden-wide
@@ -78,7 +79,8 @@ def layer_seconds(model: GemmModel, cfg: ModelConfig, attention: AttentionShape,
     out += _linear(model, tokens / tp, cfg.num_experts, h, "bf16")
     local = cfg.num_experts // ep
     rows = tokens / tp * cfg.top_k / local  # per local expert, balanced
-    return out + _swiglu(model, rows, h, cfg.expert_ffn_size, precisions.expert, local)
+    handling = model.routed_slots(tokens / tp * cfg.top_k) / 2  # the slots' routing and permutation, each way
+    return out + _swiglu(model, rows, h, cfg.expert_ffn_size, precisions.expert, local) + Seconds(handling, handling)
 
 
 def elementwise_seconds(model: GemmModel, cfg: ModelConfig, attention: AttentionShape, index: int, tokens: int,
@@ -104,3 +106,15 @@ def elementwise_seconds(model: GemmModel, cfg: ModelConfig, attention: Attention
 def head_seconds(model: GemmModel, cfg: ModelConfig, tokens: int, tp: int) -> Seconds:
     """The LM head (BF16, vocab split by TP)."""
     return _linear(model, tokens, cfg.padded_vocab_size / tp, cfg.hidden_size, "bf16")
+
+
+def mtp_seconds(model: GemmModel, cfg: ModelConfig, attention: AttentionShape, seq_len: int, tokens: int, tp: int,
+                ep: int, sequence_parallel: bool, itemsize: int, precisions: Precisions) -> Seconds:
+    """The MTP depths (moe.mtp) of one chunk on the last stage: each one's eh_proj ([2 hidden] -> hidden), a block
+    of the model's MoE kind with its memory-bound ops, and the shared LM head."""
+    index = cfg.num_layers if cfg.num_moe_layers else 0
+    depth = (layer_seconds(model, cfg, attention, index, seq_len, tokens, tp, ep, precisions)
+             + elementwise_seconds(model, cfg, attention, index, tokens, tp, sequence_parallel, itemsize, precisions)
+             + _linear(model, tokens, cfg.hidden_size, 2 * cfg.hidden_size, precisions.dense)
+             + head_seconds(model, cfg, tokens, tp))
+    return sum((depth for _ in range(cfg.mtp_depth)), Seconds())

@@ -54,15 +54,24 @@ ATTENTION_EFFICIENCY = 0.49
 # tensor for its amax, then reads it again and writes e4m3 twice (2 + 2 + 1 + 1); 1x128 tiles take their scale
 # in the same pass (2 + 1 + 1, the FP32 scales 1/32 more). BF16 linears quantize nothing.
 QUANTIZE_BYTES = {"bf16": 0.0, "fp8-tensor": 6.0, "fp8-block": 4.0 + 4 / 128}
+# Seconds per routed slot (one token's copy to one of its top_k experts) of an MoE layer's forward + backward that
+# the GEMMs, the memory-bound ops' bytes and the links' bytes above do not account for: the router's top-k and
+# the permutation's index work, the dispatch/combine kernels' per-token processing, the host syncs on expert
+# counts these stacks take per MoE layer. No public source breaks it down, so it is the one constant fitted to
+# the published runs (launch/plan/calibration.toml; `moe-plan --validate` refits it and prints each run's
+# leave-one-out ratio): 0.278 us a slot over DeepSeek's, Megatron-Core's and NeMo AutoModel's runs on H800, H100
+# and B200, alike from hidden 2048 to 7168 (it scales with slots, not with bytes: a cost per byte misses by 1.5x).
+ROUTED_SLOT_SECONDS = 0.278e-6
 
 
 @dataclass(frozen=True)
 class GemmModel:
-    """Prices GEMMs and attention on one GPU; `flat` (a share of peak) replaces the shape model with the
-    old single efficiency for every GEMM and attention (no bytes, no padding)."""
+    """Prices GEMMs, attention and routed slots on one GPU; `flat` (a share of peak) replaces the shape model with
+    the old single efficiency for every GEMM and attention (no bytes, no padding, no slot cost)."""
 
     gpu: GPU
     flat: float | None = None
+    slot_seconds: float = ROUTED_SLOT_SECONDS
 
     def peak(self, precision: str) -> float:
         """Dense peak FLOP/s of precision."""
@@ -90,6 +99,10 @@ class GemmModel:
     def memory(self, nbytes: float) -> float:
         """Seconds to move nbytes through HBM (0 under a flat efficiency, which prices FLOPs only)."""
         return 0.0 if self.flat is not None else nbytes / (self.gpu.hbm_gbps * 1e9 * HBM_EFFICIENCY)
+
+    def routed_slots(self, slots: float) -> float:
+        """Seconds of handling `slots` routed slots, forward + backward (0 under a flat efficiency)."""
+        return 0.0 if self.flat is not None else slots * self.slot_seconds
 
     def linear(self, m: float, n: float, k: float, precision: str, groups: int = 1) -> tuple[float, float, float]:
         """(forward, input grad, weight grad) seconds of a linear [m, k] -> [m, n] (weight [n, k]) in each

@@ -220,8 +220,9 @@ class ActivationModel:
         return max(most * tokens, self.stage(layers, has_head, tokens))
 
     def _linear_pairs(self, width_in: float, width_out: float) -> float:
-        """A linear's input and output grad, kept for its deferred weight grad."""
-        return (width_in + width_out) * self.itemsize
+        """A linear's input and output grad, kept for its deferred weight grad (fused-fp8: both in FP8 with 1x128
+        scales, the operands an FP8 weight-grad GEMM reads, as DeepSeek-V3's and Transformer Engine's keep them)."""
+        return (width_in + width_out) * (FP8_CACHED if self.kernels == "fused-fp8" else self.itemsize)
 
     def deferred_layer(self, moe: bool) -> float:
         """Bytes per token a layer keeps from a split backward (B) to its weight grads (W): every deferred

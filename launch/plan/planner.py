@@ -10,8 +10,9 @@ import torch
 from dispatch import Traffic
 from launch.config import RunConfig
 from launch.flops import attention_shape, layer_flops, mixed_peak, model_flops_per_token
-from launch.plan.compute import Precisions, Seconds, elementwise_seconds, head_seconds, layer_seconds
-from launch.plan.efficiency import PRECISIONS, GemmModel
+from launch.plan.compute import (Precisions, Seconds, elementwise_seconds, head_seconds, layer_seconds,
+                                 mtp_seconds)
+from launch.plan.efficiency import PRECISIONS, ROUTED_SLOT_SECONDS, GemmModel
 from launch.plan.memory import (FP8_CACHED, ActivationModel, ModelStates, backward_workspace, offloaded, schedule_peaks,
                                 zero_model_states)
 from launch.plan.params import ModelParams, count_params
@@ -42,6 +43,7 @@ class Machine:
     gemm_efficiency: float | None = None
     profile: Profile | None = None
     comm_sm_share: float = COMM_SM_SHARE
+    slot_seconds: float = ROUTED_SLOT_SECONDS  # per routed slot of an MoE layer (efficiency.ROUTED_SLOT_SECONDS)
 
     def rates(self) -> Rates:
         """Link bytes/s and the fixed cost of an exchange."""
@@ -51,7 +53,7 @@ class Machine:
     @property
     def gemms(self) -> GemmModel:
         """What prices this machine's GEMMs and attention."""
-        return GemmModel(self.gpu, self.gemm_efficiency)
+        return GemmModel(self.gpu, self.gemm_efficiency, self.slot_seconds)
 
 
 @dataclass(frozen=True)
@@ -207,6 +209,7 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
     schedule = make_schedule(config)
     layout = _layout(config)
     moe_layers = [sum(i >= cfg.first_k_dense for i in span) for span in layers]
+    moe_layers[-1] += cfg.mtp_depth if cfg.num_moe_layers else 0  # the MTP depths' blocks, on the last stage
     ep = (ep_stats(cfg, par.ep, gpn, tokens // par.tp, par.dispatch_backend, par.dispatch_payload, dtype,
                    options.sample_tokens) if timed and cfg.num_layers > cfg.first_k_dense else None)
     ep_layer = total(ep.layer) if ep else Traffic()
@@ -226,7 +229,7 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
     reruns = (schedule_peaks(schedule, stage_bytes, costs if par.overlap else None, deferred, backward) if schedule
               else [backward[0]])
     act_bytes = tokens * cfg.hidden_size * itemsize / (par.tp if par.sequence_parallel else 1)
-    ranks, sync = [], 0.0
+    ranks, syncs, prefetched = [], [], []
     for rank in range(par.pp):
         held = sorted({layout.stage_of(rank, phase) for phase in range(layout.num_phases)})
         dense = sum(params.stages[s].on_rank(par.tp, par.ep)[0] for s in held)
@@ -246,9 +249,13 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
         if timed:
             plan.bytes = _rank_bytes(config, layout, rank, held, moe_layers, layers, ep_layer, act_bytes, grad_sync,
                                      itemsize, recipe, gpn)
-            sync = max(sync, rates.link_seconds(plan.bytes["dp"].intra_node, plan.bytes["dp"].inter_node))
+            syncs.append(rates.link_seconds(plan.bytes["dp"].intra_node, plan.bytes["dp"].inter_node))
+            in_step = _gathers(config, layout, rank, held) if config.optim.zero_stage == 3 else 0
+            gathers = in_step * ring_bytes(dense, dense_group, recipe.param)
+            prefetched.append(rates.link_seconds(0.0 if dense_inter else gathers, gathers if dense_inter else 0.0))
     p2p_inter = par.stage_ranks >= gpn and par.pp > 1
     p2p_seconds = act_bytes / (rates.inter_bps if p2p_inter else rates.intra_bps)
+    busy = [0.0] * par.pp  # compute seconds of each pipeline rank in one pipeline step
     if not timed:
         makespan, idles = 0.0, [0.0] * par.pp
     elif schedule:
@@ -256,11 +263,14 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
         priced = paired(costs, machine.comm_sm_share) if options.paired else costs
         result = simulate_step(schedule, priced, p2p_seconds, par.overlap, profile.pair_factor if profile else 1.0,
                                profile.speed(par.pp) if profile else None, machine.comm_sm_share)
-        makespan, idles = result.makespan, result.idle_fractions
+        makespan, idles, busy = result.makespan, result.idle_fractions, result.busy
         if options.virtual_stages > 1:
             makespan, idles = interleave(result, options.virtual_stages)
     else:
-        makespan, idles = chunks * costs[0].serial, [0.0]
+        makespan, idles, busy = chunks * costs[0].serial, [0.0], [chunks * costs[0].serial]
+    steps = train.grad_accum_steps // par.dp // chunks
+    # ZeRO-3's in-step gathers are prefetched beside the compute (the module ahead): exposed only beyond it
+    sync = max((s - min(g, steps * b) for s, g, b in zip(syncs, prefetched, busy)), default=0.0)
     if options.dp_overlap:
         sync = max(0.0, sync - max(c.b for c in costs))
     offload = 0.0
@@ -271,7 +281,7 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
     return Plan(config, machine, options, params, layers, ranks, ep, costs, p2p_seconds, makespan,
                 sum(idles) / len(idles), sync,
                 train.grad_accum_steps * tokens * par.cp, model_flops_per_token(cfg, train.seq_len),
-                train.grad_accum_steps // par.dp // chunks, list(idles), offload)
+                steps, list(idles), offload)
 
 
 def _check_options(config: RunConfig, options: Options) -> None:
@@ -314,10 +324,8 @@ def _rank_bytes(config: RunConfig, layout: Layout, rank: int, held: list[int], m
                         _add(out, "pp", node_of(config, gpn, peer) != me, steps * act_bytes)
     stage = config.optim.zero_stage
     reductions = steps * (chunks if par.pp == 1 else 1) if stage >= 2 else 1  # ZeRO-2: one per backward
-    micro_batches = steps * max(visits.values())  # through this rank's busiest stage
     for numel, group, inter, dense in grad_sync:
-        # ZeRO-3: the dense params gathered before every micro-batch's forward and backward, not after the step
-        gathers = 2 * micro_batches if stage == 3 and dense else 1
+        gathers = _gathers(config, layout, rank, held) if dense else 1
         _add(out, "dp", inter, reductions * ring_bytes(numel, group, 4) + gathers * ring_bytes(numel, group, recipe.param))
     if par.tp > 1:
         tp_layers = sum(len(layers[s]) * visits[s] for s in held)
@@ -327,6 +335,16 @@ def _rank_bytes(config: RunConfig, layout: Layout, rank: int, held: list[int], m
         cp_layers = sum(len(layers[s]) * visits[s] for s in held)
         _add(out, "cp", par.cp * par.tp > gpn, cp_layers * steps * sum(cp_layer_bytes(config)))
     return out
+
+
+def _gathers(config: RunConfig, layout: Layout, rank: int, held: list[int]) -> int:
+    """All-gathers of a rank's dense params per optimizer step: one after the step (ZeRO-1/2); ZeRO-3 gathers them
+    before every micro-batch's forward and backward through the rank's busiest stage instead."""
+    if config.optim.zero_stage != 3:
+        return 1
+    chunks = config.chunks_per_step
+    steps = config.train.grad_accum_steps // config.parallel.dp // chunks
+    return 2 * steps * max(sum(layout.locate(chunk, s)[0] == rank for chunk in range(chunks)) for s in held)
 
 
 def cp_layer_bytes(config: RunConfig) -> tuple[float, float]:
@@ -349,7 +367,10 @@ def _stage_cost(config: RunConfig, params: ModelParams, layers: range, has_head:
                 + elementwise_seconds(gemms, cfg, params.attention, i, tokens, par.tp, par.sequence_parallel, itemsize,
                                       precisions)
                 for i in layers), Seconds())
-    cost += head_seconds(gemms, cfg, tokens, par.tp) if has_head else Seconds()
+    if has_head:
+        cost += head_seconds(gemms, cfg, tokens, par.tp) + mtp_seconds(
+            gemms, cfg, params.attention, train.seq_len, tokens, par.tp, par.ep, par.sequence_parallel, itemsize,
+            precisions)
     recompute = {"none": 0.0, "full": cost.f}.get(options.recompute,
                                                   _selective_recompute(config, params, len(layers), gemms,
                                                                        precisions.dense))
@@ -403,6 +424,6 @@ def _selective_recompute(config: RunConfig, params: ModelParams, num_layers: int
     up = params.attention.up
     if not up:
         return 0.0
-    cfg, train = config.model, config.train
+    cfg = config.model
     tokens = chunk_tokens(config)
     return num_layers * gemms.gemm(tokens, up / cfg.hidden_size / config.parallel.tp, cfg.hidden_size, precision)

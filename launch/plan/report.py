@@ -62,7 +62,8 @@ def _gemms(plan: Plan) -> str:
     if flat is not None:
         return f"at {flat:.0%} of peak"
     linears = plan.options.linears
-    return f"priced by shape and precision ({linears or 'bf16 dense, experts per config'}; launch/plan/efficiency.py)"
+    return (f"priced by shape and precision ({linears or 'bf16 dense, experts per config'}; launch/plan/efficiency.py), "
+            f"{plan.machine.slot_seconds * 1e9:g} ns per routed slot")
 
 
 def to_dict(plan: Plan) -> dict:
@@ -73,7 +74,7 @@ def to_dict(plan: Plan) -> dict:
         "layout": {**asdict(par), "world_size": par.world_size, "gpus_per_node": plan.machine.gpus_per_node,
                    "chunks_per_step": plan.config.chunks_per_step, "pipeline_steps": plan.pipeline_steps},
         "machine": {**asdict(plan.machine.gpu), "gemm_efficiency": plan.machine.gemm_efficiency,
-                    "comm_sm_share": plan.machine.comm_sm_share},
+                    "comm_sm_share": plan.machine.comm_sm_share, "slot_seconds": plan.machine.slot_seconds},
         "attention": plan.params.attention.kind,
         "params": {"total": plan.params.total.total, "activated": plan.params.activated, "mtp": plan.params.mtp.total,
                    "activated_with_embedding": plan.params.activated_with_embedding,

@@ -10,7 +10,7 @@ import pytest
 
 from launch.config import load_config
 from launch.flops import attention_shape
-from launch.plan.compute import Precisions, elementwise_seconds
+from launch.plan.compute import Precisions, elementwise_seconds, layer_seconds
 from launch.plan.efficiency import PRECISIONS, TENSOR_EFFICIENCY, GemmModel
 from launch.plan.planner import Machine, Options, make_plan
 from launch.plan.presets import GPUS
@@ -101,3 +101,41 @@ def test_memory_bound_ops_grow_with_the_quantisation_fp8_linears_need():
     assert seconds["bf16"].b == pytest.approx(2 * seconds["bf16"].f) and seconds["bf16"].w == 0
     assert elementwise_seconds(GemmModel(GPUS["h100"], 0.6), cfg, attention, 5, 4096, 2, True, 2,
                                Precisions()).f == 0  # a flat efficiency prices FLOPs only
+
+
+def test_an_moe_layer_pays_its_routed_slots_half_forward_half_backward_and_a_dense_layer_none():
+    """GemmModel.routed_slots: T / tp x top_k slots a layer at slot_seconds each, split evenly between F and B;
+    nothing for a dense layer nor under a flat efficiency."""
+    cfg = load_config(CONFIGS / "deepseek-v3.toml").model
+    att, tokens, tp = attention_shape(cfg), 4096, 2
+    args = (cfg, att, cfg.first_k_dense, 4096, tokens, tp, 64, Precisions())
+    with_slots, without = (layer_seconds(replace(H100, slot_seconds=s), *args) for s in (1e-6, 0.0))
+    handling = tokens / tp * cfg.top_k * 1e-6 / 2
+    assert with_slots.f == pytest.approx(without.f + handling) and with_slots.b == pytest.approx(without.b + handling)
+    assert with_slots.w == without.w
+    dense = (cfg, att, 0, 4096, tokens, tp, 64, Precisions())
+    assert layer_seconds(replace(H100, slot_seconds=1e-6), *dense) == layer_seconds(replace(H100, slot_seconds=0.0),
+                                                                                   *dense)
+    assert GemmModel(GPUS["h100"], flat=0.6, slot_seconds=1e-6).routed_slots(1e6) == 0.0
+
+
+def test_the_last_stage_carries_the_mtp_depths_time_and_exchanges():
+    """model.mtp_depth = 1 adds to the last stage an MoE block, its eh_proj ([2h] -> h) and a second LM head, and
+    one MoE layer's EP bytes to the ranks holding it; the other stages are unchanged."""
+    machine = Machine(GPUS["h800"], 8)
+    plans = [make_plan(load_config(CONFIGS / "deepseek-v3.toml", [f"model.mtp_depth={d}"]), machine, Options())
+             for d in (0, 1)]
+    (without, with_mtp), cfg = plans, plans[1].config.model
+    assert with_mtp.stage_costs[:-1] == without.stage_costs[:-1]
+    tokens, tp = 4096, 1
+    block = (layer_seconds(H800, cfg, attention_shape(cfg), cfg.num_layers, 4096, tokens, tp, 64, Precisions.of(cfg))
+             + elementwise_seconds(H800, cfg, attention_shape(cfg), cfg.num_layers, tokens, tp, False, 2,
+                                   Precisions.of(cfg)))
+    eh_proj, head = H800.gemm(tokens, cfg.hidden_size, 2 * cfg.hidden_size, "bf16"), H800.gemm(
+        tokens, cfg.padded_vocab_size, cfg.hidden_size, "bf16")
+    assert with_mtp.stage_costs[-1].f - without.stage_costs[-1].f == pytest.approx(block.f + eh_proj + head)
+    moe = [sum(i >= cfg.first_k_dense for i in span) for span in with_mtp.layers]
+    for rank, before in zip(with_mtp.ranks, without.ranks):  # DualPipe: every rank visits its two stages equally
+        extra = 1 if len(with_mtp.layers) - 1 in rank.stages else 0
+        calls = sum(moe[s] for s in rank.stages)
+        assert rank.bytes["ep"].inter_payload == pytest.approx(before.bytes["ep"].inter_payload * (calls + extra) / calls)

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from launch.config import load_config
-from launch.plan.memory import ActivationModel, schedule_peaks, backward_workspace, zero_model_states
+from launch.flops import attention_shape
+from launch.plan.memory import FP8_CACHED, ActivationModel, backward_workspace, schedule_peaks, zero_model_states
 from launch.plan.params import count_params
 from launch.plan.planner import Machine, Options, make_plan
 from launch.plan.presets import GPUS, RECIPES
@@ -167,3 +168,12 @@ def test_backward_workspace_is_the_largest_grad_before_zero1_takes_it():
     plan = make_plan(v3, Machine(GPUS["h800"], 8), Options(), timed=False)
     assert plan.ranks[0].peak == pytest.approx(plan.ranks[0].states.total + plan.ranks[0].activations
                                                + plan.ranks[0].workspace)
+
+
+def test_fused_fp8_linears_keep_their_deferred_weight_grad_operands_in_fp8():
+    """A split backward leaves each linear's input and output grad to its W: in the training dtype for this
+    project's and fused BF16 kernels, in FP8 with 1x128 scales under fused-fp8 (what an FP8 wgrad GEMM reads)."""
+    cfg = load_config(CONFIGS / "deepseek-v3.toml").model
+    bf16, fp8 = (ActivationModel(cfg, attention_shape(cfg), 2, kernels=k).deferred_layer(True)
+                 for k in ("fused", "fused-fp8"))
+    assert fp8 == pytest.approx(bf16 * FP8_CACHED / 2)
