@@ -392,7 +392,8 @@ def _stage_cost(config: RunConfig, params: ModelParams, layers: range, has_head:
         ar = 2 * ring_bytes(tokens * cfg.hidden_size, par.tp, itemsize)
         tp = 2 * len(layers) * (ar / rates.inter_bps if par.tp > gpn else ar / rates.intra_bps)
     cp_f, cp_b = _cp_seconds(config, layers, machine, gpn)
-    return StageCost(cost.f, cost.b + recompute, cost.w, ep_f + tp + cp_f, ep_b + tp + cp_b)
+    slots = gemms.routed_slots(moe_layers * tokens / par.tp * cfg.top_k)
+    return StageCost(cost.f, cost.b + recompute, cost.w, ep_f + tp + cp_f, ep_b + tp + cp_b, slots)
 
 
 def _cp_seconds(config: RunConfig, layers: range, machine: Machine, gpn: int) -> tuple[float, float]:

@@ -155,9 +155,11 @@ def render(plan: Plan) -> str:
                       si(total(r.bytes).intra_node), si(total(r.bytes).inter_node)] for r in plan.ranks]),
               "",
               "time per chunk and stage (ms; comm = EP all-to-all, TP collectives and CP K/V, exposed unless "
-              "overlapped):",
-              table(["stage", "F", "B", "W", "comm F", "comm B"],
-                    [[s, *map(ms, (c.f, c.b, c.w, c.comm_f, c.comm_b))] for s, c in enumerate(plan.stage_costs)]),
+              f"overlapped; slots: of F + B, the routed slots' handling at {plan.machine.slot_seconds * 1e9:g} ns "
+              "a slot):",
+              table(["stage", "F", "B", "W", "comm F", "comm B", "slots"],
+                    [[s, *map(ms, (c.f, c.b, c.w, c.comm_f, c.comm_b, c.slots))]
+                     for s, c in enumerate(plan.stage_costs)]),
               f"pipeline step {ms(plan.makespan)} ms (bubble {plan.idle_fraction:.1%} of all ranks' time, "
               f"largest rank idle {max(plan.idle_fractions, default=0.0):.1%}, p2p hop "
               f"{ms(plan.p2p_seconds)} ms) x {plan.pipeline_steps} + DP grad sync {ms(plan.dp_sync_seconds)} ms "

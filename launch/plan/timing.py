@@ -33,6 +33,7 @@ class StageCost:
     w: float
     comm_f: float
     comm_b: float
+    slots: float = 0.0  # of f + b: the routed slots' handling (launch.plan.efficiency.ROUTED_SLOT_SECONDS)
 
     @property
     def serial(self) -> float:

@@ -127,6 +127,9 @@ def test_the_last_stage_carries_the_mtp_depths_time_and_exchanges():
              for d in (0, 1)]
     (without, with_mtp), cfg = plans, plans[1].config.model
     assert with_mtp.stage_costs[:-1] == without.stage_costs[:-1]
+    slot = H800.routed_slots(4096 * cfg.top_k)  # what one MoE layer's slots cost a chunk: the MTP block adds one
+    assert with_mtp.stage_costs[-1].slots == pytest.approx(without.stage_costs[-1].slots + slot)
+    assert with_mtp.stage_costs[0].slots == pytest.approx(slot * sum(i >= cfg.first_k_dense for i in with_mtp.layers[0]))
     tokens, tp = 4096, 1
     block = (layer_seconds(H800, cfg, attention_shape(cfg), cfg.num_layers, 4096, tokens, tp, 64, Precisions.of(cfg))
              + elementwise_seconds(H800, cfg, attention_shape(cfg), cfg.num_layers, tokens, tp, False, 2,
