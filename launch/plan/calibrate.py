@@ -39,6 +39,7 @@ class Run:
     plan: dict = field(default_factory=dict)
     derived: str = ""
     notes: str = ""
+    fit: bool = True  # the routed-slot cost is fitted to this run (False: held out, a test of the fit)
 
     def options(self) -> Options:
         """The planner options [run.plan] gives."""
@@ -92,8 +93,9 @@ class Check:
 
 
 def fit_slot_seconds(checks: list[Check]) -> float:
-    """The routed-slot cost (seconds, to 1 ns) that minimises the squared log ratios of the planned checks."""
-    planned = [c for c in checks if c.plan is not None]
+    """The routed-slot cost (seconds, to 1 ns) that minimises the squared log ratios of the planned checks that are
+    not held out."""
+    planned = [c for c in checks if c.plan is not None and c.run.fit]
     grid = [n * 1e-9 for n in range(FIT_LIMIT_NS + 1)]
     return min(grid, key=lambda slot: sum(math.log(c.ratio_at(slot)) ** 2 for c in planned))
 
@@ -114,7 +116,7 @@ def validate(path: Path = CALIBRATION) -> list[Check]:
     """Every run of the calibration file planned, with its leave-one-out ratio."""
     checks = [Check(run, plan_run(run), plan_run(run, 0.0)) for run in load_runs(path)]
     for check in checks:
-        if check.slot_share:
+        if check.slot_share and check.run.fit:
             check.loo = check.ratio_at(fit_slot_seconds([c for c in checks if c is not check]))
     return checks
 
@@ -127,7 +129,8 @@ def render(checks: list[Check]) -> str:
         run, plan = c.run, c.plan
         rows.append([run.name, f"{run.gpus} {gpu_preset(run.gpu).name}", run.precision,
                      "-" if plan is None else f"{c.predicted:,.0f}", f"{run.tokens_per_s_per_gpu:,.0f}",
-                     "-" if plan is None else f"{c.ratio:.2f}", "-" if c.loo is None else f"{c.loo:.2f}",
+                     "-" if plan is None else f"{c.ratio:.2f}",
+                     "held out" if plan is not None and not run.fit else "-" if c.loo is None else f"{c.loo:.2f}",
                      "-" if plan is None else f"{plan.peak_memory / 1e9:.1f} GB {'fits' if plan.fits else 'DOES NOT FIT'}",
                      {None: "not planned", True: "ok", False: "MISS"}[c.within]])
     fitted = fit_slot_seconds(checks)
@@ -135,7 +138,8 @@ def render(checks: list[Check]) -> str:
              table(["run", "GPUs", "precision", "predicted tok/s/GPU", "published", "ratio", "leave-one-out",
                     "peak memory", f"+-{BAND:.0%}"], rows),
              f"routed-slot cost: {ROUTED_SLOT_SECONDS * 1e9:g} ns planned, {fitted * 1e9:g} ns fitted to these runs "
-             f"(least squares of log ratios); leave-one-out: the ratio with the cost fitted to the other runs", ""]
+             f"(least squares of log ratios, held-out runs excluded); leave-one-out: the ratio with the cost fitted to "
+             f"the other runs", ""]
     for c in checks:
         run = c.run
         lines.append(f"{run.name}: {run.stack}; {run.layout}; published {run.published}")
@@ -148,6 +152,6 @@ def to_dicts(checks: list[Check]) -> list[dict]:
     """The checks, JSON-ready."""
     return [{"name": c.run.name, "gpus": c.run.gpus, "gpu": c.run.gpu, "published_tokens_per_s_per_gpu":
              c.run.tokens_per_s_per_gpu, "predicted_tokens_per_s_per_gpu": c.predicted, "ratio": c.ratio,
-             "leave_one_out_ratio": c.loo, "within_band": c.within, "fits": None if c.plan is None else c.plan.fits,
+             "leave_one_out_ratio": c.loo, "held_out": not c.run.fit, "within_band": c.within, "fits": None if c.plan is None else c.plan.fits,
              "peak_memory_bytes": None if c.plan is None else c.plan.peak_memory, "source": c.run.source}
             for c in checks]
