@@ -32,6 +32,7 @@ TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.toml")
     (["--search"], "--search needs --gpus N"),
     (["--measure", "--steps", "0"], "--steps = 0 must be >= 1"),
     (["--comm-sm-share", "1"], "--comm-sm-share = 1.0 must be in [0, 1)"),
+    (["--slot-ns", "-1"], "--slot-ns = -1.0 must be >= 0"),
     (["--virtual-stages", "2"], "virtual stages apply to parallel.schedule = '1f1b' only (this config: 'dualpipev')"),
     (["--paired-1f1b"], "paired 1F1B apply to parallel.schedule = '1f1b' only"),
     (["--virtual-stages", "0", "--set", 'parallel.schedule="1f1b"', "--set", "parallel.num_chunks=0"],
