@@ -23,6 +23,7 @@ from launch.stages import stage_ranges
 from pipeline.schedules import Layout, Schedule, build, merge_weight_grads
 
 if TYPE_CHECKING:
+    from launch.mesh import Layout as RankLayout
     from launch.plan.profile import Profile
 
 BYTE_KINDS = ("ep", "pp", "dp", "tp", "cp")  # what a rank's bytes are sent for
@@ -167,9 +168,9 @@ def _layout(config: RunConfig) -> Layout:
     return Layout(LAYOUT_KINDS[par.schedule], par.pp, config.chunks_per_step)
 
 
-def node_of(config: RunConfig, gpus_per_node: int, pp: int, dp: int = 0, tp: int = 0, cp: int = 0) -> int:
-    """Node of the global rank at (pp, dp, tp, cp) (launch.mesh.Layout's rank order)."""
-    return config.layout.rank(pp, dp, tp, cp) // gpus_per_node
+def node_of(ranks: RankLayout, gpus_per_node: int, pp: int, dp: int = 0, tp: int = 0, cp: int = 0) -> int:
+    """Node of the global rank at (pp, dp, tp, cp) (config.layout's rank order: launch.mesh.Layout)."""
+    return ranks.rank(pp, dp, tp, cp) // gpus_per_node
 
 
 def chunk_tokens(config: RunConfig) -> int:
@@ -181,7 +182,8 @@ def _groups(config: RunConfig, gpus_per_node: int, rank: int) -> tuple[int, int,
     """(dense shard group size, expert shard group size, whether each spans nodes) for pipeline rank."""
     par = config.parallel
     twins = [rank, par.pp - 1 - rank] if par.schedule == "dualpipe" and par.pp - 1 - rank != rank else [rank]
-    dense = {node_of(config, gpus_per_node, p, d, 0, c) for p in twins for d in range(par.dp) for c in range(par.cp)}
+    ranks = config.layout
+    dense = {node_of(ranks, gpus_per_node, p, d, 0, c) for p in twins for d in range(par.dp) for c in range(par.cp)}
     expert = {(p * par.stage_ranks + i) // gpus_per_node for p in twins for i in range(0, par.stage_ranks, par.ep)}
     replicas = len(twins)
     return par.dp * par.cp * replicas, par.stage_ranks // par.ep * replicas, len(dense) > 1, len(expert) > 1
@@ -312,7 +314,8 @@ def _rank_bytes(config: RunConfig, layout: Layout, rank: int, held: list[int], m
     moe_calls = steps * sum(moe_layers[s] * visits[s] for s in held)
     out["ep"] = Traffic(*(v * moe_calls for v in (ep_layer.intra_payload, ep_layer.inter_payload,
                                                    ep_layer.intra_meta, ep_layer.inter_meta)))
-    me = node_of(config, gpn, rank)
+    ranks = config.layout
+    me = node_of(ranks, gpn, rank)
     for s in held:
         for chunk in range(chunks):
             if layout.locate(chunk, s)[0] != rank:
@@ -321,7 +324,7 @@ def _rank_bytes(config: RunConfig, layout: Layout, rank: int, held: list[int], m
                 if 0 <= neighbour < layout.num_stages:
                     peer = layout.locate(chunk, neighbour)[0]
                     if peer != rank:
-                        _add(out, "pp", node_of(config, gpn, peer) != me, steps * act_bytes)
+                        _add(out, "pp", node_of(ranks, gpn, peer) != me, steps * act_bytes)
     stage = config.optim.zero_stage
     reductions = steps * (chunks if par.pp == 1 else 1) if stage >= 2 else 1  # ZeRO-2: one per backward
     for numel, group, inter, dense in grad_sync:
