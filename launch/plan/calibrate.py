@@ -152,6 +152,7 @@ def to_dicts(checks: list[Check]) -> list[dict]:
     """The checks, JSON-ready."""
     return [{"name": c.run.name, "gpus": c.run.gpus, "gpu": c.run.gpu, "published_tokens_per_s_per_gpu":
              c.run.tokens_per_s_per_gpu, "predicted_tokens_per_s_per_gpu": c.predicted, "ratio": c.ratio,
-             "leave_one_out_ratio": c.loo, "held_out": not c.run.fit, "within_band": c.within, "fits": None if c.plan is None else c.plan.fits,
+             "leave_one_out_ratio": c.loo, "held_out": not c.run.fit, "within_band": c.within,
+             "fits": None if c.plan is None else c.plan.fits,
              "peak_memory_bytes": None if c.plan is None else c.plan.peak_memory, "source": c.run.source}
             for c in checks]

@@ -254,7 +254,7 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
             syncs.append(rates.link_seconds(plan.bytes["dp"].intra_node, plan.bytes["dp"].inter_node))
             in_step = _gathers(config, layout, rank, held) if config.optim.zero_stage == 3 else 0
             gathers = in_step * ring_bytes(dense, dense_group, recipe.param)
-            prefetched.append(rates.link_seconds(0.0 if dense_inter else gathers, gathers if dense_inter else 0.0))
+            prefetched.append(gathers / (rates.inter_bps if dense_inter else rates.intra_bps))
     p2p_inter = par.stage_ranks >= gpn and par.pp > 1
     p2p_seconds = act_bytes / (rates.inter_bps if p2p_inter else rates.intra_bps)
     busy = [0.0] * par.pp  # compute seconds of each pipeline rank in one pipeline step

@@ -62,8 +62,8 @@ def _gemms(plan: Plan) -> str:
     if flat is not None:
         return f"at {flat:.0%} of peak"
     linears = plan.options.linears
-    return (f"priced by shape and precision ({linears or 'bf16 dense, experts per config'}; launch/plan/efficiency.py), "
-            f"{plan.machine.slot_seconds * 1e9:g} ns per routed slot")
+    return (f"priced by shape and precision ({linears or 'bf16 dense, experts per config'}; "
+            f"launch/plan/efficiency.py), {plan.machine.slot_seconds * 1e9:g} ns per routed slot")
 
 
 def to_dict(plan: Plan) -> dict:

@@ -129,7 +129,8 @@ def test_the_last_stage_carries_the_mtp_depths_time_and_exchanges():
     assert with_mtp.stage_costs[:-1] == without.stage_costs[:-1]
     slot = H800.routed_slots(4096 * cfg.top_k)  # what one MoE layer's slots cost a chunk: the MTP block adds one
     assert with_mtp.stage_costs[-1].slots == pytest.approx(without.stage_costs[-1].slots + slot)
-    assert with_mtp.stage_costs[0].slots == pytest.approx(slot * sum(i >= cfg.first_k_dense for i in with_mtp.layers[0]))
+    first_moe_layers = sum(i >= cfg.first_k_dense for i in with_mtp.layers[0])
+    assert with_mtp.stage_costs[0].slots == pytest.approx(slot * first_moe_layers)
     tokens, tp = 4096, 1
     block = (layer_seconds(H800, cfg, attention_shape(cfg), cfg.num_layers, 4096, tokens, tp, 64, Precisions.of(cfg))
              + elementwise_seconds(H800, cfg, attention_shape(cfg), cfg.num_layers, tokens, tp, False, 2,
@@ -141,4 +142,5 @@ def test_the_last_stage_carries_the_mtp_depths_time_and_exchanges():
     for rank, before in zip(with_mtp.ranks, without.ranks):  # DualPipe: every rank visits its two stages equally
         extra = 1 if len(with_mtp.layers) - 1 in rank.stages else 0
         calls = sum(moe[s] for s in rank.stages)
-        assert rank.bytes["ep"].inter_payload == pytest.approx(before.bytes["ep"].inter_payload * (calls + extra) / calls)
+        want = before.bytes["ep"].inter_payload * (calls + extra) / calls
+        assert rank.bytes["ep"].inter_payload == pytest.approx(want)
