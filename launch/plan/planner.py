@@ -224,11 +224,13 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
              for s in range(num_stages)]
     # overlap: the runtime runs each F&B pair's halves at once (the backward on a helper thread)
     deferred = [acts.deferred_stage(layers[s], s == num_stages - 1, tokens) for s in range(num_stages)]
-    peaks = (schedule_peaks(schedule, stage_bytes, costs if par.overlap else None, deferred) if schedule
+    # a pair's halves allocate and free over their kernels' time: the slot cost is fitted to throughput, not memory
+    kernels = [c.without_slots() for c in costs] if par.overlap else None
+    peaks = (schedule_peaks(schedule, stage_bytes, kernels, deferred) if schedule
              else [stage_bytes[0]])
     # full recompute: the same schedule with each backward's rerun segments held beside the rest
     backward = [acts.backward_stage(layers[s], s == num_stages - 1, tokens) for s in range(num_stages)]
-    reruns = (schedule_peaks(schedule, stage_bytes, costs if par.overlap else None, deferred, backward) if schedule
+    reruns = (schedule_peaks(schedule, stage_bytes, kernels, deferred, backward) if schedule
               else [backward[0]])
     act_bytes = tokens * cfg.hidden_size * itemsize / (par.tp if par.sequence_parallel else 1)
     ranks, syncs, prefetched = [], [], []

@@ -35,6 +35,10 @@ class StageCost:
     comm_b: float
     slots: float = 0.0  # of f + b: the routed slots' handling (launch.plan.efficiency.ROUTED_SLOT_SECONDS)
 
+    def without_slots(self) -> StageCost:
+        """The same costs less the routed slots' handling, half of it from F and half from B."""
+        return replace(self, f=self.f - self.slots / 2, b=self.b - self.slots / 2, slots=0.0)
+
     @property
     def serial(self) -> float:
         """F then B of one chunk with nothing overlapped (no pipeline)."""
