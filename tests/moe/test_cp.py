@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from dispatch.multiproc import run_processes
 from moe.cp import CP_METHODS, cp_attention, zigzag_chunks, zigzag_positions, zigzag_shard
+from tests.spawns import from_shared_spawn
 
 B, HQ, HKV, S, DQK, DV = 2, 4, 2, 24, 8, 6
 SCALE = 0.3
@@ -53,9 +54,8 @@ def sharded():
     out = {}
 
     def run(world: int) -> list[dict[str, list[torch.Tensor]]]:
-        if world not in out:
-            out[world] = run_processes(shard_worker, world, list(CP_METHODS), timeout_s=120)
-        return out[world]
+        return from_shared_spawn(out, world, [world],
+                                 lambda: [run_processes(shard_worker, world, list(CP_METHODS), timeout_s=120)])
     return run
 
 

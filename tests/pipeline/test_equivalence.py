@@ -8,6 +8,7 @@ import torch
 from dispatch.multiproc import run_processes
 from tests.pipeline.models import calc_diff, make_data, make_stages, reference
 from tests.pipeline.workers import BATCH, HIDDEN, equivalence
+from tests.spawns import from_shared_spawn
 
 # (schedule, ranks, chunks per W action): merged W's (3 does not divide the chunks) as well as DeepSeek's
 CASES = [("dualpipev", 1, 1), ("dualpipev", 2, 1), ("dualpipev", 2, 3), ("dualpipev", 4, 1), ("dualpipe", 2, 1),
@@ -61,11 +62,12 @@ def spawned():
     out = {}
 
     def run(case: tuple[str, int, int]) -> list[dict]:
-        if case not in out:
-            cases = [c for c in CASES if c[1] == case[1]]
+        cases = [c for c in CASES if c[1] == case[1]]
+
+        def spawn() -> list[list[dict]]:
             results = run_processes(_equivalence_cases, case[1], cases, timeout_s=180, run_timeout_s=420)
-            out.update((c, [rank[i] for rank in results]) for i, c in enumerate(cases))
-        return out[case]
+            return [[rank[i] for rank in results] for i in range(len(cases))]
+        return from_shared_spawn(out, case, cases, spawn)
     return run
 
 
