@@ -26,6 +26,7 @@ from launch.checkpoint import consolidate
 from launch.config import build_config
 from launch.metrics import decode_array
 from launch.train import build_model, train
+from tests.spawns import from_shared_spawn
 
 STEPS = 5
 CUT = 3  # the resharding runs' cut
@@ -156,12 +157,13 @@ def spawned(corpus, documents, tmp_path_factory):
     out = {}
 
     def run(key: tuple) -> tuple[dict, list[dict], list[torch.Tensor | None]]:
-        if key not in out:
-            keys = [k for k in raws if worlds[k] == worlds[key]]
+        keys = [k for k in raws if worlds[k] == worlds[key]]
+
+        def spawn() -> list[tuple[dict, list[dict], list[torch.Tensor | None]]]:
             results = run_processes(_train_with_embedding, worlds[key], [raws[k] for k in keys], timeout_s=600,
                                     run_timeout_s=SPAWN_S)
-            out.update((k, (raws[k], results[0][i][0], [rank[i][1] for rank in results])) for i, k in enumerate(keys))
-        return out[key]
+            return [(raws[k], results[0][i][0], [rank[i][1] for rank in results]) for i, k in enumerate(keys)]
+        return from_shared_spawn(out, key, keys, spawn)
     return run
 
 
