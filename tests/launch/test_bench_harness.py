@@ -72,7 +72,7 @@ TINY = {  # the smallest run of every timed suite
     "pipeline": ["--layers", "4", "--hidden", "16", "--batch", "8", "--chunks", "4", "--steps", "2", "--warmup", "0",
                  "--only", "1 process", "ours DualPipeV", "torch DualPipeV", "--quiet"],
     "kernels": [],
-    "train": ["--config", str(CONFIGS / "tiny-1proc.toml"), "--rounds", "2", "--steps", "1", "--warmup", "0"],
+    "train": ["--config", "{tmp}/train.toml", "--rounds", "2", "--steps", "1", "--warmup", "0"],
     "tp": ["--layers", "1", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--ffn", "64", "--seq", "16",
            "--steps", "2", "--warmup", "0", "--quiet"],
     "checkpoint": ["--as-is", "--repeats", "2"],
@@ -82,6 +82,8 @@ TINY = {  # the smallest run of every timed suite
     "layer": ["--ep", "1", "--rounds", "1", "--repeats", "2", "--warmup", "0", "--peers", "", "--quiet"],
 }
 UNTIMED = {"compare"}  # reads other suites' files
+# the train suite's config ({tmp} is the test's tmp_path): the 1-process default on short sequences and little text
+TRAIN_CONFIG = f'base = "{CONFIGS / "tiny-1proc.toml"}"\n[train]\nseq_len = 32\n[data]\nmax_bytes = 20000\n'
 
 
 def test_every_registered_suite_has_a_tiny_run_here():
@@ -92,9 +94,11 @@ def test_every_registered_suite_has_a_tiny_run_here():
 @pytest.mark.parametrize("suite", sorted(TINY))
 def test_every_suite_json_carries_the_harness_fields(suite, tmp_path):
     path = tmp_path / f"{suite}.json"
+    (tmp_path / "train.toml").write_text(TRAIN_CONFIG)
+    args = [arg.replace("{tmp}", str(tmp_path)) for arg in TINY[suite]]
     # a process of its own, as a user runs it (the kernels suite sets Triton's interpreter up before importing it)
     run = subprocess.run([sys.executable, "-c", "from launch.bench_cli import main; raise SystemExit(main())", suite,
-                          *TINY[suite], "--json", str(path)], capture_output=True, text=True, timeout=850)
+                          *args, "--json", str(path)], capture_output=True, text=True, timeout=850)
     assert run.returncode == 0, run.stderr[-2000:]
     doc = json.loads(path.read_text())
     assert doc["rows"]

@@ -21,7 +21,7 @@ from launch.config import build_config
 from launch.train import train
 from launch.train_cli import main
 from moe.model import MoETransformer
-from tests.launch.test_equivalence import calc_diff, raw_config
+from tests.launch.test_equivalence import calc_diff, raw_config, release_groups
 
 STEPS = 6
 HALF = 3
@@ -40,7 +40,7 @@ def config(run_dir, corpus: str, parallel: dict, steps: int = STEPS, every: int 
 
 
 def _runs(rank: int, world: int, runs: list[tuple[dict, bool]]) -> list[list[dict]]:
-    return [train(build_config(raw), resume=resume, progress=False) for raw, resume in runs]
+    return [release_groups(train(build_config(raw), resume=resume, progress=False)) for raw, resume in runs]
 
 
 def assert_continues(records: list[dict], reference: list[dict], first: int) -> None:

@@ -4,24 +4,32 @@ Each layout trains the same tiny model on the same global batches, once dropless
 capacity factor that drops slots (not under TP or CP: see routings); per-step losses (LM and router)
 must agree to 1e-10 relative and the final parameters, consolidated from the per-rank checkpoints, to
 calc_diff < 1e-12. MLA attention is checked dropless in pipeline, TP and CP layouts, and CP x TP with GQA and
-MLA (test_batched_layouts_equal_single_process), the layouts of one world size trained in one spawn.
+MLA (test_batched_layouts_equal_single_process); every run of one world size is trained in one spawn.
 """
 
 from __future__ import annotations
 
+import itertools
+import shutil
+from datetime import timedelta
+from pathlib import Path
 from unittest import mock
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from dispatch.multiproc import run_processes
 from launch.checkpoint import consolidate
 from launch.config import build_config
 from launch.metrics import decode_array
 from launch.train import build_model, train
+from tests.spawns import from_shared_spawn
 
 STEPS = 5
+CUT = 3  # the resharding runs' cut
 LAYOUTS = {
     "pp2 dualpipev": {"pp": 2, "schedule": "dualpipev"},
     "pp2 dualpipe": {"pp": 2, "schedule": "dualpipe"},
@@ -61,6 +69,8 @@ SPAWNS = {2: [(name, "mla", False, "none") for name in ("pp2 dualpipev", "pp2 1f
 MTP_LAYOUTS = {"pp2 1f1b": LAYOUTS["pp2 1f1b"], "pp2 dp2 ep2 dualpipev": {"pp": 2, "dp": 2, "ep": 2, "schedule": "dualpipev"},
                "dp2 tp2 sp": {"dp": 2, "tp": 2, "sequence_parallel": True}}
 MTP_SPAWNS = {2: ["pp2 1f1b"], 4: ["pp2 dp2 ep2 dualpipev", "dp2 tp2 sp"]}  # MLA + MTP depth 1, dropless
+SPAWN_S = 1200  # one spawn trains every run of its world size (the spawned fixture): its bound, start-up included
+_WORLDS = itertools.count(1)  # a spawned rank's worlds after its first (release_groups)
 
 
 def routings(parallel: dict) -> dict[str, float | None]:
@@ -92,10 +102,6 @@ def raw_config(run_dir: str, corpus: str, parallel: dict, capacity_factor: float
             "parallel": parallel}
 
 
-def _train_both(rank: int, world: int, raws: list[dict]) -> list[list[dict]]:
-    return [train(build_config(raw), progress=False) for raw in raws]
-
-
 def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
     x, y = x.double(), y.double()
     return (1 - 2 * (x * y).sum() / (x * x + y * y).sum()).item()
@@ -122,77 +128,82 @@ def check_traffic_matrix(record: dict) -> None:
         rank[1] + rank[3] for kind in record["traffic_bytes"].values() for rank in kind)
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("corpus") / "text.txt"
-    lines = [f"def function_{i}(x):\n    return x * {i} + {i % 7}  # line {i}\n" for i in range(800)]
-    path.write_text("".join(lines))
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def documents(tmp_path_factory) -> str:
-    """A corpus folder of 600 documents of 4 to 16 bytes: each file one document, so every row of 17 tokens holds
-    an EOS (data.document_mask has boundaries to keep)."""
-    folder = tmp_path_factory.mktemp("documents")
-    for i in range(600):
-        (folder / f"{i:04d}.txt").write_text(f"x{i}=" + "ab"[i % 2] * (i % 11) + "\n")
-    return str(folder)
-
-
 def corpus_of(document_mask: bool, corpus: str, documents: str) -> str:
     """The equivalence runs' corpus: the short documents with document masking, else the one long text."""
     return documents if document_mask else corpus
 
 
+def spawned_raws(corpus: str, documents: str, root) -> dict[tuple, dict]:
+    """Every spawned run of the equivalence tests, by key: ("layout", name, routing) for each routing a layout must
+    reproduce, ("batched", name, attention, document mask, recompute) and ("mtp", name) -> its raw config."""
+    layouts = LAYOUTS | BATCHED
+    keyed = [(("layout", name, routing), (corpus, parallel, capacity))
+             for name, parallel in LAYOUTS.items() for routing, capacity in routings(parallel).items()]
+    keyed += [(("batched", name, attention, masked, recompute),
+               (corpus_of(masked, corpus, documents), layouts[name], None, attention, 0, masked, recompute))
+              for runs in SPAWNS.values() for name, attention, masked, recompute in runs]
+    keyed += [(("mtp", name), (corpus, MTP_LAYOUTS[name], None, "mla", 1))
+              for names in MTP_SPAWNS.values() for name in names]
+    return {key: raw_config(str(root / "_".join(map(str, key)).replace(" ", "_").replace(",", "")), *args)
+            for key, args in keyed}
+
+
 @pytest.fixture(scope="module")
-def reference(corpus, documents, tmp_path_factory):
-    """(routing name, attention, MTP depth, document mask) -> (records, consolidated params) of the single process,
-    each trained on first use."""
+def spawned(corpus, documents, tmp_path_factory):
+    """Run key (spawned_raws) -> (raw config, records, each rank's final embedding or None); the runs of one world
+    size are all trained in one spawn, on first use of any of them."""
+    raws = spawned_raws(corpus, documents, tmp_path_factory.mktemp("layouts"))
+    worlds = {key: build_config(raw).parallel.world_size for key, raw in raws.items()}
     out = {}
 
-    def run(name: str, attention: str = "gqa", mtp_depth: int = 0, document_mask: bool = False
-            ) -> tuple[list[dict], dict]:
-        key = (name, attention, mtp_depth, document_mask)
-        if key not in out:
-            run_dir = tmp_path_factory.mktemp("ref")
-            raw = raw_config(str(run_dir), corpus_of(document_mask, corpus, documents), {}, ROUTING[name], attention,
-                             mtp_depth, document_mask)
-            out[key] = (train(build_config(raw), progress=False), consolidate(run_dir / "checkpoint"))
-        return out[key]
+    def run(key: tuple) -> tuple[dict, list[dict], list[torch.Tensor | None]]:
+        keys = [k for k in raws if worlds[k] == worlds[key]]
+
+        def spawn() -> list[tuple[dict, list[dict], list[torch.Tensor | None]]]:
+            results = run_processes(_train_with_embedding, worlds[key], [raws[k] for k in keys], timeout_s=600,
+                                    run_timeout_s=SPAWN_S)
+            return [(raws[k], results[0][i][0], [rank[i][1] for rank in results]) for i, k in enumerate(keys)]
+        return from_shared_spawn(out, key, keys, spawn)
     return run
 
 
+@pytest.mark.timeout(SPAWN_S + 120)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_equals_single_process(layout, corpus, reference, tmp_path):
+def test_layout_equals_single_process(layout, spawned, reference):
     parallel = LAYOUTS[layout]
-    routing = routings(parallel)
-    raws = [raw_config(str(tmp_path / name.replace(" ", "_")), corpus, parallel, capacity)
-            for name, capacity in routing.items()]
-    world = build_config(raws[0]).parallel.world_size
-    results = run_processes(_train_both, world, raws, timeout_s=300)[0]
-    for (name, _), raw, records in zip(routing.items(), raws, results):
+    for name in routings(parallel):
+        raw, records, _ = spawned(("layout", layout, name))
         check_equal_runs(records, raw, reference(name), parallel, name)
 
 
+@pytest.mark.timeout(SPAWN_S + 120)
 @pytest.mark.parametrize("world", list(SPAWNS))
-def test_batched_layouts_equal_single_process(world, corpus, documents, reference, tmp_path):
-    """The layouts of one world size with their attention, trained dropless in one spawn: MLA (query latent, joint
-    KV latent, TP-split heads with replicated down-projections) in pipeline, TP and CP layouts, and CP x TP
-    (heads split over TP, each CP shard's sequence over SP, routers summing over cp x tp, EP over both) with
-    GQA and MLA; document masking with a padded vocab under DualPipeV (rank 1 holds only middle stages: document ids
-    reach it as the runtime's context), TP + SP (the padded ids in one rank's vocab block), and both; and recomputed
-    activations (train.recompute) against the single process without."""
-    runs = SPAWNS[world]
+def test_batched_layouts_equal_single_process(world, spawned, reference):
+    """The layouts of one world size with their attention, trained dropless: MLA (query latent, joint KV latent,
+    TP-split heads with replicated down-projections) in pipeline, TP and CP layouts, and CP x TP (heads split over
+    TP, each CP shard's sequence over SP, routers summing over cp x tp, EP over both) with GQA and MLA; document
+    masking with a padded vocab under DualPipeV (rank 1 holds only middle stages: document ids reach it as the
+    runtime's context), TP + SP (the padded ids in one rank's vocab block), and both; and recomputed activations
+    (train.recompute) against the single process without."""
     layouts = LAYOUTS | BATCHED
-    raws = [raw_config(str(tmp_path / f"{attention} {name} {masked} {recompute}".replace(" ", "_")),
-                       corpus_of(masked, corpus, documents), layouts[name], None, attention, 0, masked, recompute)
-            for name, attention, masked, recompute in runs]
-    assert {build_config(raw).parallel.world_size for raw in raws} == {world}
-    results = run_processes(_train_both, world, raws, timeout_s=600)[0]
-    for (name, attention, masked, recompute), raw, records in zip(runs, raws, results):
+    for name, attention, masked, recompute in SPAWNS[world]:
+        raw, records, _ = spawned(("batched", name, attention, masked, recompute))
+        assert build_config(raw).parallel.world_size == world
         check_equal_runs(records, raw, reference("dropless", attention, 0, masked), layouts[name],
                          f"{attention} {name} document_mask={masked} recompute={recompute}")
+
+
+def release_groups(records: list[dict]) -> list[dict]:
+    """A spawned run's records, once every rank has finished it and a fresh world replaces the process groups it
+    made: a spawn training many runs would otherwise keep every run's gloo groups (polling threads each) and slow
+    down. The new world's keys live under a prefix of their own in the rendezvous store, so that the next run's
+    groups (the same names) meet none of the last run's."""
+    store, rank, world = distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
+    dist.barrier()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"run{next(_WORLDS)}", store), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=SPAWN_S))
+    return records
 
 
 def _train_with_embedding(rank: int, world: int, raws: list[dict]) -> list[tuple[list[dict], torch.Tensor | None]]:
@@ -204,28 +215,25 @@ def _train_with_embedding(rank: int, world: int, raws: list[dict]) -> list[tuple
         held.append(next((s.embed.weight for s in out[0] if s.embed is not None), None))
         return out
     with mock.patch("launch.train.build_model", build):
-        return [(train(build_config(raw), progress=False), held[-1]) for raw in raws]
+        return [(release_groups(train(build_config(raw), progress=False)), held[-1]) for raw in raws]
 
 
+@pytest.mark.timeout(SPAWN_S + 120)
 @pytest.mark.parametrize("world", list(MTP_SPAWNS))
-def test_mla_mtp_layouts_equal_single_process(world, corpus, reference, tmp_path):
+def test_mla_mtp_layouts_equal_single_process(world, spawned, reference):
     """MLA with MTP depth 1: the MTP depth on the last stage shares the embedding tensor with the first under
     DualPipeV, holds a copy under 1F1B (grads summed over both pipeline ranks, the copies equal after training), and
     runs under TP + SP; losses (mtp_loss_1 too) and params as one process."""
-    names = MTP_SPAWNS[world]
-    raws = [raw_config(str(tmp_path / name.replace(" ", "_")), corpus, MTP_LAYOUTS[name], None, "mla", 1)
-            for name in names]
-    assert {build_config(raw).parallel.world_size for raw in raws} == {world}
-    results = run_processes(_train_with_embedding, world, raws, timeout_s=300)
     want = reference("dropless", "mla", 1)
     assert "mtp.0.eh_proj.weight" in want[1] and any(key.startswith("mtp.0.block.ffn.experts.") for key in want[1])
-    for i, (name, raw) in enumerate(zip(names, raws)):
-        records = results[0][i][0]
+    for name in MTP_SPAWNS[world]:
+        raw, records, embeddings = spawned(("mtp", name))
+        assert build_config(raw).parallel.world_size == world
         check_equal_runs(records, raw, want, MTP_LAYOUTS[name], f"mla mtp {name}")
         for got, ref in zip(records, want[0]):
             assert got["mtp_loss_1"] == pytest.approx(ref["mtp_loss_1"], rel=1e-10), (name, got["step"])
         if name == "pp2 1f1b":  # rank 1's copy of the embedding equals rank 0's
-            assert torch.equal(results[0][i][1], results[1][i][1])
+            assert torch.equal(embeddings[0], embeddings[1])
 
 
 def check_equal_runs(records: list[dict], raw: dict, reference: tuple[list[dict], dict], parallel: dict,
@@ -258,36 +266,62 @@ def check_equal_runs(records: list[dict], raw: dict, reference: tuple[list[dict]
 
 
 def _train_runs(rank: int, world: int, runs: list[tuple[dict, bool]]) -> list[list[dict]]:
-    return [train(build_config(raw), resume=resume, progress=False) for raw, resume in runs]
+    return [release_groups(train(build_config(raw), resume=resume, progress=False)) for raw, resume in runs]
 
 
+def cut_raw(run_dir, corpus: str, parallel: dict, steps: int, optim: dict | None = None) -> dict:
+    """raw_config (dropless) of `steps` steps with an [optim] section, its warmup covering the cut at CUT (so LRs do
+    not depend on train.steps)."""
+    out = {**raw_config(str(run_dir), corpus, parallel, None), "optim": optim or {}}
+    out["train"].update(steps=steps, warmup_steps=CUT)
+    return out
+
+
+def reshard(variants: dict[str, tuple[dict, dict]], corpus: str, uninterrupted: tuple, root: Path
+            ) -> dict[str, list[tuple[Path, list[dict], int]]]:
+    """For each name -> (parallel, optim): the 1-process run cut at CUT (a copy) resumed in that layout, and the
+    layout's own first CUT steps resumed on 1 process (ZeRO-1); the layouts' runs in one spawn. Returns name ->
+    [(run dir, records, first step)] for check_resumed_runs."""
+    runs = []
+    for name, (parallel, optim) in variants.items():
+        shutil.copytree(uninterrupted[2], root / name / "from_one")
+        runs += [(cut_raw(root / name / "from_layout", corpus, parallel, CUT, optim), False),
+                 (cut_raw(root / name / "from_one", corpus, parallel, STEPS, optim), True)]
+    records = iter(run_processes(_train_runs, 2, runs, timeout_s=300, run_timeout_s=SPAWN_S)[0])
+    out = {}
+    for name in variants:
+        saved, resumed = next(records), next(records)
+        back = train(build_config(cut_raw(root / name / "from_layout", corpus, {}, STEPS)), resume=True,
+                     progress=False)
+        out[name] = [(root / name / "from_one", resumed, CUT), (root / name / "from_layout", saved + back, 0)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def resharded(corpus, uninterrupted, tmp_path_factory) -> dict[str, list[tuple[Path, list[dict], int]]]:
+    return reshard({name: (LAYOUTS[name], {}) for name in ("tp2 sp", "cp2 ring")}, corpus, uninterrupted,
+                   tmp_path_factory.mktemp("reshard"))
+
+
+@pytest.mark.timeout(SPAWN_S + 120)
 @pytest.mark.parametrize("layout", ["tp2 sp", "cp2 ring"])
-def test_tp_and_cp_checkpoints_reshard_to_and_from_one_process(layout, corpus, tmp_path):
+def test_tp_and_cp_checkpoints_reshard_to_and_from_one_process(layout, resharded, uninterrupted):
     """A 1-process checkpoint resumes under tp2 SP (cp2) and a tp2 SP (cp2) one in 1 process: both continue the
-    uninterrupted 1-process run (the warmup covers the cut at step 3, so LRs do not depend on train.steps)."""
-    tp, cut = LAYOUTS[layout], 3
-
-    def raw(name: str, parallel: dict, steps: int) -> dict:
-        out = raw_config(str(tmp_path / name), corpus, parallel, None)
-        out["train"].update(steps=steps, warmup_steps=cut)
-        return out
-    whole = train(build_config(raw("whole", {}, STEPS)), progress=False)
-    train(build_config(raw("from_one", {}, cut)), progress=False)
-    saved, resumed = run_processes(_train_runs, 2, [(raw("from_tp", tp, cut), False),
-                                                    (raw("from_one", tp, STEPS), True)], timeout_s=300)[0]
-    back = train(build_config(raw("from_tp", {}, STEPS)), resume=True, progress=False)
-    check_resumed_runs(tmp_path, whole, [("from_one", resumed, cut), ("from_tp", saved + back, 0)])
+    uninterrupted 1-process run."""
+    check_resumed_runs(uninterrupted, resharded[layout])
 
 
-def check_resumed_runs(tmp_path, whole: list[dict], runs: list[tuple[str, list[dict], int]]) -> None:
-    """Each (run dir name under tmp_path, its records, first step) continues the uninterrupted run `whole` (its
-    dir "whole"): the same LM losses (1e-10) from its first step, and its final checkpoint's params (1e-12)."""
-    want = consolidate(tmp_path / "whole" / "checkpoint")
-    for name, records, first in runs:
+def check_resumed_runs(uninterrupted: tuple, runs: list[tuple[Path, list[dict], int]]) -> None:
+    """Each (run dir, its records, first step) continues the uninterrupted run (its dir and records first in
+    uninterrupted): the same LM losses (1e-10) from its first step, and its final checkpoint's params (1e-12)."""
+    whole_dir, whole = uninterrupted[:2]
+    want = consolidate(whole_dir / "checkpoint")
+    for run_dir, records, first in runs:
+        name = run_dir.relative_to(run_dir.parents[1])
         assert [r["step"] for r in records] == list(range(first, STEPS)), name
         for got, ref in zip(records, whole[first:]):
             assert got["lm_loss"] == pytest.approx(ref["lm_loss"], rel=1e-10), (name, got["step"])
-        state = consolidate(tmp_path / name / "checkpoint")
+        state = consolidate(run_dir / "checkpoint")
         assert set(state) == set(want)
         for key, value in want.items():
             if value.is_floating_point() and value.abs().sum() > 0:

@@ -10,6 +10,7 @@ its last backward action starts), where without overlap they start in the clip.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from optim.shard import ShardedParams
 from optim.zero1 import ZeRO1
 from pipeline.runtime import PipelineRuntime
 from pipeline.schedules import Op
-from tests.launch.test_equivalence import raw_config
+from tests.launch.test_equivalence import raw_config, release_groups
 
 LAYOUTS = {
     "pp2 dualpipev, 2 pipeline steps per step": {"pp": 2, "schedule": "dualpipev", "num_chunks": 4},
@@ -58,7 +59,7 @@ def _train_with_events(rank: int, world: int, raws: list[dict]) -> list[tuple[li
         for (cls, attr, name), method in zip(patches, saved):
             setattr(cls, attr, _record(events, name, method))
         try:
-            records = train(build_config(raw), progress=False)
+            records = release_groups(train(build_config(raw), progress=False))
         finally:
             for (cls, attr, _), method in zip(patches, saved):
                 setattr(cls, attr, method)
@@ -92,18 +93,35 @@ def corpus(tmp_path_factory) -> str:
     return str(path)
 
 
+def run_dir(root: Path, layout: str, overlap: bool) -> Path:
+    return root / layout.replace(" ", "_") / f"overlap_{overlap}"
+
+
+def overlap_raw(root: Path, corpus: str, layout: str, overlap: bool) -> dict:
+    """The layout with overlap_grad_reduce on or off: STEPS steps, capacity 1.0, step 1 poisoned with NaN."""
+    raw = raw_config(str(run_dir(root, layout, overlap)), corpus, {**LAYOUTS[layout], "overlap_grad_reduce": overlap},
+                     1.0)
+    raw["train"]["steps"] = STEPS
+    raw["ops"] = {"inject_nan_steps": [1]}
+    return raw
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory) -> tuple[Path, dict[str, list]]:
+    """Every layout with overlap on and off, all trained in one spawn (the layouts are of one world size): their
+    root dir (run_dir) and layout -> per rank [(records, events) with overlap, (...) without]."""
+    root = tmp_path_factory.mktemp("overlap")
+    raws = [overlap_raw(root, corpus, layout, overlap) for layout in LAYOUTS for overlap in (True, False)]
+    world, = {build_config(raw).parallel.world_size for raw in raws}
+    per_rank = run_processes(_train_with_events, world, raws, timeout_s=300, run_timeout_s=1200)
+    return root, {layout: [runs[2 * i:2 * i + 2] for runs in per_rank] for i, layout in enumerate(LAYOUTS)}
+
+
+@pytest.mark.timeout(1320)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_overlapped_reduction_starts_early_and_changes_nothing(layout, corpus, tmp_path):
-    raws = []
-    for overlap in (True, False):
-        raw = raw_config(str(tmp_path / f"overlap_{overlap}"), corpus, {**LAYOUTS[layout],
-                                                                        "overlap_grad_reduce": overlap}, 1.0)
-        raw["train"]["steps"] = STEPS
-        raw["ops"] = {"inject_nan_steps": [1]}
-        raws.append(raw)
-    world = build_config(raws[0]).parallel.world_size
-    per_rank = run_processes(_train_with_events, world, raws, timeout_s=300)
-    for rank, ((on, on_events), (off, off_events)) in enumerate(per_rank):
+def test_overlapped_reduction_starts_early_and_changes_nothing(layout, trained):
+    root, runs = trained
+    for rank, ((on, on_events), (off, off_events)) in enumerate(runs[layout]):
         early, late = early_launches(on_events), early_launches(off_events)
         assert len(early) == STEPS and all(0 < during == total for _, during, total in early), (rank, early)
         if "dualpipe" in layout:  # two stages per rank: one's buckets go out while the other's backward runs
@@ -115,7 +133,7 @@ def test_overlapped_reduction_starts_early_and_changes_nothing(layout, corpus, t
             for got, want in zip(on, off):
                 for key in ("loss", "lm_loss", "aux_loss", "grad_norm"):
                     assert got[key] == want[key] or math.isnan(got[key]) and math.isnan(want[key]), (got["step"], key)
-    state_on, state_off = (consolidate(tmp_path / f"overlap_{o}" / "checkpoint") for o in (True, False))
+    state_on, state_off = (consolidate(run_dir(root, layout, overlap) / "checkpoint") for overlap in (True, False))
     assert set(state_on) == set(state_off)
     for key, value in state_off.items():
         assert torch.equal(state_on[key], value), key

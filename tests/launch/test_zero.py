@@ -21,8 +21,8 @@ from launch.rehearse import rehearse
 from launch.train import train
 from optim.shard import ShardedParams
 from optim.zero1 import ZeRO1
-from tests.launch.test_equivalence import (STEPS, _train_runs, check_equal_runs,  # noqa: F401
-                                           check_resumed_runs, corpus, documents, raw_config, reference)
+from tests.launch.test_equivalence import (SPAWN_S, STEPS, check_equal_runs, check_resumed_runs, raw_config,
+                                           release_groups, reshard)
 
 # name -> ([parallel], [optim], capacity factor); grad_accum_steps 8: 4 micro-batches per DP rank
 RUNS = {2: {"zero2 dp2 ep2 capacity 1.0": ({"dp": 2, "ep": 2}, {"zero_stage": 2}, 1.0),
@@ -70,7 +70,7 @@ def _train_counting(rank: int, world: int, raws: list[dict]) -> list[tuple[list[
             return result
         ShardedParams.launch, ZeRO1.zero_grad, ZeRO1.step = counted_launch, counted_zero_grad, measured_step
         try:
-            records = train(build_config(raw), progress=False)
+            records = release_groups(train(build_config(raw), progress=False))
         finally:
             ShardedParams.launch, ZeRO1.zero_grad, ZeRO1.step = launch, zero_grad, step
         out.append((records, [n / b for n, b in zip(launches, buckets)], held, params))
@@ -78,7 +78,7 @@ def _train_counting(rank: int, world: int, raws: list[dict]) -> list[tuple[list[
 
 
 @pytest.mark.parametrize("world", list(RUNS))
-def test_zero2_layouts_equal_single_process(world, corpus, reference, tmp_path):  # noqa: F811
+def test_zero2_layouts_equal_single_process(world, corpus, reference, tmp_path):
     """Losses and params as one process; under ZeRO-2/3 each backward (micro-batch, or pipeline step) reduces every
     bucket once and no full grad buffer is held after the update, under ZeRO-3 no full dense param either (ZeRO-1,
     offloaded here: one reduction per step, full grads kept)."""
@@ -98,24 +98,22 @@ def test_zero2_layouts_equal_single_process(world, corpus, reference, tmp_path):
             assert launches == [backwards if stage >= 2 else 1] * STEPS, (name, rank, launches)
 
 
-@pytest.mark.parametrize("optim", [{"zero_stage": 2}, {"zero_stage": 3}, {"zero_stage": 2, "offload": "optimizer"}],
-                         ids=["zero2", "zero3", "zero2 offload"])
-def test_sharded_checkpoints_reshard_to_and_from_one_process(optim, corpus, tmp_path):  # noqa: F811
-    """A 1-process ZeRO-1 checkpoint resumes under ZeRO-2/3 (or offloaded) dp2 ep2 and a ZeRO-2/3 (offloaded) dp2
-    ep2 one in 1 process (ZeRO-1): both continue the uninterrupted 1-process run (warmup covers the cut at step 3,
-    so LRs do not depend on train.steps)."""
-    cut, parallel = 3, {"dp": 2, "ep": 2}
+SHARDED = {"zero2": {"zero_stage": 2}, "zero3": {"zero_stage": 3},
+           "zero2 offload": {"zero_stage": 2, "offload": "optimizer"}}  # resharded to and from 1 process in dp2 ep2
 
-    def raw(name: str, sharded: bool, steps: int) -> dict:
-        out = zero_raw(tmp_path / name, corpus, parallel if sharded else {}, optim if sharded else {}, None)
-        out["train"].update(steps=steps, warmup_steps=cut)
-        return out
-    whole = train(build_config(raw("whole", False, STEPS)), progress=False)
-    train(build_config(raw("from_one", False, cut)), progress=False)
-    saved, resumed = run_processes(_train_runs, 2, [(raw("from_sharded", True, cut), False),
-                                                    (raw("from_one", True, STEPS), True)], timeout_s=300)[0]
-    back = train(build_config(raw("from_sharded", False, STEPS)), resume=True, progress=False)
-    check_resumed_runs(tmp_path, whole, [("from_one", resumed, cut), ("from_sharded", saved + back, 0)])
+
+@pytest.fixture(scope="module")
+def resharded(corpus, uninterrupted, tmp_path_factory) -> dict[str, list]:
+    return reshard({name: ({"dp": 2, "ep": 2}, optim) for name, optim in SHARDED.items()}, corpus, uninterrupted,
+                   tmp_path_factory.mktemp("reshard"))
+
+
+@pytest.mark.timeout(SPAWN_S + 120)
+@pytest.mark.parametrize("optim", list(SHARDED))
+def test_sharded_checkpoints_reshard_to_and_from_one_process(optim, resharded, uninterrupted):
+    """A 1-process ZeRO-1 checkpoint resumes under ZeRO-2/3 (or offloaded) dp2 ep2 and a ZeRO-2/3 (offloaded) dp2
+    ep2 one in 1 process (ZeRO-1): both continue the uninterrupted 1-process run."""
+    check_resumed_runs(uninterrupted, resharded[optim])
 
 
 @pytest.mark.parametrize("optim, parallel, field", [
@@ -126,7 +124,7 @@ def test_sharded_checkpoints_reshard_to_and_from_one_process(optim, corpus, tmp_
     ({"zero_stage": 3}, {"pp": 2, "schedule": "1f1b"}, "parallel.overlap"),
     ({"zero_stage": 3, "offload": "optimizer"}, {}, "optim.offload"),
 ])
-def test_bad_optim_settings_name_the_field(optim, parallel, field, corpus, tmp_path):  # noqa: F811
+def test_bad_optim_settings_name_the_field(optim, parallel, field, corpus, tmp_path):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         build_config(zero_raw(tmp_path, corpus, parallel, optim, None))
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from dispatch.multiproc import run_processes
 from moe.cp import CP_METHODS, cp_attention, zigzag_chunks, zigzag_positions, zigzag_shard
+from tests.spawns import from_shared_spawn
 
 B, HQ, HKV, S, DQK, DV = 2, 4, 2, 24, 8, 6
 SCALE = 0.3
@@ -33,22 +34,37 @@ def reference() -> tuple[torch.Tensor, ...]:
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def shard_worker(rank: int, world: int, method: str) -> list[torch.Tensor]:
+def shard_worker(rank: int, world: int, methods: list[str]) -> dict[str, list[torch.Tensor]]:
+    """Per CP method: this rank's output shard, its q, k, v grads and the bytes it sent."""
     group = dist.group.WORLD
-    q, k, v, dout = (zigzag_shard(t, world, rank, dim=2) for t in inputs())
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    traffic: dict[str, int] = {}
-    out = cp_attention(method, q, k, v, group, scale=SCALE, traffic=traffic)
-    out.backward(dout)
-    return [out.detach(), q.grad, k.grad, v.grad, traffic["sent_bytes"]]
+    out = {}
+    for method in methods:
+        q, k, v, dout = (zigzag_shard(t, world, rank, dim=2) for t in inputs())
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        traffic: dict[str, int] = {}
+        attention = cp_attention(method, q, k, v, group, scale=SCALE, traffic=traffic)
+        attention.backward(dout)
+        out[method] = [attention.detach(), q.grad, k.grad, v.grad, traffic["sent_bytes"]]
+    return out
+
+
+@pytest.fixture(scope="module")
+def sharded():
+    """world -> each rank's shard_worker results for every CP method, the methods of a world size in one spawn."""
+    out = {}
+
+    def run(world: int) -> list[dict[str, list[torch.Tensor]]]:
+        return from_shared_spawn(out, world, [world],
+                                 lambda: [run_processes(shard_worker, world, list(CP_METHODS), timeout_s=120)])
+    return run
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("method", CP_METHODS)
-def test_cp_attention_equals_one_process(method, world):
+def test_cp_attention_equals_one_process(method, world, sharded):
     want = [zigzag_shard(t, world, r, dim=2) for r in range(world) for t in reference()]
-    results = run_processes(shard_worker, world, method, timeout_s=120)
+    results = [list(ranks[method]) for ranks in sharded(world)]
     kv_bytes = B * HKV * (S // world) * (DQK + DV) * 8  # one rank's K and V shards, float64
     # ring: K/V forward and backward over cp - 1 hops, dK/dV over cp hops; all-gather: (cp - 1) x K/V each way
     sent = (3 * world - 2) * kv_bytes if method == "ring" else 2 * (world - 1) * kv_bytes

@@ -8,6 +8,7 @@ import torch
 from dispatch.multiproc import run_processes
 from tests.pipeline.models import calc_diff, make_data, make_stages, reference
 from tests.pipeline.workers import BATCH, HIDDEN, equivalence
+from tests.spawns import from_shared_spawn
 
 # (schedule, ranks, chunks per W action): merged W's (3 does not divide the chunks) as well as DeepSeek's
 CASES = [("dualpipev", 1, 1), ("dualpipev", 2, 1), ("dualpipev", 2, 3), ("dualpipev", 4, 1), ("dualpipe", 2, 1),
@@ -45,10 +46,34 @@ def _check(kind: str, world: int, stage_kind: str, results: list[dict], num_chun
                     assert torch.allclose(g, w, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.timeout(240)
+def num_chunks(kind: str, world: int) -> int:
+    return 2 * max(world, 2) if kind == "dualpipev" else 8
+
+
+def _equivalence_cases(rank: int, world: int, cases: list[tuple[str, int, int]]) -> list[dict]:
+    """equivalence of MLP and MoE stages for each (schedule, ranks, chunks per W action) case, in turn."""
+    return [equivalence(rank, world, kind, ("mlp", "moe"), num_chunks(kind, world), merge_w)
+            for kind, _, merge_w in cases]
+
+
+@pytest.fixture(scope="module")
+def spawned():
+    """A case of CASES -> each rank's equivalence results; the cases of one world size run in one spawn."""
+    out = {}
+
+    def run(case: tuple[str, int, int]) -> list[dict]:
+        cases = [c for c in CASES if c[1] == case[1]]
+
+        def spawn() -> list[list[dict]]:
+            results = run_processes(_equivalence_cases, case[1], cases, timeout_s=180, run_timeout_s=420)
+            return [[rank[i] for rank in results] for i in range(len(cases))]
+        return from_shared_spawn(out, case, cases, spawn)
+    return run
+
+
+@pytest.mark.timeout(480)
 @pytest.mark.parametrize("kind,world,merge_w", CASES)
-def test_linear_and_moe_stages_match_reference(kind: str, world: int, merge_w: int) -> None:
-    num_chunks = 2 * max(world, 2) if kind == "dualpipev" else 8
-    results = run_processes(equivalence, world, kind, ("mlp", "moe"), num_chunks, merge_w, timeout_s=180)
+def test_linear_and_moe_stages_match_reference(kind: str, world: int, merge_w: int, spawned) -> None:
+    results = spawned((kind, world, merge_w))
     for stage_kind in ("mlp", "moe"):
-        _check(kind, world, stage_kind, [r[stage_kind] for r in results], num_chunks)
+        _check(kind, world, stage_kind, [r[stage_kind] for r in results], num_chunks(kind, world))

@@ -9,15 +9,29 @@ from dispatch.multiproc import run_processes
 from kernels.backend import BACKEND_ENV
 from tests.pipeline.models import calc_diff
 from tests.pipeline.models import criterion, make_data
-from tests.pipeline.workers import (BATCH, HIDDEN, bad_inputs, bw_split, context_stages, ep_overlap, mixed_messages,
-                                    p2p_both_ways, p2p_fixed, p2p_messages, sent_messages, with_context)
+from tests.pipeline.workers import (BATCH, HIDDEN, bad_inputs, bw_split, context_stages, ep_overlap, in_turn,
+                                    mixed_messages, p2p_both_ways, p2p_fixed, p2p_messages, sent_messages, with_context)
+
+TORCH = {BACKEND_ENV: "torch"}  # the FP8 experts run the torch reference on CPU
+STAGE_KINDS = ["mlp", "moe", "moe-fp8"]
+# the 2-rank runs of these tests: name -> (worker, its arguments after rank and world, environment)
+RUNS = {**{f"bw_split {kind}": (bw_split, (8, kind), TORCH) for kind in STAGE_KINDS},
+        "bw_split merged W": (bw_split, (8, "mlp", 8), {}), "ep_overlap": (ep_overlap, (4,), {}),
+        "p2p_messages": (p2p_messages, (), {}), "p2p_fixed": (p2p_fixed, (), {}),
+        "p2p_both_ways": (p2p_both_ways, (), {}), "with_context": (with_context, (4,), {})}
 
 
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize("stage_kind", ["mlp", "moe", "moe-fp8"])
-def test_weight_grads_are_computed_in_w_actions(stage_kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(BACKEND_ENV, "torch")  # the FP8 experts run the torch reference on CPU
-    results = run_processes(bw_split, 2, 8, stage_kind, timeout_s=150)
+@pytest.fixture(scope="module")
+def spawned() -> dict[str, list]:
+    """Name -> each rank's result of that run of RUNS, all run in turn in one spawn."""
+    results = run_processes(in_turn, 2, list(RUNS.values()), timeout_s=150, run_timeout_s=540)
+    return {name: [rank[i] for rank in results] for i, name in enumerate(RUNS)}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("stage_kind", STAGE_KINDS)
+def test_weight_grads_are_computed_in_w_actions(stage_kind: str, spawned) -> None:
+    results = spawned[f"bw_split {stage_kind}"]
     for rank, res in enumerate(results):
         split, fused = res[True], res[False]
         assert split["w_actions"] > 0
@@ -33,9 +47,9 @@ def test_weight_grads_are_computed_in_w_actions(stage_kind: str, monkeypatch: py
     assert torch.equal(results[0][True]["loss"], results[0][False]["loss"])
 
 
-@pytest.mark.timeout(200)
-def test_a_merged_w_accumulates_each_weight_once_for_all_its_chunks() -> None:
-    results = run_processes(bw_split, 2, 8, "mlp", 8, timeout_s=150)
+@pytest.mark.timeout(600)
+def test_a_merged_w_accumulates_each_weight_once_for_all_its_chunks(spawned) -> None:
+    results = spawned["bw_split merged W"]
     for res in results:
         split, fused = res[True], res[False]
         assert split["w_actions"] == 2  # one per stage: all 8 chunks' weight grads together
@@ -58,9 +72,9 @@ def test_bad_input_raises_clear_errors() -> None:
     assert "1 when split_bw is False" in errors["merge_w_unsplit"]
 
 
-@pytest.mark.timeout(200)
-def test_ep_overlap_runs_backward_while_communication_is_in_flight() -> None:
-    results = run_processes(ep_overlap, 2, 4, timeout_s=150)
+@pytest.mark.timeout(600)
+def test_ep_overlap_runs_backward_while_communication_is_in_flight(spawned) -> None:
+    results = spawned["ep_overlap"]
     for res in results:
         on, off = res[True], res[False]
         assert torch.equal(on["loss"], off["loss"])
@@ -75,9 +89,9 @@ def test_ep_overlap_runs_backward_while_communication_is_in_flight() -> None:
     assert not torch.equal(results[0][True]["loss"], results[1][True]["loss"])
 
 
-@pytest.mark.timeout(120)
-def test_p2p_negotiates_shapes_dtypes_and_counts_per_message() -> None:
-    received = run_processes(p2p_messages, 2, timeout_s=60)[1]
+@pytest.mark.timeout(600)
+def test_p2p_negotiates_shapes_dtypes_and_counts_per_message(spawned) -> None:
+    received = spawned["p2p_messages"][1]
     sent = sent_messages()
     assert len(received) == len(sent)
     for got, want in zip(received, sent):
@@ -87,9 +101,9 @@ def test_p2p_negotiates_shapes_dtypes_and_counts_per_message() -> None:
             assert flag == w.requires_grad
 
 
-@pytest.mark.timeout(120)
-def test_p2p_with_a_fixed_layout_sends_payloads_only_intact_and_refuses_other_shapes() -> None:
-    results = run_processes(p2p_fixed, 2, timeout_s=60)
+@pytest.mark.timeout(600)
+def test_p2p_with_a_fixed_layout_sends_payloads_only_intact_and_refuses_other_shapes(spawned) -> None:
+    results = spawned["p2p_fixed"]
     for rank, res in enumerate(results):
         g = torch.Generator().manual_seed(1 - rank)  # the peer's messages, drawn again here
         for got in res["got"]:
@@ -100,9 +114,9 @@ def test_p2p_with_a_fixed_layout_sends_payloads_only_intact_and_refuses_other_sh
         assert "differ from the fixed message" in res["error"] and "(2, 3, 5)" in res["error"]
 
 
-@pytest.mark.timeout(120)
-def test_p2p_messages_cross_both_ways_on_two_streams_intact_and_in_order() -> None:
-    results = run_processes(p2p_both_ways, 2, timeout_s=60)
+@pytest.mark.timeout(600)
+def test_p2p_messages_cross_both_ways_on_two_streams_intact_and_in_order(spawned) -> None:
+    results = spawned["p2p_both_ways"]
     for rank, received in enumerate(results):
         sent = mixed_messages(1 - rank, len(received))
         for got, want in zip(received, sent):
@@ -110,12 +124,12 @@ def test_p2p_messages_cross_both_ways_on_two_streams_intact_and_in_order() -> No
             assert all(torch.equal(t, w) for (t, _), w in zip(got, want))
 
 
-@pytest.mark.timeout(120)
-def test_context_reaches_every_stage_with_its_chunk() -> None:
+@pytest.mark.timeout(600)
+def test_context_reaches_every_stage_with_its_chunk(spawned) -> None:
     """step(context=): each stage of DualPipeV (rank 1 holds only middle stages) gets its chunk's rows of the context;
     losses and grads as one process running the stages in order on each chunk."""
-    chunks = 4
-    results = run_processes(with_context, 2, chunks, timeout_s=60)
+    chunks = RUNS["with_context"][1][0]
+    results = spawned["with_context"]
     stages = context_stages(4)
     data = make_data(BATCH, HIDDEN, torch.float64)
     scale = torch.arange(1, BATCH + 1, dtype=torch.float64).unsqueeze(1) / BATCH

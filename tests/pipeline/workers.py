@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import os
+from typing import Callable
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -11,6 +14,16 @@ from pipeline import DualPipe, DualPipeV
 from tests.pipeline.models import ContextStage, criterion, make_data, make_stages
 
 HIDDEN, BATCH = 16, 32
+
+
+def in_turn(rank: int, world: int, calls: list[tuple[Callable, tuple, dict[str, str]]]) -> list:
+    """fn(rank, world, *args) of each (fn, args, environment variables it runs with) in turn: several tests' runs in
+    one spawn."""
+    out = []
+    for fn, args, env in calls:
+        with mock.patch.dict(os.environ, env):
+            out.append(fn(rank, world, *args))
+    return out
 
 
 def placement(kind: str, rank: int, world: int) -> tuple[int, int]:

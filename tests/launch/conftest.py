@@ -1,0 +1,59 @@
+"""Fixtures of the launch tests shared across their modules (session-wide: each corpus written and each run trained
+once): test_equivalence's corpora and single-process runs, which test_zero compares with too."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from launch.checkpoint import consolidate
+from launch.config import build_config
+from launch.train import train
+from tests.launch.test_equivalence import CUT, ROUTING, STEPS, corpus_of, cut_raw, raw_config
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("corpus") / "text.txt"
+    lines = [f"def function_{i}(x):\n    return x * {i} + {i % 7}  # line {i}\n" for i in range(800)]
+    path.write_text("".join(lines))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def documents(tmp_path_factory) -> str:
+    """A corpus folder of 600 documents of 4 to 16 bytes: each file one document, so every row of 17 tokens holds
+    an EOS (data.document_mask has boundaries to keep)."""
+    folder = tmp_path_factory.mktemp("documents")
+    for i in range(600):
+        (folder / f"{i:04d}.txt").write_text(f"x{i}=" + "ab"[i % 2] * (i % 11) + "\n")
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def reference(corpus, documents, tmp_path_factory):
+    """(routing name, attention, MTP depth, document mask) -> (records, consolidated params) of the single process,
+    each trained on first use."""
+    out = {}
+
+    def run(name: str, attention: str = "gqa", mtp_depth: int = 0, document_mask: bool = False
+            ) -> tuple[list[dict], dict]:
+        key = (name, attention, mtp_depth, document_mask)
+        if key not in out:
+            run_dir = tmp_path_factory.mktemp("ref")
+            raw = raw_config(str(run_dir), corpus_of(document_mask, corpus, documents), {}, ROUTING[name], attention,
+                             mtp_depth, document_mask)
+            out[key] = (train(build_config(raw), progress=False), consolidate(run_dir / "checkpoint"))
+        return out[key]
+    return run
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(corpus, tmp_path_factory) -> tuple[Path, list[dict], Path]:
+    """The 1-process run that resharded runs continue (cut_raw): its run dir and records, and the run dir of its
+    first CUT steps run alone (copy it before resuming from it)."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    whole = train(build_config(cut_raw(root / "whole", corpus, {}, STEPS)), progress=False)
+    train(build_config(cut_raw(root / "cut", corpus, {}, CUT)), progress=False)
+    return root / "whole", whole, root / "cut"
