@@ -18,11 +18,12 @@ def test_the_default_is_241m_params_on_the_tiny_layout():
 
 
 def test_peak_rise_sees_memory_freed_inside_the_block():
+    # 256 MiB: glibc may keep up to 64 MiB freed by earlier tests resident and hand it out again without a rise
     with peak_rise() as peak:
-        held = torch.ones(64 * 2**20 // 4)
+        held = torch.ones(256 * 2**20 // 4)
         time.sleep(0.05)
         del held
-    assert peak[0] >= 32 * 2**20
+    assert peak[0] >= 128 * 2**20
 
 
 def test_a_call_over_the_budget_stops_the_run_naming_it(capsys):
