@@ -8,8 +8,8 @@ round alike; the table shows the median over --rounds rounds with its spread, th
 process taken round by round with its spread, the parallel efficiency (speedup / ranks) and marks a layout
 whose ranks outnumber this machine's cores. Rows: the single process, pp=2 DualPipeV on 2 processes, the
 config's own layout, and that layout with the pipeline's overlap switch off (no F&B pair runs its EP
-all-to-all behind the other chunk). The last loss is printed beside each row: the same global batch gives
-(nearly) the same loss.
+all-to-all behind the other chunk); --only keeps some of them (the single process, every speedup's baseline,
+always runs). The last loss is printed beside each row: the same global batch gives (nearly) the same loss.
 """
 
 from __future__ import annotations
@@ -102,14 +102,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="rounds, each running every layout once (default 3)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per layout and round (default 3)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first in every run (default 2)")
+    parser.add_argument("--only", nargs="+", metavar="LAYOUT",
+                        help="run only these layouts (names as printed) beside the single process")
     parser.add_argument("--json", help="also write the rows with the common header to this file")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         parser.error(f"--steps = {args.steps} and --rounds = {args.rounds} must be >= 1 and --warmup = "
                      f"{args.warmup} >= 0")
     raw = read_toml(args.config)
+    rows_of = layouts(raw.get("parallel", {}))
+    unknown = sorted(set(args.only or ()) - set(rows_of))
+    if unknown:
+        parser.error(f"--only {', '.join(map(repr, unknown))}: not a layout of this config; choose from "
+                     f"{', '.join(map(repr, rows_of))}")
+    kept = {name: parallel for i, (name, parallel) in enumerate(rows_of.items())
+            if i == 0 or not args.only or name in args.only}  # the first row, one process, is every baseline
     runs = {name: with_layout(raw, parallel, args.warmup + args.steps)  # every row checked before any runs
-            for name, parallel in layouts(raw.get("parallel", {})).items()}
+            for name, parallel in kept.items()}
     rows = measure(runs, args.warmup, args.rounds, Progress("train"))
     head = header("train", list(sys.argv[2:] if argv is None else argv),
                   [f"config {args.config}; each rank one process with one thread; {args.rounds} rounds of every "

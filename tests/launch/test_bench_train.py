@@ -26,3 +26,10 @@ def test_a_config_that_fails_validation_names_the_field(tmp_path):
     bad.write_text('[parallel]\npp = 2\nschedule = "dualpipe"\ndp = 3\n')
     with pytest.raises(ValueError, match="parallel"):
         main(["--config", str(bad), "--steps", "1", "--warmup", "0"])
+
+
+def test_only_an_unknown_layout_is_refused_naming_the_layouts_there_are(capsys):
+    with pytest.raises(SystemExit):
+        main(["--only", "pp=4 dualpipe", "--steps", "1"])
+    err = capsys.readouterr().err
+    assert "--only 'pp=4 dualpipe': not a layout of this config" in err and "'pp=2 dualpipev'" in err
