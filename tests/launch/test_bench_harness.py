@@ -76,7 +76,7 @@ TINY = {  # the smallest run of every timed suite
               "pp=2 dualpipev"],
     "tp": ["--layers", "1", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--ffn", "64", "--seq", "16",
            "--steps", "2", "--warmup", "0", "--quiet"],
-    "checkpoint": ["--as-is", "--repeats", "2"],
+    "checkpoint": ["--config", str(CONFIGS / "tiny-1proc.toml"), "--as-is", "--repeats", "2"],
     "cp": ["--seq", "32", "--heads", "2", "--kv-heads", "1", "--head-dim", "8", "--steps", "2", "--warmup", "0",
            "--quiet"],
     "data": ["--mbytes", "0.1", "--steps", "2", "--seq-len", "32", "--dp", "2", "--quiet"],
