@@ -37,7 +37,8 @@ def _divisors(n: int) -> list[int]:
 def candidates(config: RunConfig, gpus: int, gpus_per_node: int) -> Iterator[dict]:
     """[parallel] settings of every (pp, dp, cp, tp, ep, schedule, num_chunks) on gpus GPUs (cp cutting each
     sequence into 2 x cp whole chunks; EP groups, folded over dp x cp x tp, that fill whole nodes or sit in one;
-    two chunk counts: the fewest the schedule allows and all micro-batches)."""
+    two chunk counts under a pipeline schedule: the fewest it allows and all micro-batches; without a pipeline,
+    where the count changes neither time nor memory, all of them)."""
     for tp, pp, cp in itertools.product(_divisors(min(gpus, gpus_per_node)), _divisors(gpus), _divisors(gpus)):
         if gpus % (tp * pp * cp) or config.train.seq_len % (2 * cp) and cp > 1:
             continue
@@ -49,7 +50,8 @@ def candidates(config: RunConfig, gpus: int, gpus_per_node: int) -> Iterator[dic
                 micro = config.train.grad_accum_steps // dp if config.train.grad_accum_steps % dp == 0 else 0
                 minimum = 1 if schedule == "none" else min_chunks(schedule, pp)
                 valid = [c for c in _divisors(micro) if c >= minimum and not (schedule == "dualpipe" and c % 2)]
-                for chunks in sorted({valid[0], valid[-1]}) if valid else [micro or 1]:
+                counts = sorted({valid[0], valid[-1]}) if valid and schedule != "none" else [micro or 1]
+                for chunks in counts:
                     yield dict(pp=pp, dp=dp, cp=cp, tp=tp, ep=ep, schedule=schedule,
                                num_chunks=0 if chunks == micro else chunks,
                                sequence_parallel=tp > 1, gpus_per_node=gpus_per_node)

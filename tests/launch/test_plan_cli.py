@@ -54,6 +54,10 @@ def test_search_ranks_fitting_layouts_by_step_time_and_gives_reasons_for_the_res
     assert any(p.config.parallel.tp > 1 for p in result.ranked)  # the trainer runs TP layouts
     assert any(p.config.parallel.cp > 1 for p in result.ranked)  # and CP layouts
     assert any("model.num_layers" in why for _, why in result.cut)  # dualpipev pp=4 needs 8 stages: cut, named
+    # without a pipeline the chunk count changes nothing: one row per layout, not one per count
+    flat = [(p.config.parallel.dp, p.config.parallel.cp, p.config.parallel.tp, p.config.parallel.ep)
+            for p in result.ranked if p.config.parallel.pp == 1]
+    assert flat and len(flat) == len(set(flat))
 
 
 def test_exchange_latency_prices_three_exchanges_forward_and_two_backward_per_moe_layer():
