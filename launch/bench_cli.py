@@ -11,6 +11,7 @@ SUITES = {
     "pipeline": "launch.bench.pipeline",
     "optim": "launch.bench.optim",
     "kernels": "launch.bench.kernels",
+    "clock": "launch.bench.clock",
     "train": "launch.bench.train",
     "tp": "launch.bench.tp",
     "checkpoint": "launch.bench.checkpoint",

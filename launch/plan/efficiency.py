@@ -50,6 +50,7 @@ FP8_BLOCK_SCALING_COST = 0.015
 # 8192 tokens, 510 -> 474 TFLOPS, 0.93 (1590-1620 MHz). Applied to every GPU (H800 and H200 are the same silicon at
 # the same cap; B200's is not measured here). A run that interleaves enough memory-bound and communication time
 # stays below the cap (an MoE layer's forward and backward held 1980 MHz at 200-550 W): GEMM-bound runs slow most.
+# `moe-bench clock` measures these factors on the GPU at hand (an H200, same cap: 0.847, 0.850 and 0.917).
 SUSTAINED_CLOCK = 0.854
 ATTENTION_SUSTAINED_CLOCK = 0.93
 # Rows per tile of a grouped GEMM: DeepGEMM's contiguous layout aligns every group's M to 128 (ANCHORS.md).

@@ -72,6 +72,7 @@ TINY = {  # the smallest run of every timed suite
     "pipeline": ["--layers", "4", "--hidden", "16", "--batch", "8", "--chunks", "4", "--steps", "2", "--warmup", "0",
                  "--only", "1 process", "ours DualPipeV", "torch DualPipeV", "--quiet"],
     "kernels": [],
+    "clock": ["--seconds", "1", "--rest", "0"],
     "train": ["--config", "{tmp}/train.toml", "--rounds", "2", "--steps", "1", "--warmup", "0", "--only",
               "pp=2 dualpipev"],
     "tp": ["--layers", "1", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--ffn", "64", "--seq", "16",
