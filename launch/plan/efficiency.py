@@ -11,8 +11,9 @@ with M' = M rounded up to TILE_ROWS per group (the grouped kernels pad every gro
 grouped = GROUPED_EFFICIENCY for a grouped GEMM, scaling = 1 - FP8_BLOCK_SCALING_COST for FP8 with 1x128 /
 128x128 scales, and bytes = operands in their precision, output in BF16 (FP32 for a weight gradient),
 plus the FP32 scales, and clock = SUSTAINED_CLOCK (the share of its boost clock a GPU holds through a
-training run at its power cap; 1 for a short benchmark). Efficiency (2MNK / t / peak) therefore rises with every dimension and saturates
-below TENSOR_EFFICIENCY; it falls for the small-N, small-K and few-row GEMMs of fine-grained experts.
+training run at its power cap; 1 for a short benchmark). Efficiency (2MNK / t / peak) therefore rises with
+every dimension and saturates below TENSOR_EFFICIENCY x clock; it falls for the small-N, small-K and few-row
+GEMMs of fine-grained experts.
 
 Attention's core (flash attention: QK^T, softmax, AV) runs at ATTENTION_EFFICIENCY of the BF16 peak, x
 ATTENTION_SUSTAINED_CLOCK through a run.
