@@ -185,7 +185,7 @@ def gpu_rows(args: argparse.Namespace, device: str = "cuda") -> list[dict]:
     """Times ours and the peers side by side at every requested shape, beside moe-plan's prediction of each."""
     rows = []
     gpu = preset_for_device(torch.cuda.get_device_name(device)) if torch.device(device).type == "cuda" else None
-    model = None if gpu is None else GemmModel(gpu, sustained=False)  # short timed rounds: the boost clock holds
+    model = None if gpu is None else GemmModel(gpu, clock=1.0, attention_clock=1.0)  # short timed rounds: the boost clock holds
     progress = Progress("kernels", not args.quiet)
     for k, n in args.shapes:
         for groups in args.groups:

@@ -12,7 +12,7 @@ from pathlib import Path
 from launch.config import RunConfig, load_config
 from launch.plan.calibrate import render as render_checks
 from launch.plan.calibrate import to_dicts, validate
-from launch.plan.efficiency import PRECISIONS, ROUTED_SLOT_SECONDS
+from launch.plan.efficiency import ATTENTION_SUSTAINED_CLOCK, PRECISIONS, ROUTED_SLOT_SECONDS, SUSTAINED_CLOCK
 from launch.plan.memory import KERNELS, RECOMPUTE
 from launch.plan.measure import compare, cpu_machine, measure
 from launch.plan.planner import COMM_SM_SHARE, Machine, Options, make_plan
@@ -50,6 +50,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--slot-ns", type=float, default=ROUTED_SLOT_SECONDS * 1e9,
                    help=f"ns per routed slot of an MoE layer's forward + backward beyond its GEMMs and bytes (default "
                         f"{ROUTED_SLOT_SECONDS * 1e9:g}: fitted to the published runs, --validate; 0: none)")
+    p.add_argument("--clock", type=float, default=SUSTAINED_CLOCK,
+                   help=f"share of its boost clock a GPU's GEMMs hold through a run (default {SUSTAINED_CLOCK:g}, "
+                        "measured on an H100; `moe-bench clock` measures it on the GPU at hand; 1: a short benchmark)")
+    p.add_argument("--attention-clock", type=float, default=ATTENTION_SUSTAINED_CLOCK,
+                   help=f"the same for flash attention (default {ATTENTION_SUSTAINED_CLOCK:g})")
     p.add_argument("--recompute", choices=RECOMPUTE, help="activation recomputation (default: the config's "
                    "train.recompute; --measure runs the model with it)")
     p.add_argument("--recipe", choices=tuple(RECIPES), help="bytes per param of weights/grads/optimizer "
@@ -100,7 +105,11 @@ def machine_from(args: argparse.Namespace, default_gpn: int) -> Machine:
         raise ValueError(f"--comm-sm-share = {args.comm_sm_share} must be in [0, 1)")
     if args.slot_ns < 0:
         raise ValueError(f"--slot-ns = {args.slot_ns} must be >= 0")
-    return Machine(gpu, gpn, args.gemm_efficiency, comm_sm_share=args.comm_sm_share, slot_seconds=args.slot_ns * 1e-9)
+    for flag, value in (("--clock", args.clock), ("--attention-clock", args.attention_clock)):
+        if not 0 < value <= 1:
+            raise ValueError(f"{flag} = {value} must be in (0, 1]")
+    return Machine(gpu, gpn, args.gemm_efficiency, comm_sm_share=args.comm_sm_share, slot_seconds=args.slot_ns * 1e-9,
+                   clock=args.clock, attention_clock=args.attention_clock)
 
 
 def run(args: argparse.Namespace) -> dict:

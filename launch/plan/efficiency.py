@@ -10,13 +10,14 @@ exposed, small M every weight read):
 with M' = M rounded up to TILE_ROWS per group (the grouped kernels pad every group to their tile),
 grouped = GROUPED_EFFICIENCY for a grouped GEMM, scaling = 1 - FP8_BLOCK_SCALING_COST for FP8 with 1x128 /
 128x128 scales, and bytes = operands in their precision, output in BF16 (FP32 for a weight gradient),
-plus the FP32 scales, and clock = SUSTAINED_CLOCK (the share of its boost clock a GPU holds through a
+plus the FP32 scales, and clock = SUSTAINED_CLOCK by default (the share of its boost clock a GPU holds through a
 training run at its power cap; 1 for a short benchmark). Efficiency (2MNK / t / peak) therefore rises with
 every dimension and saturates below TENSOR_EFFICIENCY x clock; it falls for the small-N, small-K and few-row
 GEMMs of fine-grained experts.
 
 Attention's core (flash attention: QK^T, softmax, AV) runs at ATTENTION_EFFICIENCY of the BF16 peak, x
-ATTENTION_SUSTAINED_CLOCK through a run.
+ATTENTION_SUSTAINED_CLOCK through a run (`moe-plan --clock/--attention-clock` take the factors `moe-bench clock`
+measures on another GPU).
 
 The constants are the same for every GPU and run; each comes from a public measurement, given beside it.
 """
@@ -86,7 +87,8 @@ class GemmModel:
     gpu: GPU
     flat: float | None = None
     slot_seconds: float = ROUTED_SLOT_SECONDS
-    sustained: bool = True  # at the clocks a GPU holds through a run (False: a short benchmark's boost clock)
+    clock: float = SUSTAINED_CLOCK  # share of the boost clock GEMMs hold through a run (1: a short benchmark)
+    attention_clock: float = ATTENTION_SUSTAINED_CLOCK  # the same for flash attention
 
     def peak(self, precision: str) -> float:
         """Dense peak FLOP/s of precision."""
@@ -102,7 +104,7 @@ class GemmModel:
         if self.flat is not None:
             return flops / (self.peak(precision) * self.flat)
         rows = math.ceil(m / TILE_ROWS) * TILE_ROWS if groups > 1 else m
-        rate = self.peak(precision) * TENSOR_EFFICIENCY * (SUSTAINED_CLOCK if self.sustained else 1.0)
+        rate = self.peak(precision) * TENSOR_EFFICIENCY * self.clock
         rate *= GROUPED_EFFICIENCY if groups > 1 else 1.0
         rate *= 1.0 - FP8_BLOCK_SCALING_COST if precision == "fp8-block" else 1.0
         size = 2 if precision == "bf16" else 1
@@ -130,8 +132,7 @@ class GemmModel:
         """Seconds of flash attention doing flops (BF16)."""
         if self.flat is not None:
             return flops / (self.peak("bf16") * self.flat)
-        clock = ATTENTION_SUSTAINED_CLOCK if self.sustained else 1.0
-        return flops / (self.peak("bf16") * ATTENTION_EFFICIENCY * clock)
+        return flops / (self.peak("bf16") * ATTENTION_EFFICIENCY * self.attention_clock)
 
     def efficiency(self, m: float, n: float, k: float, precision: str, groups: int = 1) -> float:
         """Achieved share of the peak of a GEMM (2 groups m n k FLOPs over its seconds)."""

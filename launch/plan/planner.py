@@ -12,7 +12,8 @@ from launch.config import RunConfig
 from launch.flops import attention_shape, layer_flops, mixed_peak, model_flops_per_token
 from launch.plan.compute import (Precisions, Seconds, elementwise_seconds, head_seconds, layer_seconds,
                                  mtp_seconds)
-from launch.plan.efficiency import PRECISIONS, ROUTED_SLOT_SECONDS, GemmModel
+from launch.plan.efficiency import (ATTENTION_SUSTAINED_CLOCK, PRECISIONS, ROUTED_SLOT_SECONDS, SUSTAINED_CLOCK,
+                                    GemmModel)
 from launch.plan.memory import (FP8_CACHED, ActivationModel, ModelStates, backward_workspace, offloaded, schedule_peaks,
                                 zero_model_states)
 from launch.plan.params import ModelParams, count_params
@@ -45,6 +46,8 @@ class Machine:
     profile: Profile | None = None
     comm_sm_share: float = COMM_SM_SHARE
     slot_seconds: float = ROUTED_SLOT_SECONDS  # per routed slot of an MoE layer (efficiency.ROUTED_SLOT_SECONDS)
+    clock: float = SUSTAINED_CLOCK  # share of the boost clock GEMMs hold through a run (efficiency.SUSTAINED_CLOCK)
+    attention_clock: float = ATTENTION_SUSTAINED_CLOCK  # the same for attention
 
     def rates(self) -> Rates:
         """Link bytes/s and the fixed cost of an exchange."""
@@ -54,7 +57,7 @@ class Machine:
     @property
     def gemms(self) -> GemmModel:
         """What prices this machine's GEMMs and attention."""
-        return GemmModel(self.gpu, self.gemm_efficiency, self.slot_seconds)
+        return GemmModel(self.gpu, self.gemm_efficiency, self.slot_seconds, self.clock, self.attention_clock)
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,8 @@ def _gemms(plan: Plan) -> str:
         return f"at {flat:.0%} of peak"
     linears = plan.options.linears
     return (f"priced by shape and precision ({linears or 'bf16 dense, experts per config'}; "
-            f"launch/plan/efficiency.py), {plan.machine.slot_seconds * 1e9:g} ns per routed slot")
+            f"launch/plan/efficiency.py; at x{plan.machine.clock:g} of the boost clock, attention "
+            f"x{plan.machine.attention_clock:g}), {plan.machine.slot_seconds * 1e9:g} ns per routed slot")
 
 
 def to_dict(plan: Plan) -> dict:
@@ -74,7 +75,8 @@ def to_dict(plan: Plan) -> dict:
         "layout": {**asdict(par), "world_size": par.world_size, "gpus_per_node": plan.machine.gpus_per_node,
                    "chunks_per_step": plan.config.chunks_per_step, "pipeline_steps": plan.pipeline_steps},
         "machine": {**asdict(plan.machine.gpu), "gemm_efficiency": plan.machine.gemm_efficiency,
-                    "comm_sm_share": plan.machine.comm_sm_share, "slot_seconds": plan.machine.slot_seconds},
+                    "comm_sm_share": plan.machine.comm_sm_share, "slot_seconds": plan.machine.slot_seconds,
+                    "clock": plan.machine.clock, "attention_clock": plan.machine.attention_clock},
         "attention": plan.params.attention.kind,
         "params": {"total": plan.params.total.total, "activated": plan.params.activated, "mtp": plan.params.mtp.total,
                    "activated_with_embedding": plan.params.activated_with_embedding,

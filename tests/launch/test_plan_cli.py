@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import pytest
 
 from launch.config import load_config
 from launch.plan.cli import main
+from launch.plan.efficiency import ATTENTION_SUSTAINED_CLOCK, SUSTAINED_CLOCK
 from launch.plan.planner import Machine, make_plan
 from launch.plan.presets import GPUS
 from launch.plan.search import search
@@ -33,6 +35,8 @@ TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.toml")
     (["--measure", "--steps", "0"], "--steps = 0 must be >= 1"),
     (["--comm-sm-share", "1"], "--comm-sm-share = 1.0 must be in [0, 1)"),
     (["--slot-ns", "-1"], "--slot-ns = -1.0 must be >= 0"),
+    (["--clock", "0"], "--clock = 0.0 must be in (0, 1]"),
+    (["--attention-clock", "1.5"], "--attention-clock = 1.5 must be in (0, 1]"),
     (["--virtual-stages", "2"], "virtual stages apply to parallel.schedule = '1f1b' only (this config: 'dualpipev')"),
     (["--paired-1f1b"], "paired 1F1B apply to parallel.schedule = '1f1b' only"),
     (["--virtual-stages", "0", "--set", 'parallel.schedule="1f1b"', "--set", "parallel.num_chunks=0"],
@@ -79,3 +83,16 @@ def test_communication_beside_a_pair_takes_its_share_of_the_sms(comm, seconds):
     pair = Action(Op.FB, 0, 1, backward=Action(Op.B, 1, 0))
     assert action_seconds(pair, [stage, stage], lambda phase: phase, True, comm_share=0.25) == pytest.approx(seconds)
     assert action_seconds(pair, [stage, stage], lambda phase: phase, True) == pytest.approx(max(3.0, comm))
+
+
+def test_a_measured_clock_reaches_the_plan_and_prices_gemms_and_attention(tmp_path):
+    # the factors `moe-bench clock` measures on another GPU: the boost clock throughout (1) is faster than the
+    # default H100-measured factors; the JSON names what was priced
+    plans = {}
+    for name, argv in {"default": [], "boost": ["--clock", "1", "--attention-clock", "1"]}.items():
+        path = tmp_path / f"{name}.json"
+        assert main([TINY, "--gpu", "h100", *argv, "--json", str(path)]) == 0
+        plans[name] = json.loads(path.read_text())
+    assert plans["boost"]["machine"]["clock"] == 1.0 and plans["default"]["machine"]["clock"] == SUSTAINED_CLOCK
+    assert plans["default"]["machine"]["attention_clock"] == ATTENTION_SUSTAINED_CLOCK
+    assert plans["boost"]["time"]["step_s"] < plans["default"]["time"]["step_s"]

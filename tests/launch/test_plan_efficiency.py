@@ -53,7 +53,7 @@ def test_small_groups_pay_for_their_padding_to_the_tile():
 ])
 def test_the_model_reproduces_the_kernel_measurements_its_constants_come_from(gpu, shape, groups, precision,
                                                                               measured):
-    model = GemmModel(GPUS[gpu], sustained=False)  # benchmarks: seconds of calls at the boost clock
+    model = GemmModel(GPUS[gpu], clock=1.0, attention_clock=1.0)  # benchmarks: seconds of calls at the boost clock
     tflops = 2 * groups * shape[0] * shape[1] * shape[2] / model.gemm(*shape, precision, groups) / 1e12
     assert tflops == pytest.approx(measured, rel=0.05)
 
@@ -62,9 +62,9 @@ def test_a_training_run_holds_the_sustained_clock_not_the_benchmarks_boost():
     # the H100 lent here: 8192^3 BF16 at 787 TFLOPS over its first calls, a median 672 over 30 s at the 700 W cap
     shape = (8192, 8192, 8192)
     sustained = 2 * 8192 ** 3 / H100.gemm(*shape, "bf16") / 1e12
-    burst = 2 * 8192 ** 3 / GemmModel(GPUS["h100"], sustained=False).gemm(*shape, "bf16") / 1e12
+    burst = 2 * 8192 ** 3 / GemmModel(GPUS["h100"], clock=1.0, attention_clock=1.0).gemm(*shape, "bf16") / 1e12
     assert sustained == pytest.approx(672, rel=0.05) and burst == pytest.approx(787, rel=0.05)
-    assert H100.attention(1e12) == pytest.approx(GemmModel(GPUS["h100"], sustained=False).attention(1e12) / 0.93)
+    assert H100.attention(1e12) == pytest.approx(GemmModel(GPUS["h100"], clock=1.0, attention_clock=1.0).attention(1e12) / 0.93)
 
 
 def test_a_flat_efficiency_prices_flops_only():
