@@ -15,7 +15,7 @@ from launch.plan.calibrate import to_dicts, validate
 from launch.plan.efficiency import ATTENTION_SUSTAINED_CLOCK, PRECISIONS, ROUTED_SLOT_SECONDS, SUSTAINED_CLOCK
 from launch.plan.memory import KERNELS, RECOMPUTE
 from launch.plan.measure import compare, cpu_machine, measure
-from launch.plan.planner import COMM_SM_SHARE, Machine, Options, make_plan
+from launch.plan.planner import COMM_SM_SHARE, PAIR_HIDDEN, Machine, Options, make_plan
 from launch.plan.presets import GPU, GPUS, RECIPES, gpu_preset
 from launch.plan.report import render, table, to_dict
 from launch.plan.search import describe, search
@@ -65,6 +65,10 @@ def parser() -> argparse.ArgumentParser:
                    "1F1B (Megatron's VPP): the bubble shrinks by this factor")
     p.add_argument("--paired-1f1b", action="store_true", help="1f1b: steady-state F and B run as overlapped pairs "
                    "hiding each other's EP exchanges (Megatron-Core's EP all-to-all overlap)")
+    p.add_argument("--pair-hidden", type=float, default=PAIR_HIDDEN,
+                   help=f"paired 1f1b: share of its EP exchanges a pair hides of what the other half's compute "
+                        f"could cover (default {PAIR_HIDDEN:g}: Megatron-Core's, fitted to the model zoo's A/B, "
+                        "--validate; 1: all)")
     p.add_argument("--overlap-dp", action="store_true", help="the DP grad reduce runs behind the step's last backward")
     p.add_argument("--sample-tokens", type=int, default=1024, help="tokens per EP rank routed for the traffic")
     p.add_argument("--kernels", choices=KERNELS, default="project",
@@ -103,13 +107,15 @@ def machine_from(args: argparse.Namespace, default_gpn: int) -> Machine:
         raise ValueError(f"--gemm-efficiency = {args.gemm_efficiency} must be in (0, 1]")
     if not 0 <= args.comm_sm_share < 1:
         raise ValueError(f"--comm-sm-share = {args.comm_sm_share} must be in [0, 1)")
+    if not 0 <= args.pair_hidden <= 1:
+        raise ValueError(f"--pair-hidden = {args.pair_hidden} must be in [0, 1]")
     if args.slot_ns < 0:
         raise ValueError(f"--slot-ns = {args.slot_ns} must be >= 0")
     for flag, value in (("--clock", args.clock), ("--attention-clock", args.attention_clock)):
         if not 0 < value <= 1:
             raise ValueError(f"{flag} = {value} must be in (0, 1]")
     return Machine(gpu, gpn, args.gemm_efficiency, comm_sm_share=args.comm_sm_share, slot_seconds=args.slot_ns * 1e-9,
-                   clock=args.clock, attention_clock=args.attention_clock)
+                   clock=args.clock, attention_clock=args.attention_clock, pair_hidden=args.pair_hidden)
 
 
 def run(args: argparse.Namespace) -> dict:

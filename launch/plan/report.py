@@ -76,7 +76,8 @@ def to_dict(plan: Plan) -> dict:
                    "chunks_per_step": plan.config.chunks_per_step, "pipeline_steps": plan.pipeline_steps},
         "machine": {**asdict(plan.machine.gpu), "gemm_efficiency": plan.machine.gemm_efficiency,
                     "comm_sm_share": plan.machine.comm_sm_share, "slot_seconds": plan.machine.slot_seconds,
-                    "clock": plan.machine.clock, "attention_clock": plan.machine.attention_clock},
+                    "clock": plan.machine.clock, "attention_clock": plan.machine.attention_clock,
+                    "pair_hidden": plan.machine.pair_hidden},
         "attention": plan.params.attention.kind,
         "params": {"total": plan.params.total.total, "activated": plan.params.activated, "mtp": plan.params.mtp.total,
                    "activated_with_embedding": plan.params.activated_with_embedding,
@@ -162,6 +163,9 @@ def render(plan: Plan) -> str:
               table(["stage", "F", "B", "W", "comm F", "comm B", "slots"],
                     [[s, *map(ms, (c.f, c.b, c.w, c.comm_f, c.comm_b, c.slots))]
                      for s, c in enumerate(plan.stage_costs)]),
+              *([f"paired 1F1B: a steady-state pair hides {plan.machine.pair_hidden:g} of the EP exchanges the other "
+                 "half's compute could cover (--pair-hidden); TP and CP collectives stay exposed"]
+                if plan.options.paired else []),
               f"pipeline step {ms(plan.makespan)} ms (bubble {plan.idle_fraction:.1%} of all ranks' time, "
               f"largest rank idle {max(plan.idle_fractions, default=0.0):.1%}, p2p hop "
               f"{ms(plan.p2p_seconds)} ms) x {plan.pipeline_steps} + DP grad sync {ms(plan.dp_sync_seconds)} ms "

@@ -34,6 +34,8 @@ class StageCost:
     comm_f: float
     comm_b: float
     slots: float = 0.0  # of f + b: the routed slots' handling (launch.plan.efficiency.ROUTED_SLOT_SECONDS)
+    ep_f: float = 0.0  # of comm_f: the EP exchanges' (what a paired 1F1B overlaps; TP and CP collectives are the rest)
+    ep_b: float = 0.0  # of comm_b: the same
 
     def without_slots(self) -> StageCost:
         """The same costs less the routed slots' handling, half of it from F and half from B."""
@@ -90,12 +92,21 @@ def simulate_step(schedule: Schedule, stages: Sequence[StageCost], p2p_seconds: 
     return simulate(schedule, costs, durations=durations)
 
 
-def paired(costs: Sequence[StageCost], comm_share: float) -> list[StageCost]:
+def paired(costs: Sequence[StageCost], comm_share: float, hidden: float) -> list[StageCost]:
     """Stage costs of a 1F1B whose steady-state F and B of different chunks run as overlapped pairs
-    (Megatron-Core's EP all-to-all overlap): each half's communication hides behind the other half's compute,
-    leaving exposed what exceeds it, and at least the SMs it holds meanwhile (comm_share of its time)."""
-    return [replace(c, comm_f=max(comm_share * c.comm_f, c.comm_f - c.b),
-                    comm_b=max(comm_share * c.comm_b, c.comm_b - c.f)) for c in costs]
+    (Megatron-Core's combined 1F1B): each half's EP exchanges hide behind the other half's compute, a share `hidden`
+    of what the other half's compute could cover (1: all of it, leaving exposed what exceeds that compute and the
+    SMs the exchanges hold meanwhile, comm_share of their time); TP and CP collectives stay exposed."""
+    def exposed(ep: float, other: float) -> float:
+        best = max(comm_share * ep, ep - other)
+        return best + (1.0 - hidden) * (ep - best)
+
+    out = []
+    for c in costs:
+        ep_f, ep_b = exposed(c.ep_f, c.b), exposed(c.ep_b, c.f)
+        out.append(replace(c, comm_f=c.comm_f - c.ep_f + ep_f, comm_b=c.comm_b - c.ep_b + ep_b, ep_f=ep_f, ep_b=ep_b))
+    return out
+
 
 def interleave(result: SimResult, virtual_stages: int) -> tuple[float, list[float]]:
     """(makespan, idle fraction per rank) of the simulated step run as interleaved 1F1B with virtual_stages

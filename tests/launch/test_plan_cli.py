@@ -35,6 +35,7 @@ TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.toml")
     (["--measure", "--steps", "0"], "--steps = 0 must be >= 1"),
     (["--comm-sm-share", "1"], "--comm-sm-share = 1.0 must be in [0, 1)"),
     (["--slot-ns", "-1"], "--slot-ns = -1.0 must be >= 0"),
+    (["--pair-hidden", "1.5"], "--pair-hidden = 1.5 must be in [0, 1]"),
     (["--clock", "0"], "--clock = 0.0 must be in (0, 1]"),
     (["--attention-clock", "1.5"], "--attention-clock = 1.5 must be in (0, 1]"),
     (["--virtual-stages", "2"], "virtual stages apply to parallel.schedule = '1f1b' only (this config: 'dualpipev')"),

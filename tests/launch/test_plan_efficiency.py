@@ -85,12 +85,18 @@ def test_fp8_linears_and_the_shape_model_change_the_planned_step():
         assert 1.5 * cost.f < cost.b < 3 * cost.f and 0 < cost.w < cost.b
 
 
-def test_paired_halves_hide_their_exchanges_behind_each_other_up_to_the_other_half():
-    cost = StageCost(f=1.0, b=2.0, w=0.5, comm_f=1.5, comm_b=3.0)
-    (hidden,) = paired([cost], 0.1)
-    assert hidden.comm_f == pytest.approx(0.15)  # 1.5 hides behind the B's 2.0: only its SMs' share
-    assert hidden.comm_b == pytest.approx(2.0)  # 3.0 behind the F's 1.0: 2.0 left exposed
-    assert (hidden.f, hidden.b, hidden.w) == (cost.f, cost.b, cost.w)
+def test_paired_halves_hide_their_ep_exchanges_behind_each_other_up_to_the_other_half():
+    # comm_f = 0.5 s of TP collectives + 1.5 s of EP exchanges, comm_b = 0.5 + 3.0
+    cost = StageCost(f=1.0, b=2.0, w=0.5, comm_f=2.0, comm_b=3.5, ep_f=1.5, ep_b=3.0)
+    (all_of_it,) = paired([cost], 0.1, 1.0)
+    assert all_of_it.ep_f == pytest.approx(0.15)  # 1.5 hides behind the B's 2.0: only its SMs' share
+    assert all_of_it.ep_b == pytest.approx(2.0)  # 3.0 behind the F's 1.0: 2.0 left exposed
+    assert (all_of_it.comm_f, all_of_it.comm_b) == pytest.approx((0.5 + 0.15, 0.5 + 2.0))  # TP stays exposed
+    (half,) = paired([cost], 0.1, 0.5)  # half of what the other half could cover
+    assert (half.ep_f, half.ep_b) == pytest.approx((0.15 + 0.5 * 1.35, 2.0 + 0.5 * 1.0))
+    (none,) = paired([cost], 0.1, 0.0)
+    assert (none.comm_f, none.comm_b) == (cost.comm_f, cost.comm_b)
+    assert (half.f, half.b, half.w, half.slots) == (cost.f, cost.b, cost.w, cost.slots)
 
 
 def test_interleaved_stages_shrink_the_bubble_not_the_work():
