@@ -157,17 +157,17 @@ def render(checks: list[Check]) -> str:
                      "held out" if plan is not None and not run.fit else "-" if c.loo is None else f"{c.loo:.2f}",
                      "-" if plan is None else f"{plan.peak_memory / 1e9:.1f} GB {'fits' if plan.fits else 'DOES NOT FIT'}",
                      {None: "not planned", True: "ok", False: "MISS"}[c.within]])
-    fitted = fit_slot_seconds(checks)
+    constants = fitted_constants(checks)
+    slot = constants["slot_seconds"]
     lines = [f"published MoE runs, each planned in its own layout (band +-{BAND:.0%}; {CALIBRATION.name}):",
              table(["run", "GPUs", "precision", "predicted tok/s/GPU", "published", "ratio", "leave-one-out",
                     "peak memory", f"+-{BAND:.0%}"], rows),
-             f"routed-slot cost: {ROUTED_SLOT_SECONDS * 1e9:g} ns planned, {fitted * 1e9:g} ns fitted to these runs "
-             f"(least squares of log ratios, held-out runs excluded); leave-one-out: the ratio with the cost fitted to "
-             f"the other runs"]
-    for paired, alone in overlap_pairs([c.run for c in checks]):
-        lines.append(f"paired 1F1B: its pairs hide {PAIR_HIDDEN:g} of the EP exchanges the other half could cover, "
-                     f"planned; {fit_pair_hidden(paired, alone):g} fitted to {paired.name} against {alone.name} "
-                     f"(published x{paired.tokens_per_s_per_gpu / alone.tokens_per_s_per_gpu:.2f})")
+             f"routed-slot cost: {slot['planned'] * 1e9:g} ns planned, {slot['fitted'] * 1e9:g} ns fitted"
+             f" to these runs (least squares of log ratios, held-out runs excluded); leave-one-out: the ratio "
+             f"with the cost fitted to the other runs"]
+    lines += [f"paired 1F1B: its pairs hide {pair['planned']:g} of the EP exchanges the other half could cover, "
+              f"planned; {pair['fitted']:g} fitted to {pair['paired']} against {pair['without']} "
+              f"(published x{pair['published_gain']:.2f})" for pair in constants["pair_hidden"]]
     lines.append("")
     for c in checks:
         run = c.run
@@ -175,6 +175,16 @@ def render(checks: list[Check]) -> str:
         lines += [f"  {label}: {text}" for label, text in (("derived", run.derived), ("notes", run.notes),
                                                              ("source", run.source)) if text]
     return "\n".join(lines)
+
+
+def fitted_constants(checks: list[Check]) -> dict:
+    """The two constants fitted to the published runs, as shipped and as these checks fit them, JSON-ready."""
+    pairs = overlap_pairs([c.run for c in checks])
+    return {"slot_seconds": {"planned": ROUTED_SLOT_SECONDS, "fitted": fit_slot_seconds(checks)},
+            "pair_hidden": [{"paired": paired.name, "without": alone.name, "planned": PAIR_HIDDEN,
+                             "fitted": fit_pair_hidden(paired, alone),
+                             "published_gain": paired.tokens_per_s_per_gpu / alone.tokens_per_s_per_gpu}
+                            for paired, alone in pairs]}
 
 
 def to_dicts(checks: list[Check]) -> list[dict]:

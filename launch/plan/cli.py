@@ -11,7 +11,7 @@ from pathlib import Path
 
 from launch.config import RunConfig, load_config
 from launch.plan.calibrate import render as render_checks
-from launch.plan.calibrate import to_dicts, validate
+from launch.plan.calibrate import fitted_constants, to_dicts, validate
 from launch.plan.efficiency import ATTENTION_SUSTAINED_CLOCK, PRECISIONS, ROUTED_SLOT_SECONDS, SUSTAINED_CLOCK
 from launch.plan.memory import KERNELS, RECOMPUTE
 from launch.plan.measure import compare, cpu_machine, measure
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.validate:
         checks = validate()
         print(render_checks(checks))
-        return {"runs": to_dicts(checks)}
+        return {"runs": to_dicts(checks), "constants": fitted_constants(checks)}
     if args.config is None:
         raise ValueError("give a CONFIG to plan (or --validate)")
     config = load_config(args.config, args.set + ([f'train.recompute="{args.recompute}"'] if args.recompute else []))

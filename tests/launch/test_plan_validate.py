@@ -38,7 +38,11 @@ def test_validate_prints_predicted_published_and_ratio_and_marks_misses(tmp_path
     out = tmp_path / "validate.json"
     assert main(["--validate", "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    rows = json.loads(out.read_text())["runs"]
+    result = json.loads(out.read_text())
+    rows = result["runs"]
+    slot, (pair,) = result["constants"]["slot_seconds"], result["constants"]["pair_hidden"]
+    assert slot["planned"] == ROUTED_SLOT_SECONDS and f"{slot['fitted'] * 1e9:g} ns fitted" in text
+    assert pair["planned"] == PAIR_HIDDEN and f"{pair['fitted']:g} fitted to {pair['paired']} against" in text
     assert [r["name"] for r in rows] == [r.name for r in load_runs()]
     header = next(line for line in text.splitlines() if line.strip().startswith("run"))
     assert all(word in header for word in ("predicted tok/s/GPU", "published", "ratio", "leave-one-out", "peak memory"))
