@@ -14,7 +14,8 @@ training dtype, each op once, as fused kernels do): two RMSNorms and two residua
 tensors a token), RoPE on q and k, each SwiGLU's activation (reads gate|up, writes their product) and the
 MoE layer's permutation (copies top_k rows a token out and back) and combine (reads top_k rows, writes one);
 their backward moves twice the bytes (output grads in, input grads out, saved inputs read). FP8 linears also
-quantize their inputs (forward) and their output grads (backward): efficiency.QUANTIZE_BYTES an element.
+quantize their inputs (forward) and their output grads (backward): efficiency.QUANTIZE_BYTES an element. The
+loss reads the LM head's logits twice forward, once backward, and writes their grads.
 """
 
 from __future__ import annotations
@@ -104,8 +105,12 @@ def elementwise_seconds(model: GemmModel, cfg: ModelConfig, attention: Attention
 
 
 def head_seconds(model: GemmModel, cfg: ModelConfig, tokens: int, tp: int) -> Seconds:
-    """The LM head (BF16, vocab split by TP)."""
-    return _linear(model, tokens, cfg.padded_vocab_size / tp, cfg.hidden_size, "bf16")
+    """The LM head (BF16, vocab split by TP) and the cross-entropy over its logits (memory-bound, as a fused kernel:
+    forward reads the BF16 logits twice, for their log-sum-exp and the targets' logits; backward reads them and
+    writes their grads)."""
+    logits = tokens * cfg.padded_vocab_size / tp
+    loss = Seconds(model.memory(2 * 2 * logits), model.memory(2 * 2 * logits), 0.0)
+    return _linear(model, tokens, cfg.padded_vocab_size / tp, cfg.hidden_size, "bf16") + loss
 
 
 def mtp_seconds(model: GemmModel, cfg: ModelConfig, attention: AttentionShape, seq_len: int, tokens: int, tp: int,
