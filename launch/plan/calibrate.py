@@ -159,9 +159,13 @@ def render(checks: list[Check]) -> str:
                      {None: "not planned", True: "ok", False: "MISS"}[c.within]])
     constants = fitted_constants(checks)
     slot = constants["slot_seconds"]
+    planned = [c for c in checks if c.plan is not None]
+    held_out = [c for c in planned if not c.run.fit]
     lines = [f"published MoE runs, each planned in its own layout (band +-{BAND:.0%}; {CALIBRATION.name}):",
              table(["run", "GPUs", "precision", "predicted tok/s/GPU", "published", "ratio", "leave-one-out",
                     "peak memory", f"+-{BAND:.0%}"], rows),
+             f"inside +-{BAND:.0%}: {sum(c.within for c in planned)} of {len(planned)} planned runs "
+             f"({sum(c.within for c in held_out)} of the {len(held_out)} held out)",
              f"routed-slot cost: {slot['planned'] * 1e9:g} ns planned, {slot['fitted'] * 1e9:g} ns fitted"
              f" to these runs (least squares of log ratios, held-out runs excluded); leave-one-out: the ratio "
              f"with the cost fitted to the other runs"]

@@ -43,6 +43,9 @@ def test_validate_prints_predicted_published_and_ratio_and_marks_misses(tmp_path
     slot, (pair,) = result["constants"]["slot_seconds"], result["constants"]["pair_hidden"]
     assert slot["planned"] == ROUTED_SLOT_SECONDS and f"{slot['fitted'] * 1e9:g} ns fitted" in text
     assert pair["planned"] == PAIR_HIDDEN and f"{pair['fitted']:g} fitted to {pair['paired']} against" in text
+    planned = [r for r in rows if r["predicted_tokens_per_s_per_gpu"] is not None]
+    inside = [r for r in planned if r["within_band"]]
+    assert f"inside +-20%: {len(inside)} of {len(planned)} planned runs" in text
     assert [r["name"] for r in rows] == [r.name for r in load_runs()]
     header = next(line for line in text.splitlines() if line.strip().startswith("run"))
     assert all(word in header for word in ("predicted tok/s/GPU", "published", "ratio", "leave-one-out", "peak memory"))
