@@ -53,7 +53,7 @@ def test_predicted_bubble_on_this_machine_tracks_the_measured_idle():
     # still fails on a wrong cost model or schedule (the FLOPs model on this CPU was off by -98% to +370%)
     config = load_config(TINY, ["parallel.pp=2", "parallel.dp=1", "parallel.ep=1", 'parallel.schedule="1f1b"',
                                 "train.seq_len=64"])
-    plan = make_plan(config, cpu_machine(config, repeats=4))
+    plan = make_plan(config, cpu_machine(config))  # 15 repeats a stage: 4 left a profile's median off by 40% at times
     checks = compare(plan, measure(config, steps=8, timeout_s=240))
     bubble = next(c for c in checks if c.figure.startswith("pipeline bubble"))
     assert abs(bubble.error) <= 0.35, bubble
