@@ -79,8 +79,7 @@ def test_a_killed_rank_ends_the_run_promptly_and_survivors_raise_by_themselves(t
     start = time.monotonic()
     with pytest.raises(WorkerError, match="rank 2 died|remote worker"):
         run_processes(_rank_killed_mid_dispatch, 4, str(tmp_path), timeout_s=120)
-    assert time.monotonic() - start < 60
-    time.sleep(1.0)  # survivors killed by the runner may still have been writing
+    assert time.monotonic() - start < 60  # run_processes has killed and joined every rank: no log is still written
     logs = {p.name: float(p.read_text() or "nan") for p in tmp_path.iterdir() if not p.name.startswith("ready")}
     assert logs and set(logs) <= {"rank0", "rank1", "rank3"}
     assert all(seconds < 30 for seconds in logs.values()), logs
