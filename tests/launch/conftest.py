@@ -1,5 +1,6 @@
 """Fixtures of the launch tests shared across their modules (session-wide: each corpus written and each run trained
-once): test_equivalence's corpora and single-process runs, which test_zero compares with too."""
+once): test_equivalence's corpora and single-process runs, which test_zero compares with too, and test_checkpoint's
+saving single-process run, which test_watchdog's restart continues too."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from launch.checkpoint import consolidate
 from launch.config import build_config
 from launch.train import train
+from tests.launch.test_checkpoint import config
 from tests.launch.test_equivalence import CUT, ROUTING, STEPS, corpus_of, cut_raw, raw_config
 
 
@@ -57,3 +59,10 @@ def uninterrupted(corpus, tmp_path_factory) -> tuple[Path, list[dict], Path]:
     whole = train(build_config(cut_raw(root / "whole", corpus, {}, STEPS)), progress=False)
     train(build_config(cut_raw(root / "cut", corpus, {}, CUT)), progress=False)
     return root / "whole", whole, root / "cut"
+
+
+@pytest.fixture(scope="session")
+def saved_reference(corpus, tmp_path_factory) -> tuple[list[dict], Path]:
+    """test_checkpoint's uninterrupted 1-process run (config), checkpointed every 2 steps: its records and run dir."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    return train(build_config(config(run_dir, corpus, {}, every=2, keep_checkpoints=5)), progress=False), run_dir

@@ -59,23 +59,9 @@ def assert_same_model(got: dict, want: dict) -> None:
             assert torch.equal(got[key], value), key
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("corpus") / "text.txt"
-    path.write_text("".join(f"def function_{i}(x):\n    return x * {i} + {i % 7}  # line {i}\n" for i in range(800)))
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def reference(corpus, tmp_path_factory) -> tuple[list[dict], dict]:
-    run_dir = tmp_path_factory.mktemp("reference")
-    records = train(build_config(config(run_dir, corpus, {}, every=2, keep_checkpoints=5)), progress=False)
-    return records, run_dir
-
-
-def test_reshard_between_layouts_continues_the_single_process_run(corpus, reference, tmp_path):
+def test_reshard_between_layouts_continues_the_single_process_run(corpus, saved_reference, tmp_path):
     """pp2 x ep2 (4 ranks) -> 1 process; pp2 dp2 -> pp2 dp2 ep2 (4 ranks); 1 process -> dp2 ep2 (2 ranks)."""
-    want, ref_dir = reference
+    want, ref_dir = saved_reference
     a, b, c = tmp_path / "pp2ep2", tmp_path / "pp2dp2", tmp_path / "one"
     saved_a, saved_b, resumed_b = run_processes(_runs, 4, [
         (config(a, corpus, PP2_EP2, steps=HALF), False), (config(b, corpus, PP2_DP2, steps=HALF), False),
@@ -92,10 +78,10 @@ def test_reshard_between_layouts_continues_the_single_process_run(corpus, refere
         assert_same_model(consolidate(run / "checkpoint"), final)
 
 
-def test_reshard_through_plain_dualpipe_continues_the_single_process_run(corpus, reference, tmp_path):
+def test_reshard_through_plain_dualpipe_continues_the_single_process_run(corpus, saved_reference, tmp_path):
     """pp2 DualPipeV (steps 0-1) -> pp2 DualPipe (step 2: each rank holds both stage copies, ZeRO-1 shards a
     stage over its two holders) -> 1 process (steps 3-5), all within the warmup's LRs up to the last cut."""
-    want, ref_dir = reference
+    want, ref_dir = saved_reference
     run = tmp_path / "run"
     first, second = run_processes(_runs, 2, [(config(run, corpus, PP2_V, steps=2), False),
                                              (config(run, corpus, PP2_DUALPIPE, steps=HALF), True)], timeout_s=300)[0]
@@ -105,9 +91,9 @@ def test_reshard_through_plain_dualpipe_continues_the_single_process_run(corpus,
     assert_same_model(consolidate(run / "checkpoint"), consolidate(ref_dir / "checkpoint"))
 
 
-def test_damaged_checkpoints_are_refused_and_the_previous_one_used(corpus, reference, tmp_path, capfd):
+def test_damaged_checkpoints_are_refused_and_the_previous_one_used(corpus, saved_reference, tmp_path, capfd):
     """Keep 2 of saves at 2, 4, 6; truncate then corrupt step 6: both refused by name, the run resumes at 4."""
-    want, _ = reference
+    want, _ = saved_reference
     run = tmp_path / "run"
     train(build_config(config(run, corpus, {}, every=2, keep_checkpoints=2)), progress=False)
     root = run / "checkpoint"
@@ -146,8 +132,8 @@ def _die_while_saving(rank: int, world: int, raw: dict) -> list[dict]:
     return train(build_config(raw), progress=False)
 
 
-def test_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable(corpus, reference, tmp_path):
-    want, _ = reference
+def test_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable(corpus, saved_reference, tmp_path):
+    want, _ = saved_reference
     run = tmp_path / "run"
     with pytest.raises(WorkerError, match="rank 1 died"):
         run_processes(_die_while_saving, 2, config(run, corpus, DP2_EP2, every=2), timeout_s=60)
@@ -158,9 +144,9 @@ def test_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable(corpus, re
     assert_continues(resumed, want, 2)
 
 
-def test_async_saves_hold_the_same_numbers_and_export_loads(corpus, reference, tmp_path):
+def test_async_saves_hold_the_same_numbers_and_export_loads(corpus, saved_reference, tmp_path):
     """Async (DCP helper thread) checkpoints equal the synchronous run's bitwise; export feeds MoETransformer."""
-    _, ref_dir = reference
+    _, ref_dir = saved_reference
     run = tmp_path / "run"
     train(build_config(config(run, corpus, {}, every=2, keep_checkpoints=5, async_checkpoint=True)), progress=False)
     assert [s for s, _ in published(run / "checkpoint")] == [6, 4, 2]

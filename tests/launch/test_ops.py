@@ -17,7 +17,7 @@ from launch.checkpoint import consolidate, published, verify
 from launch.config import build_config
 from launch.faults import FaultError, StepGuard, OpsSettings
 from launch.train import train
-from tests.launch.test_checkpoint import config, corpus  # noqa: F401  (corpus is a fixture)
+from tests.launch.test_checkpoint import config
 
 
 def model_at(run: Path, step: int) -> dict:

@@ -16,7 +16,7 @@ from launch.config import build_config
 from launch.faults import OpsSettings
 from launch.launcher import COLLECTIVE_TIMEOUT_S, launch_run
 from launch.watchdog import HANG_KINDS, HEARTBEAT_S, Watchdog, on_rank_death
-from tests.launch.test_checkpoint import PP2_EP2, assert_continues, config, corpus, reference  # noqa: F401 (fixtures)
+from tests.launch.test_checkpoint import PP2_EP2, assert_continues, config
 
 TIMEOUT_S = 5.0  # the drills' ops.heartbeat_timeout_s
 # beyond the budget and a step: the monitor's reading, the verdict reaching every live rank through the store,
@@ -195,7 +195,7 @@ def test_hang_drill_ends_the_run_naming_rank_and_phase(kind, corpus, tmp_path, c
         assert "in _hang" in (run / "hang" / "rank00001.txt").read_text()
 
 
-def test_a_restart_resumes_from_the_latest_checkpoint_and_finishes(corpus, reference, tmp_path, capfd):
+def test_a_restart_resumes_from_the_latest_checkpoint_and_finishes(corpus, saved_reference, tmp_path, capfd):
     """Rank 1 spins in step 3; the watchdog ends the run, ops.max_restarts = 1 restarts it from the step-2
     checkpoint (the drill fires once per run directory) and it finishes as the uninterrupted run."""
     run = tmp_path / "run"
@@ -203,7 +203,7 @@ def test_a_restart_resumes_from_the_latest_checkpoint_and_finishes(corpus, refer
                               inject_hang={"rank": 1, "step": 3, "kind": "spin"}))
     records = launch_run(cfg, progress=False)
     assert "restart 1 of ops.max_restarts = 1" in capfd.readouterr().err
-    assert_continues(records, reference[0], 2)
+    assert_continues(records, saved_reference[0], 2)
     assert (run / "logs" / "restart1" / "rank0.err").exists()
 
 
