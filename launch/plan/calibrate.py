@@ -125,15 +125,18 @@ def fit_pair_hidden(paired: Run, alone: Run, slot_seconds: float = ROUTED_SLOT_S
     `alone` their published throughputs show (the planned speedup grows with the share: bisection)."""
     published = paired.tokens_per_s_per_gpu / alone.tokens_per_s_per_gpu
     base = plan_run(alone, slot_seconds).step_seconds
+    gains: dict[int, float] = {}  # share in hundredths -> planned speedup
+
+    def gain(share: int) -> float:
+        if share not in gains:
+            gains[share] = base / plan_run(paired, slot_seconds, share / 100).step_seconds
+        return gains[share]
+
     low, high = 0, 100
     while high - low > 1:
         mid = (low + high) // 2
-        if base / plan_run(paired, slot_seconds, mid / 100).step_seconds < published:
-            low = mid
-        else:
-            high = mid
-    gains = {share: base / plan_run(paired, slot_seconds, share / 100).step_seconds for share in (low, high)}
-    return min(gains, key=lambda share: abs(math.log(gains[share] / published))) / 100
+        low, high = (mid, high) if gain(mid) < published else (low, mid)
+    return min((low, high), key=lambda share: abs(math.log(gain(share) / published))) / 100
 
 
 def validate(path: Path = CALIBRATION) -> list[Check]:
@@ -145,9 +148,9 @@ def validate(path: Path = CALIBRATION) -> list[Check]:
     return checks
 
 
-def render(checks: list[Check]) -> str:
-    """The checks as a table (a run outside the band marked MISS, one without a public layout "-") with
-    each run's source and notes under it."""
+def render(checks: list[Check], constants: dict) -> str:
+    """The checks as a table (a run outside the band marked MISS, one without a public layout "-"), the fitted
+    constants (fitted_constants) under it, and each run's source and notes."""
     rows = []
     for c in checks:
         run, plan = c.run, c.plan
@@ -157,7 +160,6 @@ def render(checks: list[Check]) -> str:
                      "held out" if plan is not None and not run.fit else "-" if c.loo is None else f"{c.loo:.2f}",
                      "-" if plan is None else f"{plan.peak_memory / 1e9:.1f} GB {'fits' if plan.fits else 'DOES NOT FIT'}",
                      {None: "not planned", True: "ok", False: "MISS"}[c.within]])
-    constants = fitted_constants(checks)
     slot = constants["slot_seconds"]
     planned = [c for c in checks if c.plan is not None]
     held_out = [c for c in planned if not c.run.fit]

@@ -122,8 +122,9 @@ def run(args: argparse.Namespace) -> dict:
     """Plan, search or validate as the arguments say; print the tables, return the JSON-ready result."""
     if args.validate:
         checks = validate()
-        print(render_checks(checks))
-        return {"runs": to_dicts(checks), "constants": fitted_constants(checks)}
+        constants = fitted_constants(checks)
+        print(render_checks(checks, constants))
+        return {"runs": to_dicts(checks), "constants": constants}
     if args.config is None:
         raise ValueError("give a CONFIG to plan (or --validate)")
     config = load_config(args.config, args.set + ([f'train.recompute="{args.recompute}"'] if args.recompute else []))
