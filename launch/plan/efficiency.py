@@ -74,9 +74,9 @@ QUANTIZE_BYTES = {"bf16": 0.0, "fp8-tensor": 6.0, "fp8-block": 4.0 + 4 / 128}
 # the permutation's index work, the dispatch/combine kernels' per-token processing, the host syncs on expert
 # counts these stacks take per MoE layer. No public source breaks it down, so it is the one constant fitted to
 # the published runs (launch/plan/calibration.toml; `moe-plan --validate` refits it and prints each run's
-# leave-one-out ratio): 0.252 us a slot over DeepSeek's, Megatron-Core's and NeMo AutoModel's runs on H800, H100
+# leave-one-out ratio): 0.248 us a slot over DeepSeek's, Megatron-Core's and NeMo AutoModel's runs on H800, H100
 # and B200, alike from hidden 2048 to 7168 (it scales with slots, not with bytes: a cost per byte misses by 1.5x).
-ROUTED_SLOT_SECONDS = 0.252e-6
+ROUTED_SLOT_SECONDS = 0.248e-6
 
 
 @dataclass(frozen=True)
