@@ -63,7 +63,7 @@ class GroupedLinearFunction(torch.autograd.Function):
     def backward(ctx, dy: Tensor):  # noqa: D102
         x, w, offs = ctx.saved_tensors
         dy = dy.contiguous()
-        dx = grouped_matmul(dy, w.transpose(-2, -1).contiguous(), offs) if ctx.needs_input_grad[0] else None
+        dx = grouped_matmul(dy, w.transpose(-2, -1), offs) if ctx.needs_input_grad[0] else None
         dw = None
         if ctx.needs_input_grad[1]:  # inside a split backward's capture: computed by the W action
             dw = weight_grad_or_defer(ctx, 1, lambda: grouped_weight_grad(dy, x, offs), (x, dy))
