@@ -4,6 +4,7 @@ import math
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -57,9 +58,9 @@ def _print_and_sum(rank: int, world_size: int) -> float:
 def _gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # exited, not yet reaped
+    except (ProcessLookupError, FileNotFoundError):
         return True
-    return False
 
 
 def test_sigkilled_rank_of_an_unbounded_run_is_named_with_its_exit_code_and_last_lines(tmp_path):
@@ -155,3 +156,64 @@ def test_sigterm_to_the_launcher_reaches_every_rank(tmp_path):
         signal.signal(signal.SIGTERM, previous)
     assert results == ["saved and returned"] * 2
     assert not seen_by_launcher  # forwarded while running, the caller's handler restored after
+
+
+LAUNCHER = """
+import math, sys
+from dispatch.multiproc import run_processes
+from tests.dispatch.test_multiproc import _loop_on_collectives
+if __name__ == "__main__":
+    run_processes(_loop_on_collectives, 2, sys.argv[1], timeout_s=30, run_timeout_s=math.inf)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_sigkilled_launcher_takes_its_ranks_with_it(tmp_path):
+    root = Path(__file__).resolve().parents[2]
+    (tmp_path / "launch.py").write_text(LAUNCHER)
+    launcher = subprocess.Popen([sys.executable, str(tmp_path / "launch.py"), str(tmp_path)], cwd=root,
+                                env={**os.environ, "PYTHONPATH": str(root)})
+    pids: list[int] = []
+    try:
+        start_by = time.monotonic() + 120
+        while len(pids) < 2:
+            assert launcher.poll() is None and time.monotonic() < start_by, "the ranks never started"
+            time.sleep(0.1)
+            pids = [int(p.read_text()) for p in tmp_path.glob("*.pid") if p.read_text()]
+        launcher.kill()
+        launcher.wait()
+        end = time.monotonic() + 20
+        while not all(_gone(p) for p in pids) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert all(_gone(p) for p in pids), "ranks outlived their SIGKILLed launcher"
+    finally:
+        launcher.kill()
+        for pid in pids:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _parent_and_env(rank: int, world: int) -> tuple[int, str | None, str | None]:
+    return os.getppid(), os.environ.get("RUN_PROCESSES_TEST_VALUE"), os.environ.get("TORCH_RUN_PROCESSES_TEST")
+
+
+def test_each_rank_sees_the_callers_environment_of_the_call(monkeypatch):
+    monkeypatch.delenv("MOE_START_METHOD", raising=False)
+    run_processes(_parent_and_env, 1)  # the fork server runs from here on
+    monkeypatch.setenv("RUN_PROCESSES_TEST_VALUE", "set after the server started")
+    [(parent, value, _)] = run_processes(_parent_and_env, 1)
+    assert value == "set after the server started" and parent != os.getpid()  # a fork server's child
+    monkeypatch.setenv("TORCH_RUN_PROCESSES_TEST", "read at import")  # a variable the server's imports may have read
+    [(parent, value, torch_value)] = run_processes(_parent_and_env, 1)
+    assert (value, torch_value) == ("set after the server started", "read at import")
+    assert parent == os.getpid()  # started afresh (spawn): the server's imports saw another value
+    monkeypatch.delenv("TORCH_RUN_PROCESSES_TEST")
+    monkeypatch.delenv("RUN_PROCESSES_TEST_VALUE")
+    [(parent, value, _)] = run_processes(_parent_and_env, 1)
+    assert value is None and parent != os.getpid()
+
+
+def test_ranks_write_to_the_callers_stdout_and_stderr(capfd):
+    assert run_processes(_print_and_sum, 2) == [3.0, 3.0]
+    out, err = capfd.readouterr()
+    assert "hello from 1\n" in out and "warning from 1\n" in err

@@ -96,16 +96,23 @@ def test_a_launcher_world_unlike_the_layout_is_an_error_on_every_rank(tmp_path, 
 
 
 def rank_pids(launcher_pid: int) -> dict[int, int]:
-    """The ranks moe-train spawned: rank -> pid (a spawned rank's stdout is its log file rank{r}.out)."""
-    pids = {}
+    """The ranks moe-train started: rank -> pid (a rank's stdout is its log file rank{r}.out; its parent is the
+    launcher's fork server, or the launcher itself under spawn)."""
+    parents = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            log = os.readlink(stat.parent / "fd" / "1") if parent == launcher_pid else ""
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
             continue
+    family = {launcher_pid} | {pid for pid, parent in parents.items() if parent == launcher_pid}
+    pids = {}
+    for pid, parent in parents.items():
+        try:
+            log = os.readlink(f"/proc/{pid}/fd/1") if parent in family else ""
+        except OSError:
+            continue
         if Path(log).name.startswith("rank") and log.endswith(".out"):
-            pids[int(Path(log).name[4:-4])] = int(stat.parent.name)
+            pids[int(Path(log).name[4:-4])] = pid
     return pids
 
 
