@@ -30,10 +30,11 @@ TAIL_LINES = 20  # last stderr lines of a dead rank quoted in the failure messag
 PEER_LOST = re.compile(r"Connection (closed|reset) by peer|remote worker crash")  # a consequence, not a cause
 GRACE_S = 3.0  # after a first failure, how long the others may still report (a killed peer explains their errors)
 PR_SET_PDEATHSIG = 1
-# Ranks start from a fork server that has imported these (a rank then starts in ~0.1 s instead of re-importing torch)
+# Ranks start from a fork server that has imported these (a rank then starts in ~0.1 s instead of re-importing torch);
+# its one other thread, numpy's OpenBLAS pool, is joined by OpenBLAS's own fork handler before every fork
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.optim", __name__]
 # Variables read at interpreter start or module import: a rank must start with the caller's values of these
-IMPORT_ENV = re.compile(r"PYTHON|LD_|TORCH|PYTORCH_|ATEN_|OMP_|MKL_|KMP_|GOMP_|CUDA_|TRITON_|MOE_")
+IMPORT_ENV = re.compile(r"PYTHON|LD_|TORCH|PYTORCH_|ATEN_|OMP_|MKL_|KMP_|GOMP_|OPENBLAS_|CUDA_|TRITON_|MOE_")
 _server_env: dict[str, str] | None = None  # the IMPORT_ENV variables the fork server started with
 _server_lock = threading.Lock()
 

@@ -216,4 +216,4 @@ def test_each_rank_sees_the_callers_environment_of_the_call(monkeypatch):
 def test_ranks_write_to_the_callers_stdout_and_stderr(capfd):
     assert run_processes(_print_and_sum, 2) == [3.0, 3.0]
     out, err = capfd.readouterr()
-    assert "hello from 1\n" in out and "warning from 1\n" in err
+    assert "hello from 1" in out and "warning from 1" in err  # (two ranks' writes to one file may interleave)
