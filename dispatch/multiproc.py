@@ -35,6 +35,7 @@ PR_SET_PDEATHSIG = 1
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.optim", __name__]
 # Variables read at interpreter start or module import: a rank must start with the caller's values of these
 IMPORT_ENV = re.compile(r"PYTHON|LD_|TORCH|PYTORCH_|ATEN_|OMP_|MKL_|KMP_|GOMP_|OPENBLAS_|CUDA_|TRITON_|MOE_")
+START_METHODS = ("forkserver", "spawn")  # MOE_START_METHOD: how ranks start (spawn: fresh interpreters)
 _server_env: dict[str, str] | None = None  # the IMPORT_ENV variables the fork server started with
 _server_lock = threading.Lock()
 
@@ -47,7 +48,10 @@ def _context() -> multiprocessing.context.BaseContext:
     """The fork server's context, started on first use; spawn where the caller's IMPORT_ENV differs from the server's
     (a server restart would kill the ranks of concurrent runs) or MOE_START_METHOD=spawn asks for it (debugging)."""
     global _server_env
-    if os.environ.get("MOE_START_METHOD", "forkserver") == "spawn":
+    method = os.environ.get("MOE_START_METHOD", "forkserver")
+    if method not in START_METHODS:
+        raise ValueError(f"MOE_START_METHOD = {method!r} is not allowed; choose one of {', '.join(START_METHODS)}")
+    if method == "spawn":
         return mp.get_context("spawn")
     env = {k: v for k, v in os.environ.items() if IMPORT_ENV.match(k)}
     with _server_lock:
@@ -320,6 +324,7 @@ def run_processes(
                          f"must lie in [0, {nnodes - 1}]")
     if nnodes > 1 and not master_port:
         raise ValueError("master_port must be given (not 0) when nnodes > 1: every node must reach the same store")
+    ctx = _context()  # a bad MOE_START_METHOD fails here, before a store or a log file exists
     if run_timeout_s is None:
         run_timeout_s = timeout_s + 60.0  # interpreter start-up counts too
     local = world_size // nnodes
@@ -334,7 +339,6 @@ def run_processes(
         for prefix in prefixes.values():
             for suffix in ("out", "err"):
                 Path(f"{prefix}.{suffix}").write_bytes(b"")
-    ctx = _context()
     results = ctx.Queue()
     procs = {
         r: ctx.Process(target=_worker, daemon=True,

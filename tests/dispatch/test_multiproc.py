@@ -217,3 +217,9 @@ def test_ranks_write_to_the_callers_stdout_and_stderr(capfd):
     assert run_processes(_print_and_sum, 2) == [3.0, 3.0]
     out, err = capfd.readouterr()
     assert "hello from 1" in out and "warning from 1" in err  # (two ranks' writes to one file may interleave)
+
+
+def test_an_unknown_start_method_is_an_error_naming_the_allowed_ones(monkeypatch):
+    monkeypatch.setenv("MOE_START_METHOD", "fork")
+    with pytest.raises(ValueError, match="MOE_START_METHOD = 'fork' is not allowed; choose one of forkserver, spawn"):
+        run_processes(_parent_and_env, 1)
