@@ -8,8 +8,9 @@ torch and the peer library; the same processes start those, one per rank. All ti
 (launch/bench/peers/fwdbwd.py): warm-up steps, then repeats of drop grads, forward, backward of a fixed
 output gradient, a barrier before each under EP. Every contender loads the same weights (ours, at --seed)
 and first checks its output on each rank's tokens against one process of our layer in float64 ("rel diff":
-max |out - reference| / max |reference|; the run fails when it exceeds 1e-4, or 5e-2 where experts compute in
-bf16), so all run the same routing and experts. A row's time is the median over repeats of the slowest
+max |out - reference| / max |reference| over the tokens whose top-k no rounding of the dtype can flip, those
+whose k-th and (k+1)-th router logits differ by more than 2 eps of the dtype times the largest; the run fails
+when it exceeds 1e-4, or 5e-2 where experts compute in bf16), so all run the same routing and experts. A row's time is the median over repeats of the slowest
 rank; "x ours" is its time over ours at the same EP. Contenders run one after another (rounds rotate
 the order; the ratio's range across rounds says how much the machine drifted). A peer that is not
 installed or fails says why in its row.
@@ -34,7 +35,7 @@ import torch.distributed as dist
 from dispatch import EPDispatcher
 from dispatch.layout import check_num_experts
 from dispatch.multiproc import PEER_LOST
-from launch.bench.peers.fwdbwd import fwd_bwd, inputs, relative_error, time_steps
+from launch.bench.peers.fwdbwd import TIE_EPS, decided_tokens, fwd_bwd, inputs, relative_error, time_steps
 from launch.bench.progress import BudgetExceeded, Progress, call_budget, run_ranks
 from launch.bench.report import LOWER, emit, header
 from moe.config import ModelConfig
@@ -81,15 +82,20 @@ def load_weights(layer: MoELayer, weights: dict[str, torch.Tensor]) -> MoELayer:
     return layer
 
 
-def write_weights(spec: dict[str, Any], ranks: int, path: Path) -> None:
+def write_weights(spec: dict[str, Any], ranks: int, path: Path) -> float:
     """Our layer's weights at spec["seed"] and, for each of `ranks` ranks, the float64 output of one process of
-    it on that rank's tokens, to path (torch.save)."""
+    it on that rank's tokens and the mask of its tokens the check counts (fwdbwd.decided_tokens), to path
+    (torch.save); the share of tokens counted."""
     torch.manual_seed(spec["seed"])
     weights = our_weights(MoELayer(model_config(spec)))
     reference = load_weights(MoELayer(model_config(spec)).double(), weights)
+    tokens = [inputs(spec, rank)[0].double() for rank in range(ranks)]
     with torch.no_grad():
-        outputs = [reference(inputs(spec, rank)[0].double())[0] for rank in range(ranks)]
-    torch.save({**weights, "reference": outputs}, path)
+        outputs = [reference(x)[0] for x in tokens]
+    checked = [decided_tokens(x @ weights["router"].double().T, spec["top_k"], getattr(torch, spec["dtype"]))
+               for x in tokens]
+    torch.save({**weights, "reference": outputs, "checked": checked}, path)
+    return torch.cat([c.flatten() for c in checked]).double().mean().item()
 
 
 def ours_worker(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
@@ -101,7 +107,7 @@ def ours_worker(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
         layer.to_expert_parallel(EPDispatcher(spec["experts"]))
     x, dy = inputs(spec, rank)
     with torch.no_grad():
-        diff = relative_error(layer(x)[0], weights["reference"][rank])
+        diff = relative_error(layer(x)[0], weights["reference"][rank], weights["checked"][rank])
     what = f"{OURS} EP={world} forward+backward"
     seconds = time_steps(fwd_bwd(layer, lambda t: layer(t)[0], x, dy), spec["warmup"], spec["repeats"],
                          barrier=dist.barrier if world > 1 else None,
@@ -291,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     progress = Progress("layer", not args.quiet)
     weights_dir = tempfile.TemporaryDirectory(prefix="moe-bench-layer-")
     args.spec["weights"] = str(Path(weights_dir.name) / "weights.pt")
-    write_weights(args.spec, max(args.ep), Path(args.spec["weights"]))
+    checked = write_weights(args.spec, max(args.ep), Path(args.spec["weights"]))
     contenders = [(name, ep) for ep in args.ep for name in (OURS, *args.peer_list)]
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {key: [] for key in contenders}
     try:
@@ -311,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
              "that EP (min, max: over rounds)",
              "routing everywhere: softmax scores, top-k, weights renormalised over the k, dropless, no balance loss, "
              "no shared expert",
+             f"rel diff: over the {checked:.1%} of tokens whose top-k a {s['dtype']} router cannot flip (k-th and "
+             f"(k+1)-th logits apart by > {TIE_EPS} eps of {s['dtype']} x the largest |logit|)",
              *(f"{name}: {RUNS[name]}" for name in (OURS, *args.peer_list))]
     head = header("layer", argv, notes)
     emit(head, rows, COLUMNS, args.json, ["contender", "ep", *SHAPES["small"], "dtype"],

@@ -1,6 +1,6 @@
 """moe-bench layer without the peers installed (as in CI): our rows at EP 1 and 2 (outputs checked against one
 float64 process), each missing or failing peer's row says why, the JSON has the suite fields, bad options are
-refused before anything starts."""
+refused before anything starts; the check skips only the tokens whose top-k the dtype's rounding can flip."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from launch.bench import layer
-from launch.bench.peers.fwdbwd import time_steps
+import torch
+
+from launch.bench.peers.fwdbwd import decided_tokens, relative_error, time_steps
 
 pytestmark = pytest.mark.timeout(600)
 TINY = ["--hidden", "16", "--ffn", "16", "--experts", "4", "--top-k", "2", "--batch", "1", "--seq", "8",
@@ -75,3 +77,30 @@ def test_time_steps_times_repeats_after_warmup_with_a_barrier_before_each():
     calls, barriers = [], []
     seconds = time_steps(lambda: calls.append(1), warmup=2, repeats=3, barrier=lambda: barriers.append(1))
     assert len(seconds) == 3 and len(calls) == 5 and len(barriers) == 5 and all(s >= 0 for s in seconds)
+
+
+def test_a_near_tie_at_the_kth_logit_is_skipped_in_bfloat16_and_checked_in_float32():
+    logits = torch.tensor([[3.0, 2.0, 1.99999, 0.0], [3.0, 2.0, 1.0, 0.0]], dtype=torch.float64)
+    assert decided_tokens(logits, 2, torch.bfloat16).tolist() == [False, True]
+    assert decided_tokens(logits, 2, torch.float32).tolist() == [True, True]
+    assert decided_tokens(logits, 4, torch.bfloat16).tolist() == [True, True]  # all experts: nothing to flip
+
+
+def test_a_bfloat16_router_picks_the_float64_top_k_on_every_decided_token():
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4096, 128, generator=gen), torch.randn(8, 128, generator=gen) * 0.02
+    x16, w16 = x.bfloat16(), w.bfloat16()
+    exact = x16.double() @ w.double().T  # what write_weights routes: the dtype's inputs, fp32 weights, in float64
+    picks = (x16 @ w16.T).float().topk(2, -1).indices.sort(-1).values  # logits rounded to bf16, as a bf16 router
+    decided = decided_tokens(exact, 2, torch.bfloat16)
+    agree = (picks == exact.topk(2, -1).indices.sort(-1).values).all(-1)
+    assert agree[decided].all() and not agree.all()  # flips happen, and only on near ties
+    assert 0.8 < decided.double().mean() < 1.0
+
+
+def test_the_output_check_ignores_tokens_it_does_not_count():
+    reference = torch.ones(1, 3, 2, dtype=torch.float64)
+    out = reference.clone()
+    out[0, 1] += 0.5
+    assert relative_error(out, reference, torch.tensor([[True, False, True]])) == 0
+    assert relative_error(out, reference, torch.tensor([[True, True, True]])) == 0.5

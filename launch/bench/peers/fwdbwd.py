@@ -2,9 +2,10 @@
 
 A peer script is run as `PYTHON SCRIPT SPEC_JSON` with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set
 (WORLD_SIZE 1: one process). spec["weights"] names a torch.save'd dict every contender loads, in our layout:
-"router" [E, H], "w_gate_up" [E, 2F, H] (gate rows first), "w_down" [E, H, F], and "reference": per rank, the
-float64 output of one process's layer on that rank's tokens. Its last stdout line is {"seconds": [...],
-"max_rel_diff": max |out - reference| / max |reference|, "info": {...}} or {"error": "..."}.
+"router" [E, H], "w_gate_up" [E, 2F, H] (gate rows first), "w_down" [E, H, F], "reference": per rank, the
+float64 output of one process's layer on that rank's tokens, and "checked": per rank, a [batch, seq] mask of the
+tokens whose top-k the dtype's rounding cannot change (decided_tokens). Its last stdout line is {"seconds": [...],
+"max_rel_diff": max over checked tokens |out - reference| / max |reference|, "info": {...}} or {"error": "..."}.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 EXIT_MISSING = 3  # the peer library is not importable: the row says why
+TIE_EPS = 2  # decided_tokens: a top-k closer than this many eps of the dtype (times the largest logit) is a near tie
 
 def time_steps(step: Callable[[], Any], warmup: int, repeats: int, barrier: Callable[[], Any] | None = None,
                guard: Callable[[int], AbstractContextManager] | None = None) -> list[float]:
@@ -58,9 +60,20 @@ def fwd_bwd(module: torch.nn.Module, forward: Callable[[Tensor], Tensor], x: Ten
     return step
 
 
-def relative_error(out: Tensor, reference: Tensor) -> float:
-    """max |out - reference| / max |reference|."""
-    return ((out.double() - reference).abs().max() / reference.abs().max()).item()
+def decided_tokens(logits: Tensor, top_k: int, dtype: torch.dtype) -> Tensor:
+    """[..., E] router logits (float64) -> [...] mask of the tokens whose k-th and (k+1)-th logits differ by more than
+    TIE_EPS eps of `dtype` times the token's largest |logit|: a router computing in `dtype` picks their top-k as
+    float64 does, where a near tie may go either way (and route the token to another expert)."""
+    ordered = logits.sort(-1, descending=True).values
+    if top_k >= logits.shape[-1]:
+        return torch.ones(logits.shape[:-1], dtype=torch.bool)
+    gap = ordered[..., top_k - 1] - ordered[..., top_k]
+    return gap > TIE_EPS * torch.finfo(dtype).eps * logits.abs().amax(-1)
+
+
+def relative_error(out: Tensor, reference: Tensor, checked: Tensor) -> float:
+    """max over the checked tokens ([batch, seq] mask) of |out - reference|, over max |reference|."""
+    return ((out.double() - reference)[checked].abs().max() / reference.abs().max()).item()
 
 
 def _init_process_group(spec: dict[str, Any]) -> None:
@@ -89,7 +102,7 @@ def peer_main(build: Build, library: str) -> int:
         weights = torch.load(spec["weights"], weights_only=True)
         module, forward, info = build(spec, rank, world, weights)
         x, dy = inputs(spec, rank)
-        diff = relative_error(forward(x).detach(), weights["reference"][rank])
+        diff = relative_error(forward(x).detach(), weights["reference"][rank], weights["checked"][rank])
         seconds = time_steps(fwd_bwd(module, forward, x, dy), spec["warmup"], spec["repeats"],
                              barrier=dist.barrier if world > 1 else None)
         print(json.dumps({"seconds": seconds, "max_rel_diff": diff, "info": {**info, "torch": torch.__version__}}),
