@@ -62,7 +62,8 @@ def _context() -> multiprocessing.context.BaseContext:
     return mp.get_context("forkserver" if env == _server_env else "spawn")
 
 
-def _parent_of(pid: int) -> int:
+def parent_pid(pid: int) -> int:
+    """The parent of process `pid` (Linux: /proc/PID/stat; OSError once it is gone)."""
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
@@ -78,7 +79,7 @@ def _die_with_launcher(launcher_pid: int) -> None:
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         parent = os.getppid()
-        if launcher_pid not in (parent, _parent_of(parent)):  # a parent died before prctl took effect
+        if launcher_pid not in (parent, parent_pid(parent)):  # a parent died before prctl took effect
             os._exit(1)
 
 

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from dispatch.multiproc import parent_pid
+
 ROOT = Path(__file__).resolve().parents[2]
 WORLD = 4  # configs/tiny.toml: pp=2 x dp=2
 STEPS = 10
@@ -101,7 +103,7 @@ def rank_pids(launcher_pid: int) -> dict[int, int]:
     parents = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            parents[int(stat.parent.name)] = parent_pid(int(stat.parent.name))
         except (OSError, IndexError, ValueError):
             continue
     family = {launcher_pid} | {pid for pid, parent in parents.items() if parent == launcher_pid}
