@@ -17,7 +17,7 @@ from launch.plan.memory import KERNELS, RECOMPUTE
 from launch.plan.measure import compare, cpu_machine, measure
 from launch.plan.planner import COMM_SM_SHARE, PAIR_HIDDEN, Machine, Options, make_plan
 from launch.plan.presets import GPU, GPUS, RECIPES, gpu_preset
-from launch.plan.report import render, table, to_dict
+from launch.plan.report import known_error, render, table, to_dict
 from launch.plan.search import describe, search
 
 OVERRIDES = {"peak_tflops": "bf16_tflops", "fp8_tflops": "fp8_tflops", "memory_gb": "memory_gb",
@@ -141,6 +141,7 @@ def run(args: argparse.Namespace) -> dict:
                 for i, p in enumerate(result.ranked[:args.top])]
         print(f"{len(result.ranked)} layouts fit on {args.gpus} x {machine.gpu.name}, {len(result.cut)} cut")
         print(table(["#", "layout", "recompute", "peak GB", "idle", "step s", "tok/s/GPU", "MFU"], rows))
+        print(known_error())
         kinds: dict[str, list[str]] = {}  # reasons that differ only in their numbers, one example each
         for _, why in result.cut:
             kinds.setdefault(re.sub(r"\d+(\.\d+)?", "#", why), []).append(why)

@@ -7,6 +7,7 @@ from dataclasses import asdict, replace
 
 import torch
 
+from launch.plan.efficiency import VALIDATED
 from launch.plan.memory import RECOMPUTE, ActivationModel, schedule_peaks
 from launch.plan.planner import BYTE_KINDS, Plan, chunk_tokens, make_schedule
 from launch.plan.traffic import total
@@ -67,6 +68,14 @@ def _gemms(plan: Plan) -> str:
             f"x{plan.machine.attention_clock:g}), {plan.machine.slot_seconds * 1e9:g} ns per routed slot")
 
 
+def known_error() -> str:
+    """The planner's error on the published runs (efficiency.VALIDATED), as one line under a plan's throughput."""
+    (fitted, fit_low, fit_high), (held, low, high) = VALIDATED["fitted"], VALIDATED["held_out"]
+    return (f"known error (moe-plan --validate): predicted/published tokens/s {fit_low:.2f}-{fit_high:.2f} on the "
+            f"{fitted} published runs the slot cost is fitted to, {low:.2f}-{high:.2f} on {held} held out; "
+            f"{VALIDATED['within']} of {fitted + held} within +-20%")
+
+
 def to_dict(plan: Plan) -> dict:
     """Every figure of the plan, JSON-ready (bytes in bytes, times in seconds)."""
     par = plan.config.parallel
@@ -100,6 +109,8 @@ def to_dict(plan: Plan) -> dict:
                  "tokens_per_s_per_gpu": plan.tokens_per_second / par.world_size,
                  "model_flops_per_token": plan.flops_per_token, "peak_flops_per_gpu": plan.peak_flops,
                  "mfu": plan.mfu},
+        "known_error": {kind: dict(zip(("runs", "lowest_ratio", "highest_ratio"), VALIDATED[kind]))
+                        for kind in ("fitted", "held_out")} | {"within_20_percent": VALIDATED["within"]},
         "peak_memory_bytes": plan.peak_memory, "fits": plan.fits,
     }
 
@@ -173,5 +184,6 @@ def render(plan: Plan) -> str:
               f"tokens/s {plan.tokens_per_second:,.0f} ({plan.tokens_per_second / par.world_size:,.0f} per GPU), "
               f"model FLOPs/token {si(plan.flops_per_token)} (causal attention), MFU {plan.mfu:.1%} of "
               f"{plan.peak_flops / 1e12:,.0f} TFLOPS per GPU (bf16"
-              f"{', routed experts at fp8' if plan.config.model.expert_precision == 'fp8' else ''})"]
+              f"{', routed experts at fp8' if plan.config.model.expert_precision == 'fp8' else ''})",
+              known_error()]
     return "\n".join(parts)

@@ -12,7 +12,7 @@ import pytest
 
 from launch.config import load_config
 from launch.plan.calibrate import BAND, fit_pair_hidden, fit_slot_seconds, load_runs, overlap_pairs, plan_run, validate
-from launch.plan.efficiency import ROUTED_SLOT_SECONDS
+from launch.plan.efficiency import ROUTED_SLOT_SECONDS, VALIDATED
 from launch.plan.cli import main
 from launch.plan.planner import PAIR_HIDDEN, Machine
 from launch.plan.presets import GPUS
@@ -96,6 +96,22 @@ def test_the_shipped_routed_slot_cost_is_the_fit_to_the_published_runs(checks):
     doubled = plan_run(check.run, 2 * ROUTED_SLOT_SECONDS)
     published = doubled.tokens_per_step / (check.run.tokens_per_s_per_gpu * check.run.gpus)
     assert published / doubled.step_seconds == pytest.approx(check.ratio_at(2 * ROUTED_SLOT_SECONDS), rel=0.01)
+
+
+def test_every_plan_states_the_error_validate_measures(checks, tmp_path, capsys):
+    """The known error a plan prints (efficiency.VALIDATED) is what the calibration runs give now: per set (fitted,
+    held out) the count and the lowest and highest ratio to 2 decimals, and the count within the band."""
+    planned = [c for c in checks if c.plan is not None]
+    for kind, fit in (("fitted", True), ("held_out", False)):
+        ratios = [c.ratio for c in planned if c.run.fit == fit]
+        assert VALIDATED[kind] == (len(ratios), round(min(ratios), 2), round(max(ratios), 2)), kind
+    assert VALIDATED["within"] == sum(c.within for c in planned)
+    out = tmp_path / "plan.json"
+    assert main([str(ROOT / "configs" / "tiny.toml"), "--json", str(out)]) == 0
+    fitted, held = VALIDATED["fitted"], VALIDATED["held_out"]
+    assert (f"{fitted[1]:.2f}-{fitted[2]:.2f} on the {fitted[0]} published runs the slot cost is fitted to, "
+            f"{held[1]:.2f}-{held[2]:.2f} on {held[0]} held out") in capsys.readouterr().out
+    assert json.loads(out.read_text())["known_error"]["held_out"]["runs"] == held[0]
 
 
 def test_the_shipped_pair_share_is_the_fit_to_the_published_overlap_a_b():
