@@ -173,7 +173,9 @@ def render(checks: list[Check], constants: dict) -> str:
              f"with the cost fitted to the other runs"]
     lines += [f"paired 1F1B: its pairs hide {pair['planned']:g} of the EP exchanges the other half could cover, "
               f"planned; {pair['fitted']:g} fitted to {pair['paired']} against {pair['without']} "
-              f"(published x{pair['published_gain']:.2f})" for pair in constants["pair_hidden"]]
+              f"(published x{pair['published_gain']:.2f}"
+              + (f"; held out, hiding all plans x{pair['gain_hiding_all']:.2f})" if pair["held_out"] else ")")
+              for pair in constants["pair_hidden"]]
     lines.append("")
     for c in checks:
         run = c.run
@@ -184,12 +186,15 @@ def render(checks: list[Check], constants: dict) -> str:
 
 
 def fitted_constants(checks: list[Check]) -> dict:
-    """The two constants fitted to the published runs, as shipped and as these checks fit them, JSON-ready."""
+    """The two constants fitted to the published runs, as shipped and as these checks fit them (the pair share to
+    every A/B; the shipped one to those not held out), JSON-ready."""
     pairs = overlap_pairs([c.run for c in checks])
     return {"slot_seconds": {"planned": ROUTED_SLOT_SECONDS, "fitted": fit_slot_seconds(checks)},
             "pair_hidden": [{"paired": paired.name, "without": alone.name, "planned": PAIR_HIDDEN,
                              "fitted": fit_pair_hidden(paired, alone),
-                             "published_gain": paired.tokens_per_s_per_gpu / alone.tokens_per_s_per_gpu}
+                             "published_gain": paired.tokens_per_s_per_gpu / alone.tokens_per_s_per_gpu,
+                             "held_out": not paired.fit, "gain_hiding_all": plan_run(alone).step_seconds
+                             / plan_run(paired, pair_hidden=1.0).step_seconds}
                             for paired, alone in pairs]}
 
 

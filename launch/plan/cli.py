@@ -64,7 +64,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--virtual-stages", type=int, default=1, help="1f1b: model chunks per rank of an interleaved "
                    "1F1B (Megatron's VPP): the bubble shrinks by this factor")
     p.add_argument("--paired-1f1b", action="store_true", help="1f1b: steady-state F and B run as overlapped pairs "
-                   "hiding each other's EP exchanges (Megatron-Core's EP all-to-all overlap)")
+                   "hiding each other's EP exchanges (Megatron-Core's EP all-to-all overlap); one stage (schedule "
+                   "none): each micro-batch's F beside the previous one's B")
     p.add_argument("--pair-hidden", type=float, default=PAIR_HIDDEN,
                    help=f"paired 1f1b: share of its EP exchanges a pair hides of what the other half's compute "
                         f"could cover (default {PAIR_HIDDEN:g}: Megatron-Core's, fitted to the model zoo's A/B, "

@@ -32,8 +32,9 @@ LAYOUT_KINDS = {"none": "linear", "afab": "linear", "1f1b": "linear", "zb1p": "l
                 "dualpipev": "v"}
 COMM_SM_SHARE = 20 / 132  # DeepSeek-V3 (report section 3.2.2): 20 of an H800's 132 SMs drive its communication
 # Share of the EP exchanges a paired 1F1B (Megatron-Core's combined 1F1B, --paired-1f1b) hides of what the paired half's
-# compute could cover: the one published A/B of that overlap, the model zoo's Qwen3-235B on 256 H100s (17.6 s/step
-# with it, 19.7 without: x1.12), where hiding all of it reads x1.27 (`moe-plan --validate` refits it). DualPipe's
+# compute could cover: fitted to the model zoo's A/B of that overlap, Qwen3-235B on 256 H100s (17.6 s/step with it,
+# 19.7 without: x1.12), where hiding all of it reads x1.27 (`moe-plan --validate` refits it). A later A/B on HybridEP
+# (Qwen3-30B, 16 H100, x1.18; held out) asks more than hiding all gives (x1.09): the share is the stack's. DualPipe's
 # pairs (our runtime's F&B overlap) hide all: DeepSeek-V3's H800 run is planned so within the band.
 PAIR_HIDDEN = 0.5
 
@@ -279,8 +280,10 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
         makespan, idles, busy = result.makespan, result.idle_fractions, result.busy
         if options.virtual_stages > 1:
             makespan, idles = interleave(result, options.virtual_stages)
-    else:
-        makespan, idles, busy = chunks * costs[0].serial, [0.0], [chunks * costs[0].serial]
+    else:  # one stage: the micro-batches in turn (paired: each F beside the previous one's B, as Megatron-Core's EP
+        # overlap runs them without a pipeline; the first F and last B, unpaired, are not told apart)
+        serial = (paired(costs, machine.comm_sm_share, machine.pair_hidden) if options.paired else costs)[0].serial
+        makespan, idles, busy = chunks * serial, [0.0], [chunks * serial]
     steps = train.grad_accum_steps // par.dp // chunks
     # ZeRO-3's in-step gathers are prefetched beside the compute (the module ahead): exposed only beyond it
     sync = max((s - min(g, steps * b) for s, g, b in zip(syncs, prefetched, busy)), default=0.0)
@@ -302,9 +305,11 @@ def _check_options(config: RunConfig, options: Options) -> None:
     schedule = config.parallel.schedule
     if options.virtual_stages < 1:
         raise ValueError(f"virtual stages = {options.virtual_stages} must be >= 1")
-    for name, used in (("virtual stages", options.virtual_stages > 1), ("paired 1F1B", options.paired)):
-        if used and schedule != "1f1b":
-            raise ValueError(f"{name} apply to parallel.schedule = '1f1b' only (this config: {schedule!r})")
+    if options.virtual_stages > 1 and schedule != "1f1b":
+        raise ValueError(f"virtual stages apply to parallel.schedule = '1f1b' only (this config: {schedule!r})")
+    if options.paired and schedule not in ("1f1b", "none"):
+        raise ValueError(f"paired 1F1B applies to parallel.schedule = '1f1b' or 'none' (one stage: consecutive "
+                         f"micro-batches paired) only (this config: {schedule!r})")
     if options.linears is not None and options.linears not in PRECISIONS:
         raise ValueError(f"linear precision {options.linears!r} is not allowed; choose one of "
                          f"{', '.join(PRECISIONS)}")

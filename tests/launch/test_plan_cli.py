@@ -39,7 +39,7 @@ TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.toml")
     (["--clock", "0"], "--clock = 0.0 must be in (0, 1]"),
     (["--attention-clock", "1.5"], "--attention-clock = 1.5 must be in (0, 1]"),
     (["--virtual-stages", "2"], "virtual stages apply to parallel.schedule = '1f1b' only (this config: 'dualpipev')"),
-    (["--paired-1f1b"], "paired 1F1B apply to parallel.schedule = '1f1b' only"),
+    (["--paired-1f1b"], "paired 1F1B applies to parallel.schedule = '1f1b' or 'none'"),
     (["--virtual-stages", "0", "--set", 'parallel.schedule="1f1b"', "--set", "parallel.num_chunks=0"],
      "virtual stages = 0 must be >= 1"),
 ])

@@ -99,6 +99,22 @@ def test_paired_halves_hide_their_ep_exchanges_behind_each_other_up_to_the_other
     assert (half.f, half.b, half.w, half.slots) == (cost.f, cost.b, cost.w, cost.slots)
 
 
+def test_one_stage_pairs_consecutive_micro_batches_as_megatron_core_s_ep_overlap():
+    """Without a pipeline every micro-batch runs its F and B in turn; paired, each pair's halves hide each other's EP
+    exchanges (timing.paired), so the step is the micro-batches times a paired F + B, and sharing nothing changes
+    nothing."""
+    config = load_config(CONFIGS / "qwen3-30b-a3b.toml", ["parallel.pp=1", "parallel.dp=16", "parallel.ep=16",
+                                                         "parallel.schedule=none", "train.grad_accum_steps=1024"])
+    machine = Machine(GPUS["h100"], 8, pair_hidden=1.0)
+    alone, pairs = make_plan(config, machine), make_plan(config, machine, Options(paired=True))
+    (cost,) = alone.stage_costs
+    (priced,) = paired([cost], machine.comm_sm_share, 1.0)
+    assert cost.ep_f > 0 and alone.makespan == pytest.approx(64 * cost.serial)
+    assert pairs.makespan == pytest.approx(64 * priced.serial) and pairs.makespan < alone.makespan - 64 * cost.ep_f / 2
+    none = make_plan(config, Machine(GPUS["h100"], 8, pair_hidden=0.0), Options(paired=True))
+    assert none.makespan == pytest.approx(alone.makespan)
+
+
 def test_interleaved_stages_shrink_the_bubble_not_the_work():
     config = load_config(CONFIGS / "mixtral-8x22b.toml")
     machine = Machine(GPUS["h100"], 8)

@@ -40,9 +40,11 @@ def test_validate_prints_predicted_published_and_ratio_and_marks_misses(tmp_path
     text = capsys.readouterr().out
     result = json.loads(out.read_text())
     rows = result["runs"]
-    slot, (pair,) = result["constants"]["slot_seconds"], result["constants"]["pair_hidden"]
+    slot, pairs = result["constants"]["slot_seconds"], result["constants"]["pair_hidden"]
     assert slot["planned"] == ROUTED_SLOT_SECONDS and f"{slot['fitted'] * 1e9:g} ns fitted" in text
-    assert pair["planned"] == PAIR_HIDDEN and f"{pair['fitted']:g} fitted to {pair['paired']} against" in text
+    assert len(pairs) == len(overlap_pairs(load_runs())) >= 2
+    for pair in pairs:
+        assert pair["planned"] == PAIR_HIDDEN and f"{pair['fitted']:g} fitted to {pair['paired']} against" in text
     planned = [r for r in rows if r["predicted_tokens_per_s_per_gpu"] is not None]
     inside = [r for r in planned if r["within_band"]]
     assert f"inside +-20%: {len(inside)} of {len(planned)} planned runs" in text
@@ -118,7 +120,7 @@ def test_the_shipped_pair_share_is_the_fit_to_the_published_overlap_a_b():
     """planner.PAIR_HIDDEN gives the model zoo's Qwen3-235B its published speedup from Megatron-Core's combined
     1F1B (17.6 against 19.7 s/step) to the fit's 0.01 grid; hiding every exchange the other half could cover
     would promise far more, hiding none nothing."""
-    ((paired, alone),) = overlap_pairs(load_runs())
+    ((paired, alone),) = [(p, a) for p, a in overlap_pairs(load_runs()) if p.fit]
     assert paired.plan.get("paired") and not alone.plan.get("paired") and paired.config == alone.config
     assert fit_pair_hidden(paired, alone) == pytest.approx(PAIR_HIDDEN, abs=0.01)
     published = paired.tokens_per_s_per_gpu / alone.tokens_per_s_per_gpu
@@ -126,6 +128,19 @@ def test_the_shipped_pair_share_is_the_fit_to_the_published_overlap_a_b():
     gain = {share: base / plan_run(paired, pair_hidden=share).step_seconds for share in (0.0, PAIR_HIDDEN, 1.0)}
     assert gain[0.0] == pytest.approx(1.0) and gain[PAIR_HIDDEN] == pytest.approx(published, rel=0.02)
     assert gain[1.0] > published + 0.1
+
+
+def test_a_held_out_overlap_a_b_gains_more_than_pairs_hiding_every_exchange_plan():
+    """NVIDIA's A/B of Megatron-Core's EP overlap on HybridEP (Qwen3-30B, 16 H100, one stage: consecutive
+    micro-batches paired) published x1.18; pairs hiding all the EP exchanges the other half could cover plan x1.09,
+    the shipped share x1.04: the share a pair hides depends on the stack (the 2025 zoo's A/B fits 0.5)."""
+    ((paired, alone),) = [(p, a) for p, a in overlap_pairs(load_runs()) if not p.fit]
+    assert paired.config == alone.config and paired.set == alone.set and paired.plan.get("paired")
+    published = paired.tokens_per_s_per_gpu / alone.tokens_per_s_per_gpu
+    base = plan_run(alone).step_seconds
+    gain = {share: base / plan_run(paired, pair_hidden=share).step_seconds for share in (0.0, PAIR_HIDDEN, 1.0)}
+    assert gain[0.0] == pytest.approx(1.0) and 1.0 < gain[PAIR_HIDDEN] < gain[1.0] < published - 0.05
+    assert fit_pair_hidden(paired, alone) == 1.0
 
 
 def release(run) -> tuple[int, ...]:
@@ -148,7 +163,7 @@ def test_each_run_fits_its_gpu_and_the_fit_predicts_runs_it_did_not_see(checks):
         assert check.plan.fits, (check.run.name, check.plan.peak_memory)
         if check.loo is not None:
             assert 0.7 <= check.loo <= 1.35, (check.run.name, check.loo)
-    seen = [c for c in held_out if release(c.run) <= (26, 2)]
+    seen = [c for c in held_out if () < release(c.run) <= (26, 2)]
     assert len(seen) >= 5
     for check in seen:
         assert 0.7 <= check.ratio <= 1.3, (check.run.name, check.ratio)
