@@ -50,7 +50,7 @@ class MoELayer(nn.Module):
         super().__init__()
         self.router = build_router(cfg)
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        self.dispatcher = LocalDispatcher(cfg.num_experts)
+        self.dispatcher = LocalDispatcher(cfg.num_experts, dropless=cfg.capacity_factor is None)
         self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.expert_ffn_size,
                                       precision=cfg.expert_precision, init_std=cfg.init_std, out_std=out_std)
         self.shared = (SwiGLU(cfg.hidden_size, cfg.num_shared_experts * cfg.expert_ffn_size,

@@ -30,9 +30,10 @@ class LocalHandle:
 class LocalDispatcher:
     """The EP dispatcher interface for one process holding all experts (no communication)."""
 
-    def __init__(self, num_experts: int) -> None:
+    def __init__(self, num_experts: int, dropless: bool = False) -> None:
         self.num_experts = num_experts
         self.experts_per_rank = num_experts
+        self.dropless = dropless  # the router drops no slot (no capacity): every slot is a row, no count to read
 
     def dispatch(self, x: Tensor, indices: Tensor, weights: Tensor) -> tuple[Tensor, RecvInfo, LocalHandle]:
         """Rows of x, one per kept (token, expert) slot, stably sorted by expert."""
@@ -41,6 +42,9 @@ class LocalDispatcher:
             slots = rehearsal.expert_slots(*indices.shape, self.num_experts, rehearsal.capacity_of(indices))
             order = torch.argsort(flat, stable=True)[:sum(slots)]
             counts = flat.new_empty(self.num_experts)
+        elif self.dropless:  # as many rows as slots: sized without reading anything back
+            order = torch.argsort(flat, stable=True)
+            counts = count_ids(flat, self.num_experts)
         else:
             kept = torch.nonzero(flat >= 0).squeeze(1)  # host sync: the number of kept slots sizes the rows
             order = kept[torch.argsort(flat[kept], stable=True)]
