@@ -12,7 +12,6 @@ import sys
 
 from dispatch.multiproc import WorkerError
 from launch.checkpoint import export_main
-from launch.rehearse import rehearse, render
 from launch.launcher import LaunchError, NodeFlags, Trainer, launch_run, wait_for_every_refusal
 from launch.validate import check_config
 
@@ -64,6 +63,7 @@ def main(argv: list[str] | None = None, trainer: Trainer | None = None) -> int:
         print(f"moe-train: invalid config: {error}", file=sys.stderr)
         return 2
     if args.rehearse:
+        from launch.rehearse import rehearse, render  # here only: it imports torch's tracing stack (~1 s a start)
         try:
             print(render(rehearse(cfg, args.rank)))
         except ValueError as error:

@@ -17,7 +17,6 @@ from launch.config import build_config, load_config
 from launch.plan.measure import measure
 from launch.plan.planner import Machine, make_plan
 from launch.plan.presets import GPUS
-from launch.rehearse import rehearse
 from launch.train import train
 from optim.shard import ShardedParams
 from optim.zero1 import ZeRO1
@@ -169,6 +168,7 @@ def test_rehearsal_on_meta_holds_the_planned_model_states(stage):
     """moe-train --rehearse of the tiny layout (DualPipeV pp2 x dp2, EP 2) under ZeRO-2/3: the rank's params,
     grads and optimizer bytes as moe-plan's within 1%; ZeRO-3 all-gathers over dp = 2 during forward and
     backward, many more times than ZeRO-2's one gather per bucket after the step."""
+    from launch.rehearse import rehearse  # here only: this module's spawned ranks need not import its tracing stack
     overrides = [f"optim.zero_stage={stage}", "parallel.overlap=false"]
     result = rehearse(load_config(TINY, overrides))
     for category in ("params", "grads", "optimizer"):
