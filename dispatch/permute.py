@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from dispatch.layout import count_ids
-from dispatch.segment import SegmentPlan, ordered_sum, segment_plan
+from dispatch.segment import SegmentPlan, ordered_sum, pass_sizes, segment_plan
 
 
 @dataclass
@@ -35,11 +35,13 @@ def make_permutation(groups: Tensor, num_groups: int, counts: list[int] | None =
         return Permutation(row, torch.empty_like(row), groups.new_empty(num_groups, dtype=torch.int64),
                            segment_plan(row, rows, slots))
     flat = groups.reshape(-1)
-    kept = torch.nonzero(flat >= 0).squeeze(1)  # host sync: the number of pairs sizes every tensor after it
+    here = groups >= 0
+    pairs, *sizes = torch.cat([here.sum().view(1), pass_sizes(here.sum(1), slots)]).tolist()  # host sync: the
+    kept = torch.nonzero_static(flat >= 0, size=pairs).squeeze(1)  # number of pairs sizes every tensor after it
     order = kept[torch.argsort(flat[kept], stable=True)]
     row = order // slots
     counts = count_ids(flat, num_groups)
-    return Permutation(row, order % slots, counts, segment_plan(row, rows, slots))  # a row has at most k pairs
+    return Permutation(row, order % slots, counts, segment_plan(row, rows, slots, sizes))  # a row has <= k pairs
 
 
 class _Permute(torch.autograd.Function):

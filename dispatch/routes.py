@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from dispatch.layout import expert_owner, lookup, membership
-from dispatch.segment import SegmentPlan, segment_plan
+from dispatch.segment import SegmentPlan, pass_sizes, segment_plan
 from dispatch.topology import Topology
 
 BACKENDS = ("flat", "hierarchical")
@@ -54,20 +54,24 @@ def destinations(ids: Tensor, stage: Stage, world_size: int) -> Tensor:
 
 
 def plan_sends(ids: Tensor, stage: Stage, world_size: int, source: Tensor | None = None,
-               sources: int = 1) -> tuple[Tensor, list[list[int]]]:
+               sources: int = 1, max_copies: int = 1) -> tuple[Tensor, list[list[int]], list[int]]:
     """(row of each sent row, grouped by destination rank then row; [rank][s] rows sent to each rank that
-    came from source s, where source [n] gives each row's source in [0, sources) (default: all 0))."""
+    came from source s, where source [n] gives each row's source in [0, sources) (default: all 0); the pass sizes
+    of the hop's return sum (segment.pass_sizes: a row's j-th copy went to its j-th destination), for make_hop)."""
     member = destinations(ids, stage, world_size)
     if source is None:
         table = member.sum(0, keepdim=True).t()
     else:
         table = member.new_zeros((sources, world_size), dtype=torch.int64).index_add_(0, source, member.long()).t()
-    counts = table.tolist()  # host sync: the counts size the exchange
+    width = table.shape[1]
+    host = torch.cat([table.reshape(-1), pass_sizes(member.sum(1), max_copies)]).tolist()  # host sync: the counts
+    counts = [host[r * width:(r + 1) * width] for r in range(world_size)]  # size the exchange (and its return sum)
     send_row = torch.nonzero_static(member.t(), size=sum(map(sum, counts)))[:, 1]  # sized by the counts: no 2nd sync
-    return send_row, counts
+    return send_row, counts, host[world_size * width:]
 
 
 def make_hop(send_row: Tensor, send_splits: list[int], recv_splits: list[int], num_rows: int,
-             max_copies: int) -> Hop:
-    """A hop record with the reverse summation plan combine needs; a row is sent at most max_copies times."""
-    return Hop(send_row, send_splits, recv_splits, segment_plan(send_row, num_rows, max_copies))
+             max_copies: int, sizes: list[int] | None = None) -> Hop:
+    """A hop record with the reverse summation plan combine needs; a row is sent at most max_copies times (sizes:
+    the plan's pass sizes, from plan_sends)."""
+    return Hop(send_row, send_splits, recv_splits, segment_plan(send_row, num_rows, max_copies, sizes))

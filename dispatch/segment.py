@@ -37,8 +37,15 @@ class SegmentPlan:
         return self.offsets[slot], self.offsets[slot + 1] - self.offsets[slot]
 
 
-def segment_plan(target: Tensor, num_targets: int, max_slots: int) -> SegmentPlan:
-    """Plan over values with target rows target [P] in [0, num_targets), at most max_slots values per row."""
+def pass_sizes(values_per_target: Tensor, max_slots: int) -> Tensor:
+    """[max_slots] int64, on the device: how many targets have more than j values (pass j's size in a plan); a
+    caller reading counts to the host anyway reads these with them and hands them to segment_plan."""
+    return (values_per_target.unsqueeze(1) > torch.arange(max_slots, device=values_per_target.device)).sum(0)
+
+
+def segment_plan(target: Tensor, num_targets: int, max_slots: int, sizes: list[int] | None = None) -> SegmentPlan:
+    """Plan over values with target rows target [P] in [0, num_targets), at most max_slots values per row; sizes:
+    the passes' sizes (pass_sizes) when the caller has read them, else the plan reads them itself."""
     device, num_values = target.device, target.numel()
     order = torch.argsort(target, stable=True)  # values by target, ascending index within one
     ordered = target[order]
@@ -47,6 +54,10 @@ def segment_plan(target: Tensor, num_targets: int, max_slots: int) -> SegmentPla
     slots = slot[by_slot]
     if target.is_meta:  # a rehearsal: no ranks to count; the passes follow the rule (dispatch.rehearsal)
         offsets = rehearsal.pass_offsets(num_values, num_targets, max_slots)
+    elif sizes is not None:  # read by the caller with its counts: no read here
+        if len(sizes) != max_slots or sum(sizes) != num_values:
+            raise ValueError(f"pass sizes {sizes} do not split {num_values} values into max_slots = {max_slots} passes")
+        offsets = [sum(sizes[:j]) for j in range(max_slots + 1)]
     else:  # host sync: the values of each pass size its operators, read once per plan
         offsets = torch.searchsorted(slots, torch.arange(max_slots + 1, device=device)).tolist()
         if offsets[-1] < num_values:

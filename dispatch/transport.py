@@ -136,12 +136,13 @@ def _regroup(counts: list[list[list[int]]], device: torch.device) -> Regroup:
 
 
 def _move(wire: Tensor, meta: Tensor, send_row: Tensor, send_splits: list[int], recv_splits: list[int],
-          channel: HopTransport, max_copies: int) -> Steps:
-    """One hop of a dispatch: rows and their metadata out, yielding while in flight -> (Hop, wire, meta)."""
+          channel: HopTransport, max_copies: int, sizes: list[int] | None) -> Steps:
+    """One hop of a dispatch: rows and their metadata out, yielding while in flight -> (Hop, wire, meta); sizes:
+    the pass sizes of the hop's return sum (routes.plan_sends), None where they are to be read."""
     rows = channel.start_exchange(wire.index_select(0, send_row), send_splits, recv_splits, "dispatch")
     metas = channel.start_exchange(meta.index_select(0, send_row), send_splits, recv_splits, "dispatch", "meta")
     yield rows
-    hop = make_hop(send_row, send_splits, recv_splits, meta.shape[0], max_copies)  # once per rank, at most k ranks
+    hop = make_hop(send_row, send_splits, recv_splits, meta.shape[0], max_copies, sizes)  # at most k ranks, once each
     return hop, rows.wait(), metas.wait()
 
 
@@ -163,25 +164,30 @@ def dispatch_steps(x: Tensor, weights: Tensor, indices: Tensor, stages: list[Sta
     pieces = list(zip(wire.split(sizes), meta.split(sizes)))
     split = [rehearsal.chunk_counts(sent, chunks) for sent in sends] if sends is not None else None
 
-    def plan(h: int, c: int, meta_c: Tensor, source: Tensor | None, width: int) -> tuple[Tensor, list[list[int]]]:
-        """(send_row, [rank][column] counts) of chunk c's hop h."""
+    def plan(h: int, c: int, meta_c: Tensor, source: Tensor | None, width: int
+             ) -> tuple[Tensor, list[list[int]], list[int] | None]:
+        """(send_row, [rank][column] counts, pass sizes of its return sum or None) of chunk c's hop h."""
         if not meta_c.is_meta:
-            return plan_sends(unpack_meta(meta_c)[1], stages[h], world, source, width)
+            return plan_sends(unpack_meta(meta_c)[1], stages[h], world, source, width, copies(h))
         if split is None:
             raise ValueError("dispatch_steps on meta tensors needs sends (dispatch.rehearsal.plan_dispatch)")
         # a rehearsal: the rule's counts (all in the first column); which rows go where is not needed
         counts = [[per_chunk[c]] + [0] * (width - 1) for per_chunk in split[h]]
-        return meta_c.new_empty(sum(n for n, *_ in counts), dtype=torch.int64), counts
+        return meta_c.new_empty(sum(n for n, *_ in counts), dtype=torch.int64), counts, None
+
+    def copies(h: int) -> int:
+        """The most copies of one row hop h sends: one per peer, at most k."""
+        return min(k, len(stages[h].peers))
 
     first = [plan(0, c, meta_c, None, 1) for c, (_, meta_c) in enumerate(pieces)]
-    counts = channels[0].start_counts([[sent[p][0] for _, sent in first] for p in range(world)], "dispatch", device)
+    counts = channels[0].start_counts([[sent[p][0] for _, sent, _ in first] for p in range(world)], "dispatch", device)
     yield counts
     first_recv = counts.wait()  # [rank][chunk]
 
     def first_hop(c: int) -> Steps:
-        send_row, sent = first[c]
-        return _move(*pieces[c], send_row, [n for n, in sent], [row[c] for row in first_recv], channels[0],
-                     min(k, len(stages[0].peers)))
+        send_row, sent, sizes = first[c]
+        return _move(*pieces[c], send_row, [n for n, in sent], [row[c] for row in first_recv], channels[0], copies(0),
+                     sizes)
 
     def later_hops(c: int, moved: tuple[Hop, Tensor, Tensor]) -> Steps:
         hop, wire_c, meta_c = moved
@@ -193,13 +199,12 @@ def dispatch_steps(x: Tensor, weights: Tensor, indices: Tensor, stages: list[Sta
                 came = torch.tensor([hop.recv_splits[p] for p in before], device=device)
                 source = torch.repeat_interleave(torch.arange(len(before), device=device), came,
                                                  output_size=meta_c.shape[0])
-            send_row, sent = plan(h, c, meta_c, source, width)
+            send_row, sent, sizes = plan(h, c, meta_c, source, width)
             pending = channels[h].start_counts(sent, "dispatch", device)
             yield pending
             by_peer = pending.wait()
             hop, wire_c, meta_c = yield from _move(wire_c, meta_c, send_row, [sum(row) for row in sent],
-                                                   [sum(row) for row in by_peer], channels[h],
-                                                   min(k, len(stages[h].peers)))
+                                                   [sum(row) for row in by_peer], channels[h], copies(h), sizes)
             hops.append(hop)
         return hops, wire_c, meta_c, [by_peer[p] for p in stages[-1].peers]
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dispatch.multiproc import WorkerError, run_processes
+from dispatch import multiproc
+from dispatch.multiproc import IMPORT_ENV, WorkerError, run_processes
 
 
 def _sum_ranks(rank: int, world_size: int) -> float:
@@ -200,6 +201,10 @@ def _parent_and_env(rank: int, world: int) -> tuple[int, str | None, str | None]
 def test_each_rank_sees_the_callers_environment_of_the_call(monkeypatch):
     monkeypatch.delenv("MOE_START_METHOD", raising=False)
     run_processes(_parent_and_env, 1)  # the fork server runs from here on
+    for name in [n for n in os.environ if IMPORT_ENV.match(n)]:  # an earlier test may have started it under
+        monkeypatch.delenv(name)  # other variables: the caller's become those it started with
+    for name, value in multiproc._server_env.items():
+        monkeypatch.setenv(name, value)
     monkeypatch.setenv("RUN_PROCESSES_TEST_VALUE", "set after the server started")
     [(parent, value, _)] = run_processes(_parent_and_env, 1)
     assert value == "set after the server started" and parent != os.getpid()  # a fork server's child

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dispatch import make_permutation, permute, unpermute
-from dispatch.segment import ordered_sum, segment_plan
+from dispatch import make_permutation, make_topology, permute, unpermute
+from dispatch.routes import make_hop, plan_sends, stages_for
+from dispatch.segment import ordered_sum, pass_sizes, segment_plan
 
 
 def _wide_values(rows: int, width: int, seed: int) -> torch.Tensor:
@@ -128,3 +129,39 @@ def test_permute_and_unpermute_gradients_equal_plain_autograd():
     # fast mode: finite differences along random directions (the full Jacobian took ~2 min of CPU)
     assert torch.autograd.gradcheck(lambda a, b: unpermute(permute(a, perm), perm, b, torch.float64), (x, w),
                                     fast_mode=True)
+
+
+def test_a_plan_handed_its_pass_sizes_is_the_plan_that_reads_them():
+    gen = torch.Generator().manual_seed(5)
+    target = torch.randint(0, 9, (40,), generator=gen)
+    bound = int(torch.bincount(target).max()) + 1
+    sizes = pass_sizes(torch.bincount(target, minlength=9), bound).tolist()
+    read, handed = segment_plan(target, 9, bound), segment_plan(target, 9, bound, sizes)
+    assert handed.offsets == read.offsets and torch.equal(handed.source, read.source)
+    assert torch.equal(handed.target, read.target)
+    with pytest.raises(ValueError, match="do not split 40 values"):
+        segment_plan(target, 9, bound, [*sizes[:-1], sizes[-1] + 1])
+
+
+def test_a_hops_sends_and_a_permutation_each_read_the_host_once(monkeypatch):
+    """plan_sends reads the counts and its return sum's pass sizes together, make_hop reads nothing more, and
+    make_permutation reads its number of pairs and its passes together: one device-to-host wait each, where
+    there were two (the same plans as reading them apart)."""
+    gen = torch.Generator().manual_seed(6)
+    ids = torch.randint(-1, 8, (12, 3), generator=gen)  # -1: dropped slots
+    stage = stages_for("flat", make_topology(4, 4), 8, 0)[0]
+    reads = []
+    real_tolist, real_nonzero = torch.Tensor.tolist, torch.nonzero  # nonzero waits for its size as tolist does
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or real_tolist(t))
+    monkeypatch.setattr(torch, "nonzero", lambda *a, **k: reads.append("nonzero") or real_nonzero(*a, **k))
+    send_row, counts, sizes = plan_sends(ids, stage, 4, max_copies=3)
+    hop = make_hop(send_row, [n for n, in counts], [0] * 4, ids.shape[0], 3, sizes)
+    assert len(reads) == 1
+    perm = make_permutation(ids, 8)
+    assert len(reads) == 2
+    monkeypatch.setattr(torch.Tensor, "tolist", real_tolist)
+    monkeypatch.setattr(torch, "nonzero", real_nonzero)
+    for plan, target, bound in ((hop.back, send_row, 3), (perm.inverse, perm.row, 3)):
+        read = segment_plan(target, ids.shape[0], bound)
+        assert plan.offsets == read.offsets and torch.equal(plan.source, read.source)
+    assert perm.row.numel() == int((ids >= 0).sum()) and sum(map(sum, counts)) == send_row.numel()
