@@ -37,7 +37,7 @@ def make_permutation(groups: Tensor, num_groups: int, counts: list[int] | None =
     flat = groups.reshape(-1)
     here = groups >= 0
     pairs, *sizes = torch.cat([here.sum().view(1), pass_sizes(here.sum(1), slots)]).tolist()  # host sync: the
-    kept = torch.nonzero_static(flat >= 0, size=pairs).squeeze(1)  # number of pairs sizes every tensor after it
+    kept = torch.nonzero_static(here.reshape(-1), size=pairs).squeeze(1)  # number of pairs sizes every tensor after it
     order = kept[torch.argsort(flat[kept], stable=True)]
     row = order // slots
     counts = count_ids(flat, num_groups)
