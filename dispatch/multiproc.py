@@ -62,9 +62,14 @@ def _context() -> multiprocessing.context.BaseContext:
     return mp.get_context("forkserver" if env == _server_env else "spawn")
 
 
+def proc_stat(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (Linux): state, parent, ...; OSError once it is gone."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def parent_pid(pid: int) -> int:
-    """The parent of process `pid` (Linux: /proc/PID/stat; OSError once it is gone)."""
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    """The parent of process `pid` (Linux; OSError once it is gone)."""
+    return int(proc_stat(pid)[1])
 
 
 def _die_with_launcher(launcher_pid: int) -> None:

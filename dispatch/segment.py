@@ -10,6 +10,7 @@ experts or runs; building a plan reads its pass sizes to the host once.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -57,7 +58,7 @@ def segment_plan(target: Tensor, num_targets: int, max_slots: int, sizes: list[i
     elif sizes is not None:  # read by the caller with its counts: no read here
         if len(sizes) != max_slots or sum(sizes) != num_values:
             raise ValueError(f"pass sizes {sizes} do not split {num_values} values into max_slots = {max_slots} passes")
-        offsets = [sum(sizes[:j]) for j in range(max_slots + 1)]
+        offsets = [0, *itertools.accumulate(sizes)]
     else:  # host sync: the values of each pass size its operators, read once per plan
         offsets = torch.searchsorted(slots, torch.arange(max_slots + 1, device=device)).tolist()
         if offsets[-1] < num_values:

@@ -42,13 +42,13 @@ class LocalDispatcher:
             slots = rehearsal.expert_slots(*indices.shape, self.num_experts, rehearsal.capacity_of(indices))
             order = torch.argsort(flat, stable=True)[:sum(slots)]
             counts = flat.new_empty(self.num_experts)
-        elif self.dropless:  # as many rows as slots: sized without reading anything back
-            order = torch.argsort(flat, stable=True)
-            counts = count_ids(flat, self.num_experts)
         else:
-            kept = torch.nonzero(flat >= 0).squeeze(1)  # host sync: the number of kept slots sizes the rows
-            order = kept[torch.argsort(flat[kept], stable=True)]
             counts = count_ids(flat, self.num_experts)
+            if self.dropless:  # as many rows as slots: sized without reading anything back
+                order = torch.argsort(flat, stable=True)
+            else:
+                kept = torch.nonzero(flat >= 0).squeeze(1)  # host sync: the number of kept slots sizes the rows
+                order = kept[torch.argsort(flat[kept], stable=True)]
         token_of_row = order // indices.shape[1]
         handle = LocalHandle(token_of_row, weights.reshape(-1)[order], x.shape[0])
         return x[token_of_row], RecvInfo(counts), handle

@@ -10,10 +10,10 @@ output gradient, a barrier before each under EP. Every contender loads the same 
 and first checks its output on each rank's tokens against one process of our layer in float64 ("rel diff":
 max |out - reference| / max |reference| over the tokens whose top-k no rounding of the dtype can flip, those
 whose k-th and (k+1)-th router logits differ by more than 2 eps of the dtype times the largest; the run fails
-when it exceeds 1e-4, or 5e-2 where experts compute in bf16), so all run the same routing and experts. A row's time is the median over repeats of the slowest
-rank; "x ours" is its time over ours at the same EP. Contenders run one after another (rounds rotate
-the order; the ratio's range across rounds says how much the machine drifted). A peer that is not
-installed or fails says why in its row.
+when it exceeds 1e-4, or 5e-2 where experts compute in bf16), so all run the same routing and experts. A row's
+time is the median over repeats of the slowest rank; "x ours" is its time over ours at the same EP. Contenders
+run one after another (rounds rotate the order; the ratio's range across rounds says how much the machine
+drifted). A peer that is not installed or fails says why in its row.
 """
 
 from __future__ import annotations

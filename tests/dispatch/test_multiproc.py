@@ -59,7 +59,7 @@ def _print_and_sum(rank: int, world_size: int) -> float:
 def _gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # exited, not yet reaped
+        return multiproc.proc_stat(pid)[0] == "Z"  # exited, not yet reaped
     except (ProcessLookupError, FileNotFoundError):
         return True
 
