@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launch.config import load_config
-from launch.plan.efficiency import ROUTED_SLOT_SECONDS
+from launch.plan.efficiency import MOE_HANDLING, SLOT_SECONDS
 from launch.plan.planner import PAIR_HIDDEN, Machine, Options, Plan, make_plan
 from launch.plan.presets import gpu_preset
 from launch.plan.report import table
@@ -39,8 +39,15 @@ class Run:
     plan: dict = field(default_factory=dict)
     derived: str = ""
     notes: str = ""
-    fit: bool = True  # the routed-slot cost is fitted to this run (False: held out, a test of the fit)
-    without_overlap: str = ""  # the run of this layout published without its paired 1F1B (fits planner.PAIR_HIDDEN)
+    fit: bool = True  # its handling's routed-slot cost is fitted to this run (False: held out, a test of the fit)
+    moe_handling: str = "synced"  # how its stack handles the routed slots (efficiency.MOE_HANDLING)
+    without_overlap: str = ""  # the run of this layout published without its paired 1F1B
+    share_fit: bool = True  # with without_overlap: planner.PAIR_HIDDEN is fitted to this A/B (False: a test of it)
+
+    def __post_init__(self) -> None:
+        if self.moe_handling not in MOE_HANDLING:
+            raise ValueError(f"calibration run {self.name}: moe_handling = {self.moe_handling!r} is not allowed; "
+                             f"choose one of {', '.join(MOE_HANDLING)}")
 
     def options(self) -> Options:
         """The planner options [run.plan] gives."""
@@ -56,7 +63,7 @@ def load_runs(path: Path = CALIBRATION) -> list[Run]:
 @dataclass
 class Check:
     """One run planned (plan None: no public layout) beside its published throughput; base is the same plan
-    without the routed-slot cost (efficiency.ROUTED_SLOT_SECONDS), loo the ratio with that cost fitted to the other
+    without the routed-slot cost (efficiency.SLOT_SECONDS), loo the ratio with its handling's cost fitted to the other
     runs only (None for a run without routed slots)."""
 
     run: Run
@@ -93,16 +100,20 @@ class Check:
         return published / (self.base.step_seconds + self.slot_share * slot_seconds)
 
 
-def fit_slot_seconds(checks: list[Check]) -> float:
-    """The routed-slot cost (seconds, to 1 ns) that minimises the squared log ratios of the planned checks that are
-    not held out."""
-    planned = [c for c in checks if c.plan is not None and c.run.fit]
+def fit_slot_seconds(checks: list[Check], handling: str = "synced") -> float:
+    """The routed-slot cost (seconds, to 1 ns) of one way of handling the slots that minimises the squared log
+    ratios of that way's planned checks that are not held out."""
+    planned = [c for c in checks if c.plan is not None and c.run.fit and c.run.moe_handling == handling]
+    if not planned:
+        raise ValueError(f"no published run with moe_handling = {handling!r} to fit its routed-slot cost to")
     grid = [n * 1e-9 for n in range(FIT_LIMIT_NS + 1)]
     return min(grid, key=lambda slot: sum(math.log(c.ratio_at(slot)) ** 2 for c in planned))
 
 
-def plan_run(run: Run, slot_seconds: float = ROUTED_SLOT_SECONDS, pair_hidden: float = PAIR_HIDDEN) -> Plan | None:
-    """The run planned in its own layout on its GPU (None when its layout is not public)."""
+def plan_run(run: Run, slot_seconds: float | None = None, pair_hidden: float = PAIR_HIDDEN) -> Plan | None:
+    """The run planned in its own layout on its GPU (None when its layout is not public), at slot_seconds a routed
+    slot (default: its handling's shipped cost, efficiency.SLOT_SECONDS)."""
+    slot_seconds = SLOT_SECONDS[run.moe_handling] if slot_seconds is None else slot_seconds
     if run.config is None:
         return None
     config = load_config(ROOT / run.config, run.set)
@@ -120,7 +131,7 @@ def overlap_pairs(runs: list[Run]) -> list[tuple[Run, Run]]:
     return [(run, by_name[run.without_overlap]) for run in runs if run.without_overlap]
 
 
-def fit_pair_hidden(paired: Run, alone: Run, slot_seconds: float = ROUTED_SLOT_SECONDS) -> float:
+def fit_pair_hidden(paired: Run, alone: Run, slot_seconds: float | None = None) -> float:
     """The share of the EP exchanges (to 0.01) a paired 1F1B hides for the planner to give `paired` the speedup over
     `alone` their published throughputs show (the planned speedup grows with the share: bisection)."""
     published = paired.tokens_per_s_per_gpu / alone.tokens_per_s_per_gpu
@@ -143,8 +154,9 @@ def validate(path: Path = CALIBRATION) -> list[Check]:
     """Every run of the calibration file planned, with its leave-one-out ratio."""
     checks = [Check(run, plan_run(run), plan_run(run, 0.0)) for run in load_runs(path)]
     for check in checks:
-        if check.slot_share and check.run.fit:
-            check.loo = check.ratio_at(fit_slot_seconds([c for c in checks if c is not check]))
+        others = [c for c in checks if c is not check and c.run.fit and c.run.moe_handling == check.run.moe_handling]
+        if check.slot_share and check.run.fit and others:
+            check.loo = check.ratio_at(fit_slot_seconds(others, check.run.moe_handling))
     return checks
 
 
@@ -154,23 +166,23 @@ def render(checks: list[Check], constants: dict) -> str:
     rows = []
     for c in checks:
         run, plan = c.run, c.plan
-        rows.append([run.name, f"{run.gpus} {gpu_preset(run.gpu).name}", run.precision,
+        rows.append([run.name, f"{run.gpus} {gpu_preset(run.gpu).name}", run.precision, run.moe_handling,
                      "-" if plan is None else f"{c.predicted:,.0f}", f"{run.tokens_per_s_per_gpu:,.0f}",
                      "-" if plan is None else f"{c.ratio:.2f}",
                      "held out" if plan is not None and not run.fit else "-" if c.loo is None else f"{c.loo:.2f}",
                      "-" if plan is None else f"{plan.peak_memory / 1e9:.1f} GB {'fits' if plan.fits else 'DOES NOT FIT'}",
                      {None: "not planned", True: "ok", False: "MISS"}[c.within]])
-    slot = constants["slot_seconds"]
     planned = [c for c in checks if c.plan is not None]
     held_out = [c for c in planned if not c.run.fit]
     lines = [f"published MoE runs, each planned in its own layout (band +-{BAND:.0%}; {CALIBRATION.name}):",
-             table(["run", "GPUs", "precision", "predicted tok/s/GPU", "published", "ratio", "leave-one-out",
+             table(["run", "GPUs", "precision", "slots", "predicted tok/s/GPU", "published", "ratio", "leave-one-out",
                     "peak memory", f"+-{BAND:.0%}"], rows),
              f"inside +-{BAND:.0%}: {sum(c.within for c in planned)} of {len(planned)} planned runs "
              f"({sum(c.within for c in held_out)} of the {len(held_out)} held out)",
-             f"routed-slot cost: {slot['planned'] * 1e9:g} ns planned, {slot['fitted'] * 1e9:g} ns fitted"
-             f" to these runs (least squares of log ratios, held-out runs excluded); leave-one-out: the ratio "
-             f"with the cost fitted to the other runs"]
+             *(f"routed-slot cost, {handling} handling: {slot['planned'] * 1e9:g} ns planned, "
+               f"{slot['fitted'] * 1e9:g} ns fitted to its {slot['runs']} runs (least squares of log ratios, "
+               f"held-out runs excluded)" for handling, slot in constants["slot_seconds"].items()),
+             "leave-one-out: the ratio with its handling's cost fitted to the other runs of that handling"]
     lines += [f"paired 1F1B: its pairs hide {pair['planned']:g} of the EP exchanges the other half could cover, "
               f"planned; {pair['fitted']:g} fitted to {pair['paired']} against {pair['without']} "
               f"(published x{pair['published_gain']:.2f}"
@@ -186,14 +198,17 @@ def render(checks: list[Check], constants: dict) -> str:
 
 
 def fitted_constants(checks: list[Check]) -> dict:
-    """The two constants fitted to the published runs, as shipped and as these checks fit them (the pair share to
-    every A/B; the shipped one to those not held out), JSON-ready."""
+    """The constants fitted to the published runs, as shipped and as these checks fit them (a routed-slot cost per
+    handling; the pair share to every A/B, the shipped one to those not held out), JSON-ready."""
     pairs = overlap_pairs([c.run for c in checks])
-    return {"slot_seconds": {"planned": ROUTED_SLOT_SECONDS, "fitted": fit_slot_seconds(checks)},
+    return {"slot_seconds": {handling: {"planned": SLOT_SECONDS[handling], "fitted": fit_slot_seconds(checks, handling),
+                                        "runs": sum(c.plan is not None and c.run.fit and c.run.moe_handling == handling
+                                                    for c in checks)}
+                             for handling in MOE_HANDLING},
             "pair_hidden": [{"paired": paired.name, "without": alone.name, "planned": PAIR_HIDDEN,
                              "fitted": fit_pair_hidden(paired, alone),
                              "published_gain": paired.tokens_per_s_per_gpu / alone.tokens_per_s_per_gpu,
-                             "held_out": not paired.fit, "gain_hiding_all": plan_run(alone).step_seconds
+                             "held_out": not paired.share_fit, "gain_hiding_all": plan_run(alone).step_seconds
                              / plan_run(paired, pair_hidden=1.0).step_seconds}
                             for paired, alone in pairs]}
 
@@ -202,7 +217,7 @@ def to_dicts(checks: list[Check]) -> list[dict]:
     """The checks, JSON-ready."""
     return [{"name": c.run.name, "gpus": c.run.gpus, "gpu": c.run.gpu, "published_tokens_per_s_per_gpu":
              c.run.tokens_per_s_per_gpu, "predicted_tokens_per_s_per_gpu": c.predicted, "ratio": c.ratio,
-             "leave_one_out_ratio": c.loo, "held_out": not c.run.fit, "within_band": c.within,
-             "fits": None if c.plan is None else c.plan.fits,
+             "leave_one_out_ratio": c.loo, "held_out": not c.run.fit, "moe_handling": c.run.moe_handling,
+             "within_band": c.within, "fits": None if c.plan is None else c.plan.fits,
              "peak_memory_bytes": None if c.plan is None else c.plan.peak_memory, "source": c.run.source}
             for c in checks]

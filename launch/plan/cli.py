@@ -12,7 +12,7 @@ from pathlib import Path
 from launch.config import RunConfig, load_config
 from launch.plan.calibrate import render as render_checks
 from launch.plan.calibrate import fitted_constants, to_dicts, validate
-from launch.plan.efficiency import ATTENTION_SUSTAINED_CLOCK, PRECISIONS, ROUTED_SLOT_SECONDS, SUSTAINED_CLOCK
+from launch.plan.efficiency import ATTENTION_SUSTAINED_CLOCK, MOE_HANDLING, PRECISIONS, SLOT_SECONDS, SUSTAINED_CLOCK
 from launch.plan.memory import KERNELS, RECOMPUTE
 from launch.plan.measure import compare, cpu_machine, measure
 from launch.plan.planner import COMM_SM_SHARE, PAIR_HIDDEN, Machine, Options, make_plan
@@ -47,9 +47,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--comm-sm-share", type=float, default=COMM_SM_SHARE,
                    help=f"share of SMs communication holds while it overlaps compute (default {COMM_SM_SHARE:.3f}: "
                         "DeepSeek-V3's 20 of 132)")
-    p.add_argument("--slot-ns", type=float, default=ROUTED_SLOT_SECONDS * 1e9,
-                   help=f"ns per routed slot of an MoE layer's forward + backward beyond its GEMMs and bytes (default "
-                        f"{ROUTED_SLOT_SECONDS * 1e9:g}: fitted to the published runs, --validate; 0: none)")
+    p.add_argument("--moe-handling", choices=MOE_HANDLING, default="synced",
+                   help="how the stack handles an MoE layer's routed slots: synced (expert counts read to the host "
+                        "every layer, eager launches: this project's runtime, Megatron-Core's all-to-all; "
+                        f"{SLOT_SECONDS['synced'] * 1e9:g} ns a slot) or captured (router and preprocessing in CUDA "
+                        f"graphs before a fused DeepEP/HybridEP dispatch; {SLOT_SECONDS['captured'] * 1e9:g} ns): "
+                        "each cost fitted to its published runs, --validate (default synced)")
+    p.add_argument("--slot-ns", type=float, help="ns per routed slot of an MoE layer's forward + backward beyond its "
+                   "GEMMs and bytes (default: --moe-handling's; 0: none)")
     p.add_argument("--clock", type=float, default=SUSTAINED_CLOCK,
                    help=f"share of its boost clock a GPU's GEMMs hold through a run (default {SUSTAINED_CLOCK:g}, "
                         "measured on an H100; `moe-bench clock` measures it on the GPU at hand; 1: a short benchmark)")
@@ -110,12 +115,13 @@ def machine_from(args: argparse.Namespace, default_gpn: int) -> Machine:
         raise ValueError(f"--comm-sm-share = {args.comm_sm_share} must be in [0, 1)")
     if not 0 <= args.pair_hidden <= 1:
         raise ValueError(f"--pair-hidden = {args.pair_hidden} must be in [0, 1]")
-    if args.slot_ns < 0:
+    if args.slot_ns is not None and args.slot_ns < 0:
         raise ValueError(f"--slot-ns = {args.slot_ns} must be >= 0")
+    slot_seconds = SLOT_SECONDS[args.moe_handling] if args.slot_ns is None else args.slot_ns * 1e-9
     for flag, value in (("--clock", args.clock), ("--attention-clock", args.attention_clock)):
         if not 0 < value <= 1:
             raise ValueError(f"{flag} = {value} must be in (0, 1]")
-    return Machine(gpu, gpn, args.gemm_efficiency, comm_sm_share=args.comm_sm_share, slot_seconds=args.slot_ns * 1e-9,
+    return Machine(gpu, gpn, args.gemm_efficiency, comm_sm_share=args.comm_sm_share, slot_seconds=slot_seconds,
                    clock=args.clock, attention_clock=args.attention_clock, pair_hidden=args.pair_hidden)
 
 

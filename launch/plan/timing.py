@@ -33,7 +33,7 @@ class StageCost:
     w: float
     comm_f: float
     comm_b: float
-    slots: float = 0.0  # of f + b: the routed slots' handling (launch.plan.efficiency.ROUTED_SLOT_SECONDS)
+    slots: float = 0.0  # of f + b: the routed slots' handling (launch.plan.efficiency.SLOT_SECONDS)
     ep_f: float = 0.0  # of comm_f: the EP exchanges' (what a paired 1F1B overlaps; TP and CP collectives are the rest)
     ep_b: float = 0.0  # of comm_b: the same
 

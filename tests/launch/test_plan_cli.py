@@ -10,7 +10,7 @@ import pytest
 
 from launch.config import load_config
 from launch.plan.cli import main
-from launch.plan.efficiency import ATTENTION_SUSTAINED_CLOCK, SUSTAINED_CLOCK
+from launch.plan.efficiency import ATTENTION_SUSTAINED_CLOCK, SLOT_SECONDS, SUSTAINED_CLOCK
 from launch.plan.planner import Machine, make_plan
 from launch.plan.presets import GPUS
 from launch.plan.search import search
@@ -97,3 +97,18 @@ def test_a_measured_clock_reaches_the_plan_and_prices_gemms_and_attention(tmp_pa
     assert plans["boost"]["machine"]["clock"] == 1.0 and plans["default"]["machine"]["clock"] == SUSTAINED_CLOCK
     assert plans["default"]["machine"]["attention_clock"] == ATTENTION_SUSTAINED_CLOCK
     assert plans["boost"]["time"]["step_s"] < plans["default"]["time"]["step_s"]
+
+
+def test_moe_handling_picks_its_fitted_slot_cost_and_slot_ns_overrides_it(tmp_path):
+    """--moe-handling captured plans the captured stacks' routed-slot cost, synced (the default, this project's
+    runtime) the synced one; --slot-ns overrides either; a captured plan is faster (fewer seconds a slot)."""
+    seconds = {}
+    for name, argv in (("default", []), ("captured", ["--moe-handling", "captured"]),
+                       ("override", ["--moe-handling", "captured", "--slot-ns", "500"])):
+        out = tmp_path / f"{name}.json"
+        assert main([TINY, "--gpu", "h100", "--json", str(out), *argv]) == 0
+        plan = json.loads(out.read_text())
+        seconds[name] = (plan["machine"]["slot_seconds"], plan["time"]["step_s"])
+    assert seconds["default"][0] == SLOT_SECONDS["synced"] and seconds["captured"][0] == SLOT_SECONDS["captured"]
+    assert seconds["override"][0] == pytest.approx(500e-9)
+    assert seconds["captured"][1] < seconds["default"][1] < seconds["override"][1]
