@@ -25,7 +25,11 @@ def test_rows_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert ours["comm_mib"] == ours_sp["comm_mib"] == peer["comm_mib"] > 0
     assert ours_sp["norm_mib"] == pytest.approx(ours["norm_mib"] / 2, rel=0.05)
     assert ours_sp["act_mib"] <= peer["act_mib"]
-    assert "torch DTensor TP+SP" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "torch DTensor TP+SP" in text
+    runs = next(line for line in text.splitlines() if line.startswith("note: each side runs"))
+    assert "q/k/v in one Linear" in runs and "gate/up in one Linear" in runs and "hidden 32" in runs
+    assert runs.removeprefix("note: ") in doc["header"]["notes"]
 
 
 def test_options_that_do_not_split_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
