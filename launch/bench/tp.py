@@ -287,15 +287,15 @@ def main(argv: list[str] | None = None) -> int:
     progress(f"{args.tp} gloo ranks, {args.layers} blocks, hidden {args.hidden}, seq {args.seq}, batch {args.batch}")
     results = run_ranks(worker, args.tp, opts, "try fewer --layers, a shorter --seq or fewer --steps")
     rows = rows_from(results)
-    runs = (f"note: each side runs {args.layers} dense blocks (RMSNorm, GQA attention {args.heads}/{args.kv_heads} "
+    runs = (f"each contender runs {args.layers} dense blocks (RMSNorm, GQA attention {args.heads}/{args.kv_heads} "
             f"heads with RoPE and q/k/v in one Linear, SwiGLU {args.ffn} with gate/up in one Linear), hidden "
             f"{args.hidden}, {args.batch} x {args.seq} tokens, fp32, forward + backward, no optimizer; ours: this "
             f"project's column/row-parallel Linears (+SP: norms on sequence shards, all-gather in, reduce-scatter "
             f"out); peer: torch DTensor ColwiseParallel/RowwiseParallel + SequenceParallel over {args.tp} ranks")
-    head = header("tp", list(argv or []), notes=[runs.removeprefix("note: "), __doc__])
+    head = header("tp", list(argv or []), notes=[runs, __doc__])
     print(header_line(head))
     print(table(rows, COLUMNS, left=1))
-    print(runs)
+    print(f"note: {runs}")
     if args.json:
         write_json(args.json, head, rows, key=["contender"],
                    metrics={"step_ms": LOWER, "act_mib": LOWER, "comm_mib": LOWER})

@@ -64,7 +64,7 @@ def load_runs(path: Path = CALIBRATION) -> list[Run]:
 class Check:
     """One run planned (plan None: no public layout) beside its published throughput; base is the same plan
     without the routed-slot cost (efficiency.SLOT_SECONDS), loo the ratio with its handling's cost fitted to the other
-    runs only (None for a run without routed slots)."""
+    runs it is fitted to (None for a held-out run, a run without routed slots, or the only run of its handling)."""
 
     run: Run
     plan: Plan | None
@@ -100,10 +100,15 @@ class Check:
         return published / (self.base.step_seconds + self.slot_share * slot_seconds)
 
 
-def fit_slot_seconds(checks: list[Check], handling: str = "synced") -> float:
+def fitted_to(checks: list[Check], handling: str) -> list[Check]:
+    """The checks a handling's routed-slot cost is fitted to: its planned MoE runs that are not held out."""
+    return [c for c in checks if c.plan is not None and c.run.fit and c.run.moe_handling == handling and c.slot_share]
+
+
+def fit_slot_seconds(checks: list[Check], handling: str) -> float:
     """The routed-slot cost (seconds, to 1 ns) of one way of handling the slots that minimises the squared log
-    ratios of that way's planned checks that are not held out."""
-    planned = [c for c in checks if c.plan is not None and c.run.fit and c.run.moe_handling == handling]
+    ratios of the checks it is fitted to (fitted_to)."""
+    planned = fitted_to(checks, handling)
     if not planned:
         raise ValueError(f"no published run with moe_handling = {handling!r} to fit its routed-slot cost to")
     grid = [n * 1e-9 for n in range(FIT_LIMIT_NS + 1)]
@@ -126,9 +131,15 @@ def plan_run(run: Run, slot_seconds: float | None = None, pair_hidden: float = P
 
 
 def overlap_pairs(runs: list[Run]) -> list[tuple[Run, Run]]:
-    """(run with its paired 1F1B, the same layout published without it) for every run naming its twin."""
+    """(run with its paired 1F1B, the same layout published without it) for every run naming its twin; the two
+    halves of an A/B handle the slots alike (ValueError otherwise)."""
     by_name = {run.name: run for run in runs}
-    return [(run, by_name[run.without_overlap]) for run in runs if run.without_overlap]
+    pairs = [(run, by_name[run.without_overlap]) for run in runs if run.without_overlap]
+    for paired, alone in pairs:
+        if paired.moe_handling != alone.moe_handling:
+            raise ValueError(f"calibration runs {paired.name} and {alone.name}: an overlap A/B's halves must have "
+                             f"one moe_handling (they have {paired.moe_handling!r} and {alone.moe_handling!r})")
+    return pairs
 
 
 def fit_pair_hidden(paired: Run, alone: Run, slot_seconds: float | None = None) -> float:
@@ -154,8 +165,8 @@ def validate(path: Path = CALIBRATION) -> list[Check]:
     """Every run of the calibration file planned, with its leave-one-out ratio."""
     checks = [Check(run, plan_run(run), plan_run(run, 0.0)) for run in load_runs(path)]
     for check in checks:
-        others = [c for c in checks if c is not check and c.run.fit and c.run.moe_handling == check.run.moe_handling]
-        if check.slot_share and check.run.fit and others:
+        others = [c for c in fitted_to(checks, check.run.moe_handling) if c is not check]
+        if check in fitted_to(checks, check.run.moe_handling) and others:
             check.loo = check.ratio_at(fit_slot_seconds(others, check.run.moe_handling))
     return checks
 
@@ -175,13 +186,14 @@ def render(checks: list[Check], constants: dict) -> str:
     planned = [c for c in checks if c.plan is not None]
     held_out = [c for c in planned if not c.run.fit]
     lines = [f"published MoE runs, each planned in its own layout (band +-{BAND:.0%}; {CALIBRATION.name}):",
-             table(["run", "GPUs", "precision", "slots", "predicted tok/s/GPU", "published", "ratio", "leave-one-out",
-                    "peak memory", f"+-{BAND:.0%}"], rows),
+             table(["run", "GPUs", "precision", "handling", "predicted tok/s/GPU", "published", "ratio",
+                    "leave-one-out", "peak memory", f"+-{BAND:.0%}"], rows),
              f"inside +-{BAND:.0%}: {sum(c.within for c in planned)} of {len(planned)} planned runs "
              f"({sum(c.within for c in held_out)} of the {len(held_out)} held out)",
              *(f"routed-slot cost, {handling} handling: {slot['planned'] * 1e9:g} ns planned, "
-               f"{slot['fitted'] * 1e9:g} ns fitted to its {slot['runs']} runs (least squares of log ratios, "
-               f"held-out runs excluded)" for handling, slot in constants["slot_seconds"].items()),
+               + (f"{slot['fitted'] * 1e9:g} ns fitted to its {slot['runs']} MoE runs (least squares of log ratios, "
+                  "held-out runs excluded)" if slot["runs"] else "no run to fit it to")
+               for handling, slot in constants["slot_seconds"].items()),
              "leave-one-out: the ratio with its handling's cost fitted to the other runs of that handling"]
     lines += [f"paired 1F1B: its pairs hide {pair['planned']:g} of the EP exchanges the other half could cover, "
               f"planned; {pair['fitted']:g} fitted to {pair['paired']} against {pair['without']} "
@@ -201,10 +213,10 @@ def fitted_constants(checks: list[Check]) -> dict:
     """The constants fitted to the published runs, as shipped and as these checks fit them (a routed-slot cost per
     handling; the pair share to every A/B, the shipped one to those not held out), JSON-ready."""
     pairs = overlap_pairs([c.run for c in checks])
-    return {"slot_seconds": {handling: {"planned": SLOT_SECONDS[handling], "fitted": fit_slot_seconds(checks, handling),
-                                        "runs": sum(c.plan is not None and c.run.fit and c.run.moe_handling == handling
-                                                    for c in checks)}
-                             for handling in MOE_HANDLING},
+    fits = {handling: fitted_to(checks, handling) for handling in MOE_HANDLING}
+    return {"slot_seconds": {handling: {"planned": SLOT_SECONDS[handling], "runs": len(fit),
+                                        "fitted": fit_slot_seconds(fit, handling) if fit else None}
+                             for handling, fit in fits.items()},
             "pair_hidden": [{"paired": paired.name, "without": alone.name, "planned": PAIR_HIDDEN,
                              "fitted": fit_pair_hidden(paired, alone),
                              "published_gain": paired.tokens_per_s_per_gpu / alone.tokens_per_s_per_gpu,

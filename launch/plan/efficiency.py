@@ -87,9 +87,9 @@ QUANTIZE_BYTES = {"bf16": 0.0, "fp8-tensor": 6.0, "fp8-block": 4.0 + 4 / 128}
 #   permute and the preprocess at 7.4 s of the 24.7 (73 ns a slot, their communication included); it predicts the
 #   two other published runs of such a stack (B200, MBS4; DeepSeek-V3 on DeepEP) within the band.
 MOE_HANDLING = ("synced", "captured")
-ROUTED_SLOT_SECONDS = 0.248e-6
+SYNCED_SLOT_SECONDS = 0.248e-6
 CAPTURED_SLOT_SECONDS = 0.052e-6
-SLOT_SECONDS = {"synced": ROUTED_SLOT_SECONDS, "captured": CAPTURED_SLOT_SECONDS}
+SLOT_SECONDS = {"synced": SYNCED_SLOT_SECONDS, "captured": CAPTURED_SLOT_SECONDS}
 # What `moe-plan --validate` gives with the shipped constants, for every plan to state its known error: over the
 # published MoE runs it plans, (runs, lowest, highest) predicted/published tokens/s per GPU of the runs the slot costs
 # are fitted to and of those held out, and how many of all are within +-20% (tests keep it current).
@@ -103,7 +103,7 @@ class GemmModel:
 
     gpu: GPU
     flat: float | None = None
-    slot_seconds: float = ROUTED_SLOT_SECONDS
+    slot_seconds: float = SYNCED_SLOT_SECONDS
     clock: float = SUSTAINED_CLOCK  # share of the boost clock GEMMs hold through a run (1: a short benchmark)
     attention_clock: float = ATTENTION_SUSTAINED_CLOCK  # the same for flash attention
 

@@ -12,7 +12,7 @@ from launch.config import RunConfig
 from launch.flops import attention_shape, layer_flops, mixed_peak, model_flops_per_token
 from launch.plan.compute import (Precisions, Seconds, elementwise_seconds, head_seconds, layer_seconds,
                                  mtp_seconds)
-from launch.plan.efficiency import (ATTENTION_SUSTAINED_CLOCK, PRECISIONS, ROUTED_SLOT_SECONDS, SUSTAINED_CLOCK,
+from launch.plan.efficiency import (ATTENTION_SUSTAINED_CLOCK, PRECISIONS, SYNCED_SLOT_SECONDS, SUSTAINED_CLOCK,
                                     GemmModel)
 from launch.plan.memory import (FP8_CACHED, ActivationModel, ModelStates, backward_workspace, offloaded, schedule_peaks,
                                 zero_model_states)
@@ -35,7 +35,7 @@ COMM_SM_SHARE = 20 / 132  # DeepSeek-V3 (report section 3.2.2): 20 of an H800's 
 # compute could cover: fitted to the model zoo's A/B of that overlap, Qwen3-235B on 256 H100s (17.6 s/step with it,
 # 19.7 without: x1.12), where hiding all of it reads x1.27 (`moe-plan --validate` refits it). A later A/B on HybridEP
 # (Qwen3-30B, 16 H100, x1.18; held out for the share) asks all of it hidden (x1.17), DeepSeek-V3 on DeepEP in
-# 26.04.01 half (1.01 at 0.5, 1.30 at 1): the share is the stack's. DualPipe's pairs (our runtime's F&B overlap) hide
+# 26.04.01 half (1.01 at 0.5, 1.31 at 1): the share is the stack's. DualPipe's pairs (our runtime's F&B overlap) hide
 # all: DeepSeek-V3's H800 run is planned so within the band.
 PAIR_HIDDEN = 0.5
 
@@ -52,7 +52,7 @@ class Machine:
     gemm_efficiency: float | None = None
     profile: Profile | None = None
     comm_sm_share: float = COMM_SM_SHARE
-    slot_seconds: float = ROUTED_SLOT_SECONDS  # per routed slot of an MoE layer (efficiency.SLOT_SECONDS: synced)
+    slot_seconds: float = SYNCED_SLOT_SECONDS  # per routed slot of an MoE layer (efficiency.SLOT_SECONDS: synced)
     clock: float = SUSTAINED_CLOCK  # share of the boost clock GEMMs hold through a run (efficiency.SUSTAINED_CLOCK)
     attention_clock: float = ATTENTION_SUSTAINED_CLOCK  # the same for attention
     pair_hidden: float = PAIR_HIDDEN  # share of a paired 1F1B's EP exchanges its pairs hide (timing.paired)

@@ -72,7 +72,7 @@ def known_error() -> str:
     """The planner's error on the published runs (efficiency.VALIDATED), as one line under a plan's throughput."""
     (fitted, fit_low, fit_high), (held, low, high) = VALIDATED["fitted"], VALIDATED["held_out"]
     return (f"known error (moe-plan --validate): predicted/published tokens/s {fit_low:.2f}-{fit_high:.2f} on the "
-            f"{fitted} published runs the slot costs are fitted to, {low:.2f}-{high:.2f} on {held} held out; "
+            f"{fitted} published runs its constants are fitted to, {low:.2f}-{high:.2f} on {held} held out; "
             f"{VALIDATED['within']} of {fitted + held} within +-20%")
 
 

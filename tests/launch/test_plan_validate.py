@@ -46,7 +46,7 @@ def test_validate_prints_predicted_published_and_ratio_and_marks_misses(tmp_path
     for handling, slot in slots.items():
         assert slot["planned"] == SLOT_SECONDS[handling] and slot["runs"] >= 2
         assert (f"routed-slot cost, {handling} handling: {slot['planned'] * 1e9:g} ns planned, "
-                f"{slot['fitted'] * 1e9:g} ns fitted to its {slot['runs']} runs") in text
+                f"{slot['fitted'] * 1e9:g} ns fitted to its {slot['runs']} MoE runs") in text
     assert len(pairs) == len(overlap_pairs(load_runs())) >= 2
     for pair in pairs:
         assert pair["planned"] == PAIR_HIDDEN and f"{pair['fitted']:g} fitted to {pair['paired']} against" in text
@@ -55,7 +55,7 @@ def test_validate_prints_predicted_published_and_ratio_and_marks_misses(tmp_path
     assert f"inside +-20%: {len(inside)} of {len(planned)} planned runs" in text
     assert [r["name"] for r in rows] == [r.name for r in load_runs()]
     header = next(line for line in text.splitlines() if line.strip().startswith("run"))
-    assert all(word in header for word in ("slots", "predicted tok/s/GPU", "published", "ratio", "leave-one-out",
+    assert all(word in header for word in ("handling", "predicted tok/s/GPU", "published", "ratio", "leave-one-out",
                                            "peak memory"))
     for row in rows:
         line = next(line for line in text.splitlines() if line.strip().startswith(row["name"] + " "))
@@ -111,18 +111,22 @@ def test_the_shipped_routed_slot_costs_are_the_fits_to_the_published_runs(checks
 def test_captured_handling_predicts_the_runs_it_was_not_fitted_to(checks):
     """The captured cost, fitted to NVIDIA's HybridEP A/B on 16 H100 only, predicts the other two published runs of
     a captured stack (Qwen3-30B on 8 B200 at MBS4 on HybridEP; DeepSeek-V3 on 256 B200 on DeepEP with pairs) within
-    the band, where the synced cost every other stack is planned with misses both (0.32 and 0.76)."""
+    the band, where the synced cost every other stack is planned with misses both (0.32 and 0.76). The held-out runs
+    are on another GPU, and one is another model (DeepSeek-V3)."""
     captured = [c for c in checks if c.run.moe_handling == "captured"]
     fitted, held_out = [c for c in captured if c.run.fit], [c for c in captured if not c.run.fit]
-    assert {c.run.gpu for c in fitted} == {"h100"} and len(held_out) >= 2
-    assert {c.run.gpu for c in held_out} == {"b200"} and {c.run.config for c in held_out} > {fitted[0].run.config}
+    assert {c.run.gpu for c in fitted} == {"h100"} and {c.run.gpu for c in held_out} == {"b200"}
+    assert len(held_out) >= 2 and any(c.run.config != fitted[0].run.config for c in held_out)
     for check in held_out:
-        assert check.within, (check.run.name, check.ratio)
-        assert check.ratio_at(SLOT_SECONDS["synced"]) < 1 - BAND, check.run.name
+        run = check.run
+        assert check.within, (run.name, check.ratio)
+        synced = plan_run(run, SLOT_SECONDS["synced"]).tokens_per_second / run.gpus / run.tokens_per_s_per_gpu
+        assert synced < 0.78, (run.name, synced)
     assert SLOT_SECONDS["captured"] < SLOT_SECONDS["synced"] / 3
 
 
 def test_a_calibration_run_names_an_allowed_slot_handling():
+    """A run's moe_handling is one of efficiency.MOE_HANDLING, refused by name otherwise."""
     with pytest.raises(ValueError, match="moe_handling = 'graphs' is not allowed; choose one of synced, captured"):
         Run(name="x", model="m", stack="s", gpu="h100", gpus=8, layout="l", precision="p", published="1",
             tokens_per_s_per_gpu=1.0, source="s", moe_handling="graphs")
@@ -139,7 +143,7 @@ def test_every_plan_states_the_error_validate_measures(checks, tmp_path, capsys)
     out = tmp_path / "plan.json"
     assert main([str(ROOT / "configs" / "tiny.toml"), "--json", str(out)]) == 0
     fitted, held = VALIDATED["fitted"], VALIDATED["held_out"]
-    assert (f"{fitted[1]:.2f}-{fitted[2]:.2f} on the {fitted[0]} published runs the slot costs are fitted to, "
+    assert (f"{fitted[1]:.2f}-{fitted[2]:.2f} on the {fitted[0]} published runs its constants are fitted to, "
             f"{held[1]:.2f}-{held[2]:.2f} on {held[0]} held out") in capsys.readouterr().out
     assert json.loads(out.read_text())["known_error"]["held_out"]["runs"] == held[0]
 
@@ -163,7 +167,7 @@ def test_a_held_out_overlap_a_b_asks_every_exchange_hidden():
     micro-batches paired) published x1.18; planned at the captured slot cost, pairs hiding all the EP exchanges the
     other half could cover give x1.17, the shipped share (0.5, the 2025 zoo's DeepEP A/B) x1.08: this stack's pairs
     hide all of it. The share stays one constant: DeepSeek-V3 on DeepEP in 26.04.01 (captured, paired) reads 1.01 at
-    the shipped share and 1.30 hiding all."""
+    the shipped share and 1.31 hiding all."""
     ((paired, alone),) = [(p, a) for p, a in overlap_pairs(load_runs()) if not p.share_fit]
     assert paired.config == alone.config and paired.set == alone.set and paired.plan.get("paired")
     assert paired.moe_handling == alone.moe_handling == "captured"

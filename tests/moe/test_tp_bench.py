@@ -27,7 +27,7 @@ def test_rows_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert ours_sp["act_mib"] <= peer["act_mib"]
     text = capsys.readouterr().out
     assert "torch DTensor TP+SP" in text
-    runs = next(line for line in text.splitlines() if line.startswith("note: each side runs"))
+    runs = next(line for line in text.splitlines() if line.startswith("note: each contender runs"))
     assert "q/k/v in one Linear" in runs and "gate/up in one Linear" in runs and "hidden 32" in runs
     assert runs.removeprefix("note: ") in doc["header"]["notes"]
 
