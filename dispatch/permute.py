@@ -35,9 +35,10 @@ def make_permutation(groups: Tensor, num_groups: int, counts: list[int] | None =
         return Permutation(row, torch.empty_like(row), groups.new_empty(num_groups, dtype=torch.int64),
                            segment_plan(row, rows, slots))
     flat = groups.reshape(-1)
-    here = groups >= 0
-    pairs, *sizes = torch.cat([here.sum().view(1), pass_sizes(here.sum(1), slots)]).tolist()  # host sync: the
-    kept = torch.nonzero_static(here.reshape(-1), size=pairs).squeeze(1)  # number of pairs sizes every tensor after it
+    here = flat >= 0
+    per_row = here.view(rows, slots).sum(1)
+    pairs, *sizes = torch.cat([per_row.sum().view(1), pass_sizes(per_row, slots)]).tolist()  # host sync: the
+    kept = torch.nonzero_static(here, size=pairs).squeeze(1)  # number of pairs sizes every tensor after it
     order = kept[torch.argsort(flat[kept], stable=True)]
     row = order // slots
     counts = count_ids(flat, num_groups)

@@ -164,9 +164,11 @@ def fit_pair_hidden(paired: Run, alone: Run, slot_seconds: float | None = None) 
 def validate(path: Path = CALIBRATION) -> list[Check]:
     """Every run of the calibration file planned, with its leave-one-out ratio."""
     checks = [Check(run, plan_run(run), plan_run(run, 0.0)) for run in load_runs(path)]
+    fits = {handling: fitted_to(checks, handling) for handling in MOE_HANDLING}
     for check in checks:
-        others = [c for c in fitted_to(checks, check.run.moe_handling) if c is not check]
-        if check in fitted_to(checks, check.run.moe_handling) and others:
+        fit = fits[check.run.moe_handling]
+        others = [c for c in fit if c is not check]
+        if check in fit and others:
             check.loo = check.ratio_at(fit_slot_seconds(others, check.run.moe_handling))
     return checks
 
