@@ -8,12 +8,12 @@ exposed, small M every weight read):
     t = 2 * groups * M' * N * K / (peak * TENSOR_EFFICIENCY * clock * grouped * scaling) + bytes / (HBM bandwidth)
 
 with M' = M rounded up to TILE_ROWS per group (the grouped kernels pad every group to their tile),
-grouped = GROUPED_EFFICIENCY for a grouped GEMM, scaling = 1 - FP8_BLOCK_SCALING_COST for FP8 with 1x128 /
-128x128 scales, and bytes = operands in their precision, output in BF16 (FP32 for a weight gradient),
-plus the FP32 scales, and clock = SUSTAINED_CLOCK by default (the share of its boost clock a GPU holds through a
-training run at its power cap; 1 for a short benchmark). Efficiency (2MNK / t / peak) therefore rises with
-every dimension and saturates below TENSOR_EFFICIENCY x clock; it falls for the small-N, small-K and few-row
-GEMMs of fine-grained experts.
+grouped = GROUPED_EFFICIENCY for a grouped GEMM, scaling = 1 - BLOCK_SCALING_COST[precision] for FP8 with
+1x128 / 128x128 scales (by the kernels that run them), and bytes = operands in their precision, output in BF16
+(FP32 for a weight gradient), plus the FP32 scales, and clock = SUSTAINED_CLOCK by default (the share of its
+boost clock a GPU holds through a training run at its power cap; 1 for a short benchmark). Efficiency
+(2MNK / t / peak) therefore rises with every dimension and saturates below TENSOR_EFFICIENCY x clock; it falls
+for the small-N, small-K and few-row GEMMs of fine-grained experts.
 
 Attention's core (flash attention: QK^T, softmax, AV) runs at ATTENTION_EFFICIENCY of the BF16 peak, x
 ATTENTION_SUSTAINED_CLOCK through a run (`moe-plan --clock/--attention-clock` take the factors `moe-bench clock`
@@ -29,7 +29,9 @@ from dataclasses import dataclass
 
 from launch.plan.presets import GPU
 
-PRECISIONS = ("bf16", "fp8-tensor", "fp8-block")  # BF16; FP8 with one scale per tensor; FP8 with 1x128 tiles
+# BF16; FP8 with one scale per tensor; FP8 with 1x128 / 128x128 tiles on kernels that promote on the CUDA cores as
+# DeepGEMM does (DeepSeek's, this project's); the same tiles through Transformer Engine's Float8BlockScaling on Hopper
+PRECISIONS = ("bf16", "fp8-tensor", "fp8-block", "fp8-block-te")
 
 # The tensor cores' main-loop share of the dense peak. An H100 runs an 8192^3 BF16 GEMM at 798 TFLOPS
 # (ANCHORS.md), 1.378 ms, of which moving its 403 MB at the 3.0 TB/s a device copy reaches is 0.134 ms: the
@@ -42,8 +44,14 @@ TENSOR_EFFICIENCY = 0.89
 GROUPED_EFFICIENCY = 0.90
 # FP8 with fine-grained scales promotes each 128-wide K slice's partial sums to FP32 on the CUDA cores
 # (DeepSeek-V3 report 3.3.2); the kernels overlap it with the tensor cores, leaving DeepGEMM's dense 1x128
-# GEMM at 0.87 of peak against the 0.89 a GEMM without it reaches: the promotion costs 1.5%.
-FP8_BLOCK_SCALING_COST = 0.015
+# GEMM at 0.87 of peak against the 0.89 a GEMM without it reaches: the promotion costs 1.5%. Transformer Engine's
+# Float8BlockScaling on Hopper (cuBLAS's block-scaled GEMMs and TE's 1x128 casts) is its slowest FP8 recipe: TE's
+# GEMM profiling guide (docs/examples/gemm_profiling, H200 NVL, a layer's 12 GEMMs of hidden 4096, FFN 16384 at
+# 15,872 tokens in autocast: inputs and weights cast before each GEMM) reads 22.882 ms a layer against 20.285 for
+# current scaling (x1.128; 32.014 in BF16). With its casts priced by their bytes (QUANTIZE_BYTES, as current
+# scaling's), the main loop that reproduces x1.128 runs 17.6% below a GEMM without scales (FBGEMM's block-scaled
+# CUTLASS GEMM on an H100 ran at 0.73-0.80 of its row-scaled one: pytorch/FBGEMM PR 2546).
+BLOCK_SCALING_COST = {"fp8-block": 0.015, "fp8-block-te": 0.176}
 # Tensor-core work through a training run holds less than the boost clock the benchmarks above ran at. On the H100s
 # lent to this project (700 W cap, 2026-11-27; two machines) an 8192^3 BF16 GEMM on random data ran at 787 and 804
 # TFLOPS over its first calls and at a median 672 and 688 over 20-30 s of back-to-back calls, the SM clock down
@@ -68,7 +76,7 @@ ATTENTION_EFFICIENCY = 0.49
 # BF16, both orientations (the weight grad needs the transpose): per-tensor current scaling first reads the
 # tensor for its amax, then reads it again and writes e4m3 twice (2 + 2 + 1 + 1); 1x128 tiles take their scale
 # in the same pass (2 + 1 + 1, the FP32 scales 1/32 more). BF16 linears quantize nothing.
-QUANTIZE_BYTES = {"bf16": 0.0, "fp8-tensor": 6.0, "fp8-block": 4.0 + 4 / 128}
+QUANTIZE_BYTES = {"bf16": 0.0, "fp8-tensor": 6.0, "fp8-block": 4.0 + 4 / 128, "fp8-block-te": 4.0 + 4 / 128}
 # Seconds per routed slot (one token's copy to one of its top_k experts) of an MoE layer's forward + backward that
 # the GEMMs, the memory-bound ops' bytes and the links' bytes above do not account for: the router's top-k and
 # the permutation's index work, the dispatch/combine kernels' per-token processing, the host syncs on expert
@@ -85,7 +93,8 @@ QUANTIZE_BYTES = {"bf16": 0.0, "fp8-tensor": 6.0, "fp8-block": 4.0 + 4 / 128}
 #   part of the slot's cost the graphs and the fused kernels each take off is not published): fitted to NVIDIA's
 #   HybridEP A/B of Qwen3-30B on 16 H100 (24.71 and 20.99 s a step), whose Nsight profile puts the dispatch with
 #   permute and the preprocess at 7.4 s of the 24.7 (73 ns a slot, their communication included); it predicts the
-#   two other published runs of such a stack (B200, MBS4; DeepSeek-V3 on DeepEP) within the band.
+#   three other published runs of such a stack (Qwen3-30B on B200 at MBS4; DeepSeek-V3 on B200 and Qwen3-235B on 256
+#   H100, both on DeepEP) within the band.
 MOE_HANDLING = ("synced", "captured")
 SYNCED_SLOT_SECONDS = 0.248e-6
 CAPTURED_SLOT_SECONDS = 0.052e-6
@@ -93,7 +102,7 @@ SLOT_SECONDS = {"synced": SYNCED_SLOT_SECONDS, "captured": CAPTURED_SLOT_SECONDS
 # What `moe-plan --validate` gives with the shipped constants, for every plan to state its known error: over the
 # published MoE runs it plans, (runs, lowest, highest) predicted/published tokens/s per GPU of the runs the slot costs
 # are fitted to and of those held out, and how many of all are within +-20% (tests keep it current).
-VALIDATED = {"fitted": (13, 0.83, 1.19), "held_out": (12, 0.70, 1.40), "within": 19}
+VALIDATED = {"fitted": (13, 0.83, 1.19), "held_out": (14, 0.70, 1.40), "within": 21}
 
 
 @dataclass(frozen=True)
@@ -123,10 +132,10 @@ class GemmModel:
         rows = math.ceil(m / TILE_ROWS) * TILE_ROWS if groups > 1 else m
         rate = self.peak(precision) * TENSOR_EFFICIENCY * self.clock
         rate *= GROUPED_EFFICIENCY if groups > 1 else 1.0
-        rate *= 1.0 - FP8_BLOCK_SCALING_COST if precision == "fp8-block" else 1.0
+        rate *= 1.0 - BLOCK_SCALING_COST.get(precision, 0.0)
         size = 2 if precision == "bf16" else 1
         moved = groups * ((m * k + k * n) * size + m * n * out_bytes)
-        if precision == "fp8-block":
+        if precision in BLOCK_SCALING_COST:
             moved += groups * 4 * (m * k / 128 + n * k / 128 ** 2)
         return 2.0 * groups * rows * n * k / rate + self.memory(moved)
 
