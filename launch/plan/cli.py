@@ -66,7 +66,8 @@ def parser() -> argparse.ArgumentParser:
                    "(default: this project's ZeRO-1 for train.dtype)")
     p.add_argument("--linears", choices=PRECISIONS, help="precision of every linear layer's GEMMs (default: BF16, "
                    "the routed experts as model.expert_precision says; the router and LM head stay BF16); fp8-block "
-                   "on DeepGEMM-like kernels (this project's), fp8-block-te through Transformer Engine on Hopper")
+                   "on DeepGEMM-like kernels (this project's; MXFP8 on Blackwell), fp8-block-te through Transformer "
+                   "Engine's Float8BlockScaling on Hopper")
     p.add_argument("--virtual-stages", type=int, default=1, help="1f1b: model chunks per rank of an interleaved "
                    "1F1B (Megatron's VPP): the bubble shrinks by this factor")
     p.add_argument("--paired-1f1b", action="store_true", help="1f1b: steady-state F and B run as overlapped pairs "

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from launch.plan.presets import GPU
 
 # BF16; FP8 with one scale per tensor; FP8 with 1x128 / 128x128 tiles on kernels that promote on the CUDA cores as
-# DeepGEMM does (DeepSeek's, this project's); the same tiles through Transformer Engine's Float8BlockScaling on Hopper
+# DeepGEMM does (DeepSeek's, this project's; MXFP8 on Blackwell is priced so too); the same tiles through Transformer
+# Engine's Float8BlockScaling on Hopper (cuBLAS's block-scaled GEMMs)
 PRECISIONS = ("bf16", "fp8-tensor", "fp8-block", "fp8-block-te")
 
 # The tensor cores' main-loop share of the dense peak. An H100 runs an 8192^3 BF16 GEMM at 798 TFLOPS
@@ -50,7 +51,7 @@ GROUPED_EFFICIENCY = 0.90
 # 15,872 tokens in autocast: inputs and weights cast before each GEMM) reads 22.882 ms a layer against 20.285 for
 # current scaling (x1.128; 32.014 in BF16). With its casts priced by their bytes (QUANTIZE_BYTES, as current
 # scaling's), the main loop that reproduces x1.128 runs 17.6% below a GEMM without scales (FBGEMM's block-scaled
-# CUTLASS GEMM on an H100 ran at 0.73-0.80 of its row-scaled one: pytorch/FBGEMM PR 2546).
+# CUTLASS GEMM on an H100 at 500 W ran at 0.73-0.77 of its row-scaled one: pytorch/FBGEMM PR 2546).
 BLOCK_SCALING_COST = {"fp8-block": 0.015, "fp8-block-te": 0.176}
 # Tensor-core work through a training run holds less than the boost clock the benchmarks above ran at. On the H100s
 # lent to this project (700 W cap, 2026-11-27; two machines) an 8192^3 BF16 GEMM on random data ran at 787 and 804
