@@ -38,6 +38,12 @@ GPUS: dict[str, GPU] = {
                 "NVIDIA DGX B200 datasheet: 72 PFLOPS FP8 training / 8 GPUs (dense half of sparse peaks), "
                 "1440 GB HBM3e / 8 (64 TB/s / 8), NVLink5 1.8 TB/s bidirectional; 8x 400 Gb/s ConnectX-7 per node",
                 hbm_gbps=8000.0),
+    "gb200": GPU("GB200 NVL72", 2500.0, 5000.0, 186.0, 900.0, 50.0,
+                 "NVIDIA GB200 NVL72 (Blackwell technical brief: a GB200's B200 at 1,200 W, 2.5 PFLOPS BF16 / 5 FP8 "
+                 "dense against HGX B200's 2.25 / 4.5 at 1,000 W; 13.4 TB HBM3e at 576 TB/s / 72 GPUs = 186 GB at 8 "
+                 "TB/s, 186 GB as MLPerf's GB200 system descriptions list it; NVLink5 1.8 TB/s bidirectional across the "
+                 "rack's NVLink domain (gpus_per_node: the domain a job spans, e.g. 64 of a rack's 72); one 400 Gb/s "
+                 "ConnectX-7 per GPU", hbm_gbps=8000.0),
 }
 
 

@@ -26,7 +26,7 @@ TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.toml")
     (["--set", "parallel.ep=3"], "parallel.ep = 3 must divide dp x cp x tp"),
     (["--set", "parallel.cp=2", "--set", "parallel.dp=1", "--set", "train.seq_len=34"],
      "train.seq_len = 34 must be divisible by 2 x parallel.cp = 4"),
-    (["--gpu", "a100"], "--gpu 'a100' is not a known GPU; choose one of h800, h100, h200, b200"),
+    (["--gpu", "a100"], "--gpu 'a100' is not a known GPU; choose one of h800, h100, h200, b200, gb200"),
     (["--peak-tflops", "100"], "--memory-gb, --intra-node-gbps, --inter-node-gbps must be given"),
     (["--gpu", "h100", "--inter-node-gbps", "0"], "--inter-node-gbps = 0.0 must be > 0"),
     (["--gpu", "h100", "--exchange-latency-us", "-1"], "--exchange-latency-us = -1.0 must be > 0 or 0"),
