@@ -93,9 +93,9 @@ QUANTIZE_BYTES = {"bf16": 0.0, "fp8-tensor": 6.0, "fp8-block": 4.0 + 4 / 128, "f
 #   (Megatron-Core's flex dispatcher on DeepEP or HybridEP with cuda_graph_scope moe_router + moe_preprocess; which
 #   part of the slot's cost the graphs and the fused kernels each take off is not published): fitted to NVIDIA's
 #   HybridEP A/B of Qwen3-30B on 16 H100 (24.71 and 20.99 s a step), whose Nsight profile puts the dispatch with
-#   permute and the preprocess at 7.4 s of the 24.7 (73 ns a slot, their communication included); it predicts the
-#   three other published runs of such a stack (Qwen3-30B on B200 at MBS4; DeepSeek-V3 on B200 and Qwen3-235B on 256
-#   H100, both on DeepEP) within the band.
+#   permute and the preprocess at 7.4 s of the 24.7 (73 ns a slot, their communication included); of the eight other
+#   published runs of such a stack it predicts six within the band (Qwen3-30B on B200 at MBS4; DeepSeek-V3 on B200
+#   and Qwen3-235B on 256 H100, both on DeepEP; the three Qwen3 rows on GB200) and misses DeepSeek-V3 on GB200.
 MOE_HANDLING = ("synced", "captured")
 SYNCED_SLOT_SECONDS = 0.248e-6
 CAPTURED_SLOT_SECONDS = 0.052e-6

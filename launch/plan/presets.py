@@ -39,11 +39,12 @@ GPUS: dict[str, GPU] = {
                 "1440 GB HBM3e / 8 (64 TB/s / 8), NVLink5 1.8 TB/s bidirectional; 8x 400 Gb/s ConnectX-7 per node",
                 hbm_gbps=8000.0),
     "gb200": GPU("GB200 NVL72", 2500.0, 5000.0, 186.0, 900.0, 50.0,
-                 "NVIDIA GB200 NVL72 (Blackwell technical brief: a GB200's B200 at 1,200 W, 2.5 PFLOPS BF16 / 5 FP8 "
-                 "dense against HGX B200's 2.25 / 4.5 at 1,000 W; 13.4 TB HBM3e at 576 TB/s / 72 GPUs = 186 GB at 8 "
-                 "TB/s, 186 GB as MLPerf's GB200 system descriptions list it; NVLink5 1.8 TB/s bidirectional across the "
-                 "rack's NVLink domain (gpus_per_node: the domain a job spans, e.g. 64 of a rack's 72); one 400 Gb/s "
-                 "ConnectX-7 per GPU", hbm_gbps=8000.0),
+                 "NVIDIA GB200 NVL72 spec, a rack of 72 GPUs: 360 / 720 PFLOPS BF16 / FP8 with sparsity (2.5 / 5 dense "
+                 "a GPU, against HGX B200's 2.25 / 4.5), 13.4 TB HBM3e at 576 TB/s (186 GB at 8 TB/s a GPU; MLPerf's "
+                 "GB200 system descriptions list 186 GB), NVLink5 130 TB/s (1.8 TB/s bidirectional a GPU across the "
+                 "rack's NVLink domain; gpus_per_node: the part of it a job spans, e.g. 64 of 72); one 400 Gb/s "
+                 "ConnectX-7 a GPU; NVLink-C2C to its Grace CPU at 900 GB/s bidirectional",
+                 hbm_gbps=8000.0, host_gbps=450.0),
 }
 
 

@@ -49,6 +49,7 @@ def test_planned_tflops_names_the_gpu_and_prices_each_op_as_the_planner_does():
 
     assert preset_for_device("NVIDIA H100 80GB HBM3") is GPUS["h100"]
     assert preset_for_device("NVIDIA H200") is GPUS["h200"]
+    assert preset_for_device("NVIDIA GB200") is GPUS["gb200"] and preset_for_device("NVIDIA B200") is GPUS["b200"]
     assert preset_for_device("NVIDIA A100-SXM4-80GB") is None
     model = GemmModel(GPUS["h100"])
     shape = {"groups": 8, "rows_per_group": 512, "N": 768, "K": 2048}
