@@ -75,6 +75,15 @@ def layer_seconds(model: GemmModel, cfg: ModelConfig, attention: AttentionShape,
     out += Seconds(core, 2 * core, 0.0)
     if index < cfg.first_k_dense:
         return out + _swiglu(model, tokens, h, cfg.dense_ffn_size / tp, precisions.dense)
+    return out + moe_block_seconds(model, cfg, tokens, tp, ep, precisions)
+
+
+def moe_block_seconds(model: GemmModel, cfg: ModelConfig, tokens: int, tp: int, ep: int,
+                      precisions: Precisions) -> Seconds:
+    """Seconds of one chunk through an MoE layer's MoE block on one TP rank: shared experts, router, the routed
+    experts' grouped GEMMs and the routed slots' handling (see the module doc)."""
+    h = cfg.hidden_size
+    out = Seconds()
     if cfg.num_shared_experts:
         out += _swiglu(model, tokens, h, cfg.num_shared_experts * cfg.expert_ffn_size / tp, precisions.dense)
     out += _linear(model, tokens / tp, cfg.num_experts, h, "bf16")

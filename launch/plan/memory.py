@@ -16,6 +16,10 @@ from moe.recompute import RECOMPUTE
 from pipeline.schedules import Op, Schedule
 
 KERNELS = ("project", "fused", "fused-fp8")
+# What moe-plan plans besides this runtime's modes (RECOMPUTE): "moe", Megatron-Core's `--recompute-modules layernorm
+# moe` (the published runs of calibration.toml that use it): norms keep their inputs only, an MoE layer's MoE block
+# (router, dispatch, experts, combine, shared experts) keeps nothing and reruns, exchanges included, in backward.
+PLAN_RECOMPUTE = (*RECOMPUTE, "moe")
 FP8_CACHED = 1 + 4 / 128  # bytes per element of an e4m3 tensor with one fp32 scale per 128 (1x128 tiles)
 
 
@@ -79,7 +83,8 @@ class ActivationModel:
     holds S / cp of a sequence's tokens. Recomputation:
     "selective" recomputes the norms, SwiGLU products and (MLA) the q/kv up-projections from their
     latents, as DeepSeek-V3 does; "full" keeps only a dense layer's input and recomputes the layer, and reruns an
-    MoE layer's communication-free segments (see layer; moe.model.Block).
+    MoE layer's communication-free segments (see layer; moe.model.Block); "moe" (PLAN_RECOMPUTE, Megatron-Core's)
+    keeps attention whole, the norms' inputs only and nothing of an MoE block.
     """
 
     cfg: ModelConfig
@@ -93,7 +98,7 @@ class ActivationModel:
     cp_method: str = "ring"
 
     def __post_init__(self) -> None:
-        for name, allowed in (("recompute", RECOMPUTE), ("kernels", KERNELS), ("cp_method", CP_METHODS)):
+        for name, allowed in (("recompute", PLAN_RECOMPUTE), ("kernels", KERNELS), ("cp_method", CP_METHODS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} = {getattr(self, name)!r} is not allowed; choose one of "
                                  f"{', '.join(map(repr, allowed))}")
@@ -109,8 +114,8 @@ class ActivationModel:
 
     def _norm(self) -> float:
         """An RMSNorm and its consumer: the norm's input and output (project: also the fp32 rstd per row);
-        selective recompute keeps the input only."""
-        if self.recompute == "selective":
+        selective (and moe) recompute keeps the input only."""
+        if self.recompute in ("selective", "moe"):
             return self._hidden(1)
         if not self._project:
             return self._hidden(2)
@@ -178,8 +183,15 @@ class ActivationModel:
             return self._hidden(1 + normed) + experts + self._router()
         if not moe:
             return self._attention() + self._norm() + self._swiglu(cfg.dense_ffn_size / self.tp)
+        if self.recompute == "moe":
+            return self._attention() + self._norm()
+        return self._attention() + self._norm() + self._moe_block()
+
+    def _moe_block(self) -> float:
+        """An MoE block's saved bytes per token: each routed slot's, the router's and the shared experts'."""
+        cfg = self.cfg
         shared = self._swiglu(cfg.num_shared_experts * cfg.expert_ffn_size / self.tp)
-        return self._attention() + self._norm() + experts + self._router() + shared
+        return cfg.top_k * self._slot() / self.tp + self._router() + shared
 
     def backward_layer(self, moe: bool) -> float:
         """Bytes per token one layer holds at most during its own backward: what it keeps, or under full recompute
@@ -187,6 +199,8 @@ class ActivationModel:
         experts' SwiGLUs beside all it keeps, or, once those are done, attention with both norms, its input
         included)."""
         kept = self.layer(moe)
+        if self.recompute == "moe" and moe:  # the rerun MoE block's bytes beside all the layer keeps
+            return kept + replace(self, recompute="none")._moe_block()
         if self.recompute != "full":
             return kept
         plain = replace(self, recompute="none")  # the rerun saves the kept input again: counted once

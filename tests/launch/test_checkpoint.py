@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import shutil
 
 import pytest
 import torch

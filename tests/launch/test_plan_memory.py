@@ -9,9 +9,10 @@ import pytest
 
 from launch.config import load_config
 from launch.flops import attention_shape
+from launch.plan.compute import Precisions, moe_block_seconds
 from launch.plan.memory import FP8_CACHED, ActivationModel, backward_workspace, schedule_peaks, zero_model_states
 from launch.plan.params import count_params
-from launch.plan.planner import Machine, Options, make_plan
+from launch.plan.planner import Machine, Options, chunk_tokens, make_plan
 from launch.plan.presets import GPUS, RECIPES
 from launch.plan.timing import StageCost
 from pipeline.schedules import build
@@ -105,6 +106,38 @@ def test_full_recompute_backward_peaks_at_the_largest_rerun_beside_the_layers_be
     assert full.backward_stage(range(4), False, 10) == 10 * max(none.layer(False), dense + moe + moe
                                                                + full.backward_layer(True))
     assert none.backward_stage(range(4), True, 10) == none.stage(range(4), True, 10)
+
+
+def test_moe_recompute_keeps_attention_and_the_norm_inputs_and_reruns_the_moe_block_in_backward():
+    """Megatron-Core's `--recompute-modules layernorm moe` (planner recompute "moe"): an MoE layer keeps its attention
+    whole, each norm's input only and nothing of its MoE block, whose bytes come back beside the rest for its own
+    backward; a dense layer keeps what it keeps without recompute but for its norms' outputs."""
+    cfg = load_config(CONFIGS / "qwen3-235b-a22b.toml").model
+    moe_mode = ActivationModel(cfg, count_params(cfg).attention, 2, 4, True, "moe", "fused")
+    none = replace(moe_mode, recompute="none")
+    norm_input = 4096 * 2 / 4  # one hidden-wide bf16 tensor, split by SP
+    qkv, out = none._core()
+    assert moe_mode.layer(True) == norm_input + qkv + out + norm_input  # attention's norm, q/k/v, its output; FFN norm
+    block = none.layer(True) - (none._attention() + none._norm())  # router, 8 slots over tp 4, no shared experts
+    assert block == 8 * none._slot() / 4 + none._router() > 0
+    assert moe_mode.backward_layer(True) == moe_mode.layer(True) + block
+    assert moe_mode.layer(False) == none.layer(False) - 2 * norm_input  # the dense FFN's SwiGLU kept whole
+    # less than this runtime's full recompute, which keeps each slot's expert input so as not to rerun the exchanges
+    assert moe_mode.layer(True) < replace(none, recompute="full").layer(True) < none.layer(True)
+
+
+def test_moe_recompute_reruns_each_moe_blocks_forward_and_exchanges_before_its_backward():
+    """Under recompute "moe" a stage's B grows by its MoE blocks' forward (router, experts, slots) and the
+    backward's exposed EP time by the forward's exchanges, F and W unchanged."""
+    config = load_config(CONFIGS / "qwen3-235b-a22b.toml", ["parallel.dispatch_backend=flat"])
+    machine, base = Machine(GPUS["h100"], 8), Options(kernels="fused", recipe="megatron")
+    plain, rerun = (make_plan(config, machine, replace(base, recompute=mode)) for mode in ("none", "moe"))
+    cfg, par = config.model, config.parallel
+    block = moe_block_seconds(machine.gemms, cfg, chunk_tokens(config), par.tp, par.ep, Precisions.of(cfg)).f
+    for a, b, layers in zip(plain.stage_costs, rerun.stage_costs, rerun.layers):
+        assert (b.f, b.w, b.comm_f) == (a.f, a.w, a.comm_f)
+        assert b.b - a.b == pytest.approx(block * len(layers))  # every Qwen3 layer is an MoE layer
+        assert b.comm_b - a.comm_b == pytest.approx(a.ep_f) and a.ep_f > 0
 
 
 def test_sequence_parallel_and_recompute_shrink_activations():
