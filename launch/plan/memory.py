@@ -16,9 +16,12 @@ from moe.recompute import RECOMPUTE
 from pipeline.schedules import Op, Schedule
 
 KERNELS = ("project", "fused", "fused-fp8")
-# What moe-plan plans besides this runtime's modes (RECOMPUTE): "moe", Megatron-Core's `--recompute-modules layernorm
-# moe` (the published runs of calibration.toml that use it): norms keep their inputs only, an MoE layer's MoE block
-# (router, dispatch, experts, combine, shared experts) keeps nothing and reruns, exchanges included, in backward.
+# What moe-plan plans besides this runtime's modes (RECOMPUTE), for the published runs of calibration.toml that use it
+# (neither `moe-plan --recompute` nor train.recompute offers it): "moe", Megatron-Core's `--recompute-modules layernorm
+# moe`: an MoE layer's MoE block (router, dispatch, experts, combine, shared experts) keeps nothing and reruns,
+# exchanges included, before its backward; of the norms only the MoE layer's FFN norm is recomputed (keeps its input):
+# Transformer Engine's layer spec fuses the attention norm (and a dense layer's FFN norm) into the next linear, which
+# the layernorm module leaves alone.
 PLAN_RECOMPUTE = (*RECOMPUTE, "moe")
 FP8_CACHED = 1 + 4 / 128  # bytes per element of an e4m3 tensor with one fp32 scale per 128 (1x128 tiles)
 
@@ -84,7 +87,9 @@ class ActivationModel:
     "selective" recomputes the norms, SwiGLU products and (MLA) the q/kv up-projections from their
     latents, as DeepSeek-V3 does; "full" keeps only a dense layer's input and recomputes the layer, and reruns an
     MoE layer's communication-free segments (see layer; moe.model.Block); "moe" (PLAN_RECOMPUTE, Megatron-Core's)
-    keeps attention whole, the norms' inputs only and nothing of an MoE block.
+    keeps attention whole, the MoE layer's FFN norm's input only and nothing of its MoE block. Under CP, the fused
+    kernels (Transformer Engine's ring attention) keep the rank's own q, k, v and output in the training dtype, as
+    without CP.
     """
 
     cfg: ModelConfig
@@ -114,8 +119,8 @@ class ActivationModel:
 
     def _norm(self) -> float:
         """An RMSNorm and its consumer: the norm's input and output (project: also the fp32 rstd per row);
-        selective (and moe) recompute keeps the input only."""
-        if self.recompute in ("selective", "moe"):
+        selective recompute keeps the input only."""
+        if self.recompute == "selective":
             return self._hidden(1)
         if not self._project:
             return self._hidden(2)
@@ -125,7 +130,8 @@ class ActivationModel:
         """(q, k and v; the output, its copy the output projection keeps and the log-sum-exp): bytes per token."""
         a, t, att = self.itemsize, self.tp, self.attention
         kv_width = att.qk_head_dim + att.v_head_dim
-        if self.cp > 1:  # moe.cp: in at least float32, its output cast back to the training dtype for the projection
+        if self.cp > 1 and (self._project or self.cp_method == "allgather"):
+            # moe.cp: in at least float32, its output cast back to the training dtype for the projection
             c = max(a, 4)
             kv = cp_kv_width(self.cfg, att, t) * (self.cp if self.cp_method == "allgather" else 1)
             return c * (att.heads * att.qk_head_dim / t + kv), ((c + a) * att.v_head_dim + c) * att.heads / t
@@ -183,8 +189,8 @@ class ActivationModel:
             return self._hidden(1 + normed) + experts + self._router()
         if not moe:
             return self._attention() + self._norm() + self._swiglu(cfg.dense_ffn_size / self.tp)
-        if self.recompute == "moe":
-            return self._attention() + self._norm()
+        if self.recompute == "moe":  # the FFN norm keeps its input, the MoE block nothing
+            return self._attention() + self._hidden(1)
         return self._attention() + self._norm() + self._moe_block()
 
     def _moe_block(self) -> float:

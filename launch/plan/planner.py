@@ -92,7 +92,7 @@ class RankPlan:
     expert_params: float
     states: ModelStates
     activations: float
-    transient: float  # what full recompute's reruns add to the schedule's peak (schedule_peaks' backward_bytes)
+    transient: float  # what recompute's reruns add to the schedule's peak (schedule_peaks' backward_bytes)
     workspace: float = 0.0  # launch.plan.memory.backward_workspace of the rank's stages
     bytes: dict[str, Traffic] = field(default_factory=dict)
 
@@ -239,7 +239,7 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
     kernels = [c.without_slots() for c in costs] if par.overlap else None
     peaks = (schedule_peaks(schedule, stage_bytes, kernels, deferred) if schedule
              else [stage_bytes[0]])
-    # full recompute: the same schedule with each backward's rerun segments held beside the rest
+    # full (and moe) recompute: the same schedule with each backward's rerun segments held beside the rest
     backward = [acts.backward_stage(layers[s], s == num_stages - 1, tokens) for s in range(num_stages)]
     reruns = (schedule_peaks(schedule, stage_bytes, kernels, deferred, backward) if schedule
               else [backward[0]])
@@ -308,6 +308,9 @@ def _check_options(config: RunConfig, options: Options) -> None:
         raise ValueError(f"virtual stages = {options.virtual_stages} must be >= 1")
     if options.virtual_stages > 1 and schedule != "1f1b":
         raise ValueError(f"virtual stages apply to parallel.schedule = '1f1b' only (this config: {schedule!r})")
+    if options.paired and options.recompute == "moe":
+        raise ValueError("paired 1F1B does not run with recompute 'moe': the MoE blocks rerun their exchanges inside "
+                         "one checkpoint before their backward, which no pair overlaps")
     if options.paired and schedule not in ("1f1b", "none"):
         raise ValueError(f"paired 1F1B applies to parallel.schedule = '1f1b' or 'none' (one stage: consecutive "
                          f"micro-batches paired) only (this config: {schedule!r})")

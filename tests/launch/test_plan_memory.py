@@ -110,25 +110,26 @@ def test_full_recompute_backward_peaks_at_the_largest_rerun_beside_the_layers_be
 
 def test_moe_recompute_keeps_attention_and_the_norm_inputs_and_reruns_the_moe_block_in_backward():
     """Megatron-Core's `--recompute-modules layernorm moe` (planner recompute "moe"): an MoE layer keeps its attention
-    whole, each norm's input only and nothing of its MoE block, whose bytes come back beside the rest for its own
-    backward; a dense layer keeps what it keeps without recompute but for its norms' outputs."""
+    whole (the attention norm fused into the q/k/v linear keeps its input and output), its FFN norm's input only and
+    nothing of its MoE block, whose bytes come back beside the rest for its own backward; a dense layer and the head
+    keep what they keep without recompute."""
     cfg = load_config(CONFIGS / "qwen3-235b-a22b.toml").model
     moe_mode = ActivationModel(cfg, count_params(cfg).attention, 2, 4, True, "moe", "fused")
     none = replace(moe_mode, recompute="none")
-    norm_input = 4096 * 2 / 4  # one hidden-wide bf16 tensor, split by SP
+    hidden = 4096 * 2 / 4  # one hidden-wide bf16 tensor, split by SP
     qkv, out = none._core()
-    assert moe_mode.layer(True) == norm_input + qkv + out + norm_input  # attention's norm, q/k/v, its output; FFN norm
+    assert moe_mode.layer(True) == 2 * hidden + qkv + out + hidden  # fused norm in and out, q/k/v, output; FFN norm in
     block = none.layer(True) - (none._attention() + none._norm())  # router, 8 slots over tp 4, no shared experts
     assert block == 8 * none._slot() / 4 + none._router() > 0
     assert moe_mode.backward_layer(True) == moe_mode.layer(True) + block
-    assert moe_mode.layer(False) == none.layer(False) - 2 * norm_input  # the dense FFN's SwiGLU kept whole
+    assert moe_mode.layer(False) == none.layer(False) and moe_mode.head() == none.head()
     # less than this runtime's full recompute, which keeps each slot's expert input so as not to rerun the exchanges
     assert moe_mode.layer(True) < replace(none, recompute="full").layer(True) < none.layer(True)
 
 
 def test_moe_recompute_reruns_each_moe_blocks_forward_and_exchanges_before_its_backward():
     """Under recompute "moe" a stage's B grows by its MoE blocks' forward (router, experts, slots) and the
-    backward's exposed EP time by the forward's exchanges, F and W unchanged."""
+    backward's exposed EP time by the forward's exchanges, F and W unchanged; no pair may overlap that rerun."""
     config = load_config(CONFIGS / "qwen3-235b-a22b.toml", ["parallel.dispatch_backend=flat"])
     machine, base = Machine(GPUS["h100"], 8), Options(kernels="fused", recipe="megatron")
     plain, rerun = (make_plan(config, machine, replace(base, recompute=mode)) for mode in ("none", "moe"))
@@ -137,7 +138,9 @@ def test_moe_recompute_reruns_each_moe_blocks_forward_and_exchanges_before_its_b
     for a, b, layers in zip(plain.stage_costs, rerun.stage_costs, rerun.layers):
         assert (b.f, b.w, b.comm_f) == (a.f, a.w, a.comm_f)
         assert b.b - a.b == pytest.approx(block * len(layers))  # every Qwen3 layer is an MoE layer
-        assert b.comm_b - a.comm_b == pytest.approx(a.ep_f) and a.ep_f > 0
+        assert b.comm_b - a.comm_b == pytest.approx(a.ep_f) == b.ep_b - a.ep_b and a.ep_f > 0
+    with pytest.raises(ValueError, match="paired 1F1B does not run with recompute 'moe'"):
+        make_plan(config, machine, replace(base, recompute="moe", paired=True))
 
 
 def test_sequence_parallel_and_recompute_shrink_activations():
@@ -169,6 +172,9 @@ def test_context_parallelism_divides_each_ranks_activations_by_about_cp(cp):
     split = make_plan(load_config(CONFIGS / "tiny.toml", [*base, f"parallel.cp={cp}"]), Machine(GPUS["h100"], 8),
                       timed=False)
     assert 0.8 / cp < split.ranks[0].activations / one.ranks[0].activations < 1.2 / cp
+    # fused kernels (Transformer Engine's ring attention) keep the rank's own q, k, v and output as without CP
+    fused = ActivationModel(one.config.model, one.params.attention, 2, kernels="fused")
+    assert replace(fused, cp=cp)._core() == fused._core() != replace(fused, cp=cp, kernels="project")._core()
     before, after = one.ranks[0].states, split.ranks[0].states  # CP splits no parameter; ZeRO-1 shards over cp
     assert after.params == before.params and after.optimizer == pytest.approx(before.optimizer / cp)
     with pytest.raises(ValueError, match="cp_method = 'tree' is not allowed"):
