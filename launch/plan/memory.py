@@ -181,12 +181,11 @@ class ActivationModel:
         input; an MoE layer its input, the FFN norm's output (the router's and the shared experts' input), the
         router's and each slot's expert input and combine bytes (router, dispatch and combine are not rerun)."""
         cfg = self.cfg
-        experts = cfg.top_k * self._slot() / self.tp
         if self.recompute == "full":
             if not moe:
                 return self._hidden(1)
             normed = 1 if cfg.num_shared_experts or self.itemsize == 4 else 0
-            return self._hidden(1 + normed) + experts + self._router()
+            return self._hidden(1 + normed) + cfg.top_k * self._slot() / self.tp + self._router()
         if not moe:
             return self._attention() + self._norm() + self._swiglu(cfg.dense_ffn_size / self.tp)
         if self.recompute == "moe":  # the FFN norm keeps its input, the MoE block nothing

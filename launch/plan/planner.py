@@ -394,12 +394,6 @@ def _stage_cost(config: RunConfig, params: ModelParams, layers: range, has_head:
         cost += head_seconds(gemms, cfg, tokens, par.tp) + mtp_seconds(
             gemms, cfg, params.attention, train.seq_len, tokens, par.tp, par.ep, par.sequence_parallel, itemsize,
             precisions)
-    if options.recompute == "moe":  # Megatron-Core's MoE-block recompute: each MoE block's forward again
-        recompute = moe_layers * moe_block_seconds(gemms, cfg, tokens, par.tp, par.ep, precisions).f
-    else:
-        recompute = {"none": 0.0, "full": cost.f}.get(options.recompute,
-                                                      _selective_recompute(config, params, len(layers), gemms,
-                                                                           precisions.dense))
     ep_f = ep_b = 0.0
     if ep is not None and moe_layers:
         # an FP8 dispatch moves no faster than a BF16 one: DeepEP's internode rates (ANCHORS.md, ~50 GB/s at
@@ -419,7 +413,13 @@ def _stage_cost(config: RunConfig, params: ModelParams, layers: range, has_head:
         tp = 2 * len(layers) * (ar / rates.inter_bps if par.tp > gpn else ar / rates.intra_bps)
     cp_f, cp_b = _cp_seconds(config, layers, machine, gpn)
     slots = gemms.routed_slots(moe_layers * tokens / par.tp * cfg.top_k)
-    if options.recompute == "moe":  # the rerun MoE blocks dispatch and combine again before their backward
+    recompute = 0.0
+    if options.recompute == "full":
+        recompute = cost.f
+    elif options.recompute == "selective":
+        recompute = _selective_recompute(config, params, len(layers), gemms, precisions.dense)
+    elif options.recompute == "moe":  # Megatron-Core's: each MoE block's forward and exchanges again before its B
+        recompute = moe_layers * moe_block_seconds(gemms, cfg, tokens, par.tp, par.ep, precisions).f
         ep_b += ep_f
     return StageCost(cost.f, cost.b + recompute, cost.w, ep_f + tp + cp_f, ep_b + tp + cp_b, slots, ep_f, ep_b)
 
