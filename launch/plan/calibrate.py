@@ -18,6 +18,9 @@ CALIBRATION = Path(__file__).with_name("calibration.toml")
 ROOT = Path(__file__).resolve().parents[2]
 BAND = 0.20  # a prediction within +-20% of the published throughput passes
 FIT_LIMIT_NS = 2000  # the routed-slot cost is fitted over 0..2 us
+# What a run outside the band states (its `miss`): which of the planner's assumptions its published figure breaks,
+# and why public data cannot settle what the run did instead.
+MISS_FIELDS = {"assumption": "assumes", "unknown": "unknown"}
 
 
 @dataclass
@@ -43,11 +46,15 @@ class Run:
     moe_handling: str = "synced"  # how its stack handles the routed slots (efficiency.MOE_HANDLING)
     without_overlap: str = ""  # the run of this layout published without its paired 1F1B
     share_fit: bool = True  # with without_overlap: planner.PAIR_HIDDEN is fitted to this A/B (False: a test of it)
+    miss: dict = field(default_factory=dict)  # outside the band: {assumption = ..., unknown = ...} (MISS_FIELDS)
 
     def __post_init__(self) -> None:
         if self.moe_handling not in MOE_HANDLING:
             raise ValueError(f"calibration run {self.name}: moe_handling = {self.moe_handling!r} is not allowed; "
                              f"choose one of {', '.join(MOE_HANDLING)}")
+        if self.miss and (set(self.miss) != set(MISS_FIELDS) or not all(self.miss.values())):
+            raise ValueError(f"calibration run {self.name}: miss must give exactly {' and '.join(MISS_FIELDS)}, "
+                             f"each a sentence (it gives {', '.join(self.miss) or 'nothing'})")
 
     def options(self) -> Options:
         """The planner options [run.plan] gives."""
@@ -202,6 +209,13 @@ def render(checks: list[Check], constants: dict) -> str:
               f"(published x{pair['published_gain']:.2f}"
               + (f"; held out, hiding all plans x{pair['gain_hiding_all']:.2f})" if pair["held_out"] else ")")
               for pair in constants["pair_hidden"]]
+    misses = [c for c in planned if not c.within]
+    if misses:
+        lines.append(f"outside +-{BAND:.0%}: the assumption each run breaks, and why public data cannot settle it "
+                     "(its miss in calibration.toml)")
+        for c in misses:
+            lines.append(f"  {c.run.name} ({c.ratio:.2f})")
+            lines += [f"    {label}: {c.run.miss.get(key, 'NOT STATED')}" for key, label in MISS_FIELDS.items()]
     lines.append("")
     for c in checks:
         run = c.run
@@ -233,5 +247,6 @@ def to_dicts(checks: list[Check]) -> list[dict]:
              c.run.tokens_per_s_per_gpu, "predicted_tokens_per_s_per_gpu": c.predicted, "ratio": c.ratio,
              "leave_one_out_ratio": c.loo, "held_out": not c.run.fit, "moe_handling": c.run.moe_handling,
              "within_band": c.within, "fits": None if c.plan is None else c.plan.fits,
-             "peak_memory_bytes": None if c.plan is None else c.plan.peak_memory, "source": c.run.source}
+             "peak_memory_bytes": None if c.plan is None else c.plan.peak_memory, "source": c.run.source,
+             "miss": c.run.miss or None}
             for c in checks]

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from launch.config import load_config
-from launch.plan.calibrate import (BAND, Run, fit_pair_hidden, fit_slot_seconds, load_runs, overlap_pairs, plan_run,
-                                   validate)
+from launch.plan.calibrate import (BAND, MISS_FIELDS, Run, fit_pair_hidden, fit_slot_seconds, load_runs,
+                                   overlap_pairs, plan_run, validate)
 from launch.plan.efficiency import MOE_HANDLING, SLOT_SECONDS, VALIDATED
 from launch.plan.cli import main
 from launch.plan.planner import PAIR_HIDDEN, Machine
@@ -162,6 +162,40 @@ def test_a_calibration_run_names_an_allowed_slot_handling():
     with pytest.raises(ValueError, match="moe_handling = 'graphs' is not allowed; choose one of synced, captured"):
         Run(name="x", model="m", stack="s", gpu="h100", gpus=8, layout="l", precision="p", published="1",
             tokens_per_s_per_gpu=1.0, source="s", moe_handling="graphs")
+
+
+def test_every_run_outside_the_band_states_the_assumption_it_breaks(checks, tmp_path, capsys):
+    """A planned run outside the band states which of the planner's assumptions its figure breaks and why public
+    data cannot settle it (its miss: both fields); a run inside states none, so a miss the planner fixes goes too.
+    --validate prints them under the table and in its JSON, and the README's table of misses lists the same runs at
+    the same ratios."""
+    planned = [c for c in checks if c.plan is not None]
+    misses = [c for c in planned if not c.within]
+    unstated = [c.run.name for c in misses if set(c.run.miss) != set(MISS_FIELDS)]
+    assert misses and not unstated, unstated
+    assert not [c.run.name for c in planned if c.within and c.run.miss]
+    out = tmp_path / "validate.json"
+    assert main(["--validate", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    section = text[text.index("outside +-20%: the assumption each run breaks"):]
+    for c in misses:
+        assert f"  {c.run.name} ({c.ratio:.2f})\n    assumes: {c.run.miss['assumption']}\n" in section
+        assert f"    unknown: {c.run.miss['unknown']}\n" in section
+    assert {r["name"] for r in json.loads(out.read_text())["runs"] if r["miss"]} == {c.run.name for c in misses}
+    readme = (ROOT / "README.md").read_text()
+    rows = re.findall(r"^\| ([a-z0-9.-]+) \| \*\*(\d\.\d\d)\*\* \| ", readme, re.M)
+    assert sorted(rows) == sorted((c.run.name, f"{c.ratio:.2f}") for c in misses)
+
+
+def test_a_miss_gives_the_assumption_and_what_is_unknown():
+    """A run's miss holds exactly an assumption and an unknown, each stated; anything else is refused by name."""
+    kwargs = dict(name="x", model="m", stack="s", gpu="h100", gpus=8, layout="l", precision="p", published="1",
+                  tokens_per_s_per_gpu=1.0, source="s")
+    for miss in ({"assumption": "even routing"}, {"assumption": "even routing", "unknown": ""},
+                 {"assumption": "a", "unknown": "b", "why": "c"}):
+        with pytest.raises(ValueError, match="calibration run x: miss must give exactly assumption and unknown"):
+            Run(**kwargs, miss=miss)
+    assert Run(**kwargs, miss={"assumption": "a", "unknown": "b"}).miss["unknown"] == "b"
 
 
 def test_every_plan_states_the_error_validate_measures(checks, tmp_path, capsys):
