@@ -21,8 +21,11 @@ KERNELS = ("project", "fused", "fused-fp8")
 # moe`: an MoE layer's MoE block (router, dispatch, experts, combine, shared experts) keeps nothing and reruns,
 # exchanges included, before its backward; of the norms only the MoE layer's FFN norm is recomputed (keeps its input):
 # Transformer Engine's layer spec fuses the attention norm (and a dense layer's FFN norm) into the next linear, which
-# the layernorm module leaves alone.
-PLAN_RECOMPUTE = (*RECOMPUTE, "moe")
+# the layernorm module leaves alone. "layer", the other stacks' full recompute (Megatron-Core's --recompute-granularity
+# full with one layer a checkpoint, torchtitan's and FSDP2's activation checkpointing of each block): a layer keeps its
+# input only and reruns its whole forward, exchanges and collectives included, before its backward, where this
+# runtime's "full" keeps what its communication-free segments need so that nothing is exchanged twice.
+PLAN_RECOMPUTE = (*RECOMPUTE, "moe", "layer")
 FP8_CACHED = 1 + 4 / 128  # bytes per element of an e4m3 tensor with one fp32 scale per 128 (1x128 tiles)
 
 
@@ -87,7 +90,8 @@ class ActivationModel:
     "selective" recomputes the norms, SwiGLU products and (MLA) the q/kv up-projections from their
     latents, as DeepSeek-V3 does; "full" keeps only a dense layer's input and recomputes the layer, and reruns an
     MoE layer's communication-free segments (see layer; moe.model.Block); "moe" (PLAN_RECOMPUTE, Megatron-Core's)
-    keeps attention whole, the MoE layer's FFN norm's input only and nothing of its MoE block. Under CP, the fused
+    keeps attention whole, the MoE layer's FFN norm's input only and nothing of its MoE block; "layer" (PLAN_RECOMPUTE)
+    keeps every layer's input only. Under CP, the fused
     kernels (Transformer Engine's ring attention) keep the rank's own q, k, v and output in the training dtype, as
     without CP.
     """
@@ -181,6 +185,8 @@ class ActivationModel:
         input; an MoE layer its input, the FFN norm's output (the router's and the shared experts' input), the
         router's and each slot's expert input and combine bytes (router, dispatch and combine are not rerun)."""
         cfg = self.cfg
+        if self.recompute == "layer":
+            return self._hidden(1)
         if self.recompute == "full":
             if not moe:
                 return self._hidden(1)
@@ -202,8 +208,10 @@ class ActivationModel:
         """Bytes per token one layer holds at most during its own backward: what it keeps, or under full recompute
         what a rerun segment saves beside it (a dense layer: the whole layer's; an MoE layer: the routed or shared
         experts' SwiGLUs beside all it keeps, or, once those are done, attention with both norms, its input
-        included)."""
+        included; under "layer" the whole rerun layer's)."""
         kept = self.layer(moe)
+        if self.recompute == "layer":  # the rerun saves the kept input again: counted once
+            return replace(self, recompute="none").layer(moe)
         if self.recompute == "moe" and moe:  # the rerun MoE block's bytes beside all the layer keeps
             return kept + replace(self, recompute="none")._moe_block()
         if self.recompute != "full":

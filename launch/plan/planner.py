@@ -308,9 +308,9 @@ def _check_options(config: RunConfig, options: Options) -> None:
         raise ValueError(f"virtual stages = {options.virtual_stages} must be >= 1")
     if options.virtual_stages > 1 and schedule != "1f1b":
         raise ValueError(f"virtual stages apply to parallel.schedule = '1f1b' only (this config: {schedule!r})")
-    if options.paired and options.recompute == "moe":
-        raise ValueError("paired 1F1B does not run with recompute 'moe': the MoE blocks rerun their exchanges inside "
-                         "one checkpoint before their backward, which no pair overlaps")
+    if options.paired and options.recompute in ("moe", "layer"):
+        raise ValueError(f"paired 1F1B does not run with recompute {options.recompute!r}: the MoE blocks rerun their "
+                         "exchanges inside one checkpoint before their backward, which no pair overlaps")
     if options.paired and schedule not in ("1f1b", "none"):
         raise ValueError(f"paired 1F1B applies to parallel.schedule = '1f1b' or 'none' (one stage: consecutive "
                          f"micro-batches paired) only (this config: {schedule!r})")
@@ -386,10 +386,11 @@ def _stage_cost(config: RunConfig, params: ModelParams, layers: range, has_head:
     gemms, rates = machine.gemms, machine.rates()
     precisions = Precisions.of(cfg, options.linears)
     itemsize = getattr(torch, train.dtype).itemsize
-    cost = sum((layer_seconds(gemms, cfg, params.attention, i, train.seq_len, tokens, par.tp, par.ep, precisions)
-                + elementwise_seconds(gemms, cfg, params.attention, i, tokens, par.tp, par.sequence_parallel, itemsize,
-                                      precisions)
-                for i in layers), Seconds())
+    layers_cost = sum((layer_seconds(gemms, cfg, params.attention, i, train.seq_len, tokens, par.tp, par.ep, precisions)
+                       + elementwise_seconds(gemms, cfg, params.attention, i, tokens, par.tp, par.sequence_parallel,
+                                             itemsize, precisions)
+                       for i in layers), Seconds())
+    cost = layers_cost
     if has_head:
         cost += head_seconds(gemms, cfg, tokens, par.tp) + mtp_seconds(
             gemms, cfg, params.attention, train.seq_len, tokens, par.tp, par.ep, par.sequence_parallel, itemsize,
@@ -407,11 +408,12 @@ def _stage_cost(config: RunConfig, params: ModelParams, layers: range, has_head:
                                                 slow * dispatch.inter_node + combine.inter_node)
                              + 3 * hops * rates.exchange_s)
         ep_b = moe_layers * (rates.link_seconds(backward.intra_node, backward.inter_node) + 2 * hops * rates.exchange_s)
-    tp = 0.0
+    tp = 0.0  # each way
     if par.tp > 1:
         ar = 2 * ring_bytes(tokens * cfg.hidden_size, par.tp, itemsize)
         tp = 2 * len(layers) * (ar / rates.inter_bps if par.tp > gpn else ar / rates.intra_bps)
     cp_f, cp_b = _cp_seconds(config, layers, machine, gpn)
+    tp_b = tp
     slots = gemms.routed_slots(moe_layers * tokens / par.tp * cfg.top_k)
     recompute = 0.0
     if options.recompute == "full":
@@ -421,7 +423,10 @@ def _stage_cost(config: RunConfig, params: ModelParams, layers: range, has_head:
     elif options.recompute == "moe":  # Megatron-Core's: each MoE block's forward and exchanges again before its B
         recompute = moe_layers * moe_block_seconds(gemms, cfg, tokens, par.tp, par.ep, precisions).f
         ep_b += ep_f
-    return StageCost(cost.f, cost.b + recompute, cost.w, ep_f + tp + cp_f, ep_b + tp + cp_b, slots, ep_f, ep_b)
+    elif options.recompute == "layer":  # each layer's whole forward again, its exchanges and collectives included
+        recompute = layers_cost.f
+        ep_b, tp_b, cp_b = ep_b + ep_f, 2 * tp, cp_b + cp_f
+    return StageCost(cost.f, cost.b + recompute, cost.w, ep_f + tp + cp_f, ep_b + tp_b + cp_b, slots, ep_f, ep_b)
 
 
 def _cp_seconds(config: RunConfig, layers: range, machine: Machine, gpn: int) -> tuple[float, float]:
