@@ -143,6 +143,38 @@ def test_moe_recompute_reruns_each_moe_blocks_forward_and_exchanges_before_its_b
         make_plan(config, machine, replace(base, recompute="moe", paired=True))
 
 
+def test_layer_recompute_keeps_each_layers_input_and_reruns_the_whole_layer_in_backward():
+    """The other stacks' full recompute (planner recompute "layer": a checkpoint around each whole block) keeps a
+    layer's input only, split by SP, dense or MoE alike, and holds the whole layer's bytes again during its own
+    backward; the head keeps what it keeps without recompute. An MoE layer keeps less than under this runtime's
+    full recompute, which keeps the dispatched rows so as not to exchange them twice."""
+    cfg = load_config(CONFIGS / "deepseek-v3.toml").model
+    layer = ActivationModel(cfg, count_params(cfg).attention, 2, 4, True, "layer", "fused")
+    none = replace(layer, recompute="none")
+    hidden = 7168 * 2 / 4  # one hidden-wide bf16 tensor, split by SP over TP 4
+    for moe in (False, True):
+        assert layer.layer(moe) == hidden and layer.backward_layer(moe) == none.layer(moe) > hidden
+    assert layer.head() == none.head()
+    assert layer.layer(True) < replace(none, recompute="full").layer(True)
+    assert layer.backward_stage(range(3, 6), False, 10) == 10 * (2 * hidden + none.layer(True))
+
+
+def test_layer_recompute_reruns_each_layers_forward_with_its_exchanges_and_collectives():
+    """Under recompute "layer" a stage's B grows by its layers' forward and the backward's exposed communication by
+    the forward's (EP exchanges and TP collectives), F and W unchanged; no pair may overlap that rerun."""
+    config = load_config(CONFIGS / "qwen3-235b-a22b.toml", ["parallel.dispatch_backend=flat"])
+    machine, base = Machine(GPUS["h100"], 8), Options(kernels="fused", recipe="megatron")
+    plain, rerun = (make_plan(config, machine, replace(base, recompute=mode)) for mode in ("none", "layer"))
+    assert config.parallel.tp > 1
+    for a, b in zip(plain.stage_costs[:-1], rerun.stage_costs[:-1]):  # the stages without the head
+        assert (b.f, b.w, b.comm_f, b.ep_f) == (a.f, a.w, a.comm_f, a.ep_f)
+        assert b.b - a.b == pytest.approx(a.f)
+        assert b.comm_b - a.comm_b == pytest.approx(a.comm_f) and a.comm_f > a.ep_f > 0
+        assert b.ep_b - a.ep_b == pytest.approx(a.ep_f)
+    with pytest.raises(ValueError, match="paired 1F1B does not run with recompute 'layer'"):
+        make_plan(config, machine, replace(base, recompute="layer", paired=True))
+
+
 def test_sequence_parallel_and_recompute_shrink_activations():
     cfg = load_config(CONFIGS / "deepseek-v3.toml").model
     attention = count_params(cfg).attention
