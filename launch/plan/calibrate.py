@@ -52,7 +52,8 @@ class Run:
         if self.moe_handling not in MOE_HANDLING:
             raise ValueError(f"calibration run {self.name}: moe_handling = {self.moe_handling!r} is not allowed; "
                              f"choose one of {', '.join(MOE_HANDLING)}")
-        if self.miss and (set(self.miss) != set(MISS_FIELDS) or not all(self.miss.values())):
+        stated = all(isinstance(text, str) and text.strip() for text in self.miss.values())
+        if self.miss and (set(self.miss) != set(MISS_FIELDS) or not stated):
             raise ValueError(f"calibration run {self.name}: miss must give exactly {' and '.join(MISS_FIELDS)}, "
                              f"each a sentence (it gives {', '.join(self.miss) or 'nothing'})")
 

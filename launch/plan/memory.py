@@ -16,16 +16,18 @@ from moe.recompute import RECOMPUTE
 from pipeline.schedules import Op, Schedule
 
 KERNELS = ("project", "fused", "fused-fp8")
-# What moe-plan plans besides this runtime's modes (RECOMPUTE), for the published runs of calibration.toml that use it
-# (neither `moe-plan --recompute` nor train.recompute offers it): "moe", Megatron-Core's `--recompute-modules layernorm
-# moe`: an MoE layer's MoE block (router, dispatch, experts, combine, shared experts) keeps nothing and reruns,
-# exchanges included, before its backward; of the norms only the MoE layer's FFN norm is recomputed (keeps its input):
-# Transformer Engine's layer spec fuses the attention norm (and a dense layer's FFN norm) into the next linear, which
-# the layernorm module leaves alone. "layer", the other stacks' full recompute (Megatron-Core's --recompute-granularity
-# full with one layer a checkpoint, torchtitan's and FSDP2's activation checkpointing of each block): a layer keeps its
-# input only and reruns its whole forward, exchanges and collectives included, before its backward, where this
-# runtime's "full" keeps what its communication-free segments need so that nothing is exchanged twice.
+# What moe-plan plans besides this runtime's modes (RECOMPUTE), for the published runs of calibration.toml that use
+# them (neither `moe-plan --recompute` nor train.recompute offers them): "moe", Megatron-Core's
+# `--recompute-modules layernorm moe`: an MoE layer's MoE block (router, dispatch, experts, combine, shared experts)
+# keeps nothing and reruns, exchanges included, before its backward; of the norms only the MoE layer's FFN norm is
+# recomputed (keeps its input): Transformer Engine's layer spec fuses the attention norm (and a dense layer's FFN
+# norm) into the next linear, which the layernorm module leaves alone. "layer", the other stacks' full recompute
+# (Megatron-Core's --recompute-granularity full with one layer a checkpoint, torchtitan's and FSDP2's activation
+# checkpointing of each block): a layer keeps its input only and reruns its whole forward, exchanges and collectives
+# included, before its backward, where this runtime's "full" keeps what its communication-free segments need so that
+# nothing is exchanged twice.
 PLAN_RECOMPUTE = (*RECOMPUTE, "moe", "layer")
+RERUN_EXCHANGES = ("moe", "layer")  # the modes whose backward first reruns its layers' EP exchanges
 FP8_CACHED = 1 + 4 / 128  # bytes per element of an e4m3 tensor with one fp32 scale per 128 (1x128 tiles)
 
 
@@ -183,7 +185,8 @@ class ActivationModel:
     def layer(self, moe: bool) -> float:
         """Bytes per token one layer keeps for backward. Full recompute (moe.model.Block): a dense layer keeps its
         input; an MoE layer its input, the FFN norm's output (the router's and the shared experts' input), the
-        router's and each slot's expert input and combine bytes (router, dispatch and combine are not rerun)."""
+        router's and each slot's expert input and combine bytes (router, dispatch and combine are not rerun).
+        "layer": any layer its input; "moe": see the class doc."""
         cfg = self.cfg
         if self.recompute == "layer":
             return self._hidden(1)

@@ -14,8 +14,8 @@ from launch.plan.compute import (Precisions, Seconds, elementwise_seconds, head_
                                  moe_block_seconds, mtp_seconds)
 from launch.plan.efficiency import (ATTENTION_SUSTAINED_CLOCK, PRECISIONS, SYNCED_SLOT_SECONDS, SUSTAINED_CLOCK,
                                     GemmModel)
-from launch.plan.memory import (FP8_CACHED, ActivationModel, ModelStates, backward_workspace, offloaded, schedule_peaks,
-                                zero_model_states)
+from launch.plan.memory import (FP8_CACHED, RERUN_EXCHANGES, ActivationModel, ModelStates, backward_workspace,
+                                offloaded, schedule_peaks, zero_model_states)
 from launch.plan.params import ModelParams, count_params
 from launch.plan.presets import GPU, RECIPES, StateBytes
 from launch.plan.timing import Rates, StageCost, interleave, paired, simulate_step
@@ -226,6 +226,8 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
     ep = (ep_stats(cfg, par.ep, gpn, tokens // par.tp, par.dispatch_backend, par.dispatch_payload, dtype,
                    options.sample_tokens) if timed and cfg.num_layers > cfg.first_k_dense else None)
     ep_layer = total(ep.layer) if ep else Traffic()
+    if ep and options.recompute in RERUN_EXCHANGES:  # the forward's exchanges again before each backward
+        ep_layer = ep_layer + ep.layer["dispatch"] + ep.layer["combine"]
     rates = machine.rates()
     if machine.profile and len(machine.profile.stages) != num_stages:
         raise ValueError(f"the machine's profile has {len(machine.profile.stages)} stages, the layout {num_stages}: "
@@ -239,7 +241,7 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
     kernels = [c.without_slots() for c in costs] if par.overlap else None
     peaks = (schedule_peaks(schedule, stage_bytes, kernels, deferred) if schedule
              else [stage_bytes[0]])
-    # full (and moe) recompute: the same schedule with each backward's rerun segments held beside the rest
+    # recompute full, moe or layer: the same schedule with each backward's rerun segments held beside the rest
     backward = [acts.backward_stage(layers[s], s == num_stages - 1, tokens) for s in range(num_stages)]
     reruns = (schedule_peaks(schedule, stage_bytes, kernels, deferred, backward) if schedule
               else [backward[0]])
@@ -263,7 +265,7 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
         ranks.append(plan)
         if timed:
             plan.bytes = _rank_bytes(config, layout, rank, held, moe_layers, layers, ep_layer, act_bytes, grad_sync,
-                                     itemsize, recipe, gpn)
+                                     itemsize, recipe, gpn, options.recompute == "layer")
             syncs.append(rates.link_seconds(plan.bytes["dp"].intra_node, plan.bytes["dp"].inter_node))
             in_step = _gathers(config, layout, rank, held) if config.optim.zero_stage == 3 else 0
             gathers = in_step * ring_bytes(dense, dense_group, recipe.param)
@@ -308,9 +310,9 @@ def _check_options(config: RunConfig, options: Options) -> None:
         raise ValueError(f"virtual stages = {options.virtual_stages} must be >= 1")
     if options.virtual_stages > 1 and schedule != "1f1b":
         raise ValueError(f"virtual stages apply to parallel.schedule = '1f1b' only (this config: {schedule!r})")
-    if options.paired and options.recompute in ("moe", "layer"):
-        raise ValueError(f"paired 1F1B does not run with recompute {options.recompute!r}: the MoE blocks rerun their "
-                         "exchanges inside one checkpoint before their backward, which no pair overlaps")
+    if options.paired and options.recompute in RERUN_EXCHANGES:
+        raise ValueError(f"paired 1F1B does not run with recompute {options.recompute!r}: its checkpoints rerun their "
+                         "EP exchanges before their backward, which no pair overlaps")
     if options.paired and schedule not in ("1f1b", "none"):
         raise ValueError(f"paired 1F1B applies to parallel.schedule = '1f1b' or 'none' (one stage: consecutive "
                          f"micro-batches paired) only (this config: {schedule!r})")
@@ -325,8 +327,9 @@ def _add(bucket: dict[str, Traffic], kind: str, inter: bool, nbytes: float) -> N
 
 def _rank_bytes(config: RunConfig, layout: Layout, rank: int, held: list[int], moe_layers: list[int],
                 layers: list[range], ep_layer: Traffic, act_bytes: float, grad_sync: list, itemsize: int,
-                recipe: StateBytes, gpn: int) -> dict[str, Traffic]:
-    """Bytes one rank sends per optimizer step by purpose ("ep", "pp", "dp", "tp", "cp"), intra- and inter-node."""
+                recipe: StateBytes, gpn: int, rerun: bool = False) -> dict[str, Traffic]:
+    """Bytes one rank sends per optimizer step by purpose ("ep", "pp", "dp", "tp", "cp"), intra- and inter-node
+    (ep_layer holds any rerun exchanges; rerun: each layer's TP and CP forward collectives run again in backward)."""
     par, chunks = config.parallel, config.chunks_per_step
     steps = config.train.grad_accum_steps // par.dp // chunks  # pipeline steps per optimizer step
     out = {kind: Traffic() for kind in BYTE_KINDS}
@@ -353,10 +356,11 @@ def _rank_bytes(config: RunConfig, layout: Layout, rank: int, held: list[int], m
     if par.tp > 1:
         tp_layers = sum(len(layers[s]) * visits[s] for s in held)
         all_reduce = 2 * ring_bytes(act_bytes * par.tp / itemsize, par.tp, itemsize)
-        _add(out, "tp", par.tp > gpn, 4 * tp_layers * steps * all_reduce)
+        _add(out, "tp", par.tp > gpn, (6 if rerun else 4) * tp_layers * steps * all_reduce)
     if par.cp > 1:
         cp_layers = sum(len(layers[s]) * visits[s] for s in held)
-        _add(out, "cp", par.cp * par.tp > gpn, cp_layers * steps * sum(cp_layer_bytes(config)))
+        forward, backward = cp_layer_bytes(config)
+        _add(out, "cp", par.cp * par.tp > gpn, cp_layers * steps * ((2 if rerun else 1) * forward + backward))
     return out
 
 
@@ -391,10 +395,11 @@ def _stage_cost(config: RunConfig, params: ModelParams, layers: range, has_head:
                                              itemsize, precisions)
                        for i in layers), Seconds())
     cost = layers_cost
+    mtp = Seconds()
     if has_head:
-        cost += head_seconds(gemms, cfg, tokens, par.tp) + mtp_seconds(
-            gemms, cfg, params.attention, train.seq_len, tokens, par.tp, par.ep, par.sequence_parallel, itemsize,
-            precisions)
+        mtp = mtp_seconds(gemms, cfg, params.attention, train.seq_len, tokens, par.tp, par.ep, par.sequence_parallel,
+                          itemsize, precisions)
+        cost += head_seconds(gemms, cfg, tokens, par.tp) + mtp
     ep_f = ep_b = 0.0
     if ep is not None and moe_layers:
         # an FP8 dispatch moves no faster than a BF16 one: DeepEP's internode rates (ANCHORS.md, ~50 GB/s at
@@ -415,18 +420,19 @@ def _stage_cost(config: RunConfig, params: ModelParams, layers: range, has_head:
     cp_f, cp_b = _cp_seconds(config, layers, machine, gpn)
     tp_b = tp
     slots = gemms.routed_slots(moe_layers * tokens / par.tp * cfg.top_k)
-    recompute = 0.0
-    if options.recompute == "full":
-        recompute = cost.f
+    recompute = rerun_slots = 0.0
+    if options.recompute == "full":  # this runtime's: router, dispatch and combine (the slots' handling) not rerun
+        recompute = cost.f - slots / 2
     elif options.recompute == "selective":
         recompute = _selective_recompute(config, params, len(layers), gemms, precisions.dense)
     elif options.recompute == "moe":  # Megatron-Core's: each MoE block's forward and exchanges again before its B
         recompute = moe_layers * moe_block_seconds(gemms, cfg, tokens, par.tp, par.ep, precisions).f
-        ep_b += ep_f
-    elif options.recompute == "layer":  # each layer's whole forward again, its exchanges and collectives included
-        recompute = layers_cost.f
-        ep_b, tp_b, cp_b = ep_b + ep_f, 2 * tp, cp_b + cp_f
-    return StageCost(cost.f, cost.b + recompute, cost.w, ep_f + tp + cp_f, ep_b + tp_b + cp_b, slots, ep_f, ep_b)
+        ep_b, rerun_slots = ep_b + ep_f, slots / 2
+    elif options.recompute == "layer":  # each block's whole forward again (MTP's too), exchanges and collectives
+        recompute = layers_cost.f + (mtp.f if has_head else 0.0)
+        ep_b, tp_b, cp_b, rerun_slots = ep_b + ep_f, 2 * tp, cp_b + cp_f, slots / 2
+    return StageCost(cost.f, cost.b + recompute, cost.w, ep_f + tp + cp_f, ep_b + tp_b + cp_b, slots, ep_f, ep_b,
+                     rerun_slots)
 
 
 def _cp_seconds(config: RunConfig, layers: range, machine: Machine, gpn: int) -> tuple[float, float]:

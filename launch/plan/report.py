@@ -172,7 +172,7 @@ def render(plan: Plan) -> str:
               f"overlapped; slots: of F + B, the routed slots' handling at {plan.machine.slot_seconds * 1e9:g} ns "
               "a slot):",
               table(["stage", "F", "B", "W", "comm F", "comm B", "slots"],
-                    [[s, *map(ms, (c.f, c.b, c.w, c.comm_f, c.comm_b, c.slots))]
+                    [[s, *map(ms, (c.f, c.b, c.w, c.comm_f, c.comm_b, c.slots + c.rerun_slots))]
                      for s, c in enumerate(plan.stage_costs)]),
               *([f"paired 1F1B: a steady-state pair hides {plan.machine.pair_hidden:g} of the EP exchanges the other "
                  "half's compute could cover (--pair-hidden); TP and CP collectives stay exposed"]

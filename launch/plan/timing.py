@@ -36,10 +36,12 @@ class StageCost:
     slots: float = 0.0  # of f + b: the routed slots' handling (launch.plan.efficiency.SLOT_SECONDS)
     ep_f: float = 0.0  # of comm_f: the EP exchanges' (what a paired 1F1B overlaps; TP and CP collectives are the rest)
     ep_b: float = 0.0  # of comm_b: the same
+    rerun_slots: float = 0.0  # of b, beyond slots: the handling a recompute reruns before the backward
 
     def without_slots(self) -> StageCost:
-        """The same costs less the routed slots' handling, half of it from F and half from B."""
-        return replace(self, f=self.f - self.slots / 2, b=self.b - self.slots / 2, slots=0.0)
+        """The same costs less the routed slots' handling, half of it from F and half (and any rerun) from B."""
+        return replace(self, f=self.f - self.slots / 2, b=self.b - self.slots / 2 - self.rerun_slots, slots=0.0,
+                       rerun_slots=0.0)
 
     @property
     def serial(self) -> float:

@@ -9,7 +9,7 @@ import pytest
 
 from launch.config import load_config
 from launch.flops import attention_shape
-from launch.plan.compute import Precisions, moe_block_seconds
+from launch.plan.compute import Precisions, head_seconds, moe_block_seconds
 from launch.plan.memory import FP8_CACHED, ActivationModel, backward_workspace, schedule_peaks, zero_model_states
 from launch.plan.params import count_params
 from launch.plan.planner import Machine, Options, chunk_tokens, make_plan
@@ -159,18 +159,29 @@ def test_layer_recompute_keeps_each_layers_input_and_reruns_the_whole_layer_in_b
     assert layer.backward_stage(range(3, 6), False, 10) == 10 * (2 * hidden + none.layer(True))
 
 
-def test_layer_recompute_reruns_each_layers_forward_with_its_exchanges_and_collectives():
-    """Under recompute "layer" a stage's B grows by its layers' forward and the backward's exposed communication by
-    the forward's (EP exchanges and TP collectives), F and W unchanged; no pair may overlap that rerun."""
-    config = load_config(CONFIGS / "qwen3-235b-a22b.toml", ["parallel.dispatch_backend=flat"])
+@pytest.mark.parametrize("cp", [1, 2])
+def test_layer_recompute_reruns_each_layers_forward_with_its_exchanges_and_collectives(cp):
+    """Under recompute "layer" a stage's B grows by its layers' forward (not the head's) and the backward's exposed
+    communication by the forward's (EP exchanges, TP collectives and, under CP, the K/V exchanges), F and W unchanged;
+    the bytes a step sends grow by the same reruns; no pair may overlap them."""
+    config = load_config(CONFIGS / "qwen3-235b-a22b.toml",
+                         ["parallel.dispatch_backend=flat", f"parallel.cp={cp}", f"parallel.dp={16 // cp}"])
     machine, base = Machine(GPUS["h100"], 8), Options(kernels="fused", recipe="megatron")
     plain, rerun = (make_plan(config, machine, replace(base, recompute=mode)) for mode in ("none", "layer"))
-    assert config.parallel.tp > 1
-    for a, b in zip(plain.stage_costs[:-1], rerun.stage_costs[:-1]):  # the stages without the head
+    cfg, par = config.model, config.parallel
+    assert par.tp > 1 and cfg.mtp_depth == 0
+    head = head_seconds(machine.gemms, cfg, chunk_tokens(config), par.tp).f
+    for stage, (a, b) in enumerate(zip(plain.stage_costs, rerun.stage_costs)):
         assert (b.f, b.w, b.comm_f, b.ep_f) == (a.f, a.w, a.comm_f, a.ep_f)
-        assert b.b - a.b == pytest.approx(a.f)
+        assert b.b - a.b == pytest.approx(a.f - (head if stage == par.pp - 1 else 0.0))
         assert b.comm_b - a.comm_b == pytest.approx(a.comm_f) and a.comm_f > a.ep_f > 0
-        assert b.ep_b - a.ep_b == pytest.approx(a.ep_f)
+        assert b.ep_b - a.ep_b == pytest.approx(a.ep_f) and b.rerun_slots == a.slots / 2 > 0
+    for a, b in zip(plain.ranks, rerun.ranks):
+        before, after = ({kind: r.bytes[kind].intra_node + r.bytes[kind].inter_node for kind in r.bytes}
+                         for r in (a, b))
+        assert after["tp"] == pytest.approx(1.5 * before["tp"]) and before["tp"] > 0
+        assert after["ep"] > before["ep"] > 0 and after["pp"] == before["pp"]
+        assert (after["cp"] > before["cp"]) == (cp > 1)
     with pytest.raises(ValueError, match="paired 1F1B does not run with recompute 'layer'"):
         make_plan(config, machine, replace(base, recompute="layer", paired=True))
 

@@ -4,6 +4,8 @@ layout that does not fit."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 from pathlib import Path
@@ -11,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from launch.config import load_config
-from launch.plan.calibrate import (BAND, MISS_FIELDS, Run, fit_pair_hidden, fit_slot_seconds, load_runs,
-                                   overlap_pairs, plan_run, validate)
+from launch.plan.calibrate import (BAND, MISS_FIELDS, Run, fit_pair_hidden, fit_slot_seconds, fitted_constants,
+                                   load_runs, overlap_pairs, plan_run, render, validate)
 from launch.plan.efficiency import MOE_HANDLING, SLOT_SECONDS, VALIDATED
 from launch.plan.cli import main
 from launch.plan.planner import PAIR_HIDDEN, Machine
@@ -27,20 +29,37 @@ def test_every_calibration_run_names_its_source_and_plans_in_its_own_layout():
     runs = load_runs()
     assert len(runs) >= 6 and len({r.name for r in runs}) == len(runs)
     for run in runs:
-        assert run.source and run.tokens_per_s_per_gpu > 0 and run.gpu in GPUS
-        if run.config is None:  # no public layout: listed, not planned
-            assert plan_run(run) is None
-            continue
+        assert run.source and run.tokens_per_s_per_gpu > 0 and run.gpu in GPUS and run.config
         config = load_config(ROOT / run.config, run.set)
         assert config.parallel.world_size == run.gpus
         assert plan_run(run).config.parallel == config.parallel  # the run's own layout, not a searched one
 
 
-def test_validate_prints_predicted_published_and_ratio_and_marks_misses(tmp_path, capsys):
-    out = tmp_path / "validate.json"
-    assert main(["--validate", "--json", str(out)]) == 0
-    text = capsys.readouterr().out
-    result = json.loads(out.read_text())
+def test_a_run_without_a_public_layout_is_listed_not_planned(tmp_path):
+    """A run whose layout is not public (no config) is listed with its figure and marked not planned; the
+    counts and fits leave it out."""
+    path = tmp_path / "runs.toml"
+    path.write_text('[[run]]\nname = "secret"\nmodel = "m"\nstack = "s"\ngpu = "h100"\ngpus = 8\n'
+                    'layout = "not stated"\nprecision = "BF16"\npublished = "1 tok/s"\ntokens_per_s_per_gpu = 1.0\n'
+                    'source = "src"\n')
+    checks = validate(path)
+    assert [c.plan for c in checks] == [None] and checks[0].within is None
+    text = render(checks, fitted_constants(checks))
+    assert next(line for line in text.splitlines() if line.strip().startswith("secret ")).endswith("not planned")
+    assert "inside +-20%: 0 of 0 planned runs" in text and "outside +-20%" not in text
+
+
+@pytest.fixture(scope="module")
+def validated(tmp_path_factory) -> tuple[str, dict]:
+    """`moe-plan --validate --json FILE` run once: (what it printed, the JSON it wrote)."""
+    out, printed = tmp_path_factory.mktemp("validate") / "validate.json", io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["--validate", "--json", str(out)]) == 0
+    return printed.getvalue(), json.loads(out.read_text())
+
+
+def test_validate_prints_predicted_published_and_ratio_and_marks_misses(validated):
+    text, result = validated
     rows = result["runs"]
     slots, pairs = result["constants"]["slot_seconds"], result["constants"]["pair_hidden"]
     assert set(slots) == set(MOE_HANDLING)
@@ -51,18 +70,14 @@ def test_validate_prints_predicted_published_and_ratio_and_marks_misses(tmp_path
     assert len(pairs) == len(overlap_pairs(load_runs())) >= 2
     for pair in pairs:
         assert pair["planned"] == PAIR_HIDDEN and f"{pair['fitted']:g} fitted to {pair['paired']} against" in text
-    planned = [r for r in rows if r["predicted_tokens_per_s_per_gpu"] is not None]
-    inside = [r for r in planned if r["within_band"]]
-    assert f"inside +-20%: {len(inside)} of {len(planned)} planned runs" in text
+    inside = [r for r in rows if r["within_band"]]
+    assert f"inside +-20%: {len(inside)} of {len(rows)} planned runs" in text
     assert [r["name"] for r in rows] == [r.name for r in load_runs()]
     header = next(line for line in text.splitlines() if line.strip().startswith("run"))
     assert all(word in header for word in ("handling", "predicted tok/s/GPU", "published", "ratio", "leave-one-out",
                                            "peak memory"))
     for row in rows:
         line = next(line for line in text.splitlines() if line.strip().startswith(row["name"] + " "))
-        if row["predicted_tokens_per_s_per_gpu"] is None:
-            assert line.rstrip().endswith("not planned")
-            continue
         ratio = row["predicted_tokens_per_s_per_gpu"] / row["published_tokens_per_s_per_gpu"]
         assert row["ratio"] == ratio and row["moe_handling"] in MOE_HANDLING
         assert f"{ratio:.2f}" in line and f"{row['predicted_tokens_per_s_per_gpu']:,.0f}" in line
@@ -158,7 +173,10 @@ def test_torchtitans_published_a_b_ratios_are_planned_within_five_percent(checks
              ("deepseek-v3-b200-torchtitan-deepep", "deepseek-v3-b200-torchtitan-mxfp8")]
     for before, after in steps:
         a, b = by_name[before], by_name[after]
-        assert not a.run.fit and not b.run.fit and a.run.config == b.run.config
+        changed = ("parallel.dispatch_backend=", "model.expert_precision=")
+        assert not a.run.fit and not b.run.fit and a.run.config == b.run.config and a.run.plan == b.run.plan
+        kept = [[s for s in c.run.set if not s.startswith(changed)] for c in (a, b)]
+        assert kept[0] == kept[1]
         published = b.run.tokens_per_s_per_gpu / a.run.tokens_per_s_per_gpu
         assert published > 1.05 and b.predicted / a.predicted == pytest.approx(published, rel=0.05), (before, after)
 
@@ -179,7 +197,7 @@ def test_a_calibration_run_names_an_allowed_slot_handling():
             tokens_per_s_per_gpu=1.0, source="s", moe_handling="graphs")
 
 
-def test_every_run_outside_the_band_states_the_assumption_it_breaks(checks, tmp_path, capsys):
+def test_every_run_outside_the_band_states_the_assumption_it_breaks(checks, validated):
     """A planned run outside the band states which of the planner's assumptions its figure breaks and why public
     data cannot settle it (its miss: both fields); a run inside states none, so a miss the planner fixes goes too.
     --validate prints them under the table and in its JSON, and the README's table of misses lists the same runs at
@@ -189,14 +207,12 @@ def test_every_run_outside_the_band_states_the_assumption_it_breaks(checks, tmp_
     unstated = [c.run.name for c in misses if set(c.run.miss) != set(MISS_FIELDS)]
     assert misses and not unstated, unstated
     assert not [c.run.name for c in planned if c.within and c.run.miss]
-    out = tmp_path / "validate.json"
-    assert main(["--validate", "--json", str(out)]) == 0
-    text = capsys.readouterr().out
+    text, result = validated
     section = text[text.index("outside +-20%: the assumption each run breaks"):]
     for c in misses:
         assert f"  {c.run.name} ({c.ratio:.2f})\n    assumes: {c.run.miss['assumption']}\n" in section
         assert f"    unknown: {c.run.miss['unknown']}\n" in section
-    assert {r["name"] for r in json.loads(out.read_text())["runs"] if r["miss"]} == {c.run.name for c in misses}
+    assert {r["name"] for r in result["runs"] if r["miss"]} == {c.run.name for c in misses}
     readme = (ROOT / "README.md").read_text()
     rows = re.findall(r"^\| ([a-z0-9.-]+) \| \*\*(\d\.\d\d)\*\* \| ", readme, re.M)
     assert sorted(rows) == sorted((c.run.name, f"{c.ratio:.2f}") for c in misses)
@@ -207,6 +223,7 @@ def test_a_miss_gives_the_assumption_and_what_is_unknown():
     kwargs = dict(name="x", model="m", stack="s", gpu="h100", gpus=8, layout="l", precision="p", published="1",
                   tokens_per_s_per_gpu=1.0, source="s")
     for miss in ({"assumption": "even routing"}, {"assumption": "even routing", "unknown": ""},
+                 {"assumption": "even routing", "unknown": "  "}, {"assumption": "a", "unknown": 3},
                  {"assumption": "a", "unknown": "b", "why": "c"}):
         with pytest.raises(ValueError, match="calibration run x: miss must give exactly assumption and unknown"):
             Run(**kwargs, miss=miss)
