@@ -327,7 +327,7 @@ def _add(bucket: dict[str, Traffic], kind: str, inter: bool, nbytes: float) -> N
 
 def _rank_bytes(config: RunConfig, layout: Layout, rank: int, held: list[int], moe_layers: list[int],
                 layers: list[range], ep_layer: Traffic, act_bytes: float, grad_sync: list, itemsize: int,
-                recipe: StateBytes, gpn: int, rerun: bool = False) -> dict[str, Traffic]:
+                recipe: StateBytes, gpn: int, rerun: bool) -> dict[str, Traffic]:
     """Bytes one rank sends per optimizer step by purpose ("ep", "pp", "dp", "tp", "cp"), intra- and inter-node
     (ep_layer holds any rerun exchanges; rerun: each layer's TP and CP forward collectives run again in backward)."""
     par, chunks = config.parallel, config.chunks_per_step
@@ -429,7 +429,7 @@ def _stage_cost(config: RunConfig, params: ModelParams, layers: range, has_head:
         recompute = moe_layers * moe_block_seconds(gemms, cfg, tokens, par.tp, par.ep, precisions).f
         ep_b, rerun_slots = ep_b + ep_f, slots / 2
     elif options.recompute == "layer":  # each block's whole forward again (MTP's too), exchanges and collectives
-        recompute = layers_cost.f + (mtp.f if has_head else 0.0)
+        recompute = layers_cost.f + mtp.f  # mtp: zero off the last stage
         ep_b, tp_b, cp_b, rerun_slots = ep_b + ep_f, 2 * tp, cp_b + cp_f, slots / 2
     return StageCost(cost.f, cost.b + recompute, cost.w, ep_f + tp + cp_f, ep_b + tp_b + cp_b, slots, ep_f, ep_b,
                      rerun_slots)
