@@ -77,7 +77,7 @@ class EPDispatcher:
     Flat dispatch exchanges on group. Hierarchical dispatch sends its inter-node hop on a rail group
     (the EP ranks with this rank's local index, one per node) and its intra-node hop on a node group
     (this node's EP ranks), each holding only that hop's peers, counts included: hops (HopGroups, as
-    launch.mesh makes them once for every layer, or dispatch.hopgroups.make_hop_groups; with grad twins
+    launch.parallel.mesh makes them once for every layer, or dispatch.hopgroups.make_hop_groups; with grad twins
     when grad_group is given). Without hops both hops run on group (grad_group), with zero rows for
     the ranks outside the hop (every hop still trades counts with its peers only). chunks > 1
     (hierarchical only) pipelines the hops in that many chunks of the tokens (dispatch.transport);

@@ -1,5 +1,5 @@
 """Where a rank's main thread is, finer than the trainer's phases: marks that pipeline and MoE code leave
-through one module-level hook, a no-op until the trainer's watchdog (launch.watchdog) installs a sink.
+through one module-level hook, a no-op until the trainer's watchdog (launch.faults.watchdog) installs a sink.
 
 A mark is an in-memory assignment (no I/O); the watchdog's own thread publishes the latest marks.
 """
@@ -12,7 +12,7 @@ ACTION, LAYER, EXCHANGE = 0, 1, 2  # levels of a mark: a pipeline action or micr
 
 
 class Sink(Protocol):
-    """What receives the marks (launch.watchdog.Progress)."""
+    """What receives the marks (launch.faults.watchdog.Progress)."""
 
     def mark(self, where: str, level: int) -> None:
         """Record where at level, clearing the deeper levels."""

@@ -10,16 +10,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dispatch.multiproc import WorkerError
-from launch.checkpoint import export_main
-from launch.launcher import LaunchError, NodeFlags, Trainer, launch_run, wait_for_every_refusal
-from launch.validate import check_config
+from launch.parallel.spawn import WorkerError
+from launch.checkpoint.checkpointer import export_main
+from launch.train.launcher import LaunchError, NodeFlags, Trainer, launch_run, wait_for_every_refusal
+from launch.train.preflight import check_config
 
 
 def main(argv: list[str] | None = None, trainer: Trainer | None = None) -> int:
     """Parse arguments, validate the config and the launch (before any work), train, print a summary.
 
-    trainer replaces launch.train.train (tests pass a small stand-in with the same call shape).
+    trainer replaces launch.train.loop.train (tests pass a small stand-in with the same call shape).
     """
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["export"]:
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None, trainer: Trainer | None = None) -> int:
         print(f"moe-train: invalid config: {error}", file=sys.stderr)
         return 2
     if args.rehearse:
-        from launch.rehearse import rehearse, render  # here only: it imports torch's tracing stack (~1 s a start)
+        from launch.plan.rehearse import rehearse, render  # here only: it imports torch's tracing stack (~1 s a start)
         try:
             print(render(rehearse(cfg, args.rank)))
         except ValueError as error:

@@ -50,7 +50,7 @@ def check_router_settings(num_experts: int, top_k: int, score_func: str, num_gro
 
 @dataclass
 class ModelConfig:
-    """Shape of a DeepSeek-style MoE decoder and its router and expert settings (parallel layout: launch.config)."""
+    """Shape of a DeepSeek-style MoE decoder and its router and expert settings (parallel layout: launch.config.run)."""
 
     vocab_size: int = 256
     vocab_multiple: int = 1  # the embedding and LM head hold vocab_size rounded up to a multiple of this (moe.vocab)
@@ -89,7 +89,7 @@ class ModelConfig:
     init_std: float = 0.02
     mtp_depth: int = 0        # multi-token prediction modules (moe.mtp, DeepSeek-V3: 1); 0: off
     mtp_loss_coeff: float = 0.3  # weight of the MTP losses' mean over depths (V3: 0.3, later 0.1)
-    init_from: str = ""  # a Hugging Face DeepSeek-V3 folder whose weights start the run (launch.hf); "": seeded
+    init_from: str = ""  # a Hugging Face DeepSeek-V3 folder whose weights start the run (launch.checkpoint.hf); "": seeded
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Hashable
 
-from dispatch.multiproc import WorkerError
+from launch.parallel.spawn import WorkerError
 
 
 def from_shared_spawn(cache: dict, key: Hashable, keys: list, spawn: Callable[[], list]) -> Any:

@@ -1,9 +1,9 @@
 """`moe-bench checkpoint`: a checkpoint save and load of the trainer's own state on the config's layout.
 
-Every rank builds its stages and ZeRO-1 optimizer as the trainer does (launch.train.build_model and
+Every rank builds its stages and ZeRO-1 optimizer as the trainer does (launch.train.build.build_model and
 build_optimizer; the default is configs/tiny.toml's 4-process layout widened to 242M fp32 params: 241M before
 the 512-id BPE vocabulary), takes one
-optimizer step so AdamW's state exists, then saves two checkpoints through launch.checkpoint.Checkpointer,
+optimizer step so AdamW's state exists, then saves two checkpoints through launch.checkpoint.checkpointer.Checkpointer,
 synchronously in one run and asynchronously in another (fresh processes, so one mode's freed memory does not
 hide the other's). Per mode, slowest rank: the first save (save() and finish(): first-call setup, host
 buffers allocated) and the largest rise of a rank's resident memory above its level before the saves over
@@ -30,14 +30,14 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-import launch.checkpoint
+import launch.checkpoint.checkpointer
 from launch.bench.harness import fields, ratio_fields, rounds, slowest
 from launch.bench.progress import BudgetExceeded, Progress, call_budget, run_ranks, worker_progress
 from launch.bench.report import LOWER, emit, header
-from launch.checkpoint import Checkpointer, TrainState
-from launch.config import RunConfig, build_config, read_toml
-from launch.mesh import Mesh
-from launch.train import build_model, build_optimizer
+from launch.checkpoint.checkpointer import Checkpointer, TrainState
+from launch.config.run import RunConfig, build_config, read_toml
+from launch.parallel.mesh import Mesh
+from launch.train.build import build_model, build_optimizer
 from moe.model import MoETransformer
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"
@@ -140,7 +140,7 @@ def _rank(rank: int, world: int, opts: dict) -> dict:
     disk = sum(f.stat().st_size for f in (root / "checkpoint").glob("step*/*")) if rank == 0 else 0
     return {"first_s": first_s, "save_s": timed["save"]["save"], "finish_s": timed["save"]["finish"],
             "to_flat_s": timed["to_flat"]["time"], "load_s": timed["load"]["time"], "peer_s": timed["peer"]["time"],
-            "peak_extra_mib": peak[0] / 2**20, "disk_mb": disk / 1e6, "checkpoint_module": launch.checkpoint.__file__}
+            "peak_extra_mib": peak[0] / 2**20, "disk_mb": disk / 1e6, "checkpoint_module": launch.checkpoint.checkpointer.__file__}
 
 
 def widened(raw: dict) -> dict:

@@ -2,7 +2,7 @@
 in-memory tensor peer, with the anonymous memory (RssAnon) each holds.
 
 The corpus is Python's standard-library sources repeated up to --mbytes MB of text files. Prepare rows: ours
-tokenises into shards on disk (launch.data_cli.prepare); the peer loads the same files with `datasets`, maps the
+tokenises into shards on disk (launch.data.cli.prepare); the peer loads the same files with `datasets`, maps the
 same tokenizer over them (its default batches) and concatenates every token into one int64 tensor in memory;
 each runs in a fresh process. Loader rows: DP rank 0
 of --dp ranks takes --steps global batches of --micro-batch x --seq-len token rows (its share: grad_accum / dp
@@ -28,11 +28,11 @@ import torch
 from launch.bench.harness import fields, rounds
 from launch.bench.progress import Progress, run_ranks
 from launch.bench.report import HIGHER, LOWER, header, header_line, table, write_json
-from launch.config import build_config
-from launch.data import DataFeed, corpus_files
-from launch.data_cli import _tokenise, load_documents, prepare
-from launch.shards import Prepared
-from launch.tokenizer import load_tokenizer
+from launch.config.run import build_config
+from launch.data.feed import DataFeed, corpus_files
+from launch.data.cli import _tokenise, load_documents, prepare
+from launch.data.shards import Prepared
+from launch.data.tokenizer import load_tokenizer
 
 DEFAULT_TOKENIZER = Path(__file__).resolve().parents[2] / "configs" / "tiny-bpe.json"
 COLUMNS = [("path", "path", "s"), ("stage", "stage", "s"), ("tokens/s", "tokens_per_s", ".0f"),

@@ -2,7 +2,7 @@
 
 Every contender runs the same shape and dtype on CPU, one thread per process, on 1 process and on EP
 ranks over gloo (each rank its own [batch, seq] tokens, the experts split evenly): ours in processes
-started by dispatch.multiproc.run_processes, each peer in its own interpreter (a separate virtual
+started by launch.parallel.spawn.run_processes, each peer in its own interpreter (a separate virtual
 environment: launch/bench/peers/setup.sh) running launch/bench/peers/<peer>_moe.py, which imports only
 torch and the peer library; the same processes start those, one per rank. All time the same loop
 (launch/bench/peers/fwdbwd.py): warm-up steps, then repeats of drop grads, forward, backward of a fixed
@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from dispatch import EPDispatcher
 from dispatch.layout import check_num_experts
-from dispatch.multiproc import PEER_LOST
+from launch.parallel.spawn import PEER_LOST
 from launch.bench.peers.fwdbwd import TIE_EPS, decided_tokens, fwd_bwd, inputs, relative_error, time_steps
 from launch.bench.progress import BudgetExceeded, Progress, call_budget, run_ranks
 from launch.bench.report import LOWER, emit, header

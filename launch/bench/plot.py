@@ -10,7 +10,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from launch.bench.sweep import point_label
-from launch.dashboard.browser import screenshot
+from launch.metrics.dashboard.browser import screenshot
 
 
 def _line_styles(contenders: list[str]) -> dict[str, dict[str, str]]:

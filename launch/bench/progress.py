@@ -1,4 +1,4 @@
-"""Progress lines and the per-call time budget of the suites; run_ranks spawns through dispatch.multiproc."""
+"""Progress lines and the per-call time budget of the suites; run_ranks spawns through launch.parallel.spawn."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from dispatch.multiproc import WorkerError, run_processes
+from launch.parallel.spawn import WorkerError, run_processes
 
 EXIT_OVER_BUDGET = 75
 BUDGET_FILE = "budget_report"  # key of the workers' opts: where an over-budget call is reported

@@ -1,6 +1,6 @@
 """`moe-bench train`: the trainer's tokens/s on several layouts of one config, side by side in one run.
 
-Every row trains the config's model on the same global batch through launch.train.train (the product's
+Every row trains the config's model on the same global batch through launch.train.loop.train (the product's
 step, untouched), each rank one process with one thread. The layouts run in rounds (launch.bench.harness:
 each round launches every layout once, for --warmup + --steps steps, and takes the median wall time of its
 timed steps, optimizer and metrics collectives included), so a shared machine's drift hits every layout of a
@@ -26,8 +26,8 @@ from pathlib import Path
 from launch.bench.harness import fields, ratio_fields, rounds
 from launch.bench.progress import Progress, run_ranks
 from launch.bench.report import HIGHER, LOWER, header, header_line, table, write_json
-from launch.config import build_config, read_toml
-from launch.train import train
+from launch.config.run import build_config, read_toml
+from launch.train.loop import train
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"
 COLUMNS = [("layout", "layout", "s"), ("ranks", "ranks", "d"), ("over cores", "oversubscribed", ""),

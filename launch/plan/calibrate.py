@@ -8,7 +8,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launch.config import load_config
+from launch.config.run import load_config
 from launch.plan.efficiency import MOE_HANDLING, SLOT_SECONDS
 from launch.plan.planner import PAIR_HIDDEN, Machine, Options, Plan, make_plan
 from launch.plan.presets import gpu_preset

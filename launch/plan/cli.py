@@ -9,7 +9,7 @@ import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from launch.config import RunConfig, load_config
+from launch.config.run import RunConfig, load_config
 from launch.plan.calibrate import render as render_checks
 from launch.plan.calibrate import fitted_constants, to_dicts, validate
 from launch.plan.efficiency import ATTENTION_SUSTAINED_CLOCK, MOE_HANDLING, PRECISIONS, SLOT_SECONDS, SUSTAINED_CLOCK
@@ -29,7 +29,7 @@ NEEDED_FOR_CUSTOM = ("peak_tflops", "memory_gb", "intra_node_gbps", "inter_node_
 def parser() -> argparse.ArgumentParser:
     """The command line."""
     p = argparse.ArgumentParser(prog="moe-plan", description=__doc__)
-    p.add_argument("config", nargs="?", help="TOML run config (launch.config)")
+    p.add_argument("config", nargs="?", help="TOML run config (launch.config.run)")
     p.add_argument("--validate", action="store_true", help="plan every published run of launch/plan/calibration.toml "
                    "in its own layout and print predicted beside published tokens/s per GPU (no config needed)")
     p.add_argument("--search", action="store_true", help="rank every layout on --gpus GPUs that fits")

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from launch.flops import AttentionShape, layer_flops
+from launch.metrics.flops import AttentionShape, layer_flops
 from launch.plan.efficiency import QUANTIZE_BYTES, GemmModel
 from moe.config import ModelConfig
 

@@ -16,17 +16,18 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dispatch import Traffic, make_topology
-from dispatch.multiproc import run_processes
-from launch.config import RunConfig
-from launch.flops import model_flops_per_token
-from launch.data import MicroBatch
-from launch.mesh import Mesh
+from launch.parallel.spawn import run_processes
+from launch.config.run import RunConfig
+from launch.metrics.flops import model_flops_per_token
+from launch.data.feed import MicroBatch
+from launch.parallel.mesh import Mesh
 from launch.plan.planner import Machine, Plan, chunk_tokens
 from launch.plan.presets import GPU
 from launch.plan.profile import profile
 from launch.plan.traffic import moe_layer_traffic
-from launch.device import rank_device
-from launch.train import build_model, build_optimizer, forward_backward
+from launch.parallel.device import rank_device
+from launch.train.build import build_model, build_optimizer
+from launch.train.step import forward_backward
 from optim.memory import held_optimizer_bytes, model_state_bytes
 from pipeline.memory import SavedTensorMeter
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
-from launch.flops import AttentionShape, attention_shape
+from launch.metrics.flops import AttentionShape, attention_shape
 from moe.config import ModelConfig
 
 

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from dispatch import Traffic
-from launch.config import RunConfig
-from launch.flops import attention_shape, layer_flops, mixed_peak, model_flops_per_token
+from launch.config.run import RunConfig
+from launch.metrics.flops import attention_shape, layer_flops, mixed_peak, model_flops_per_token
 from launch.plan.compute import (Precisions, Seconds, elementwise_seconds, head_seconds, layer_seconds,
                                  moe_block_seconds, mtp_seconds)
 from launch.plan.efficiency import (ATTENTION_SUSTAINED_CLOCK, PRECISIONS, SYNCED_SLOT_SECONDS, SUSTAINED_CLOCK,
@@ -20,11 +20,11 @@ from launch.plan.params import ModelParams, count_params
 from launch.plan.presets import GPU, RECIPES, StateBytes
 from launch.plan.timing import Rates, StageCost, interleave, paired, simulate_step
 from launch.plan.traffic import EPStats, cp_attention_bytes, cp_kv_width, ep_stats, ring_bytes, total
-from launch.stages import stage_ranges
+from launch.parallel.stages import stage_ranges
 from pipeline.schedules import Layout, Schedule, build, merge_weight_grads
 
 if TYPE_CHECKING:
-    from launch.mesh import Layout as RankLayout
+    from launch.parallel.mesh import Layout as RankLayout
     from launch.plan.profile import Profile
 
 BYTE_KINDS = ("ep", "pp", "dp", "tp", "cp")  # what a rank's bytes are sent for
@@ -139,7 +139,7 @@ class Plan:
     @property
     def peak_flops(self) -> float:
         """The peak FLOP/s per GPU MFU divides by: dense BF16, with the routed experts' share of the FLOPs at
-        the FP8 peak when they run in FP8 (launch.flops.mixed_peak, as the trainer's MFU)."""
+        the FP8 peak when they run in FP8 (launch.metrics.flops.mixed_peak, as the trainer's MFU)."""
         gpu = self.machine.gpu
         return mixed_peak(self.config.model, self.config.train.seq_len, gpu.bf16_tflops * 1e12, gpu.fp8_tflops * 1e12)
 
@@ -180,7 +180,7 @@ def _layout(config: RunConfig) -> Layout:
 
 
 def node_of(ranks: RankLayout, gpus_per_node: int, pp: int, dp: int = 0, tp: int = 0, cp: int = 0) -> int:
-    """Node of the global rank at (pp, dp, tp, cp) (config.layout's rank order: launch.mesh.Layout)."""
+    """Node of the global rank at (pp, dp, tp, cp) (config.layout's rank order: launch.parallel.mesh.Layout)."""
     return ranks.rank(pp, dp, tp, cp) // gpus_per_node
 
 

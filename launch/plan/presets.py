@@ -13,7 +13,7 @@ class GPU:
 
     name: str
     bf16_tflops: float      # dense BF16 peak (the MFU denominator; with fp8_tflops mixed in for FP8 experts)
-    fp8_tflops: float       # dense FP8 peak (FP8 expert GEMMs run against it; launch.flops.mixed_peak)
+    fp8_tflops: float       # dense FP8 peak (FP8 expert GEMMs run against it; launch.metrics.flops.mixed_peak)
     memory_gb: float        # HBM capacity, 1e9 bytes
     intra_node_gbps: float  # NVLink, GB/s per GPU per direction
     inter_node_gbps: float  # InfiniBand/RoCE NIC per GPU, GB/s per direction

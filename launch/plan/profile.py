@@ -23,13 +23,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dispatch.multiproc import run_processes
-from launch.config import RunConfig
-from launch.mesh import Mesh
+from launch.parallel.spawn import run_processes
+from launch.config.run import RunConfig
+from launch.parallel.mesh import Mesh
 from launch.plan.timing import StageCost
-from launch.stages import Stage, lm_loss
-from launch.device import rank_device
-from launch.train import boundary_meta, build_model, stage_ids
+from launch.parallel.stages import Stage, lm_loss
+from launch.parallel.device import rank_device
+from launch.train.build import boundary_meta, build_model, stage_ids
 from pipeline.wgrad import WeightGradStore
 
 PAIRED = ("dualpipe", "dualpipev")  # schedules whose runtime runs F&B pairs

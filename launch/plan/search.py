@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-from launch.config import RunConfig
+from launch.config.run import RunConfig
 from launch.plan.memory import RECOMPUTE
 from launch.plan.planner import Machine, Options, Plan, make_plan
 from pipeline.schedules import SCHEDULES, min_chunks

@@ -1,4 +1,4 @@
-"""Time of a step: per-stage chunk costs from FLOPs (launch.flops) and link bandwidths, the pipeline simulator
+"""Time of a step: per-stage chunk costs from FLOPs (launch.metrics.flops) and link bandwidths, the pipeline simulator
 for the bubble, DP gradient sync after it."""
 
 from __future__ import annotations

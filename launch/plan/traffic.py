@@ -12,7 +12,7 @@ from dispatch import Topology, Traffic, make_topology
 from dispatch.layout import expert_owner, lookup, membership
 from dispatch.predict import inter_node_copies, payload_row_bytes, predict_traffic
 from dispatch.routing import synthetic_routing
-from launch.flops import AttentionShape
+from launch.metrics.flops import AttentionShape
 from moe.config import ModelConfig
 
 WEIGHT_GRAD_BYTES = 4  # dispatch's backward returns one fp32 routing-weight grad per slot and row

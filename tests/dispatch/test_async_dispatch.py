@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from dispatch import EPDispatcher
 from dispatch.channel import Pending
-from dispatch.multiproc import run_processes
+from launch.parallel.spawn import run_processes
 from moe.config import ModelConfig
 from moe.layer import MoELayer
 

@@ -13,7 +13,7 @@ import torch
 
 from dispatch import BACKENDS, PAYLOADS, EPDispatcher, make_topology
 from dispatch.fp8 import dequantize_fp8, quantize_fp8
-from dispatch.multiproc import run_processes
+from launch.parallel.spawn import run_processes
 from dispatch.routing import synthetic_routing
 from tests.dispatch.cases import GPUS_PER_NODE, HIDDEN, WORLD, dispatchers
 

@@ -7,7 +7,7 @@ import torch
 
 from dispatch import BACKENDS, PAYLOADS, EPDispatcher, make_topology
 from dispatch.fp8 import dequantize_fp8, quantize_fp8
-from dispatch.multiproc import run_processes
+from launch.parallel.spawn import run_processes
 from dispatch.predict import predict_traffic
 from tests.dispatch.cases import (CASES, EXPERTS, GPUS_PER_NODE, HIDDEN, WORLD, calc_diff, dispatchers,
                                   dyadic_tokens, expected_combine, routing_case)

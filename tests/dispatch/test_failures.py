@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from dispatch import EPDispatcher
-from dispatch.multiproc import WorkerError, run_processes
+from launch.parallel.spawn import WorkerError, run_processes
 
 GROUP_TIMEOUT_S = 6.0
 BAD_INPUTS = {  # name -> (x, indices, weights) for 8 experts

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from dispatch import EPDispatcher, make_topology
 from dispatch.hopgroups import HopGroups, make_hop_groups
-from dispatch.multiproc import run_processes
+from launch.parallel.spawn import run_processes
 from dispatch.predict import predict_hops
 from moe.config import ModelConfig
 from moe.layer import MoELayer

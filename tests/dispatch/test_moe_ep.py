@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from dispatch import EPDispatcher
-from dispatch.multiproc import run_processes
+from launch.parallel.spawn import run_processes
 from moe.config import ModelConfig
 from moe.layer import MoELayer
 from tests.dispatch.cases import calc_diff

@@ -9,9 +9,9 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from launch.bench.data import rss_anon
-from launch.config import build_config
-from launch.mesh import Mesh
-from launch.train import build_model
+from launch.config.run import build_config
+from launch.parallel.mesh import Mesh
+from launch.train.build import build_model
 from moe.model import MoETransformer
 
 CONFIG = {

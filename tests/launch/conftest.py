@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from launch.checkpoint import consolidate
-from launch.config import build_config
-from launch.train import train
-from tests.launch.test_checkpoint import config
-from tests.launch.test_equivalence import CUT, ROUTING, STEPS, corpus_of, cut_raw, raw_config
+from launch.checkpoint.checkpointer import consolidate
+from launch.config.run import build_config
+from launch.train.loop import train
+from tests.launch.checkpoint.test_checkpoint import config
+from tests.launch.train.test_equivalence import CUT, ROUTING, STEPS, corpus_of, cut_raw, raw_config
 
 
 @pytest.fixture(scope="session")

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
-from launch.config import build_config
-from launch.shards import new_manifest, write_shards
-from launch.tokenizer import ByteTokenizer
+from launch.config.run import build_config
+from launch.data.shards import new_manifest, write_shards
+from launch.data.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_TOKENIZER = ROOT / "configs" / "tiny-bpe.json"

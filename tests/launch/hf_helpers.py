@@ -7,13 +7,13 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from launch.config import RunConfig, build_config
-from launch.hf.load import fill_from_hub
-from launch.train import train
+from launch.config.run import RunConfig, build_config
+from launch.checkpoint.hf.load import fill_from_hub
+from launch.train.loop import train
 from moe.config import ModelConfig
 from moe.model import MoETransformer
 from moe.router import TopKRouter
-from tests.launch.test_equivalence import ATTENTION, raw_config
+from tests.launch.train.test_equivalence import ATTENTION, raw_config
 
 # MLA, 1 dense + 3 MoE layers, 2 expert groups of 4 (1 chosen), a shared expert, routed_scaling_factor 2.5
 MODEL = {"vocab_size": 256, "hidden_size": 32, "num_layers": 4, "num_heads": 4, "max_seq_len": 16, "first_k_dense": 1,

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dispatch.multiproc import run_processes
+from launch.parallel.spawn import run_processes
 from moe.cp import CP_METHODS, cp_attention, zigzag_chunks, zigzag_positions, zigzag_shard
 from tests.spawns import from_shared_spawn
 

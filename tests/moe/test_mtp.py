@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from launch.stages import build_stages
+from launch.parallel.stages import build_stages
 from moe.config import ModelConfig
 from moe.model import MoETransformer
 from moe.rope import rope_tables

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from dispatch import EPDispatcher
-from dispatch.multiproc import run_processes
+from launch.parallel.spawn import run_processes
 from moe.config import ModelConfig
 from moe.model import MoETransformer
 from moe.tp import gather_full, tp_replicated_params

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dispatch.multiproc import run_processes
+from launch.parallel.spawn import run_processes
 from launch.bench.tp import CommMeter, run_stack
 from moe.config import ModelConfig
 from moe.model import Block, MoETransformer, rope_tables

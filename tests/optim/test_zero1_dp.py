@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from dispatch.multiproc import run_processes
+from launch.parallel.spawn import run_processes
 from optim import optimizer_state_bytes, warmup_cosine
 from tests.optim import cases
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dispatch.multiproc import run_processes
+from launch.parallel.spawn import run_processes
 from tests.pipeline.models import calc_diff, make_data, make_stages, reference
 from tests.pipeline.workers import BATCH, HIDDEN, equivalence
 from tests.spawns import from_shared_spawn

@@ -14,7 +14,7 @@ from torch import nn
 
 from dispatch import EPDispatcher
 from dispatch.channel import Pending
-from dispatch.multiproc import run_processes
+from launch.parallel.spawn import run_processes
 from moe.config import ModelConfig
 from moe.layer import MoELayer
 from pipeline import DualPipe, DualPipeV

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dispatch.multiproc import run_processes
+from launch.parallel.spawn import run_processes
 from kernels.backend import BACKEND_ENV
 from tests.pipeline.models import calc_diff
 from tests.pipeline.models import criterion, make_data

@@ -1,0 +1,1 @@
+"""What a run reports: model FLOPs (flops), metric records and writers (records), and the dashboard."""

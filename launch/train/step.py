@@ -1,0 +1,260 @@
+"""One training step's work on a rank: forward and backward over its micro-batches (through the pipeline
+runtime, or a loop over micro-batches with pp = 1), the step's one statistics all-reduce and copy to the host,
+the expert-bias update, the metrics record, and the held-out evaluation."""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from dispatch import Traffic
+from dispatch.progress import ACTION, mark
+from launch.config.run import RunConfig
+from launch.data.feed import DataFeed, MicroBatch
+from launch.data.tokenizer import load_tokenizer
+from launch.metrics.records import (expert_load_summary, mfu_peak, model_flops_per_token, moe_layer_metrics,
+                                    rank_metrics, step_record, throughput_metrics, traffic_metrics)
+from launch.parallel.device import to_host
+from launch.parallel.mesh import Mesh
+from launch.parallel.stages import LOSS_KINDS, Stage
+from moe.documents import document_ids, document_labels
+from optim import ZeRO1
+from pipeline import PipelineRuntime
+
+TRAFFIC_KINDS = ("dispatch", "combine", "dispatch_backward", "combine_backward")
+
+
+
+TRAFFIC_FIELDS = ("intra_payload", "inter_payload", "intra_meta", "inter_meta")
+
+
+
+def last_backward(optimizer: ZeRO1 | None, runtime: PipelineRuntime | None,
+                  last: bool = True) -> contextlib.AbstractContextManager:
+    """Around the step's last backward (the last micro-batch's, or the last pipeline step; ZeRO-2: around every
+    one, `last` or not): ZeRO-1 starts reducing each bucket as soon as all its grads are final, while the backward
+    goes on; with a pipeline the runtime says which grads are (runtime.last_grad: a deferred weight grad once its
+    last W ran). The reductions still in flight are waited for in the clip (ZeRO1.clip_grad_norm_)."""
+    if optimizer is None or not (last or optimizer.stage >= 2):
+        return contextlib.nullcontext()
+    return optimizer.reduce_during_backward(runtime.last_grad if runtime is not None else None)
+
+
+
+def document_eos(cfg: RunConfig) -> int | None:
+    """The EOS id that ends documents when data.document_mask is on (data.tokenizer's), else None."""
+    return load_tokenizer(cfg.data.tokenizer).eos_id if cfg.data.document_mask else None
+
+
+
+def forward_backward(stages: list[Stage], runtime: PipelineRuntime | None, micro: list[MicroBatch],
+                     chunks: int, loss_scale: float, optimizer: ZeRO1 | None = None,
+                     eos: int | None = None) -> tuple[Tensor, float]:
+    """Forward and backward over this rank's micro-batches (grads accumulate), every LM, MTP and router loss
+    scaled by loss_scale (the micro-batch's share of the step's loss); returns (sum of the scaled LM losses
+    computed here (without MTP's), a float64 tensor on the stages' device; seconds the pipeline spent busy, or 0 without one).
+    optimizer: the ZeRO-1 optimizer to overlap its gradient reduction with the last backward (last_backward).
+    eos: document masking (moe.documents) at this EOS id: every stage of the rank gets each micro-batch's document
+    ids, computed on the device from its tokens (which every pipeline rank of a DP rank reads), and the labels
+    after an EOS are ignored."""
+    for stage in stages:
+        stage.loss_scale = loss_scale
+    device = next(stages[0].parameters()).device
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    last = next((stage for stage in stages if stage.lm_head is not None), None)
+    lm_parts: list[Tensor] = []  # the LM losses of a micro-batch or pipeline step, summed into total after it
+
+    def criterion(*outputs: Tensor) -> Tensor:
+        """The last stage's loss (Stage.loss), its LM part kept for total."""
+        loss, lm_part = last.loss(*outputs)
+        lm_parts.append(lm_part.detach())
+        return loss
+
+    def add_lm_parts() -> None:
+        if lm_parts:
+            total.add_(torch.stack(lm_parts).sum())
+            lm_parts.clear()
+
+    def labels_of(batch: MicroBatch) -> Tensor:
+        return batch.labels if eos is None else document_labels(batch.labels, batch.inputs, eos)
+
+    def documents_of(batch: MicroBatch) -> list[Tensor]:
+        return [] if eos is None else [document_ids(batch.inputs, eos)]
+
+    if runtime is None:
+        for m, batch in enumerate(micro):
+            mark(f"forward of micro-batch {m}", ACTION)
+            out = stages[0](batch.inputs, *documents_of(batch))
+            loss = criterion(*(out if isinstance(out, tuple) else (out,)), labels_of(batch))
+            if torch.is_grad_enabled():
+                mark(f"backward of micro-batch {m}", ACTION)
+                with last_backward(optimizer, None, m == len(micro) - 1):
+                    loss.backward()
+            add_lm_parts()
+        return total, 0.0
+    busy = 0.0
+    layout = runtime.schedule(chunks).layout
+    entry, exit_ = layout.entry_chunks(runtime.rank), layout.exit_chunks(runtime.rank)
+    for first in range(0, len(micro), chunks):
+        step = micro[first:first + chunks]
+        inputs = torch.cat([step[c].inputs for c in entry]) if entry else None
+        labels = torch.cat([labels_of(step[c]) for c in exit_]) if exit_ else None
+        context = [torch.cat(parts) for parts in zip(*map(documents_of, step))]
+        runtime.timeline = []
+        with last_backward(optimizer, runtime, first + chunks >= len(micro)):
+            runtime.step(*([inputs] if entry else []), num_chunks=chunks, criterion=criterion,
+                         labels=(labels,) if exit_ else (), context=context)
+        busy += sum(b for *_, b in runtime.timeline)
+        runtime.timeline = None
+        add_lm_parts()
+    return total, busy
+
+
+
+def gather_step_stats(stages: list[Stage], cfg: RunConfig, mesh: Mesh, lm_part: Tensor, grad_norm: Tensor,
+                      idle: float, stop: bool, per_rank: bool) -> dict:
+    """The step's one stats all-reduce and its one copy to the host: losses and per-layer routing statistics
+    summed over every rank (each layer counted once per micro-batch, DualPipe's twin copies seeing disjoint
+    chunks; router losses, the same on every TP and CP rank, divided by tp x cp; they route disjoint tokens), expert biases
+    averaged over their holders, each MTP depth's loss, the EP-peer traffic matrix, and whether any rank was asked
+    to stop (MTP blocks' MoE layers are rows after the model's: ModelConfig.num_routed_layers); none of
+    it grows with the world. "loads_on_device" keeps the global loads on the device for the bias update.
+    per_rank (every train.rank_metrics_every steps): also each rank's traffic, peak memory and idle share,
+    gathered to rank 0 (launch.train.step.gather_rank_rows)."""
+    device = lm_part.device
+    by_kind, peers = traffic_table(stages, mesh)
+    first_moe, layers, experts = cfg.model.first_k_dense, cfg.model.num_routed_layers, cfg.model.num_experts
+    mtp = torch.zeros(cfg.model.mtp_depth, dtype=torch.float64, device=device)  # each MTP depth's loss
+    loads = torch.zeros(layers, experts, dtype=torch.float64, device=device)
+    biases = torch.zeros(layers, experts, dtype=torch.float64, device=device)
+    extra = torch.zeros(layers, 3 + len(LOSS_KINDS), dtype=torch.float64, device=device)  # dropped, aux, holders, losses
+    for stage in stages:
+        for i, layer in stage.moe_layers().items():
+            tally, row = stage.tallies[i], i - first_moe
+            loads[row] += tally.tokens_per_expert
+            biases[row] += layer.router.expert_bias.detach()
+            extra[row, 0] += tally.dropped
+            extra[row, 1] += tally.aux_loss
+            extra[row, 2] += 1
+            extra[row, 3:] += tally.losses
+        if stage.mtp_tally is not None:
+            mtp += stage.mtp_tally
+        stage.reset_tallies()  # and the EP traffic counters, read above
+    # host numbers to the device for the all-reduce (a blocking copy: the step's compute is done by now)
+    host_tables = [*peers.ravel().tolist(), float(stop)]
+    parts = [lm_part.view(1), loads, biases, extra, mtp, torch.tensor(host_tables, dtype=torch.float64, device=device)]
+    flat = torch.cat([p.flatten() for p in parts])
+    dist.all_reduce(flat)
+    host = to_host(torch.cat([flat, grad_norm.detach().view(1).double()]))  # the step's one device-to-host copy
+    _, loads_h, biases_h, extra_h, mtp_h, tables, norm = (chunk.view_as(p) for chunk, p in zip(
+        host.split([p.numel() for p in parts] + [1]), parts + [grad_norm.view(1)]))
+    tp, ep = cfg.parallel.tp, mesh.layout.ep
+    shards = tp * cfg.parallel.cp  # the router losses are the same on every TP and CP rank of a sequence
+    extra_h[:, 1], extra_h[:, 3:] = extra_h[:, 1] / shards, extra_h[:, 3:] / shards
+    ranks = gather_rank_rows(np.concatenate([by_kind.ravel(), rank_row(device, idle)]), device) if per_rank else {}
+    lm, aux, mtp_losses = float(host[0]) / tp, float(extra_h[:, 1].sum()), (mtp_h / tp).tolist()
+    mtp_term = cfg.model.mtp_loss_coeff / cfg.model.mtp_depth * sum(mtp_losses) if mtp_losses else 0.0
+    return {"loss": lm + aux + mtp_term, "lm_loss": lm, "mtp_losses": mtp_losses, "loads": [row.long() for row in loads_h], "dropped": extra_h[:, 0],
+            "aux_loss": aux, "biases": biases_h / extra_h[:, 2:3].clamp(min=1),
+            "losses": [dict(zip(LOSS_KINDS, row.tolist())) for row in extra_h[:, 3:]], "grad_norm": float(norm[0]),
+            "stop": bool(tables[-1] > 0), "loads_on_device": flat[1:1 + loads.numel()].view_as(loads),
+            **traffic_metrics(tables[:-1].view(ep, ep).long().tolist(), mesh.layout.ep_gpus_per_node() if ep > 1 else 0),
+            **ranks}
+
+
+
+def update_expert_bias(stages: list[Stage], cfg: RunConfig, loads: Tensor) -> None:
+    """Aux-loss-free balancing of this rank's MoE layers from their global loads [moe layers, E] (on device)."""
+    if cfg.model.bias_update_rate:
+        for stage in stages:
+            for i, layer in stage.moe_layers().items():
+                layer.router.update_bias(loads[i - cfg.model.first_k_dense])
+
+
+
+def rank_row(device: torch.device, idle: float) -> np.ndarray:
+    """This rank's peak memory (bytes allocated on a GPU, the process's peak RSS on a CPU) and pipeline idle share."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return np.array([peak, idle], dtype=np.float64)
+
+
+
+def traffic_table(stages: list[Stage], mesh: Mesh) -> tuple[np.ndarray, np.ndarray]:
+    """This rank's EP traffic counters of the step (host numbers; Stage.reset_tallies restarts them): float64
+    [call kind, (intra payload, inter payload, intra meta, inter meta)], and its row of the EP-peer byte matrix
+    by position in the EP group ([ep, ep], summed over ranks in the stats all-reduce)."""
+    ep = mesh.layout.ep
+    by_kind = np.zeros((len(TRAFFIC_KINDS), len(TRAFFIC_FIELDS)))
+    peers = np.zeros((ep, ep))
+    me = dist.get_rank(mesh.ep)
+    for stage in stages:
+        for layer in stage.moe_layers().values():
+            meter = getattr(layer.dispatcher, "meter", None)
+            if meter is None:
+                continue
+            for k, kind in enumerate(TRAFFIC_KINDS):
+                counts = meter.total.get(kind, Traffic())
+                by_kind[k] += [getattr(counts, f) for f in TRAFFIC_FIELDS]
+            for peer, nbytes in meter.sent_to.items():
+                peers[me, peer] += nbytes
+    return by_kind, peers
+
+
+
+def gather_rank_rows(row: np.ndarray, device: torch.device) -> dict:
+    """Every rank's row (traffic by kind, peak memory, idle share) gathered to rank 0 (O(1) bytes per other rank):
+    there, the "traffic_bytes" and "ranks" metrics sections; elsewhere nothing."""
+    mine = torch.tensor(row.tolist(), dtype=torch.float64, device=device)
+    lead = dist.get_rank() == 0
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())] if lead else None
+    dist.gather(mine, rows, dst=0)
+    if not lead:
+        return {}
+    table = to_host(torch.stack(rows))  # rank 0's copy of the gathered rows, on the rank-metrics steps only
+    by_kind = table[:, :-2].view(len(table), len(TRAFFIC_KINDS), len(TRAFFIC_FIELDS))
+    return {"traffic_bytes": {kind: by_kind[:, k].long().tolist() for k, kind in enumerate(TRAFFIC_KINDS)},
+            **rank_metrics(table[:, -2].long().tolist(), table[:, -1].tolist())}
+
+
+
+def step_metrics(step: int, cfg: RunConfig, stats: dict, scalars: dict, tokens: int, seconds: float,
+                 device: torch.device) -> dict:
+    """The step's metrics record (launch/metrics/dashboard/SCHEMA.md): scalars, throughput and MFU (against the peaks of
+    the precisions the GEMMs run in on this rank's GPU: launch.metrics.records.mfu_peak), the "moe" section."""
+    peak = mfu_peak(cfg.model, cfg.train.seq_len, device, cfg.train.peak_tflops_per_gpu)
+    mtp = {f"mtp_loss_{k}": loss for k, loss in enumerate(stats["mtp_losses"], start=1)}
+    return step_record(step, {"loss": stats["loss"], "lm_loss": stats["lm_loss"], **mtp,
+                              "aux_loss": stats["aux_loss"], "dropped_tokens": int(stats["dropped"].sum())},
+                       scalars, throughput_metrics(tokens, seconds, model_flops_per_token(cfg.model, cfg.train.seq_len),
+                                                   peak * cfg.parallel.world_size if peak else None),
+                       expert_load_summary(stats["loads"]),
+                       moe_layer_metrics(stats["loads"], stats["biases"].numpy(), stats["dropped"].long().tolist(),
+                                         stats["losses"]))
+
+
+
+@torch.no_grad()
+def evaluate(stages: list[Stage], runtime: PipelineRuntime | None, batches: DataFeed, cfg: RunConfig,
+             eos: int | None = None) -> float:
+    """Mean LM loss over the first held-out micro-batches (train.eval_batches, rounded up to fill
+    every DP rank's pipeline steps), the same ones every time; eos: document masking (forward_backward)."""
+    unit = cfg.parallel.dp * (cfg.chunks_per_step if runtime is not None else 1)
+    count = -(-cfg.train.eval_batches // unit) * unit
+    held_out = batches.held_out(count)  # this DP rank's share; raises when the held-out rows are too few
+    for stage in stages:
+        stage.eval()
+    total, _ = forward_backward(stages, runtime, held_out, cfg.chunks_per_step, 1 / count, eos=eos)
+    for stage in stages:
+        stage.train()
+        stage.reset_tallies()
+    dist.all_reduce(total)
+    return float(to_host(total)) / cfg.parallel.tp  # every TP rank computed the same loss
+

@@ -1,0 +1,329 @@
+"""The trainer on every layout equals the single-process run of the same config (float64, 5 steps).
+
+Each layout trains the same tiny model on the same global batches, once dropless and once with a
+capacity factor that drops slots (not under TP or CP: see routings); per-step losses (LM and router)
+must agree to 1e-10 relative and the final parameters, consolidated from the per-rank checkpoints, to
+calc_diff < 1e-12. MLA attention is checked dropless in pipeline, TP and CP layouts, and CP x TP with GQA and
+MLA (test_batched_layouts_equal_single_process); every run of one world size is trained in one spawn.
+"""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+from datetime import timedelta
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+from launch.parallel.spawn import run_processes
+from launch.checkpoint.checkpointer import consolidate
+from launch.config.run import build_config
+from launch.metrics.records import decode_array
+from launch.train.build import build_model
+from launch.train.loop import train
+from tests.spawns import from_shared_spawn
+
+STEPS = 5
+CUT = 3  # the resharding runs' cut
+LAYOUTS = {
+    "pp2 dualpipev": {"pp": 2, "schedule": "dualpipev"},
+    "pp2 dualpipe": {"pp": 2, "schedule": "dualpipe"},
+    "pp2 1f1b": {"pp": 2, "schedule": "1f1b"},
+    "pp2 afab": {"pp": 2, "schedule": "afab"},
+    "dp2 zero1": {"dp": 2},
+    "dp2 ep2 flat": {"dp": 2, "ep": 2},
+    "dp2 ep2 hierarchical": {"dp": 2, "ep": 2, "dispatch_backend": "hierarchical", "gpus_per_node": 1},
+    "dp4 ep4 hierarchical 2x2": {"dp": 4, "ep": 4, "dispatch_backend": "hierarchical", "gpus_per_node": 2},
+    "dp4 ep4 hierarchical 2x2 in 3 chunks": {"dp": 4, "ep": 4, "dispatch_backend": "hierarchical", "gpus_per_node": 2,
+                                             "dispatch_chunks": 3},
+    "pp2 dp2 ep2 dualpipev, EP across nodes": {"pp": 2, "dp": 2, "ep": 2, "schedule": "dualpipev",
+                                               "dispatch_backend": "hierarchical", "gpus_per_node": 1},
+    "tp2 sp": {"tp": 2, "sequence_parallel": True},
+    "dp2 tp2 ep2": {"dp": 2, "tp": 2, "ep": 2},
+    "pp2 tp2 dualpipev sp": {"pp": 2, "tp": 2, "schedule": "dualpipev", "sequence_parallel": True},
+    "cp2 ring": {"cp": 2},
+    "cp2 ep2 all-gather KV": {"cp": 2, "ep": 2, "cp_method": "allgather"},
+    "pp2 dualpipev cp2": {"pp": 2, "cp": 2, "schedule": "dualpipev"},
+}
+# Layouts trained only beside others of their world size (test_batched_layouts_equal_single_process), dropless
+BATCHED = {"cp2 tp2 ep4 sp": {"cp": 2, "tp": 2, "ep": 4, "sequence_parallel": True}}
+ROUTING = {"dropless": None, "capacity 1.0": 1.0}
+ATTENTION = {"gqa": {}, "mla": {"attention": "mla", "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+                                "qk_rope_head_dim": 4, "v_head_dim": 8}}
+# By world size: (layout, attention, data.document_mask on a corpus of short documents, train.recompute)
+SPAWNS = {2: [(name, "mla", False, "none") for name in ("pp2 dualpipev", "pp2 1f1b", "tp2 sp", "cp2 ring")]
+          + [("pp2 dualpipev", "gqa", True, "none"), ("tp2 sp", "gqa", True, "none")]
+          + [("tp2 sp", "mla", False, "selective")],  # the rebuilt tensors of TP-split heads and FFN columns
+          4: [(name, "mla", False, "none") for name in ("dp2 tp2 ep2", "pp2 tp2 dualpipev sp",
+                                                         "pp2 dp2 ep2 dualpipev, EP across nodes")]
+          + [("cp2 tp2 ep4 sp", "gqa", False, "none"), ("cp2 tp2 ep4 sp", "mla", False, "none"),
+             ("pp2 tp2 dualpipev sp", "mla", True, "none")]
+          # train.recompute under DualPipeV's B/W split and EP's async dispatch (ZeRO-1 over dp2 too)
+          + [("pp2 dp2 ep2 dualpipev, EP across nodes", "mla", False, "selective"),
+             ("pp2 dp2 ep2 dualpipev, EP across nodes", "gqa", False, "full")]}
+MTP_LAYOUTS = {"pp2 1f1b": LAYOUTS["pp2 1f1b"], "pp2 dp2 ep2 dualpipev": {"pp": 2, "dp": 2, "ep": 2, "schedule": "dualpipev"},
+               "dp2 tp2 sp": {"dp": 2, "tp": 2, "sequence_parallel": True}}
+MTP_SPAWNS = {2: ["pp2 1f1b"], 4: ["pp2 dp2 ep2 dualpipev", "dp2 tp2 sp"]}  # MLA + MTP depth 1, dropless
+SPAWN_S = 1200  # one spawn trains every run of its world size (the spawned fixture): its bound, start-up included
+_WORLDS = itertools.count(1)  # a spawned rank's worlds after its first (release_groups)
+
+
+def routings(parallel: dict) -> dict[str, float | None]:
+    """The routings a layout must reproduce: under TP (CP) each rank routes its own S/tp (S/cp) tokens, so a
+    capacity limit applies per sequence shard (moe.tp.TensorParallelRouter) and drops other slots than one process."""
+    return {k: v for k, v in ROUTING.items() if v is None or parallel.get("tp", 1) == parallel.get("cp", 1) == 1}
+
+
+def raw_config(run_dir: str, corpus: str, parallel: dict, capacity_factor: float | None,
+               attention: str = "gqa", mtp_depth: int = 0, document_mask: bool = False,
+               recompute: str = "none") -> dict:
+    """A 4-layer (1 dense + 3 MoE) float64 model with GQA or MLA attention and mtp_depth MTP depths, 8 micro-batches
+    of 2 x 16 tokens per step, activations recomputed as recompute says; with document_mask also a padded vocab
+    (300 ids in 320 rows: under tp2 the second rank's block holds the 20 padded ids)."""
+    model = {"vocab_size": 256, "hidden_size": 32, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
+             "max_seq_len": 16, "first_k_dense": 1, "dense_ffn_size": 48, "num_experts": 8,
+             "expert_ffn_size": 16, "top_k": 2, "num_shared_experts": 1, "score_func": "sigmoid",
+             "num_groups": 2, "topk_groups": 1, "aux_loss_coeff": 0.01, "seq_aux_loss_coeff": 0.001,
+             "bias_update_rate": 0.01, "drop_policy": "probs", "mtp_depth": mtp_depth, **ATTENTION[attention]}
+    if capacity_factor is not None:
+        model["capacity_factor"] = capacity_factor
+    if document_mask:
+        model.update(vocab_size=300, vocab_multiple=64)
+    settings = {"steps": STEPS, "micro_batch_size": 2, "grad_accum_steps": 8, "seq_len": 16, "lr": 0.01,
+                "warmup_steps": 1, "dtype": "float64", "eval_batches": 0, "run_dir": run_dir,
+                "rank_metrics_every": 2, "recompute": recompute}
+    return {"model": model, "train": settings,
+            "data": {"corpus": corpus, "max_bytes": 40_000, "document_mask": document_mask},
+            "parallel": parallel}
+
+
+def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    x, y = x.double(), y.double()
+    return (1 - 2 * (x * y).sum() / (x * x + y * y).sum()).item()
+
+
+def check_node_limit(records: list[dict], raw: dict) -> None:
+    """Node-limited routing (topk_groups of the EP nodes' groups) bounds the inter-node copies: each
+    routed token crosses to at most topk_groups other nodes, counted by the dispatchers' byte counters."""
+    model, settings = raw["model"], raw["train"]
+    row_bytes = model["hidden_size"] * 8  # float64 payload rows
+    routed = settings["grad_accum_steps"] * settings["micro_batch_size"] * settings["seq_len"]
+    bound = routed * (model["num_layers"] - model["first_k_dense"]) * model["topk_groups"] * row_bytes
+    for record in (r for r in records if "traffic_bytes" in r):  # the per-rank steps
+        inter = sum(rank[1] for rank in record["traffic_bytes"]["dispatch"])
+        assert 0 < inter <= bound, (record["step"], inter, bound)
+
+
+def check_traffic_matrix(record: dict) -> None:
+    """The per-peer matrix accounts for every byte the per-kind counters saw (payload and metadata)."""
+    counted = sum(sum(rank) for rank in (row for kind in record["traffic_bytes"].values() for row in kind))
+    matrix = decode_array(record["traffic"]["rank_bytes"])
+    assert matrix.sum() == counted
+    assert record["traffic"]["inter_node_bytes"] == sum(
+        rank[1] + rank[3] for kind in record["traffic_bytes"].values() for rank in kind)
+
+
+def corpus_of(document_mask: bool, corpus: str, documents: str) -> str:
+    """The equivalence runs' corpus: the short documents with document masking, else the one long text."""
+    return documents if document_mask else corpus
+
+
+def spawned_raws(corpus: str, documents: str, root) -> dict[tuple, dict]:
+    """Every spawned run of the equivalence tests, by key: ("layout", name, routing) for each routing a layout must
+    reproduce, ("batched", name, attention, document mask, recompute) and ("mtp", name) -> its raw config."""
+    layouts = LAYOUTS | BATCHED
+    keyed = [(("layout", name, routing), (corpus, parallel, capacity))
+             for name, parallel in LAYOUTS.items() for routing, capacity in routings(parallel).items()]
+    keyed += [(("batched", name, attention, masked, recompute),
+               (corpus_of(masked, corpus, documents), layouts[name], None, attention, 0, masked, recompute))
+              for runs in SPAWNS.values() for name, attention, masked, recompute in runs]
+    keyed += [(("mtp", name), (corpus, MTP_LAYOUTS[name], None, "mla", 1))
+              for names in MTP_SPAWNS.values() for name in names]
+    return {key: raw_config(str(root / "_".join(map(str, key)).replace(" ", "_").replace(",", "")), *args)
+            for key, args in keyed}
+
+
+@pytest.fixture(scope="module")
+def spawned(corpus, documents, tmp_path_factory):
+    """Run key (spawned_raws) -> (raw config, records, each rank's final embedding or None); the runs of one world
+    size are all trained in one spawn, on first use of any of them."""
+    raws = spawned_raws(corpus, documents, tmp_path_factory.mktemp("layouts"))
+    worlds = {key: build_config(raw).parallel.world_size for key, raw in raws.items()}
+    out = {}
+
+    def run(key: tuple) -> tuple[dict, list[dict], list[torch.Tensor | None]]:
+        keys = [k for k in raws if worlds[k] == worlds[key]]
+
+        def spawn() -> list[tuple[dict, list[dict], list[torch.Tensor | None]]]:
+            results = run_processes(_train_with_embedding, worlds[key], [raws[k] for k in keys], timeout_s=600,
+                                    run_timeout_s=SPAWN_S)
+            return [(raws[k], results[0][i][0], [rank[i][1] for rank in results]) for i, k in enumerate(keys)]
+        return from_shared_spawn(out, key, keys, spawn)
+    return run
+
+
+@pytest.mark.timeout(SPAWN_S + 120)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_equals_single_process(layout, spawned, reference):
+    parallel = LAYOUTS[layout]
+    for name in routings(parallel):
+        raw, records, _ = spawned(("layout", layout, name))
+        check_equal_runs(records, raw, reference(name), parallel, name)
+
+
+@pytest.mark.timeout(SPAWN_S + 120)
+@pytest.mark.parametrize("world", list(SPAWNS))
+def test_batched_layouts_equal_single_process(world, spawned, reference):
+    """The layouts of one world size with their attention, trained dropless: MLA (query latent, joint KV latent,
+    TP-split heads with replicated down-projections) in pipeline, TP and CP layouts, and CP x TP (heads split over
+    TP, each CP shard's sequence over SP, routers summing over cp x tp, EP over both) with GQA and MLA; document
+    masking with a padded vocab under DualPipeV (rank 1 holds only middle stages: document ids reach it as the
+    runtime's context), TP + SP (the padded ids in one rank's vocab block), and both; and recomputed activations
+    (train.recompute) against the single process without."""
+    layouts = LAYOUTS | BATCHED
+    for name, attention, masked, recompute in SPAWNS[world]:
+        raw, records, _ = spawned(("batched", name, attention, masked, recompute))
+        assert build_config(raw).parallel.world_size == world
+        check_equal_runs(records, raw, reference("dropless", attention, 0, masked), layouts[name],
+                         f"{attention} {name} document_mask={masked} recompute={recompute}")
+
+
+def release_groups(records: list[dict]) -> list[dict]:
+    """A spawned run's records, once every rank has finished it and a fresh world replaces the process groups it
+    made: a spawn training many runs would otherwise keep every run's gloo groups (polling threads each) and slow
+    down. The new world's keys live under a prefix of their own in the rendezvous store, so that the next run's
+    groups (the same names) meet none of the last run's."""
+    store, rank, world = distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
+    dist.barrier()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"run{next(_WORLDS)}", store), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=SPAWN_S))
+    return records
+
+
+def _train_with_embedding(rank: int, world: int, raws: list[dict]) -> list[tuple[list[dict], torch.Tensor | None]]:
+    """Each run's records and this rank's final embedding (None where no stage holds it)."""
+    held = []
+
+    def build(*args, **kwargs):
+        out = build_model(*args, **kwargs)
+        held.append(next((s.embed.weight for s in out[0] if s.embed is not None), None))
+        return out
+    with mock.patch("launch.train.build.build_model", build):
+        return [(release_groups(train(build_config(raw), progress=False)), held[-1]) for raw in raws]
+
+
+@pytest.mark.timeout(SPAWN_S + 120)
+@pytest.mark.parametrize("world", list(MTP_SPAWNS))
+def test_mla_mtp_layouts_equal_single_process(world, spawned, reference):
+    """MLA with MTP depth 1: the MTP depth on the last stage shares the embedding tensor with the first under
+    DualPipeV, holds a copy under 1F1B (grads summed over both pipeline ranks, the copies equal after training), and
+    runs under TP + SP; losses (mtp_loss_1 too) and params as one process."""
+    want = reference("dropless", "mla", 1)
+    assert "mtp.0.eh_proj.weight" in want[1] and any(key.startswith("mtp.0.block.ffn.experts.") for key in want[1])
+    for name in MTP_SPAWNS[world]:
+        raw, records, embeddings = spawned(("mtp", name))
+        assert build_config(raw).parallel.world_size == world
+        check_equal_runs(records, raw, want, MTP_LAYOUTS[name], f"mla mtp {name}")
+        for got, ref in zip(records, want[0]):
+            assert got["mtp_loss_1"] == pytest.approx(ref["mtp_loss_1"], rel=1e-10), (name, got["step"])
+        if name == "pp2 1f1b":  # rank 1's copy of the embedding equals rank 0's
+            assert torch.equal(embeddings[0], embeddings[1])
+
+
+def check_equal_runs(records: list[dict], raw: dict, reference: tuple[list[dict], dict], parallel: dict,
+                     name: str) -> None:
+    """A layout's records and final params (its checkpoint, consolidated) equal the single process's."""
+    want_records, want_state = reference
+    assert [r["step"] for r in records] == list(range(STEPS))
+    for got, want in zip(records, want_records):
+        for key in ("loss", "lm_loss", "aux_loss"):  # the router's statistics are float64 here too
+            assert got[key] == pytest.approx(want[key], rel=1e-10, abs=1e-14), (name, got["step"], key)
+        assert got["dropped_tokens"] == want["dropped_tokens"], (name, got["step"])
+        assert got["expert_load_max_over_mean"] == want["expert_load_max_over_mean"], (name, got["step"])
+        for field in ("load", "bias"):  # full per-expert counts summed over ranks, biases of every layer
+            assert np.array_equal(decode_array(got["moe"][field]), decode_array(want["moe"][field])), field
+        # per-rank sections every train.rank_metrics_every = 2 steps and at the last
+        assert ("ranks" in got) == ("traffic_bytes" in got) == (got["step"] % 2 == 1 or got["step"] == STEPS - 1)
+        if "traffic_bytes" in got:
+            check_traffic_matrix(got)
+    if raw["model"].get("capacity_factor") is not None:
+        assert sum(r["dropped_tokens"] for r in records) > 0
+    if parallel.get("dispatch_backend") == "hierarchical":
+        check_node_limit(records, raw)
+    state = consolidate(f"{raw['train']['run_dir']}/checkpoint")
+    assert set(state) == set(want_state)
+    for key, want in want_state.items():
+        if want.is_floating_point() and want.abs().sum() > 0:
+            assert calc_diff(state[key], want) < 1e-12, (name, key)
+        else:
+            assert torch.equal(state[key], want), (name, key)
+
+
+def _train_runs(rank: int, world: int, runs: list[tuple[dict, bool]]) -> list[list[dict]]:
+    return [release_groups(train(build_config(raw), resume=resume, progress=False)) for raw, resume in runs]
+
+
+def cut_raw(run_dir, corpus: str, parallel: dict, steps: int, optim: dict | None = None) -> dict:
+    """raw_config (dropless) of `steps` steps with an [optim] section, its warmup covering the cut at CUT (so LRs do
+    not depend on train.steps)."""
+    out = {**raw_config(str(run_dir), corpus, parallel, None), "optim": optim or {}}
+    out["train"].update(steps=steps, warmup_steps=CUT)
+    return out
+
+
+def reshard(variants: dict[str, tuple[dict, dict]], corpus: str, uninterrupted: tuple, root: Path
+            ) -> dict[str, list[tuple[Path, list[dict], int]]]:
+    """For each name -> (parallel, optim): the 1-process run cut at CUT (a copy) resumed in that layout, and the
+    layout's own first CUT steps resumed on 1 process (ZeRO-1); the layouts' runs in one spawn. Returns name ->
+    [(run dir, records, first step)] for check_resumed_runs."""
+    runs = []
+    for name, (parallel, optim) in variants.items():
+        shutil.copytree(uninterrupted[2], root / name / "from_one")
+        runs += [(cut_raw(root / name / "from_layout", corpus, parallel, CUT, optim), False),
+                 (cut_raw(root / name / "from_one", corpus, parallel, STEPS, optim), True)]
+    records = iter(run_processes(_train_runs, 2, runs, timeout_s=300, run_timeout_s=SPAWN_S)[0])
+    out = {}
+    for name in variants:
+        saved, resumed = next(records), next(records)
+        back = train(build_config(cut_raw(root / name / "from_layout", corpus, {}, STEPS)), resume=True,
+                     progress=False)
+        out[name] = [(root / name / "from_one", resumed, CUT), (root / name / "from_layout", saved + back, 0)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def resharded(corpus, uninterrupted, tmp_path_factory) -> dict[str, list[tuple[Path, list[dict], int]]]:
+    return reshard({name: (LAYOUTS[name], {}) for name in ("tp2 sp", "cp2 ring")}, corpus, uninterrupted,
+                   tmp_path_factory.mktemp("reshard"))
+
+
+@pytest.mark.timeout(SPAWN_S + 120)
+@pytest.mark.parametrize("layout", ["tp2 sp", "cp2 ring"])
+def test_tp_and_cp_checkpoints_reshard_to_and_from_one_process(layout, resharded, uninterrupted):
+    """A 1-process checkpoint resumes under tp2 SP (cp2) and a tp2 SP (cp2) one in 1 process: both continue the
+    uninterrupted 1-process run."""
+    check_resumed_runs(uninterrupted, resharded[layout])
+
+
+def check_resumed_runs(uninterrupted: tuple, runs: list[tuple[Path, list[dict], int]]) -> None:
+    """Each (run dir, its records, first step) continues the uninterrupted run (its dir and records first in
+    uninterrupted): the same LM losses (1e-10) from its first step, and its final checkpoint's params (1e-12)."""
+    whole_dir, whole = uninterrupted[:2]
+    want = consolidate(whole_dir / "checkpoint")
+    for run_dir, records, first in runs:
+        name = run_dir.relative_to(run_dir.parents[1])
+        assert [r["step"] for r in records] == list(range(first, STEPS)), name
+        for got, ref in zip(records, whole[first:]):
+            assert got["lm_loss"] == pytest.approx(ref["lm_loss"], rel=1e-10), (name, got["step"])
+        state = consolidate(run_dir / "checkpoint")
+        assert set(state) == set(want)
+        for key, value in want.items():
+            if value.is_floating_point() and value.abs().sum() > 0:
+                assert calc_diff(state[key], value) < 1e-12, (name, key)
