@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dispatch import rehearsal
+from dispatch import rehearsal_rule
 from dispatch.topology import Topology
 from dispatch.traffic import TrafficMeter
 
@@ -137,7 +137,7 @@ class Channel:
         def recv_counts() -> list[list[int]]:
             got = pending.wait()
             if got.is_meta:  # a rehearsal: counts hold no values; each peer sends what this rank sends itself
-                return rehearsal.received_counts(counts, self.peers, self.rank, [0] * width)
+                return rehearsal_rule.received_counts(counts, self.peers, self.rank, [0] * width)
             recv = [[0] * width for _ in range(self.topology.world_size)]
             for peer, row in zip(self.peers, got.tolist()):  # host sync: the counts size the exchanges after it
                 recv[peer] = row

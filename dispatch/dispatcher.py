@@ -8,13 +8,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dispatch import rehearsal
+from dispatch import rehearsal_rule
 from dispatch.channel import HopTransport, Steps, run_steps, transport_for
 from dispatch.fp8 import decode_fp8, encode_fp8, split_fp8
 from dispatch.hopgroups import HopGroups, check_hop_group
 from dispatch.layout import check_num_experts, check_routing, expert_owner, lookup
 from dispatch.permute import Permutation, make_permutation, permute, unpermute
-from dispatch.routes import BACKENDS, stages_for
+from dispatch.routes import BACKENDS, routes_for
 from dispatch.topology import make_topology
 from dispatch.traffic import Traffic, TrafficMeter
 from dispatch.transport import Codec, CombineRows, DispatchRows, Route, dispatch_steps, gather_steps
@@ -112,7 +112,7 @@ class EPDispatcher:
 
     def _transports(self, hops: HopGroups | None) -> tuple[list[HopTransport], list[HopTransport]]:
         """Per hop, the transports of forward and of gradient exchanges (the same ones without a grad_group)."""
-        stages = stages_for(self.backend, self.topology, self.num_experts, self.rank, torch.device("meta"))
+        stages = routes_for(self.backend, self.topology, self.num_experts, self.rank, torch.device("meta"))
         members = list(range(self.world_size))  # the EP group's ranks, for hops run on it
         if self.backend == "flat" or hops is None:
             groups, wide = [(self.group, self.grad_group)] * len(stages), members
@@ -147,7 +147,7 @@ class EPDispatcher:
             owner = expert_owner(self.num_experts, self.world_size, device)
             local = torch.arange(self.num_experts, device=device) - self.rank * self.experts_per_rank
             self._local_expert = torch.where(owner == self.rank, local, -1)
-            self._stages = stages_for(self.backend, self.topology, self.num_experts, self.rank, device)
+            self._stages = routes_for(self.backend, self.topology, self.num_experts, self.rank, device)
             self._device = device
         return self._stages, self._local_expert
 
@@ -159,9 +159,9 @@ class EPDispatcher:
         self.meter.start("dispatch")
         route = Route()
         plan = None
-        if x.is_meta:  # a rehearsal: the counts the routing would give come from the rule (dispatch.rehearsal)
-            plan = rehearsal.plan_dispatch(x.shape[0], indices.shape[1], self.num_experts, self.topology, self.rank,
-                                           self.backend, rehearsal.capacity_of(indices))
+        if x.is_meta:  # a rehearsal: the counts the routing would give come from the rule (dispatch.rehearsal_rule)
+            plan = rehearsal_rule.plan_dispatch(x.shape[0], indices.shape[1], self.num_experts, self.topology,
+                                                self.rank, self.backend, rehearsal_rule.capacity_of(indices))
         arrived = yield from dispatch_steps(x, weights, indices, stages, self.channels, self.codec, route, self.chunks,
                                             plan.sends if plan else None)
         wire = arrived[0]

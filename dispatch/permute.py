@@ -24,7 +24,7 @@ class Permutation:
 def make_permutation(groups: Tensor, num_groups: int, counts: list[int] | None = None) -> Permutation:
     """Stable sort of the (row, slot) pairs of groups [M, k] (-1 = not here) by group id.
 
-    Meta groups hold no values: there counts (pairs per group, from dispatch.rehearsal) must be given
+    Meta groups hold no values: there counts (pairs per group, from dispatch.rehearsal_rule) must be given
     and give the sizes; real groups ignore it.
     """
     rows, slots = groups.shape

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from dispatch.fp8 import fp8_row_bytes
 from dispatch.layout import check_routing, expert_owner, lookup, membership
-from dispatch.routes import destinations, stages_for
+from dispatch.routes import destinations, routes_for
 from dispatch.topology import Topology
 from dispatch.traffic import Traffic
 
@@ -36,7 +36,7 @@ def predict_hops(indices_per_rank: list[Tensor], num_experts: int, topology: Top
     for ids in indices_per_rank:
         check_routing(ids, num_experts)
     world = topology.world_size
-    stages = [stages_for(backend, topology, num_experts, r) for r in range(world)]
+    stages = [routes_for(backend, topology, num_experts, r) for r in range(world)]
     row_bytes = payload_row_bytes(hidden, payload, dtype)
     combine_bytes = hidden * dtype.itemsize
     traffic = [{stage.name: {"dispatch": Traffic(), "combine": Traffic()} for stage in stages[r]} for r in range(world)]
@@ -82,7 +82,7 @@ def received_rows(indices_per_rank: list[Tensor], num_experts: int, world_size: 
 
 def inter_node_copies(indices: Tensor, rank: int, num_experts: int, topology: Topology, backend: str) -> Tensor:
     """[T] copies of each of rank's tokens that cross to another node (flat: per rank, hierarchical: per node)."""
-    first = stages_for(backend, topology, num_experts, rank)[0]
+    first = routes_for(backend, topology, num_experts, rank)[0]
     member = destinations(indices.long(), first, topology.world_size)
     remote = torch.tensor([not topology.same_node(rank, r) for r in range(topology.world_size)])
     return (member & remote).sum(1)

@@ -15,7 +15,7 @@ BACKENDS = ("flat", "hierarchical")
 
 
 @dataclass
-class Stage:
+class HopRoute:
     """One all-to-all step as seen by one rank: next rank of each expert's slots, and its peers."""
 
     next_rank: Tensor  # [E] int64 rank a slot for expert e goes to in this step, -1 if none
@@ -33,27 +33,27 @@ class Hop:
     back: SegmentPlan       # sums rows returned over send_row into the rows before the hop
 
 
-def stages_for(backend: str, topology: Topology, num_experts: int, rank: int,
-               device: torch.device | None = None) -> list[Stage]:
+def routes_for(backend: str, topology: Topology, num_experts: int, rank: int,
+               device: torch.device | None = None) -> list[HopRoute]:
     """The stages of backend for rank: flat is one hop to the owner; hierarchical crosses nodes first."""
     owner = expert_owner(num_experts, topology.world_size, device)
     if backend == "flat":
-        return [Stage(owner, list(range(topology.world_size)), "ep")]
+        return [HopRoute(owner, list(range(topology.world_size)), "ep")]
     if backend != "hierarchical":
         raise ValueError(f"backend = {backend!r} is not allowed; choose one of {', '.join(map(repr, BACKENDS))}")
     gpn, node, local = topology.gpus_per_node, topology.node_of(rank), topology.local_rank(rank)
     owner_node = owner // gpn
-    across = Stage(owner_node * gpn + local, topology.rail_ranks(rank), "rail")
-    inside = Stage(torch.where(owner_node == node, owner, -1), topology.node_ranks(rank), "node")
+    across = HopRoute(owner_node * gpn + local, topology.rail_ranks(rank), "rail")
+    inside = HopRoute(torch.where(owner_node == node, owner, -1), topology.node_ranks(rank), "node")
     return [across, inside]
 
 
-def destinations(ids: Tensor, stage: Stage, world_size: int) -> Tensor:
+def destinations(ids: Tensor, stage: HopRoute, world_size: int) -> Tensor:
     """[n, R] bool: which ranks each row (expert ids [n, k], -1 = dropped) goes to in stage."""
     return membership(lookup(ids, stage.next_rank), world_size)
 
 
-def plan_sends(ids: Tensor, stage: Stage, world_size: int, source: Tensor | None = None,
+def plan_sends(ids: Tensor, stage: HopRoute, world_size: int, source: Tensor | None = None,
                sources: int = 1, max_copies: int = 1) -> tuple[Tensor, list[list[int]], list[int]]:
     """(row of each sent row, grouped by destination rank then row; [rank][s] rows sent to each rank that
     came from source s, where source [n] gives each row's source in [0, sources) (default: all 0); the pass sizes

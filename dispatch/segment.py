@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dispatch import rehearsal
+from dispatch import rehearsal_rule
 
 
 @dataclass
@@ -53,8 +53,8 @@ def segment_plan(target: Tensor, num_targets: int, max_slots: int, sizes: list[i
     slot = torch.arange(num_values, device=device) - torch.searchsorted(ordered, ordered)  # rank within its target
     by_slot = torch.argsort(slot * num_targets + ordered)  # distinct keys: slot-major, targets ascending
     slots = slot[by_slot]
-    if target.is_meta:  # a rehearsal: no ranks to count; the passes follow the rule (dispatch.rehearsal)
-        offsets = rehearsal.pass_offsets(num_values, num_targets, max_slots)
+    if target.is_meta:  # a rehearsal: no ranks to count; the passes follow the rule (dispatch.rehearsal_rule)
+        offsets = rehearsal_rule.pass_offsets(num_values, num_targets, max_slots)
     elif sizes is not None:  # read by the caller with its counts: no read here
         if len(sizes) != max_slots or sum(sizes) != num_values:
             raise ValueError(f"pass sizes {sizes} do not split {num_values} values into max_slots = {max_slots} passes")

@@ -18,9 +18,9 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from dispatch import rehearsal
+from dispatch import rehearsal_rule
 from dispatch.channel import HopTransport, Steps, run_steps
-from dispatch.routes import Hop, Stage, make_hop, plan_sends
+from dispatch.routes import Hop, HopRoute, make_hop, plan_sends
 from dispatch.segment import ordered_sum
 
 
@@ -146,7 +146,7 @@ def _move(wire: Tensor, meta: Tensor, send_row: Tensor, send_splits: list[int], 
     return hop, rows.wait(), metas.wait()
 
 
-def dispatch_steps(x: Tensor, weights: Tensor, indices: Tensor, stages: list[Stage], channels: list[HopTransport],
+def dispatch_steps(x: Tensor, weights: Tensor, indices: Tensor, stages: list[HopRoute], channels: list[HopTransport],
                    codec: Codec | None, route: Route, chunks: int = 1, sends: list[list[int]] | None = None) -> Steps:
     """Send each row of x (with its routing metadata) along stages (stage h over channels[h]) in chunks,
     filling route; yields each exchange while it is in flight; returns (rows that arrived here, their
@@ -155,14 +155,14 @@ def dispatch_steps(x: Tensor, weights: Tensor, indices: Tensor, stages: list[Sta
     The first hop's counts of every chunk travel in one exchange; a later hop's counts, per chunk, are
     broken down by the previous hop's peer the rows came through (when chunks > 1), which is what
     putting the chunks' rows back in order needs. sends: per stage, the rows sent to each rank when the
-    routing cannot be read (meta tensors: a rehearsal passes dispatch.rehearsal's plan); real tensors
+    routing cannot be read (meta tensors: a rehearsal passes dispatch.rehearsal_rule's plan); real tensors
     plan their sends from the routing."""
     wire = codec.encode(x.detach()) if codec else x.detach()
     meta = pack_meta(weights, indices)
     world, device, k = channels[0].topology.world_size, x.device, indices.shape[1]
-    sizes = rehearsal.balanced_split(x.shape[0], chunks)
+    sizes = rehearsal_rule.balanced_split(x.shape[0], chunks)
     pieces = list(zip(wire.split(sizes), meta.split(sizes)))
-    split = [rehearsal.chunk_counts(sent, chunks) for sent in sends] if sends is not None else None
+    split = [rehearsal_rule.chunk_counts(sent, chunks) for sent in sends] if sends is not None else None
 
     def plan(h: int, c: int, meta_c: Tensor, source: Tensor | None, width: int
              ) -> tuple[Tensor, list[list[int]], list[int] | None]:
@@ -170,7 +170,7 @@ def dispatch_steps(x: Tensor, weights: Tensor, indices: Tensor, stages: list[Sta
         if not meta_c.is_meta:
             return plan_sends(unpack_meta(meta_c)[1], stages[h], world, source, width, copies(h))
         if split is None:
-            raise ValueError("dispatch_steps on meta tensors needs sends (dispatch.rehearsal.plan_dispatch)")
+            raise ValueError("dispatch_steps on meta tensors needs sends (dispatch.rehearsal_rule.plan_dispatch)")
         # a rehearsal: the rule's counts (all in the first column); which rows go where is not needed
         counts = [[per_chunk[c]] + [0] * (width - 1) for per_chunk in split[h]]
         return meta_c.new_empty(sum(n for n, *_ in counts), dtype=torch.int64), counts, None

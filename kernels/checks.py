@@ -59,7 +59,7 @@ def check_same_device(**tensors: Tensor) -> None:
 def check_offs(offs: Tensor, rows: int | None, groups: int | None = None) -> int | None:
     """offs: int32 [G] non-decreasing cumulative group ends, starting >= 0 and ending at `rows` (when
     given); returns the total row count offs[-1]. Values are checked on the CPU only: meta offs hold none
-    (the rehearsal rule, dispatch.rehearsal, has them end at `rows`) and a GPU's would cost a host sync per
+    (the rehearsal rule, dispatch.rehearsal_rule, has them end at `rows`) and a GPU's would cost a host sync per
     GEMM; there only their dtype and size are checked, and `rows` is returned."""
     check_tensor("offs", offs, 1, (torch.int32,))
     if offs.numel() == 0:

@@ -12,7 +12,7 @@ from kernels.quant_ref import dequantize_activation, dequantize_kgrouped, dequan
 
 def balanced_split(total: int, parts: int) -> list[int]:
     """total split into parts as evenly as possible, one more to each of the lowest (total mod parts)
-    indices: the primitive of the rehearsal routing rule (see dispatch.rehearsal), kept here because
+    indices: the primitive of the rehearsal routing rule (see dispatch.rehearsal_rule), kept here because
     the kernels' meta path uses it and kernels may not import dispatch."""
     base, extra = divmod(total, parts)
     return [base + (i < extra) for i in range(parts)]
@@ -20,7 +20,7 @@ def balanced_split(total: int, parts: int) -> list[int]:
 
 def group_bounds(offs: Tensor, rows: int | None = None) -> list[tuple[int, int]]:
     """(start, end) row range of every group from the cumulative ends `offs`; meta offs hold no values,
-    so there the `rows` rows split evenly over the groups (the rehearsal rule, dispatch.rehearsal)."""
+    so there the `rows` rows split evenly over the groups (the rehearsal rule, dispatch.rehearsal_rule)."""
     if offs.is_meta:
         if rows is None:
             raise ValueError("group_bounds of meta offs needs the row count (rows=)")

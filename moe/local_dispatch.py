@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dispatch import rehearsal
+from dispatch import rehearsal_rule
 from dispatch.layout import count_ids
 
 
@@ -38,8 +38,8 @@ class LocalDispatcher:
     def dispatch(self, x: Tensor, indices: Tensor, weights: Tensor) -> tuple[Tensor, RecvInfo, LocalHandle]:
         """Rows of x, one per kept (token, expert) slot, stably sorted by expert."""
         flat = indices.reshape(-1)
-        if flat.is_meta:  # a rehearsal: no values; rows per expert from the rule (dispatch.rehearsal)
-            slots = rehearsal.expert_slots(*indices.shape, self.num_experts, rehearsal.capacity_of(indices))
+        if flat.is_meta:  # a rehearsal: no values; rows per expert from the rule (dispatch.rehearsal_rule)
+            slots = rehearsal_rule.expert_slots(*indices.shape, self.num_experts, rehearsal_rule.capacity_of(indices))
             order = torch.argsort(flat, stable=True)[:sum(slots)]
             counts = flat.new_empty(self.num_experts)
         else:

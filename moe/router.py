@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dispatch import rehearsal
+from dispatch import rehearsal_rule
 from dispatch.layout import count_ids
 from moe.config import check_router_settings
 
@@ -70,9 +70,9 @@ class TopKRouter(nn.Module):
         kept = self._capacity_mask(indices, scores.detach().gather(1, indices))
         indices = indices.masked_fill(~kept, -1)
         weights = weights.masked_fill(~kept, 0.0)
-        if indices.is_meta:  # a rehearsal: no values to count; dispatchers count by dispatch.rehearsal's rule
+        if indices.is_meta:  # a rehearsal: no values to count; dispatchers count by dispatch.rehearsal_rule's rule
             tokens_per_expert = indices.new_empty(self.num_experts)
-            rehearsal.mark_capacity(indices, self.capacity(indices.shape[0]))
+            rehearsal_rule.mark_capacity(indices, self.capacity(indices.shape[0]))
         else:
             tokens_per_expert = count_ids(indices, self.num_experts)  # dropped slots are -1 by now
         return RoutingResult(indices, weights, aux_loss, tokens_per_expert, (~kept).sum(), losses)
@@ -114,7 +114,7 @@ class TopKRouter(nn.Module):
         """True for slots kept under the capacity limit, chosen by drop_policy inside each expert."""
         capacity = self.capacity(indices.shape[0])
         if capacity is None or indices.is_meta:  # meta: no values to rank; the dispatchers apply the
-            return torch.ones_like(indices, dtype=torch.bool)  # capacity by dispatch.rehearsal's rule
+            return torch.ones_like(indices, dtype=torch.bool)  # capacity by dispatch.rehearsal_rule's rule
         flat_expert = indices.reshape(-1)
         if self.drop_policy == "probs":
             order = torch.argsort(priority.reshape(-1), descending=True, stable=True)

@@ -3,6 +3,6 @@ schedules."""
 
 from optim.lr_schedule import warmup_cosine
 from optim.memory import optimizer_state_bytes
-from optim.zero1 import ZeRO1
+from optim.zero import ZeroOptimizer
 
-__all__ = ["ZeRO1", "optimizer_state_bytes", "warmup_cosine"]
+__all__ = ["ZeroOptimizer", "optimizer_state_bytes", "warmup_cosine"]

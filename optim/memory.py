@@ -8,16 +8,16 @@ import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-from optim.zero1 import ZeRO1
+from optim.zero import ZeroOptimizer
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """This rank's optimizer bytes: (master) params it updates + state tensors, for any optimizer.
 
-    ZeRO1 counts its fp32 master shards; ZeroRedundancyOptimizer counts its local optimizer
+    ZeroOptimizer counts its fp32 master shards; ZeroRedundancyOptimizer counts its local optimizer
     (the params of its partition); a plain optimizer counts all of its params (of DTensors, the local shards).
     """
-    if isinstance(optimizer, ZeRO1):
+    if isinstance(optimizer, ZeroOptimizer):
         return optimizer.state_bytes()["total"]
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         optimizer = optimizer.optim
@@ -31,7 +31,7 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def model_state_bytes(optimizer: ZeRO1, params: Iterable[torch.Tensor]) -> dict[str, int]:
+def model_state_bytes(optimizer: ZeroOptimizer, params: Iterable[torch.Tensor]) -> dict[str, int]:
     """Bytes this rank holds right now for the model states of params under optimizer: "params" (the storage the
     params view, freed storage counting 0, plus masters of their dtype kept apart: ZeRO-3's shards, offload's),
     "grads" (full grad buffers held, the reduced shards, receive scratch, host copies, any .grad outside them)
@@ -46,7 +46,7 @@ def model_state_bytes(optimizer: ZeRO1, params: Iterable[torch.Tensor]) -> dict[
             "optimizer": held_optimizer_bytes(optimizer)}
 
 
-def held_optimizer_bytes(optimizer: ZeRO1) -> int:
+def held_optimizer_bytes(optimizer: ZeroOptimizer) -> int:
     """Bytes ZeRO-1 holds beyond the model's params: its state tensors plus fp32 masters kept apart from
     the params (an fp32 param is its own master; its bytes are the model's)."""
     state = optimizer.state_bytes()

@@ -18,7 +18,7 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 CHUNK = 2**20
-P2P_TAG = 0x2E01  # ZeRO1's own tag: other p2p traffic on the group cannot match its messages
+P2P_TAG = 0x2E01  # ZeroOptimizer's own tag: other p2p traffic on the group cannot match its messages
 MASTER_KEY = "master"
 
 

@@ -5,7 +5,7 @@ from typing import Any
 
 from pipeline.overlap import OverlapSequential
 from pipeline.runtime import AFAB, ZB1P, DualPipe, DualPipeV, OneFOneB, PipelineRuntime
-from pipeline.schedules import (SCHEDULES, Action, Layout, Op, Schedule, afab, build, dualpipe, dualpipev,
+from pipeline.schedules import (SCHEDULES, Action, StageLayout, Op, Schedule, afab, build, dualpipe, dualpipev,
                                 forward_only, merge_weight_grads, min_chunks, one_f_one_b, with_communication,
                                 without_split, zb1p)
 from pipeline.wgrad import WeightGradStore, accumulate_grad, defer_weight_grad, install_split_linear
@@ -13,7 +13,7 @@ from pipeline.wgrad import WeightGradStore, accumulate_grad, defer_weight_grad, 
 _SIMULATOR = ("Costs", "SimResult", "render_svg", "render_text", "simulate")
 
 __all__ = ["AFAB", "DualPipe", "DualPipeV", "OneFOneB", "ZB1P", "PipelineRuntime", "OverlapSequential", "SCHEDULES",
-           "Action", "Layout", "Op", "Schedule", "afab", "build", "dualpipe", "dualpipev", "forward_only",
+           "Action", "StageLayout", "Op", "Schedule", "afab", "build", "dualpipe", "dualpipev", "forward_only",
            "merge_weight_grads", "min_chunks", "one_f_one_b",
            "with_communication", "without_split", "zb1p", "WeightGradStore", "accumulate_grad",
            "defer_weight_grad", "install_split_linear", *_SIMULATOR]

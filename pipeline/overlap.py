@@ -10,7 +10,7 @@ is in flight, then resumes the forward. Modules without it just run forward then
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Generator
+from typing import Any, Generator
 
 from torch import nn
 

@@ -2,8 +2,8 @@
 
 A message is a fixed-size int64 header (count, then per tensor: dtype code, requires_grad, ndim,
 dims) and one uint8 payload holding every tensor's bytes, so any number of tensors of any shape
-and dtype can cross; see Channel for how they travel. A channel told its messages' fixed layout
-(Channel.fixed, as a trainer whose stage boundaries always carry one [micro-batch, seq, hidden]
+and dtype can cross; see P2PChannel for how they travel. A channel told its messages' fixed layout
+(P2PChannel.fixed, as a trainer whose stage boundaries always carry one [micro-batch, seq, hidden]
 activation does) sends payloads only, and a receive never copies a header to the host.
 """
 
@@ -94,7 +94,7 @@ class TransferLog:
     received: dict[tuple[int, int], list[tuple[float, float]]] = field(default_factory=lambda: defaultdict(list))
 
 
-class Channel:
+class P2PChannel:
     """Sends and receives tensor lists to/from group ranks, one tag per stream.
 
     Both ends remember the payload size of the last message on each (peer, stream). A message is

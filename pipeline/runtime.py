@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from dispatch.progress import ACTION, mark
 from pipeline import schedules
 from pipeline.overlap import complete, start
-from pipeline.p2p import Channel, TensorMeta, TransferLog
+from pipeline.p2p import P2PChannel, TensorMeta, TransferLog
 from pipeline.schedules import Action, Op, Schedule
 from pipeline.wgrad import WeightGradStore, install_split_linear
 
@@ -69,7 +69,7 @@ class PipelineRuntime(nn.Module):
         self.forward_shares: dict[Action, float] = {}
         self.current_action: Action | None = None
         self._schedules: dict[tuple[int, bool, bool], Schedule] = {}
-        self._channel = Channel(self.group, self._device())  # made here: it creates process groups
+        self._channel = P2PChannel(self.group, self._device())  # made here: it creates process groups
         self._backward_thread: ThreadPoolExecutor | None = None  # runs the backward of concurrent pairs
 
     def fix_boundary(self, metas: list[TensorMeta]) -> None:

@@ -1,7 +1,7 @@
 """Pipeline schedules as data: per-rank lists of F, B, W, overlapped F&B, send and receive actions.
 
 A schedule is built for `num_ranks` ranks and `num_chunks` micro-batches ("chunks"). Each rank
-holds one or two stage modules, told apart by `phase` (0 or 1); a `Layout` says which stage a
+holds one or two stage modules, told apart by `phase` (0 or 1); a `StageLayout` says which stage a
 (rank, phase) holds and where a chunk meets a stage. The runtime and the simulator both walk
 these lists; neither knows any schedule by name.
 """
@@ -62,7 +62,7 @@ class Action:
 
 
 @dataclass(frozen=True)
-class Layout:
+class StageLayout:
     """Placement of stages on ranks: 'linear' (1 per rank), 'v' (DualPipeV) or 'bidirectional' (DualPipe)."""
 
     kind: str
@@ -108,7 +108,7 @@ class Schedule:
     """Per-rank action lists for one training step."""
 
     name: str
-    layout: Layout
+    layout: StageLayout
     actions: list[list[Action]]
 
     def compute_actions(self, rank: int) -> list[Action]:
@@ -175,13 +175,13 @@ def afab(num_ranks: int, num_chunks: int) -> Schedule:
         for _ in range(num_chunks):
             bld.b(0)
         ranks.append(bld.finish())
-    return Schedule("afab", Layout("linear", num_ranks, num_chunks), ranks)
+    return Schedule("afab", StageLayout("linear", num_ranks, num_chunks), ranks)
 
 
 def one_f_one_b(num_ranks: int, num_chunks: int) -> Schedule:
     """Classic 1F1B: rank r warms up with PP-1-r forwards, then alternates F and B."""
     _check_common(num_ranks, num_chunks, 1)
-    layout = Layout("linear", num_ranks, num_chunks)
+    layout = StageLayout("linear", num_ranks, num_chunks)
     ranks = []
     for r in range(num_ranks):
         bld = _Builder((list(range(num_chunks)), []))
@@ -200,7 +200,7 @@ def one_f_one_b(num_ranks: int, num_chunks: int) -> Schedule:
 def zb1p(num_ranks: int, num_chunks: int) -> Schedule:
     """Zero-bubble ZB-H1: 1F1B with split backwards; rank r postpones its first r weight passes."""
     _check_common(num_ranks, num_chunks, min_chunks("zb1p", num_ranks))
-    layout = Layout("linear", num_ranks, num_chunks)
+    layout = StageLayout("linear", num_ranks, num_chunks)
     ranks = []
     for r in range(num_ranks):
         bld = _Builder((list(range(num_chunks)), []))
@@ -263,7 +263,7 @@ def dualpipe(num_ranks: int, num_chunks: int) -> Schedule:
         raise ValueError(f"DualPipe needs an even number of ranks, got {num_ranks}")
     if num_chunks % 2:
         raise ValueError(f"num_chunks = {num_chunks} must be even for DualPipe")
-    layout = Layout("bidirectional", num_ranks, num_chunks)
+    layout = StageLayout("bidirectional", num_ranks, num_chunks)
     half = num_chunks // 2
     ids = (list(range(half)), list(range(half, num_chunks)))
     half_ranks = num_ranks // 2
@@ -279,7 +279,7 @@ def dualpipe(num_ranks: int, num_chunks: int) -> Schedule:
 def dualpipev(num_ranks: int, num_chunks: int) -> Schedule:
     """DualPipeV: 2N stages on N ranks in a V, rank r holds stages r and 2N-1-r."""
     _check_common(num_ranks, num_chunks, min_chunks("dualpipev", num_ranks))
-    layout = Layout("v", num_ranks, num_chunks)
+    layout = StageLayout("v", num_ranks, num_chunks)
     ids = (list(range(num_chunks)), list(range(num_chunks)))
     ranks = [_dual_rank(_Builder(ids), r, num_ranks, num_chunks, r == num_ranks - 1) for r in range(num_ranks)]
     return Schedule("dualpipev", layout, ranks)

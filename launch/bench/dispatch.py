@@ -21,7 +21,7 @@ import torch
 
 from dispatch.layout import check_num_experts
 from dispatch.predict import predict_traffic
-from dispatch.routing import ROUTINGS
+from dispatch.synthetic import ROUTINGS
 from launch.bench.harness import fields, ratio_fields, slowest
 from dispatch.topology import make_topology
 from launch.bench.alltoall import per_expert_traffic

@@ -10,7 +10,7 @@ import torch
 from dispatch.dispatcher import PAYLOADS
 from dispatch.predict import inter_node_copies, predict_traffic, received_rows
 from dispatch.routes import BACKENDS
-from dispatch.routing import synthetic_routing
+from dispatch.synthetic import synthetic_routing
 from dispatch.topology import make_topology
 from dispatch.traffic import Traffic
 

@@ -15,7 +15,7 @@ from torch import Tensor
 from dispatch.dispatcher import PAYLOADS, EPDispatcher
 from dispatch.hopgroups import make_hop_groups
 from dispatch.routes import BACKENDS
-from dispatch.routing import synthetic_routing
+from dispatch.synthetic import synthetic_routing
 from dispatch.topology import make_topology
 from dispatch.traffic import Traffic
 from kernels.metrics import calc_diff

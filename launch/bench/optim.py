@@ -1,4 +1,4 @@
-"""`moe-bench optim`: ZeRO1 at stages 1-3 against ZeroRedundancyOptimizer(AdamW), torch FSDP2 and DDP + AdamW.
+"""`moe-bench optim`: ZeroOptimizer at stages 1-3 against ZeroRedundancyOptimizer(AdamW), torch FSDP2 and DDP + AdamW.
 
 Every optimizer trains its own copy of the same MLP in the same gloo processes, in fp32, with
 the same AdamW implementation (--adamw, fused by default) and the same bucket cap; iterations
@@ -39,7 +39,7 @@ from launch.bench.harness import fields, ratio_fields, rounds, slowest
 from launch.bench.progress import BudgetExceeded, Progress, run_ranks, worker_progress
 from launch.bench.report import LOWER, header, header_line, table, write_json
 from optim.memory import local, model_state_bytes, optimizer_state_bytes
-from optim.zero1 import COLLECTIVES, ZeRO1
+from optim.zero import COLLECTIVES, ZeroOptimizer
 
 PEER = "zero_redundancy"
 SHAPE = ("layers", "hidden", "batch")  # with world_size and the optimizer, what identifies a row
@@ -67,7 +67,7 @@ def _setups(layers: int, hidden: int, bucket_cap_mb: float, collectives: str,
     groups = {1: ours[1].parameters(), 2: ours[2].parameters(),
               3: [{"params": list(linear.parameters()), "module": linear} for linear in ours[3]]}
     return {
-        **{f"zero{stage}": (ours[stage], ZeRO1(groups[stage], torch.optim.AdamW, bucket_cap_mb=bucket_cap_mb,
+        **{f"zero{stage}": (ours[stage], ZeroOptimizer(groups[stage], torch.optim.AdamW, bucket_cap_mb=bucket_cap_mb,
                                                collectives=collectives, stage=stage, **hyper)) for stage in ours},
         PEER: (zro, ZeroRedundancyOptimizer(zro.parameters(), torch.optim.AdamW,
                                             parameters_as_bucket_view=True, **hyper)),
@@ -77,10 +77,10 @@ def _setups(layers: int, hidden: int, bucket_cap_mb: float, collectives: str,
 
 
 def state_bytes(model: nn.Module, opt: Any) -> int:
-    """Bytes this rank holds for the model states: params, grads and optimizer state (local shards; ZeRO1:
+    """Bytes this rank holds for the model states: params, grads and optimizer state (local shards; ZeroOptimizer:
     optim.memory.model_state_bytes)."""
     params = list(model.parameters())
-    if isinstance(opt, ZeRO1):
+    if isinstance(opt, ZeroOptimizer):
         return sum(model_state_bytes(opt, params).values())
     inner = opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt
     state = [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v)]
@@ -91,11 +91,11 @@ def state_bytes(model: nn.Module, opt: Any) -> int:
 def _iteration(model: nn.Module, opt: Any, x: torch.Tensor) -> dict[str, float]:
     """One training iteration: seconds of the whole ("step") and of optimizer.step ("opt").
 
-    ZeRO1 overlaps its gradient reduction with backward, as DDP does for the two peers.
+    ZeroOptimizer overlaps its gradient reduction with backward, as DDP does for the two peers.
     """
     start = time.perf_counter()
     opt.zero_grad()
-    overlap = opt.reduce_during_backward() if isinstance(opt, ZeRO1) else nullcontext()
+    overlap = opt.reduce_during_backward() if isinstance(opt, ZeroOptimizer) else nullcontext()
     with overlap:
         model(x).square().mean().backward()
     mid = time.perf_counter()
@@ -154,11 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations per optimizer")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0,
-                   help="bucket cap of ZeRO1 and of the peers' DDP")
+                   help="bucket cap of ZeroOptimizer and of the peers' DDP")
     p.add_argument("--adamw", choices=("fused", "foreach", "for-loop"), default="fused",
                    help="AdamW implementation, the same for all")
     p.add_argument("--collectives", choices=COLLECTIVES, default="auto",
-                   help="ZeRO1 collectives (auto: p2p on gloo)")
+                   help="ZeroOptimizer collectives (auto: p2p on gloo)")
     p.add_argument("--call-budget", type=float, default=60.0,
                    help="seconds one training iteration may take before the run stops naming it (0: no limit)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")

@@ -37,7 +37,7 @@ from pipeline import schedules
 from pipeline.costs import (CostSamples, action_window, hop_latencies, measured_wait, median_wait, occupied_durations,
                             replayed_wait, sampled_wait)
 from pipeline.memory import SavedTensorMeter
-from pipeline.p2p import Channel
+from pipeline.p2p import P2PChannel
 
 
 WAIT_CAPTION = ("wait: time a rank was blocked on a receive or outside its actions, within each step's window "
@@ -53,7 +53,7 @@ WAIT_CAPTION = ("wait: time a rank was blocked on a receive or outside its actio
 def p2p_latency(rank: int, shape: tuple[int, ...], rounds: int = 40) -> float:
     """Median one-way seconds of one boundary message between ranks 0 and 1 (receive posted
     ahead, as in the runtime), shared with every rank."""
-    ch = Channel(dist.group.WORLD, torch.device("cpu"))
+    ch = P2PChannel(dist.group.WORLD, torch.device("cpu"))
     msg = [torch.randn(shape)]
     rtts = []
     if rank < 2:

@@ -6,8 +6,8 @@ of layer 3 wherever it lived): model/KEY (params and buffers), optim/KEY/KIND (o
 exp_avg, exp_avg_sq, step; master only where it is not the param itself, e.g. bf16 params), data/, sched/,
 meta/, guard/ (the spike guard's history), rng/rankNNNNN. A tensor is stored as rectangles (DCP chunks),
 each written by the one rank that holds it: ZeRO-1 hands out, per param, the runs of its flattened
-elements its shard holds (ZeRO1.pieces: views, no gather); launch.parallel.placement maps a run to at most 2 * ndim - 1
-rectangles of the keys (a TP shard's rows split where they jump, e.g. fused qkv; an expert block split per
+elements its shard holds (ZeroOptimizer.pieces: views, no gather); launch.parallel.placement maps a run to at
+most 2 * ndim - 1 rectangles of the keys (a TP shard's rows split where they jump, e.g. fused qkv; an expert block split per
 expert). Replicated rectangles (TP replicas, buffers) are identical and written once (DCP deduplicates).
 Any layout (pp, dp, ep, tp, process count) reads what its own pieces overlap, then ZeRO-1 all-gathers the
 params from the loaded masters. The unit is "a rectangle of a single-process tensor", not a rank's flat
@@ -44,7 +44,7 @@ from launch.faults.guard import StepGuard
 from launch.parallel.placement import EXPERT_KEY, Placement, placements
 from launch.checkpoint.manifest import MANIFEST, file_table, latest_valid, publish, published, verify
 from optim.shard import MASTER_KEY, Piece
-from optim.zero1 import ZeRO1
+from optim.zero import ZeroOptimizer
 
 
 def _add(flat: dict[str, object], fqn: str, place: Placement, start: int, data: Tensor, bind: bool = True) -> list[str]:
@@ -66,7 +66,7 @@ class TrainState:
     spike guard."""
 
     stages: list[nn.Module]
-    optimizer: ZeRO1
+    optimizer: ZeroOptimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     data: object  # launch.data.feed.DataFeed (state_dict / load_state_dict of its integer position; it refuses others)
     guard: StepGuard | None = None

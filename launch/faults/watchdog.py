@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch.distributed as dist
 
 from dispatch import progress as marks
-from launch.config.ops import HANG_KINDS, HEARTBEAT_S
+from launch.config.ops import HEARTBEAT_S
 
 if TYPE_CHECKING:
     from launch.config.ops import OpsSettings

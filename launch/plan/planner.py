@@ -21,10 +21,10 @@ from launch.plan.presets import GPU, RECIPES, StateBytes
 from launch.plan.timing import Rates, StageCost, interleave, paired, simulate_step
 from launch.plan.traffic import EPStats, cp_attention_bytes, cp_kv_width, ep_stats, ring_bytes, total
 from launch.parallel.stages import stage_ranges
-from pipeline.schedules import Layout, Schedule, build, merge_weight_grads
+from pipeline.schedules import StageLayout, Schedule, build, merge_weight_grads
 
 if TYPE_CHECKING:
-    from launch.parallel.mesh import Layout as RankLayout
+    from launch.parallel.mesh import Layout
     from launch.plan.profile import Profile
 
 BYTE_KINDS = ("ep", "pp", "dp", "tp", "cp")  # what a rank's bytes are sent for
@@ -174,12 +174,12 @@ def make_schedule(config: RunConfig) -> Schedule | None:
     return merge_weight_grads(schedule, par.merge_w) if par.merge_w > 1 else schedule
 
 
-def _layout(config: RunConfig) -> Layout:
+def _layout(config: RunConfig) -> StageLayout:
     par = config.parallel
-    return Layout(LAYOUT_KINDS[par.schedule], par.pp, config.chunks_per_step)
+    return StageLayout(LAYOUT_KINDS[par.schedule], par.pp, config.chunks_per_step)
 
 
-def node_of(ranks: RankLayout, gpus_per_node: int, pp: int, dp: int = 0, tp: int = 0, cp: int = 0) -> int:
+def node_of(ranks: Layout, gpus_per_node: int, pp: int, dp: int = 0, tp: int = 0, cp: int = 0) -> int:
     """Node of the global rank at (pp, dp, tp, cp) (config.layout's rank order: launch.parallel.mesh.Layout)."""
     return ranks.rank(pp, dp, tp, cp) // gpus_per_node
 
@@ -325,7 +325,7 @@ def _add(bucket: dict[str, Traffic], kind: str, inter: bool, nbytes: float) -> N
     bucket.setdefault(kind, Traffic()).add(inter, "payload", round(nbytes))
 
 
-def _rank_bytes(config: RunConfig, layout: Layout, rank: int, held: list[int], moe_layers: list[int],
+def _rank_bytes(config: RunConfig, layout: StageLayout, rank: int, held: list[int], moe_layers: list[int],
                 layers: list[range], ep_layer: Traffic, act_bytes: float, grad_sync: list, itemsize: int,
                 recipe: StateBytes, gpn: int, rerun: bool) -> dict[str, Traffic]:
     """Bytes one rank sends per optimizer step by purpose ("ep", "pp", "dp", "tp", "cp"), intra- and inter-node
@@ -364,7 +364,7 @@ def _rank_bytes(config: RunConfig, layout: Layout, rank: int, held: list[int], m
     return out
 
 
-def _gathers(config: RunConfig, layout: Layout, rank: int, held: list[int]) -> int:
+def _gathers(config: RunConfig, layout: StageLayout, rank: int, held: list[int]) -> int:
     """All-gathers of a rank's dense params per optimizer step: one after the step (ZeRO-1/2); ZeRO-3 gathers them
     before every micro-batch's forward and backward through the rank's busiest stage instead."""
     if config.optim.zero_stage != 3:

@@ -78,9 +78,9 @@ class StateBytes:
 RECIPES: dict[str, StateBytes] = {
     "zero-paper": StateBytes("zero-paper", 2, 2, 12, "ZeRO (Rajbhandari et al. 2020): fp16 params and grads, "
                              "fp32 master + Adam moments (K = 12)"),
-    "project-bf16": StateBytes("project-bf16", 2, 4, 12, "this project's ZeRO1 on bf16 weights: grads summed "
+    "project-bf16": StateBytes("project-bf16", 2, 4, 12, "this project's ZeroOptimizer on bf16 weights: grads summed "
                                "in a full fp32 flat buffer, fp32 master + AdamW moments sharded", reduced_grad=4),
-    "project-fp32": StateBytes("project-fp32", 4, 4, 8, "this project's ZeRO1 on fp32 weights (CPU runs): the "
+    "project-fp32": StateBytes("project-fp32", 4, 4, 8, "this project's ZeroOptimizer on fp32 weights (CPU runs): the "
                                "weights are their own masters (counted as params), AdamW moments sharded",
                                reduced_grad=4),
     "megatron": StateBytes("megatron", 2, 4, 12, "Megatron-Core's distributed optimizer: BF16 params, FP32 main grads, "

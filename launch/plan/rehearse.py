@@ -10,7 +10,7 @@ launch.parallel.device.to_host) is allowed, as on a GPU it stays on the host too
 memory by category
 (torch's MemTracker) beside moe-plan's prediction for the same rank, and every collective it issues.
 
-Rules where a meta tensor has no values: routing follows dispatch.rehearsal's balanced rule (the planner's
+Rules where a meta tensor has no values: routing follows dispatch.rehearsal_rule's balanced rule (the planner's
 assumption), and values the step copies to the host (losses, grad norm, loads) read as zeros
 (launch.parallel.device.to_host), so the step takes its usual branches. Attention runs as a fused kernel would on a
 GPU (FusedAttention: meta's own SDPA is the math form, which saves S x S scores). CUDA-only pieces are switched by one check,
@@ -55,7 +55,7 @@ class _NoHook:
 class StepMemTracker(MemTracker):
     """torch's MemTracker for a pipeline step, whose stage modules run once per micro-batch (a stage's repeated
     forward is more of the same step; MemTracker alone refuses it as a second iteration), plus what the
-    step's optimizer reports of its own buffers (ZeRO1.buffer_bytes, read at its step by a global hook)."""
+    step's optimizer reports of its own buffers (ZeroOptimizer.buffer_bytes, read at its step by a global hook)."""
 
     def __init__(self) -> None:
         super().__init__()

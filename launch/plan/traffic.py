@@ -11,7 +11,7 @@ from torch import Tensor
 from dispatch import Topology, Traffic, make_topology
 from dispatch.layout import expert_owner, lookup, membership
 from dispatch.predict import inter_node_copies, payload_row_bytes, predict_traffic
-from dispatch.routing import synthetic_routing
+from dispatch.synthetic import synthetic_routing
 from launch.metrics.flops import AttentionShape
 from moe.config import ModelConfig
 

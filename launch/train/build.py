@@ -19,7 +19,7 @@ from launch.train.materialize import materialize
 from moe.cp import CPRegion
 from moe.model import MoETransformer
 from moe.tp import tp_replicated_params
-from optim import ZeRO1
+from optim import ZeroOptimizer
 from pipeline import AFAB, ZB1P, DualPipe, DualPipeV, OneFOneB, PipelineRuntime, build
 from pipeline.p2p import TensorMeta
 
@@ -86,7 +86,7 @@ def tp_partial_params(stage: Stage) -> list[Tensor]:
 
 
 @torch.no_grad()
-def sum_tp_partial_grads(stages: list[Stage], mesh: Mesh, optimizer: ZeRO1) -> None:
+def sum_tp_partial_grads(stages: list[Stage], mesh: Mesh, optimizer: ZeroOptimizer) -> None:
     """All-reduce over the TP group (one flat collective, before ZeRO-1 sums over DP) the grads of
     tp_partial_params, as ZeRO-1 holds them (its fp32 sums: a bf16 param's .grad is gone by now)."""
     params = [p for stage in stages for p in tp_partial_params(stage)]
@@ -100,7 +100,7 @@ def sum_tp_partial_grads(stages: list[Stage], mesh: Mesh, optimizer: ZeRO1) -> N
 
 
 
-def build_optimizer(stages: list[Stage], cfg: RunConfig, mesh: Mesh) -> ZeRO1:
+def build_optimizer(stages: list[Stage], cfg: RunConfig, mesh: Mesh) -> ZeroOptimizer:
     """ZeRO-1 AdamW: dense params sharded over their replicas (DP, and DualPipe's twin stage copy; per TP
     rank), experts over expert-DP; grads summed (each micro-batch's loss already carries its share).
     Dense params held whole on every TP rank count 1/tp each in the grad norm summed over the world; groups
@@ -130,7 +130,7 @@ def build_optimizer(stages: list[Stage], cfg: RunConfig, mesh: Mesh) -> ZeRO1:
                                    **({"module": module} if module is not None else {})})
     groups += [{"params": [p], "weight_decay": cfg.train.weight_decay, "process_group": mesh.embed_replicas,
                 "grad_divisor": 1} for p in copies.values()]
-    return ZeRO1(groups, torch.optim.AdamW, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2),
+    return ZeroOptimizer(groups, torch.optim.AdamW, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2),
                  stage=cfg.optim.zero_stage, offload=_host(cfg, stages))
 
 

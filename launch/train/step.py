@@ -23,7 +23,7 @@ from launch.parallel.device import to_host
 from launch.parallel.mesh import Mesh
 from launch.parallel.stages import LOSS_KINDS, Stage
 from moe.documents import document_ids, document_labels
-from optim import ZeRO1
+from optim import ZeroOptimizer
 from pipeline import PipelineRuntime
 
 TRAFFIC_KINDS = ("dispatch", "combine", "dispatch_backward", "combine_backward")
@@ -34,12 +34,12 @@ TRAFFIC_FIELDS = ("intra_payload", "inter_payload", "intra_meta", "inter_meta")
 
 
 
-def last_backward(optimizer: ZeRO1 | None, runtime: PipelineRuntime | None,
+def last_backward(optimizer: ZeroOptimizer | None, runtime: PipelineRuntime | None,
                   last: bool = True) -> contextlib.AbstractContextManager:
     """Around the step's last backward (the last micro-batch's, or the last pipeline step; ZeRO-2: around every
     one, `last` or not): ZeRO-1 starts reducing each bucket as soon as all its grads are final, while the backward
     goes on; with a pipeline the runtime says which grads are (runtime.last_grad: a deferred weight grad once its
-    last W ran). The reductions still in flight are waited for in the clip (ZeRO1.clip_grad_norm_)."""
+    last W ran). The reductions still in flight are waited for in the clip (ZeroOptimizer.clip_grad_norm_)."""
     if optimizer is None or not (last or optimizer.stage >= 2):
         return contextlib.nullcontext()
     return optimizer.reduce_during_backward(runtime.last_grad if runtime is not None else None)
@@ -53,7 +53,7 @@ def document_eos(cfg: RunConfig) -> int | None:
 
 
 def forward_backward(stages: list[Stage], runtime: PipelineRuntime | None, micro: list[MicroBatch],
-                     chunks: int, loss_scale: float, optimizer: ZeRO1 | None = None,
+                     chunks: int, loss_scale: float, optimizer: ZeroOptimizer | None = None,
                      eos: int | None = None) -> tuple[Tensor, float]:
     """Forward and backward over this rank's micro-batches (grads accumulate), every LM, MTP and router loss
     scaled by loss_scale (the micro-batch's share of the step's loss); returns (sum of the scaled LM losses

@@ -8,7 +8,6 @@ without SP, and as this rank's sequence shard [B, S/tp, H] (contiguous, rank ord
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from moe.experts import SwiGLU

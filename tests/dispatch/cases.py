@@ -7,7 +7,7 @@ from typing import Iterator
 import torch
 
 from dispatch import BACKENDS, PAYLOADS, EPDispatcher
-from dispatch.routing import synthetic_routing
+from dispatch.synthetic import synthetic_routing
 
 WORLD, GPUS_PER_NODE, EXPERTS, TOP_K, HIDDEN = 4, 2, 8, 3, 160
 CASES = ("uniform_dropped", "one_expert", "node_limited")

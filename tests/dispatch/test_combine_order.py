@@ -14,7 +14,7 @@ import torch
 from dispatch import BACKENDS, PAYLOADS, EPDispatcher, make_topology
 from dispatch.fp8 import dequantize_fp8, quantize_fp8
 from launch.parallel.spawn import run_processes
-from dispatch.routing import synthetic_routing
+from dispatch.synthetic import synthetic_routing
 from tests.dispatch.cases import GPUS_PER_NODE, HIDDEN, WORLD, dispatchers
 
 EXPERTS, TOP_K, TOKENS = 16, 8, (0, 9, 40, 25)  # rank 0 sends nothing

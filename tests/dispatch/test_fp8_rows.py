@@ -18,7 +18,7 @@ import torch.distributed as dist
 from dispatch import EPDispatcher
 from dispatch.fp8 import quantize_fp8
 from launch.parallel.spawn import run_processes
-from dispatch.routing import synthetic_routing
+from dispatch.synthetic import synthetic_routing
 from kernels import FP8Rows, calc_diff, fp8_grouped_linear
 from moe.config import ModelConfig
 from moe.experts import GroupedExperts

@@ -7,7 +7,7 @@ import torch
 
 from dispatch import get_dispatch_layout, make_permutation, make_topology, permute, unpermute
 from dispatch.fp8 import decode_fp8, encode_fp8, fp8_row_bytes
-from dispatch.routing import synthetic_routing
+from dispatch.synthetic import synthetic_routing
 
 
 def test_topology_maps_ranks_to_nodes_and_rejects_bad_splits():

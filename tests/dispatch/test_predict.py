@@ -7,7 +7,7 @@ import torch
 
 from dispatch import make_topology
 from dispatch.predict import inter_node_copies, predict_traffic
-from dispatch.routing import synthetic_routing
+from dispatch.synthetic import synthetic_routing
 
 
 def _routings(world: int, tokens: int, experts: int, top_k: int, groups: int, keep: int) -> list[torch.Tensor]:

@@ -1,4 +1,4 @@
-"""The rehearsal routing rule (dispatch.rehearsal): the MoE path runs forward and backward on meta tensors,
+"""The rehearsal routing rule (dispatch.rehearsal_rule): the MoE path runs forward and backward on meta tensors,
 over a fake process group of 2048 ranks, creating nothing off meta, and counts what the rule's closed
 form says; the rule agrees with dispatch.predict on a real routing built to be balanced."""
 
@@ -14,7 +14,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dispatch import EPDispatcher, make_topology
-from dispatch import rehearsal
+from dispatch import rehearsal_rule
 from dispatch.fp8 import fp8_row_bytes
 from dispatch.layout import get_dispatch_layout
 from dispatch.predict import COUNT_BYTES, META_BYTES_PER_SLOT, predict_traffic, received_rows
@@ -155,7 +155,7 @@ def test_ep_dispatch_and_combine_run_on_meta_and_count_the_rule(fake_world, back
     ep, rank = d.world_size, d.rank
     x = torch.empty(tokens, hidden, dtype=torch.bfloat16, device=META, requires_grad=True)
     weights = torch.empty(tokens, k, device=META, requires_grad=True)
-    indices = rehearsal.mark_capacity(torch.empty(tokens, k, dtype=torch.int64, device=META), capacity)
+    indices = rehearsal_rule.mark_capacity(torch.empty(tokens, k, dtype=torch.int64, device=META), capacity)
     with DeviceRecorder() as rec:
         recv, info, handle = d.dispatch(x, indices, weights)
         out = d.combine(recv * 2, handle)
@@ -206,12 +206,12 @@ def test_rule_matches_predict_traffic_on_a_balanced_routing(ep, gpn, tokens, k, 
     topo = make_topology(ep, gpn)
     indices = _balanced_routing(tokens, k, experts, ep, topo.num_nodes)
     assert get_dispatch_layout(indices, experts, topo).tokens_per_expert.tolist() == \
-        rehearsal.expert_slots(tokens, k, experts)
+        rehearsal_rule.expert_slots(tokens, k, experts)
     hidden = 128
     for backend in ("flat", "hierarchical"):
         predicted = predict_traffic([indices] * ep, experts, topo, hidden, backend, "fp8")
         for rank in (0, ep - 1, ep // 2 + 1):
-            plan = rehearsal.plan_dispatch(tokens, k, experts, topo, rank, backend)
+            plan = rehearsal_rule.plan_dispatch(tokens, k, experts, topo, rank, backend)
             dispatch, combine = Traffic(), Traffic()
             for step, (send, got) in enumerate(zip(plan.sends, plan.recvs)):
                 for p in range(ep):
@@ -237,11 +237,11 @@ def _in_hop(topo, backend: str, step: int, rank: int, peer: int) -> bool:
 
 
 def test_rule_remainder_goes_to_the_lowest_experts_and_capacity_caps_each():
-    assert rehearsal.expert_slots(10, 3, 8) == [4, 4, 4, 4, 4, 4, 3, 3]
-    assert rehearsal.expert_slots(10, 3, 8, capacity=3) == [3] * 8
-    assert rehearsal.rank_rows(10, 3, 8, 4) == [8, 8, 8, 6]
-    assert rehearsal.rank_rows(4, 8, 8, 2) == [4, 4]  # k > ep: every token reaches every rank once
+    assert rehearsal_rule.expert_slots(10, 3, 8) == [4, 4, 4, 4, 4, 4, 3, 3]
+    assert rehearsal_rule.expert_slots(10, 3, 8, capacity=3) == [3] * 8
+    assert rehearsal_rule.rank_rows(10, 3, 8, 4) == [8, 8, 8, 6]
+    assert rehearsal_rule.rank_rows(4, 8, 8, 2) == [4, 4]  # k > ep: every token reaches every rank once
     topo = make_topology(8, 2)
-    plan = rehearsal.plan_dispatch(64, 2, 16, topo, 3, "hierarchical")
+    plan = rehearsal_rule.plan_dispatch(64, 2, 16, topo, 3, "hierarchical")
     assert plan.sends[0] == [0, 32, 0, 32, 0, 32, 0, 32] and plan.sends[1] == [0, 0, 64, 64, 0, 0, 0, 0]
     assert plan.received_rows == 8 * 16 and plan.expert_rows == [64, 64]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dispatch import make_permutation, make_topology, permute, unpermute
-from dispatch.routes import make_hop, plan_sends, stages_for
+from dispatch.routes import make_hop, plan_sends, routes_for
 from dispatch.segment import ordered_sum, pass_sizes, segment_plan
 
 
@@ -90,7 +90,7 @@ def test_ordered_sum_of_nothing_is_zero_rows():
 
 def test_ordered_sum_runs_on_meta_with_the_shapes_of_a_real_one():
     target = torch.empty(40, dtype=torch.long, device="meta")
-    plan = segment_plan(target, 9, max_slots=8)  # dispatch.rehearsal's rule: 40 values spread over 9 rows
+    plan = segment_plan(target, 9, max_slots=8)  # dispatch.rehearsal_rule's rule: 40 values spread over 9 rows
     assert plan.source.is_meta and plan.source.shape == (40,) and plan.offsets == [0, 9, 18, 27, 36, 40, 40, 40, 40]
     out = ordered_sum(torch.empty(40, 6, dtype=torch.bfloat16, device="meta"), plan,
                       torch.empty(40, device="meta"), out_dtype=torch.bfloat16)
@@ -149,7 +149,7 @@ def test_a_hops_sends_and_a_permutation_each_read_the_host_once(monkeypatch):
     there were two (the same plans as reading them apart)."""
     gen = torch.Generator().manual_seed(6)
     ids = torch.randint(-1, 8, (12, 3), generator=gen)  # -1: dropped slots
-    stage = stages_for("flat", make_topology(4, 4), 8, 0)[0]
+    stage = routes_for("flat", make_topology(4, 4), 8, 0)[0]
     reads = []
     real_tolist, real_nonzero = torch.Tensor.tolist, torch.nonzero  # nonzero waits for its size as tolist does
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or real_tolist(t))

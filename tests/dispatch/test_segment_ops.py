@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dispatch import EPDispatcher, make_permutation, unpermute
-from dispatch.routing import synthetic_routing
+from dispatch.synthetic import synthetic_routing
 from dispatch.segment import ordered_sum, segment_plan
 
 TOP_K, HIDDEN = 8, 128

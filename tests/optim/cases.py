@@ -1,4 +1,4 @@
-"""Models, data, single-process references and spawned workers shared by the ZeRO1 tests."""
+"""Models, data, single-process references and spawned workers shared by the ZeroOptimizer tests."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from optim import ZeRO1, warmup_cosine
+from optim import ZeroOptimizer, warmup_cosine
 
 STEPS = 10
 SAVE_AT = 5
@@ -87,10 +87,10 @@ def count_collectives() -> Iterator[list[str]]:
             setattr(dist, name, fn)
 
 
-def train(model: nn.Module, opt: ZeRO1, steps: range, rank: int, world: int,
+def train(model: nn.Module, opt: ZeroOptimizer, steps: range, rank: int, world: int,
           dtype: torch.dtype = torch.float32, overlap: bool = False,
           max_norm: float | None = MAX_NORM) -> dict[str, Any]:
-    """ZeRO1 data parallel with MICRO accumulation micro-batches, clipped to max_norm unless
+    """ZeroOptimizer data parallel with MICRO accumulation micro-batches, clipped to max_norm unless
     None (then step() reduces each bucket just before updating it); norms and comm log.
 
     With overlap, the last micro-batch's backward runs inside reduce_during_backward().
@@ -126,14 +126,14 @@ def params_of(model: nn.Module) -> list[torch.Tensor]:
 
 
 def dp_worker(rank: int, world: int, saved: dict[str, Any] | None) -> dict[str, Any]:
-    """10 ZeRO1 steps, the unclipped and EP cases; with saved, also resume from it; more by world.
+    """10 ZeroOptimizer steps, the unclipped and EP cases; with saved, also resume from it; more by world.
 
     World 2 and 4 use different collectives, so both paths are checked against the reference;
     world 4 also overlaps the last micro-batch's reduction with its backward;
     the resume, bf16 and LR cases use "auto" (p2p on gloo).
     """
     model = mlp()
-    opt = ZeRO1(groups(model), bucket_cap_mb=0.002, collectives=COLLECTIVES_BY_WORLD[world])
+    opt = ZeroOptimizer(groups(model), bucket_cap_mb=0.002, collectives=COLLECTIVES_BY_WORLD[world])
     overlap = world == 4
     out = train(model, opt, range(SAVE_AT), rank, world, overlap=overlap)
     state = opt.state_dict()
@@ -157,11 +157,11 @@ def dp_worker(rank: int, world: int, saved: dict[str, Any] | None) -> dict[str, 
 
 def unclipped_case(rank: int, world: int) -> list[torch.Tensor]:
     """STEPS steps without clipping, so step() finishes each bucket's reduction just before
-    updating it; the final params. The model gets the reference's init only after ZeRO1 is
+    updating it; the final params. The model gets the reference's init only after ZeroOptimizer is
     built (load_state_dict, then a no-op .to()): fp32 params are their own masters."""
     model = mlp()
     model[0].weight.data.mul_(3.0)
-    opt = ZeRO1(groups(model), bucket_cap_mb=0.002, collectives=COLLECTIVES_BY_WORLD[world])
+    opt = ZeroOptimizer(groups(model), bucket_cap_mb=0.002, collectives=COLLECTIVES_BY_WORLD[world])
     model.load_state_dict(mlp().state_dict())
     model.to(torch.float32)
     train(model, opt, range(STEPS), rank, world, overlap=True, max_norm=None)
@@ -170,9 +170,9 @@ def unclipped_case(rank: int, world: int) -> list[torch.Tensor]:
 
 def foreign_p2p_case(rank: int) -> dict[str, Any]:
     """A tag-0 message on the same group, sent by rank 0 before its backward and received by
-    rank 1 after its own, while ZeRO1's p2p reductions are in flight; params after one step."""
+    rank 1 after its own, while ZeroOptimizer's p2p reductions are in flight; params after one step."""
     model = mlp()
-    opt = ZeRO1(model.parameters(), collectives="p2p")
+    opt = ZeroOptimizer(model.parameters(), collectives="p2p")
     note = torch.full((3,), 7.0) if rank == 0 else torch.zeros(3)
     sent = dist.isend(note, dst=1) if rank == 0 else None
     with opt.reduce_during_backward():
@@ -189,7 +189,7 @@ def implementation_case() -> dict[str, Any]:
     """The inner AdamW's fused/foreach flags: by default, and when the caller picks foreach."""
     flags = {}
     for name, kwargs in (("default", {}), ("foreach", {"foreach": True})):
-        opt = ZeRO1(mlp().parameters(), **kwargs)
+        opt = ZeroOptimizer(mlp().parameters(), **kwargs)
         flags[name] = {(o.defaults["fused"], o.defaults["foreach"])
                        for shard in opt._shards for o in shard.optims}
     return {"implementation": flags}
@@ -199,7 +199,7 @@ def resume_case(rank: int, world: int, saved: dict[str, Any]) -> dict[str, Any]:
     """Load a state saved at another world size into a fresh model and continue to STEPS."""
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
                           nn.Linear(32, 8))
-    opt = ZeRO1(groups(model), bucket_cap_mb=0.002)
+    opt = ZeroOptimizer(groups(model), bucket_cap_mb=0.002)
     opt.load_state_dict(saved)
     resaved = opt.state_dict()
     train(model, opt, range(SAVE_AT, STEPS), rank, world)
@@ -238,16 +238,16 @@ def bf16_reference(world: int, steps: int = STEPS) -> list[torch.Tensor]:
 def bf16_case(rank: int, world: int) -> dict[str, Any]:
     """bf16 model params with fp32 masters: the model ends equal to the masters cast to bf16."""
     model = mlp(torch.bfloat16)
-    opt = ZeRO1(groups(model))
+    opt = ZeroOptimizer(groups(model))
     train(model, opt, range(STEPS), rank, world, torch.bfloat16)
     masters = [e["master"] for e in opt.state_dict()["state"].values()]
     return {"bf16_params": params_of(model), "bf16_masters": masters}
 
 
 def lr_scheduler_case(rank: int, world: int) -> dict[str, Any]:
-    """A torch LR scheduler drives ZeRO1: the lr each step used, as seen by the inner optimizers."""
+    """A torch LR scheduler drives ZeroOptimizer: the lr each step used, as seen by the inner optimizers."""
     model = mlp()
-    opt = ZeRO1(groups(model))
+    opt = ZeroOptimizer(groups(model))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, 2, 6, 0.1))
     used = []
     for _ in range(6):
@@ -262,7 +262,7 @@ def lr_scheduler_case(rank: int, world: int) -> dict[str, Any]:
 def overlap_misuse_case() -> dict[str, Any]:
     """A second backward inside reduce_during_backward() is refused (its buckets are in flight)."""
     model = mlp()
-    opt = ZeRO1(model.parameters())
+    opt = ZeroOptimizer(model.parameters())
     x = batch(0)[0]
     error = None
     with opt.reduce_during_backward():
@@ -328,7 +328,7 @@ def ep_train(rank: int, ep_group: Any, edp_group: Any, world: int, collectives: 
     """Train the EP model with clipping; its norms and the params this rank holds."""
     model = ep_model()
     expert = model["experts"][rank % EP]
-    opt = ZeRO1([{"params": model["dense"].parameters()},
+    opt = ZeroOptimizer([{"params": model["dense"].parameters()},
                  {"params": expert.parameters(), "process_group": edp_group,
                   "grad_divisor": world, "norm_groups": (ep_group,)}],
                 lr=1e-2, weight_decay=0.1, collectives=collectives)
@@ -347,7 +347,7 @@ def group_size_case() -> dict[str, Any]:
     """A process group of 3 ranks in a world of 4 is refused with a clear error."""
     group = dist.new_group([0, 1, 2])
     try:
-        ZeRO1(mlp().parameters(), process_group=group)
+        ZeroOptimizer(mlp().parameters(), process_group=group)
     except ValueError as e:
         return {"group_error": str(e)}
     return {"group_error": None}

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from optim import ZeRO1
+from optim import ZeroOptimizer
 
 SIZES = [40, 24, 56]  # each larger than the bucket cap: one bucket per param
 CAP_MB = 16 * 4 / 2**20  # 16 fp32 elements
@@ -56,7 +56,7 @@ def fake_world():
 def test_offload_copies_one_grad_shard_out_and_one_param_shard_back_per_bucket_and_step(stage, fake_world):
     params = [torch.nn.Parameter(torch.empty(n, device="meta")) for n in SIZES]
     with CountCopies() as counted:
-        opt = ZeRO1(params, bucket_cap_mb=CAP_MB, stage=stage, offload="cpu")
+        opt = ZeroOptimizer(params, bucket_cap_mb=CAP_MB, stage=stage, offload="cpu")
         assert (counted.to_host, counted.to_device) == (len(SIZES), 0)  # the masters' first copy
         counted.to_host = 0
         for _ in range(STEPS):
@@ -75,7 +75,7 @@ def test_offload_copies_one_grad_shard_out_and_one_param_shard_back_per_bucket_a
 def test_without_offload_nothing_crosses(fake_world):
     params = [torch.nn.Parameter(torch.empty(n, device="meta")) for n in SIZES]
     with CountCopies() as counted:
-        opt = ZeRO1(params, bucket_cap_mb=CAP_MB)
+        opt = ZeroOptimizer(params, bucket_cap_mb=CAP_MB)
         opt.zero_grad(set_to_none=False)
         sum(p.square().sum() for p in params).backward()
         opt.step()
@@ -84,4 +84,4 @@ def test_without_offload_nothing_crosses(fake_world):
 
 def test_offload_with_zero3_is_refused(fake_world):
     with pytest.raises(ValueError, match="allowed with offload: stage 1 or 2"):
-        ZeRO1([torch.nn.Parameter(torch.empty(4, device="meta"))], stage=3, offload="cpu")
+        ZeroOptimizer([torch.nn.Parameter(torch.empty(4, device="meta"))], stage=3, offload="cpu")

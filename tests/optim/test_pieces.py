@@ -1,4 +1,4 @@
-"""ZeRO1.pieces: per param, the runs of its flattened elements each rank's shard holds, as views of the live
+"""ZeroOptimizer.pieces: per param, the runs of its flattened elements each rank's shard holds, as views of the live
 master and optimizer state (what checkpoints write and read); checked on every rank of a fake 4-rank world."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import optim.shard
-from optim import ZeRO1
+from optim import ZeroOptimizer
 
 SHAPES = [(3, 5), (7,), (40,), (2, 2)]
 WORLD = 4
@@ -21,7 +21,7 @@ def rank_pieces(rank: int, dtype: torch.dtype) -> list[tuple[int, int, int, dict
     try:
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(s, dtype=dtype)) for s in SHAPES]
-        opt = ZeRO1(params, bucket_cap_mb=24 * 4 / 2**20)
+        opt = ZeroOptimizer(params, bucket_cap_mb=24 * 4 / 2**20)
         assert all(set(p.state) == {"master"} and not p.scalars for p in opt.pieces())  # no step yet: no state
         opt.reset_state(["exp_avg", "exp_avg_sq"], {"step": torch.tensor(3.0)})
         out = []
@@ -61,7 +61,7 @@ def test_local_grads_are_zero1s_fp32_sums_whatever_the_param_dtype(dtype):
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
     try:
         params = [torch.nn.Parameter(torch.ones(s, dtype=dtype)) for s in SHAPES]
-        opt = ZeRO1(params, bucket_cap_mb=24 * 4 / 2**20)
+        opt = ZeroOptimizer(params, bucket_cap_mb=24 * 4 / 2**20)
         opt.zero_grad(set_to_none=False)
         for k in (1, 2):  # two micro-batches accumulate
             sum(k * p.float().sum() for p in params).backward()

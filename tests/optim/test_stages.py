@@ -1,4 +1,4 @@
-"""ZeRO1 at stages 2 and 3 and offloaded to the host take the same steps as stage 1 (fp32 and bf16 params, two
+"""ZeroOptimizer at stages 2 and 3 and offloaded to the host take the same steps as stage 1 (fp32 and bf16 params, two
 micro-batches per step, one gloo rank): the sharding moves bytes, never changes an update."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from optim import ZeRO1
+from optim import ZeroOptimizer
 
 STEPS = 4
 
@@ -23,7 +23,7 @@ def one_rank():
 
 
 def train(kind: str, dtype: torch.dtype) -> list[torch.Tensor]:
-    """Each param's fp32 master after STEPS clipped steps of ZeRO1 in the given configuration."""
+    """Each param's fp32 master after STEPS clipped steps of ZeroOptimizer in the given configuration."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8)).to(dtype)
     linears = [m for m in model if isinstance(m, nn.Linear)]
@@ -31,7 +31,7 @@ def train(kind: str, dtype: torch.dtype) -> list[torch.Tensor]:
                       "offload2": (2, "cpu")}[kind]
     groups = ([{"params": list(m.parameters()), "module": m} for m in linears] if stage == 3
               else model.parameters())
-    opt = ZeRO1(groups, lr=1e-2, stage=stage, offload=offload, bucket_cap_mb=300 * 4 / 2**20)
+    opt = ZeroOptimizer(groups, lr=1e-2, stage=stage, offload=offload, bucket_cap_mb=300 * 4 / 2**20)
     generator = torch.Generator().manual_seed(1)
     for _ in range(STEPS):
         opt.zero_grad()
@@ -61,11 +61,11 @@ def test_zero2_frees_each_full_grad_bucket_during_the_backward(stage, one_rank):
     buckets; ZeRO-2 at most the bucket being filled and the one just launched, each freed once reduced."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
-    opt = ZeRO1(model.parameters(), lr=1e-2, stage=stage, bucket_cap_mb=(32 * 32 + 32) * 4 / 2**20)
+    opt = ZeroOptimizer(model.parameters(), lr=1e-2, stage=stage, bucket_cap_mb=(32 * 32 + 32) * 4 / 2**20)
     buckets = [g for shard in opt._shards for g in shard.grad_buckets]
     assert len(buckets) == 4
     seen: list[int] = []
-    for p in model.parameters():  # after ZeRO1's own hooks
+    for p in model.parameters():  # after ZeroOptimizer's own hooks
         p.register_post_accumulate_grad_hook(lambda _: seen.append(sum(g.untyped_storage().nbytes() for g in buckets)))
     opt.zero_grad()
     with opt.reduce_during_backward():

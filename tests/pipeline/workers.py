@@ -165,8 +165,8 @@ def ep_overlap(rank: int, world: int, num_chunks: int) -> dict:
 def p2p_messages(rank: int, world: int) -> list:
     """Rank 0 sends tensor lists whose shapes, dtypes and counts change; rank 1 returns what it got
     (receives are posted several messages ahead, as the runtime does)."""
-    from pipeline.p2p import Channel
-    ch = Channel(dist.group.WORLD, torch.device("cpu"))
+    from pipeline.p2p import P2PChannel
+    ch = P2PChannel(dist.group.WORLD, torch.device("cpu"))
     messages = sent_messages()
     if rank == 0:
         for msg in messages:
@@ -188,8 +188,8 @@ def sent_messages() -> list[list[torch.Tensor]]:
 def p2p_both_ways(rank: int, world: int, count: int = 40) -> list:
     """Both ranks post every receive first, then send `count` messages of changing shapes, dtypes and
     counts on two streams at once; each returns what it got per stream."""
-    from pipeline.p2p import Channel
-    ch = Channel(dist.group.WORLD, torch.device("cpu"))
+    from pipeline.p2p import P2PChannel
+    ch = P2PChannel(dist.group.WORLD, torch.device("cpu"))
     peer = 1 - rank
     tickets = [(i % 2, ch.post_recv(peer, stream=i % 2)) for i in range(count)]
     for i, msg in enumerate(mixed_messages(rank, count)):
@@ -218,8 +218,8 @@ def p2p_fixed(rank: int, world: int, count: int = 12) -> dict:
     """Both ranks use a channel told its messages' layout (an fp32 [2, 3, 4] and an int8 [5]): each posts
     its receives, sends `count` messages both ways, and returns what arrived, the posted buffers' sizes and
     the error a message of another shape raises."""
-    from pipeline.p2p import Channel, TensorMeta
-    ch = Channel(dist.group.WORLD, torch.device("cpu"))
+    from pipeline.p2p import P2PChannel, TensorMeta
+    ch = P2PChannel(dist.group.WORLD, torch.device("cpu"))
     ch.fixed = [TensorMeta(torch.float32, True, (2, 3, 4)), TensorMeta(torch.int8, True, (5,))]
     peer, g = 1 - rank, torch.Generator().manual_seed(rank)
     tickets = [ch.post_recv(peer, stream=0) for _ in range(count)]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from launch.bench.dispatch import main
-from dispatch.routing import synthetic_routing
+from dispatch.synthetic import synthetic_routing
 
 WORLD, GPN, TOKENS, HIDDEN, EXPERTS, TOP_K, SEED = 4, 2, 48, 256, 8, 3, 7
 ROW = {"bf16": HIDDEN * 2, "fp8": HIDDEN + 4 * math.ceil(HIDDEN / 128)}

@@ -31,7 +31,7 @@ import launch.checkpoint.checkpointer as checkpoint
 from launch.checkpoint.checkpointer import Checkpointer, TrainState
 from launch.config.ops import OpsSettings
 from launch.faults.guard import StepGuard
-from optim import ZeRO1
+from optim import ZeroOptimizer
 
 WORLDS = (4, 64, 2048)
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "all_to_all",
@@ -102,7 +102,7 @@ def build_state() -> TrainState:
     """A 2-layer model under ZeRO-1 over the whole (fake) world, with AdamW state and a guard history."""
     torch.manual_seed(0)
     stage = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256, bias=False))
-    optimizer = ZeRO1(list(stage.parameters()), torch.optim.AdamW, lr=1e-3)
+    optimizer = ZeroOptimizer(list(stage.parameters()), torch.optim.AdamW, lr=1e-3)
     optimizer.reset_state(["exp_avg", "exp_avg_sq"], {"step": torch.tensor(7.0)})
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     guard = StepGuard(OpsSettings())

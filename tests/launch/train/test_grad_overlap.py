@@ -20,7 +20,7 @@ from launch.checkpoint.checkpointer import consolidate
 from launch.config.run import build_config
 from launch.train.loop import train
 from optim.shard import ShardedParams
-from optim.zero1 import ZeRO1
+from optim.zero import ZeroOptimizer
 from pipeline.runtime import PipelineRuntime
 from pipeline.schedules import Op
 from tests.launch.train.test_equivalence import raw_config, release_groups
@@ -54,7 +54,7 @@ def _train_with_events(rank: int, world: int, raws: list[dict]) -> list[tuple[li
     for raw in raws:
         events: list = []
         patches = [(PipelineRuntime, "_run", "action"), (ShardedParams, "launch", "launch"),
-                   (ZeRO1, "clip_grad_norm_", "clip"), (ZeRO1, "zero_grad", "zero_grad")]
+                   (ZeroOptimizer, "clip_grad_norm_", "clip"), (ZeroOptimizer, "zero_grad", "zero_grad")]
         saved = [getattr(cls, attr) for cls, attr, _ in patches]
         for (cls, attr, name), method in zip(patches, saved):
             setattr(cls, attr, _record(events, name, method))

@@ -19,7 +19,7 @@ from launch.plan.planner import Machine, make_plan
 from launch.plan.presets import GPUS
 from launch.train.loop import train
 from optim.shard import ShardedParams
-from optim.zero1 import ZeRO1
+from optim.zero import ZeroOptimizer
 from tests.launch.train.test_equivalence import (SPAWN_S, STEPS, check_equal_runs, check_resumed_runs, raw_config,
                                            release_groups, reshard)
 
@@ -50,7 +50,7 @@ def _train_counting(rank: int, world: int, raws: list[dict]) -> list[tuple[list[
         held: list[int] = []
         buckets: list[int] = []
         params: list[tuple[int, int]] = []
-        launch, zero_grad, step = ShardedParams.launch, ZeRO1.zero_grad, ZeRO1.step
+        launch, zero_grad, step = ShardedParams.launch, ZeroOptimizer.zero_grad, ZeroOptimizer.step
 
         def counted_launch(self, bucket):
             launches[-1] += 1
@@ -67,11 +67,12 @@ def _train_counting(rank: int, world: int, raws: list[dict]) -> list[tuple[list[
             sharded = [shard for shard in self._shards if shard.shard_params]
             params.append((len(sharded), sum(shard.param_flat.untyped_storage().nbytes() for shard in sharded)))
             return result
-        ShardedParams.launch, ZeRO1.zero_grad, ZeRO1.step = counted_launch, counted_zero_grad, measured_step
+        ShardedParams.launch, ZeroOptimizer.zero_grad = counted_launch, counted_zero_grad
+        ZeroOptimizer.step = measured_step
         try:
             records = release_groups(train(build_config(raw), progress=False))
         finally:
-            ShardedParams.launch, ZeRO1.zero_grad, ZeRO1.step = launch, zero_grad, step
+            ShardedParams.launch, ZeroOptimizer.zero_grad, ZeroOptimizer.step = launch, zero_grad, step
         out.append((records, [n / b for n, b in zip(launches, buckets)], held, params))
     return out
 

@@ -28,7 +28,7 @@ def _param_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
         raise TypeError("params must be an iterable of Tensors or dicts, got a single Tensor")
     groups = list(params)
     if not groups:
-        raise ValueError("params is empty: ZeRO1 needs at least one parameter")
+        raise ValueError("params is empty: ZeroOptimizer needs at least one parameter")
     if not isinstance(groups[0], dict):
         groups = [{"params": groups}]
     seen: dict[int, int] = {}
@@ -84,14 +84,14 @@ def _check_group(i: int, group: dict[str, Any]) -> None:
         raise ValueError(f"param group {i}: grad_divisor must be > 0, got {divisor}")
 
 
-class ZeRO1(torch.optim.Optimizer):
+class ZeroOptimizer(torch.optim.Optimizer):
     """Any torch optimizer with fp32 master params and state sharded evenly over process groups.
 
     Call shape of torch.distributed.optim.ZeroRedundancyOptimizer; one optimizer_class instance
     per bucket, built with **defaults and the group's hyper-parameters (torch's Adam and AdamW
     default to fused=True unless fused, foreach or differentiable is given). Model grads are the
     local, un-averaged sums over micro-batches (no DDP wrapper; non-fp32 grads are summed in
-    fp32 inside ZeRO1) and nothing is communicated during backward unless the last one runs
+    fp32 inside ZeroOptimizer) and nothing is communicated during backward unless the last one runs
     inside reduce_during_backward(), which overlaps the reduction with it. step() (or
     reduce_gradients()) reduce-scatters the sums in fp32, divided by each group's grad_divisor
     (default: its process-group size), updates the local shard and all-gathers the new params
@@ -138,7 +138,7 @@ class ZeRO1(torch.optim.Optimizer):
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         if not dist.is_initialized():
-            raise RuntimeError("ZeRO1 needs torch.distributed initialised (init_process_group)")
+            raise RuntimeError("ZeroOptimizer needs torch.distributed initialised (init_process_group)")
         for i, group in enumerate(groups):
             if "module" in group and stage != 3:
                 raise ValueError(f"param group {i} names a module (ZeRO-3 gathers its params around it): "
@@ -178,8 +178,8 @@ class ZeRO1(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only allowed during construction: the flat layout is fixed once built."""
         if len(self.param_groups) >= len(self._shards):
-            raise NotImplementedError("ZeRO1 cannot add param groups after construction; "
-                                      "build a new ZeRO1 with all groups")
+            raise NotImplementedError("ZeroOptimizer cannot add param groups after construction; "
+                                      "build a new ZeroOptimizer with all groups")
         super().add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -1,4 +1,4 @@
-"""ZeRO1 over 2 and 4 gloo processes against single-process AdamW on the whole batch."""
+"""ZeroOptimizer over 2 and 4 gloo processes against single-process AdamW on the whole batch."""
 
 from __future__ import annotations
 
