@@ -51,8 +51,8 @@ class ShardedParams:
     backward accumulates in place and the reduce needs no copy; for other dtypes the hook adds
     each backward's grad to the fp32 sum and drops it. Each bucket has its own inner
     optimizer, so a bucket's gather overlaps the next bucket's update; it sees its shard as
-    chunks of CHUNK elements (leaf params aliasing the master): torch's CPU for-loop AdamW is
-    ~3x slower on one 16 MiB tensor than on 4 MiB pieces.
+    chunks of CHUNK elements (leaf params aliasing the master), which torch's CPU for-loop AdamW
+    runs faster than one large tensor (timings: docs/parallelism.md, ZeRO).
 
     Collectives per bucket: "scatter_gather" is one reduce_scatter_single in and one
     all_gather_single out (NCCL, and what "auto" picks off gloo). "p2p" (what "auto" picks on
@@ -60,9 +60,8 @@ class ShardedParams:
     irecvs its own piece from every peer (the first straight into the grad shard, the others
     into a scratch of N-2 shards), then adds them up; the gather is the same exchange of the
     updated pieces into the flat params. Both move (N-1)/N of the bucket each way per rank, as
-    ring collectives do, but measured on 2 CPU cores with torch 2.13, a 25 MB bucket's p2p
-    reduce-scatter takes 10 ms at 2 ranks and 22 ms at 4, where gloo's reduce_scatter takes
-    37 / 62 ms and its all-reduce 17 / 42 ms.
+    ring collectives do; on gloo the exchange is the faster of the two (timings:
+    docs/parallelism.md, ZeRO).
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], group: ProcessGroup | None,

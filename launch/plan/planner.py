@@ -32,11 +32,8 @@ LAYOUT_KINDS = {"none": "linear", "afab": "linear", "1f1b": "linear", "zb1p": "l
                 "dualpipev": "v"}
 COMM_SM_SHARE = 20 / 132  # DeepSeek-V3 (report section 3.2.2): 20 of an H800's 132 SMs drive its communication
 # Share of the EP exchanges a paired 1F1B (Megatron-Core's combined 1F1B, --paired-1f1b) hides of what the paired half's
-# compute could cover: fitted to the model zoo's A/B of that overlap, Qwen3-235B on 256 H100s (17.6 s/step with it,
-# 19.7 without: x1.12), where hiding all of it reads x1.27 (`moe-plan --validate` refits it). A later A/B on HybridEP
-# (Qwen3-30B, 16 H100, x1.18; held out for the share) asks all of it hidden (x1.17), DeepSeek-V3 on DeepEP in
-# 26.04.01 half (1.01 at 0.5, 1.31 at 1): the share is the stack's. DualPipe's pairs (our runtime's F&B overlap) hide
-# all: DeepSeek-V3's H800 run is planned so within the band.
+# compute could cover: fitted to a published A/B of that overlap (`moe-plan --validate` refits it; which A/B, and the
+# runs that test it: docs/planner.md). DualPipe's pairs (this runtime's F&B overlap) hide all of it.
 PAIR_HIDDEN = 0.5
 
 
@@ -402,8 +399,7 @@ def _stage_cost(config: RunConfig, params: ModelParams, layers: range, has_head:
         cost += head_seconds(gemms, cfg, tokens, par.tp) + mtp
     ep_f = ep_b = 0.0
     if ep is not None and moe_layers:
-        # an FP8 dispatch moves no faster than a BF16 one: DeepEP's internode rates (ANCHORS.md, ~50 GB/s at
-        # EP16-64 for FP8 dispatch and BF16 combine alike) count BF16 bytes, so its rows cross at BF16 cost
+        # an FP8 dispatch moves no faster than a BF16 one: its rows cross at BF16 cost (why: docs/planner.md)
         slow = 2 / FP8_CACHED if par.dispatch_payload == "fp8" else 1.0
         dispatch, combine = ep.layer["dispatch"], ep.layer["combine"]
         backward = ep.layer["dispatch_backward"] + ep.layer["combine_backward"]
