@@ -4,7 +4,6 @@ when a backward runs on another thread while the next forward dispatches."""
 
 from __future__ import annotations
 
-import copy
 import threading
 
 import pytest
@@ -16,6 +15,8 @@ from dispatch.channel import Pending
 from launch.parallel.spawn import run_processes
 from moe.config import ModelConfig
 from moe.layer import MoELayer
+
+pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
 
 WORLD, HIDDEN, EXPERTS = 2, 16, 4
 TOKENS = (5, 9)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 
 from dispatch import BACKENDS, PAYLOADS, EPDispatcher, make_topology
@@ -16,6 +17,8 @@ from dispatch.fp8 import dequantize_fp8, quantize_fp8
 from launch.parallel.spawn import run_processes
 from dispatch.synthetic import synthetic_routing
 from tests.dispatch.cases import GPUS_PER_NODE, HIDDEN, WORLD, dispatchers
+
+pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
 
 EXPERTS, TOP_K, TOKENS = 16, 8, (0, 9, 40, 25)  # rank 0 sends nothing
 CASES = ("uniform_dropped", "node_limited")

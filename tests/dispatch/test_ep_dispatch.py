@@ -12,6 +12,8 @@ from dispatch.predict import predict_traffic
 from tests.dispatch.cases import (CASES, EXPERTS, GPUS_PER_NODE, HIDDEN, WORLD, calc_diff, dispatchers,
                                   dyadic_tokens, expected_combine, routing_case)
 
+pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
+
 EXPERT_SCALE = torch.arange(1, EXPERTS + 1, dtype=torch.float64)  # expert e multiplies its rows by e+1
 
 

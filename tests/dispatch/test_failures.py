@@ -13,6 +13,8 @@ import torch.distributed as dist
 from dispatch import EPDispatcher
 from launch.parallel.spawn import WorkerError, run_processes
 
+pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
+
 GROUP_TIMEOUT_S = 6.0
 BAD_INPUTS = {  # name -> (x, indices, weights) for 8 experts
     "expert id out of range": (torch.zeros(2, 4), torch.tensor([[0, 8], [1, 2]]), torch.ones(2, 2)),

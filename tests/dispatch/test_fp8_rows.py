@@ -25,6 +25,8 @@ from moe.experts import GroupedExperts
 from moe.layer import MoELayer
 from tests.dispatch.test_segment_ops import one_rank  # noqa: F401  (fixture)
 
+pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
+
 HIDDEN, FFN, EXPERTS, TOP_K = 256, 128, 4, 2
 
 

@@ -17,6 +17,8 @@ from dispatch.predict import predict_hops
 from moe.config import ModelConfig
 from moe.layer import MoELayer
 
+pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
+
 WORLD, GPN, HIDDEN, EXPERTS, TOP_K = 4, 2, 16, 8, 3
 TOKENS = (6, 0, 13, 3)  # rank 1 sends nothing; rank 3 has fewer tokens than 4 chunks
 CHUNKS = (1, 2, 4)

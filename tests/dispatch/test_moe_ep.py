@@ -14,6 +14,8 @@ from moe.config import ModelConfig
 from moe.layer import MoELayer
 from tests.dispatch.cases import calc_diff
 
+pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
+
 WORLD = 4
 TOKENS = (6, 0, 19, 11)  # rank 1 has no tokens of its own
 VARIANTS = [("flat", None), ("hierarchical", None), ("hierarchical", 1.0)]  # (backend, capacity_factor)

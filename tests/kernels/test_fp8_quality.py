@@ -129,6 +129,7 @@ def test_bf16_output_adds_only_its_own_rounding(backend):
     assert_within_fp32_gemm_bound(out, want, mag, 256, "bf16 forward", extra_rel=bf16_step)
 
 
+@pytest.mark.slow  # takes seconds
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fp8_grouped_linear_output_and_both_grads_are_the_spec_products(backend):
     """The autograd op wires the right operands: out = x_q @ w_q^T, dx = dy_q @ w_q (the forward's 128x128

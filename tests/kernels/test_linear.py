@@ -63,6 +63,7 @@ def test_cpu_tensors_use_the_reference_unless_forced(monkeypatch):
         use_triton(cpu, "triton")
 
 
+@pytest.mark.slow  # starts processes (tests/conftest.py)
 def test_import_and_cpu_training_step_work_without_triton():
     code = ("import sys; sys.modules['triton'] = None\n"
             "import torch, kernels\n"

@@ -13,6 +13,8 @@ from launch.parallel.spawn import run_processes
 from moe.cp import CP_METHODS, cp_attention, zigzag_chunks, zigzag_positions, zigzag_shard
 from tests.spawns import from_shared_spawn
 
+pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
+
 B, HQ, HKV, S, DQK, DV = 2, 4, 2, 24, 8, 6
 SCALE = 0.3
 

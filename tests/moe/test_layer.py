@@ -48,6 +48,7 @@ def test_layer_equals_per_token_loop(settings):
     assert stats.tokens_per_expert.sum().item() == 64 * 2 - stats.dropped.item()
 
 
+@pytest.mark.slow  # takes seconds
 def test_layer_gradcheck_float64():
     """Exact float64 gradients for the expert and shared-expert weights, through dispatch and combine."""
     layer = tiny_layer(torch.float64, hidden=8, experts=4, capacity_factor=0.75)
@@ -63,6 +64,7 @@ def test_layer_gradcheck_float64():
     assert torch.autograd.gradcheck(run, inputs)
 
 
+@pytest.mark.slow  # takes seconds
 def test_layer_gradcheck_through_router():
     """Gradients w.r.t. x and the router weight; the router scores in fp32 by contract, so the
     finite-difference step is 1e-2 (no routing decision flips at this step for this data)."""

@@ -15,6 +15,8 @@ from moe.model import MoETransformer
 from moe.tp import gather_full, tp_replicated_params
 from tests.dispatch.cases import calc_diff
 
+pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
+
 # (sequence_parallel, experts over EP = tp, attention)
 VARIANTS = [(sp, ep, "gqa") for sp in (False, True) for ep in (False, True)] + [(sp, False, "mla") for sp in (False, True)]
 MLA = dict(attention="mla", q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6)

@@ -23,6 +23,8 @@ from pipeline.memory import SavedTensorMeter
 from pipeline.wgrad import WeightGradStore, install_split_linear
 from tests.dispatch.cases import calc_diff
 
+pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
+
 WORLD, BATCH, SEQ, VOCAB, TOKENS = 2, 2, 8, 64, 12
 CFG = dict(vocab_size=VOCAB, hidden_size=32, num_heads=4, num_kv_heads=2, max_seq_len=SEQ, dense_ffn_size=32,
            num_experts=4, expert_ffn_size=8, num_shared_experts=1, top_k=2)

@@ -11,7 +11,7 @@ from launch.parallel.spawn import run_processes
 from optim import optimizer_state_bytes, warmup_cosine
 from tests.optim import cases
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]  # slow: spawns processes (tests/conftest.py)
 
 
 def rel_diff(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:

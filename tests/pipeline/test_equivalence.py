@@ -10,6 +10,8 @@ from tests.pipeline.models import calc_diff, make_data, make_stages, reference
 from tests.pipeline.workers import BATCH, HIDDEN, equivalence
 from tests.spawns import from_shared_spawn
 
+pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
+
 # (schedule, ranks, chunks per W action): merged W's (3 does not divide the chunks) as well as DeepSeek's
 CASES = [("dualpipev", 1, 1), ("dualpipev", 2, 1), ("dualpipev", 2, 3), ("dualpipev", 4, 1), ("dualpipe", 2, 1),
          ("dualpipe", 4, 1), ("dualpipe", 4, 3)]

@@ -21,6 +21,8 @@ from pipeline import DualPipe, DualPipeV
 from pipeline.overlap import complete
 from tests.pipeline.models import calc_diff
 
+pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
+
 HIDDEN, EXPERTS, ROWS, CHUNKS = 16, 4, 8, 4  # ROWS tokens per EP rank (one DP replica) and step
 PP, EP = 2, 2
 GATE_S = 60.0  # bound on a gate of the witness run; only reached when the overlap is missing

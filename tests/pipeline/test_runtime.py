@@ -12,6 +12,8 @@ from tests.pipeline.models import criterion, make_data
 from tests.pipeline.workers import (BATCH, HIDDEN, bad_inputs, bw_split, context_stages, ep_overlap, in_turn,
                                     mixed_messages, p2p_both_ways, p2p_fixed, p2p_messages, sent_messages, with_context)
 
+pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
+
 TORCH = {BACKEND_ENV: "torch"}  # the FP8 experts run the torch reference on CPU
 STAGE_KINDS = ["mlp", "moe", "moe-fp8"]
 # the 2-rank runs of these tests: name -> (worker, its arguments after rank and world, environment)

@@ -15,6 +15,8 @@ from dispatch.predict import inter_node_copies, predict_traffic
 from dispatch.topology import make_topology
 from launch.bench.alltoall import PerExpertDispatcher, per_expert_traffic
 
+pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
+
 HIDDEN, WORLD, GPN = 256, 8, 2  # 8 ranks on 4 nodes
 ROW = HIDDEN * 2
 

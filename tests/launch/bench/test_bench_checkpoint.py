@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from launch.bench.checkpoint import DEFAULT_CONFIG, main, peak_rise, single_process_params, widened
 from launch.config.run import build_config, read_toml
+
+pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
 
 
 def test_the_default_is_241m_params_on_the_tiny_layout():

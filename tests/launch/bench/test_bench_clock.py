@@ -9,6 +9,8 @@ import pytest
 from launch.bench.clock import held, main
 from launch.plan.efficiency import ATTENTION_SUSTAINED_CLOCK, SUSTAINED_CLOCK
 
+pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
+
 
 def test_the_sustained_rate_is_the_median_of_the_windows_after_the_clock_settles():
     # 1e12 FLOPs a call: 1 ms in the burst (1000 TFLOPS), then the clock falls over the first windows and stays

@@ -10,6 +10,8 @@ import pytest
 from launch.bench.compare import main
 from launch.bench.report import HIGHER, LOWER, header, write_json
 
+pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
+
 ROWS = [{"optimizer": "zero1", "world_size": 2, "step_ms": 10.0, "gbps": 4.0},
         {"optimizer": "ddp_adamw", "world_size": 2, "step_ms": 20.0, "gbps": 2.0}]
 

@@ -9,7 +9,7 @@ import pytest
 
 from launch.bench import cp as bench
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # slow: spawns processes (tests/conftest.py)
 
 
 def test_rows_bytes_and_activations(tmp_path) -> None:

@@ -8,6 +8,8 @@ import pytest
 
 from launch.bench.data import main
 
+pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
+
 
 def test_rows_of_prepare_and_load_beside_the_peer(tmp_path, capsys):
     out = tmp_path / "data.json"

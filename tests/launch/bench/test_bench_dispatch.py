@@ -12,6 +12,8 @@ import torch
 from launch.bench.dispatch import main
 from dispatch.synthetic import synthetic_routing
 
+pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
+
 WORLD, GPN, TOKENS, HIDDEN, EXPERTS, TOP_K, SEED = 4, 2, 48, 256, 8, 3, 7
 ROW = {"bf16": HIDDEN * 2, "fp8": HIDDEN + 4 * math.ceil(HIDDEN / 128)}
 META, COUNT = TOP_K * 8, 8  # per row: fp32 weight + int32 id per slot; per peer and hop: one int64 row count

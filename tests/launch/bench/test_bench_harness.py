@@ -15,6 +15,8 @@ import pytest
 from launch.bench.harness import Timing, check_row, fields, ratio_fields, rounds, slowest, timed_metric
 from launch.bench.cli import available
 
+pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
+
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 
 

@@ -2,8 +2,12 @@
 
 import json
 
+import pytest
+
 from launch.bench import kernels as bench
 from launch.bench.cli import main as moe_bench
+
+pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
 
 
 def test_cpu_run_checks_correctness_and_writes_null_timings(tmp_path, capsys):

@@ -16,7 +16,7 @@ import torch
 
 from launch.bench.peers.fwdbwd import decided_tokens, relative_error, time_steps
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]  # slow: spawns processes (tests/conftest.py)
 TINY = ["--hidden", "16", "--ffn", "16", "--experts", "4", "--top-k", "2", "--batch", "1", "--seq", "8",
         "--repeats", "2", "--warmup", "1", "--quiet"]
 

@@ -13,6 +13,8 @@ from launch.parallel.spawn import run_processes
 from launch.bench.onehot import OneHotDispatcher, dropped_slots, onehot_masks, onehot_traffic
 from tests.dispatch.cases import EXPERTS, GPUS_PER_NODE, HIDDEN, TOP_K, WORLD, dyadic_tokens, routing_case
 
+pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
+
 CASES = ("uniform_dropped", "one_expert")  # one_expert overflows expert 5 at any capacity below the token count
 CAPACITY_FACTORS = (0.5, 4.0)
 

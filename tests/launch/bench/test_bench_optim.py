@@ -9,7 +9,7 @@ import pytest
 
 from launch.bench import optim as bench
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # slow: spawns processes (tests/conftest.py)
 
 
 def test_rows_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,6 +8,8 @@ import pytest
 
 from launch.bench.pipeline import main
 
+pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
+
 FIELDS = {"schedule", "world_size", "num_chunks", "step_ms", "idle_fraction", "peak_mem_bytes"}
 
 

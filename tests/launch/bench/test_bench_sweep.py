@@ -8,6 +8,8 @@ import pytest
 from launch.bench.dispatch import main
 from launch.metrics.dashboard.browser import find_chromium
 
+pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
+
 CONTENDERS = 8
 
 

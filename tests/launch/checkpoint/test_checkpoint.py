@@ -22,6 +22,8 @@ from launch.train_cli import main
 from moe.model import MoETransformer
 from tests.launch.train.test_equivalence import calc_diff, raw_config, release_groups
 
+pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
+
 STEPS = 6
 HALF = 3
 PP2_EP2 = {"pp": 2, "dp": 2, "ep": 2, "schedule": "dualpipev"}

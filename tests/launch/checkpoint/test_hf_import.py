@@ -19,6 +19,8 @@ from moe.config import ModelConfig
 from tests.launch.hf_helpers import MODEL
 from tests.launch.train.test_equivalence import calc_diff, raw_config
 
+pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):

@@ -86,6 +86,7 @@ def test_shipped_config_and_overrides(tmp_path):
     assert cfg.model.num_moe_layers == cfg.model.num_layers - cfg.model.first_k_dense
 
 
+@pytest.mark.slow  # starts processes (tests/conftest.py)
 def test_cli_rejects_bad_config_before_any_work(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text('[model]\ntop_k = 99\n[train]\nrun_dir = "%s"\n' % (tmp_path / "run"))

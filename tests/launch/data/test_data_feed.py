@@ -143,6 +143,7 @@ def _build(args: tuple[str, str]) -> tuple[int, bytes]:
     return prepared.tokens, (Path(folder) / "00000.tokens").read_bytes()
 
 
+@pytest.mark.slow  # starts processes (tests/conftest.py)
 def test_racing_builders_agree(tmp_path):
     corpus = write_corpus(tmp_path / "corpus", docs=40)
     with multiprocessing.get_context("spawn").Pool(3) as pool:
@@ -378,6 +379,7 @@ def sparse_source(folder: Path, tokens: int) -> Path:
     return folder
 
 
+@pytest.mark.slow  # starts processes (tests/conftest.py)
 def test_memory_does_not_grow_with_the_data(tmp_path):
     small = sparse_source(tmp_path / "small", 1 << 20)  # 2 MB
     big = sparse_source(tmp_path / "big", 600 << 20)  # 1.2 GB, sparse on disk

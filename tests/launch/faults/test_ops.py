@@ -20,6 +20,8 @@ from launch.faults.guard import FaultError, StepGuard
 from launch.train.loop import train
 from tests.launch.checkpoint.test_checkpoint import config
 
+pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
+
 
 def model_at(run: Path, step: int) -> dict:
     return consolidate(run / "checkpoint" / f"step{step:08d}")

@@ -19,6 +19,8 @@ from launch.config.ops import HANG_KINDS, HEARTBEAT_S
 from launch.faults.watchdog import Watchdog, on_rank_death
 from tests.launch.checkpoint.test_checkpoint import PP2_EP2, assert_continues, config
 
+pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
+
 TIMEOUT_S = 5.0  # the drills' ops.heartbeat_timeout_s
 # beyond the budget and a step: the monitor's reading, the verdict reaching every live rank through the store,
 # their stacks and the launcher noticing the exits, each within a heartbeat

@@ -24,6 +24,8 @@ from launch.metrics.dashboard.synthetic import SyntheticShape, synthetic_records
 from launch.metrics.records import JsonlWriter
 from launch.train.loop import train
 
+pytestmark = pytest.mark.slow  # starts Chromium (tests/conftest.py)
+
 try:
     find_chromium()
 except RuntimeError as missing:

@@ -17,6 +17,8 @@ from launch.metrics.records import decode_array, moe_layer_metrics, traffic_metr
 from moe.config import ModelConfig
 from moe.layer import MoELayer
 
+pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
+
 WORLD, GPUS_PER_NODE, EXPERTS, HIDDEN = 4, 2, 8, 32
 TOKENS = (20, 0, 33, 27)  # rank 1 routes no tokens of its own
 

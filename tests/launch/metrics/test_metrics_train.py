@@ -16,6 +16,8 @@ from launch.metrics.records import decode_array
 from launch.train.loop import train
 from moe.model import MoETransformer
 
+pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
+
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "tiny.toml"
 
 

@@ -17,6 +17,8 @@ import torch.distributed as dist
 from launch.parallel import spawn
 from launch.parallel.spawn import IMPORT_ENV, WorkerError, run_processes
 
+pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
+
 
 def _sum_ranks(rank: int, world_size: int) -> float:
     t = torch.tensor([float(rank + 1)])

@@ -17,6 +17,8 @@ from launch.plan.planner import Machine, Options, make_plan
 from launch.plan.presets import GPUS
 from moe.recompute import RECOMPUTE
 
+pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
+
 TINY = Path(__file__).resolve().parents[3] / "configs" / "tiny.toml"
 # 1F1B over pp=2 x dp=2, EP over the 2 ranks of a stage, nodes of 2: EP inside a node, p2p across nodes
 LAYOUT = ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "parallel.gpus_per_node=2", 'parallel.schedule="1f1b"',

@@ -22,6 +22,8 @@ from launch.plan.planner import PAIR_HIDDEN, Machine
 from launch.plan.presets import GPUS
 from launch.plan.search import search
 
+pytestmark = pytest.mark.slow  # one shared `moe-plan --validate` run takes seconds
+
 ROOT = Path(__file__).resolve().parents[3]
 GB200_V3_MISSES = ("deepseek-v3-gb200-bridge-2602", "deepseek-v3-gb200-megatron-guide")
 

@@ -29,6 +29,8 @@ from launch.train.build import build_model
 from launch.train.loop import train
 from tests.spawns import from_shared_spawn
 
+pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
+
 STEPS = 5
 CUT = 3  # the resharding runs' cut
 LAYOUTS = {

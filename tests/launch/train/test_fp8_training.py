@@ -25,12 +25,15 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+import pytest
 import torch
 
 from kernels import calc_diff
 from launch.config.run import load_config
 from launch.train.loop import train
 from moe.model import MoETransformer
+
+pytestmark = pytest.mark.slow  # trains for seconds
 
 ROOT = Path(__file__).resolve().parents[3]
 CONFIG = ROOT / "configs" / "tiny-1proc.toml"

@@ -25,6 +25,8 @@ from pipeline.runtime import PipelineRuntime
 from pipeline.schedules import Op
 from tests.launch.train.test_equivalence import raw_config, release_groups
 
+pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
+
 LAYOUTS = {
     "pp2 dualpipev, 2 pipeline steps per step": {"pp": 2, "schedule": "dualpipev", "num_chunks": 4},
     "pp2 dualpipev merged W": {"pp": 2, "schedule": "dualpipev", "merge_w": 4},

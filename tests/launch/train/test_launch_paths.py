@@ -23,6 +23,8 @@ import pytest
 
 from launch.parallel.spawn import parent_pid
 
+pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[3]
 WORLD = 4  # configs/tiny.toml: pp=2 x dp=2
 STEPS = 10

@@ -11,6 +11,7 @@ from launch.train.loop import train
 from tests.launch.train.test_equivalence import STEPS, calc_diff, raw_config
 
 
+@pytest.mark.slow  # takes seconds
 def test_mtp_run_resumes_from_its_checkpoint(tmp_path):
     corpus = tmp_path / "text.txt"
     corpus.write_text("".join(f"def function_{i}(x):\n    return x * {i} + {i % 7}  # line {i}\n" for i in range(800)))

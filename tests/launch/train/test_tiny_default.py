@@ -15,6 +15,8 @@ from launch.metrics.records import read_jsonl
 from launch.data.shards import Prepared
 from launch.data.tokenizer import load_tokenizer
 
+pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[3]
 
 

@@ -9,6 +9,8 @@ from launch.data.feed import ByteTokenizer, DataFeed, corpus_files, prepare_corp
 from launch.metrics.records import read_jsonl
 from launch.train.loop import train
 
+pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
+
 REQUIRED_KEYS = {"step", "loss", "lm_loss", "aux_loss", "grad_norm", "lr", "tokens_per_s",
                  "expert_load_max_over_mean", "dropped_tokens"}
 

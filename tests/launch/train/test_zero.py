@@ -23,6 +23,8 @@ from optim.zero import ZeroOptimizer
 from tests.launch.train.test_equivalence import (SPAWN_S, STEPS, check_equal_runs, check_resumed_runs, raw_config,
                                            release_groups, reshard)
 
+pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
+
 # name -> ([parallel], [optim], capacity factor); grad_accum_steps 8: 4 micro-batches per DP rank
 RUNS = {2: {"zero2 dp2 ep2 capacity 1.0": ({"dp": 2, "ep": 2}, {"zero_stage": 2}, 1.0),
             "zero3 dp2 ep2 capacity 1.0": ({"dp": 2, "ep": 2}, {"zero_stage": 3}, 1.0),
