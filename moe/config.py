@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from typing import Literal
 
-SCORE_FUNCS = ("softmax", "sigmoid")
-DROP_POLICIES = ("probs", "position")
-EXPERT_PRECISIONS = ("native", "fp8")
-ATTENTIONS = ("gqa", "mla")
+from dispatch.choices import check_choice
+
+ScoreFunc = Literal["softmax", "sigmoid"]
+DropPolicy = Literal["probs", "position"]
+ExpertPrecision = Literal["native", "fp8"]
+Attention = Literal["gqa", "mla"]
 MLA_DIMS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")  # each >= 1 with MLA
-
-
-def check_choice(name: str, value: object, allowed: tuple) -> None:
-    """Raise ValueError naming the field unless value is one of allowed."""
-    if value not in allowed:
-        raise ValueError(f"{name} = {value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}")
 
 
 def check_positive(name: str, value: object, minimum: int = 1) -> None:
@@ -24,14 +21,14 @@ def check_positive(name: str, value: object, minimum: int = 1) -> None:
         raise ValueError(f"{name} = {value!r} must be an integer >= {minimum}")
 
 
-def check_router_settings(num_experts: int, top_k: int, score_func: str, num_groups: int,
-                          topk_groups: int, capacity_factor: float | None, drop_policy: str) -> None:
+def check_router_settings(num_experts: int, top_k: int, score_func: ScoreFunc, num_groups: int,
+                          topk_groups: int, capacity_factor: float | None, drop_policy: DropPolicy) -> None:
     """Validate the router's settings, naming the offending field and the allowed values."""
     check_positive("num_experts", num_experts)
     check_positive("top_k", top_k)
     if top_k > num_experts:
         raise ValueError(f"top_k = {top_k} must be <= num_experts = {num_experts}")
-    check_choice("score_func", score_func, SCORE_FUNCS)
+    check_choice("score_func", score_func, ScoreFunc)
     check_positive("num_groups", num_groups)
     check_positive("topk_groups", topk_groups)
     if num_experts % num_groups:
@@ -45,7 +42,7 @@ def check_router_settings(num_experts: int, top_k: int, score_func: str, num_gro
                                         or not isinstance(capacity_factor, (int, float))
                                         or not 0 < capacity_factor < math.inf):
         raise ValueError(f"capacity_factor = {capacity_factor!r} must be > 0 and finite, or None for dropless")
-    check_choice("drop_policy", drop_policy, DROP_POLICIES)
+    check_choice("drop_policy", drop_policy, DropPolicy)
 
 
 @dataclass
@@ -61,7 +58,7 @@ class ModelConfig:
     head_dim: int = 0  # GQA: width of one attention head; 0: hidden_size / num_heads (Qwen3: 128 with 64 heads of hidden 4096)
     max_seq_len: int = 256
     rope_theta: float = 10000.0
-    attention: str = "gqa"    # "gqa": moe.model.Attention; "mla": multi-head latent attention (moe.mla.MLA)
+    attention: Attention = "gqa"    # "gqa": moe.model.Attention; "mla": multi-head latent attention (moe.mla.MLA)
     q_lora_rank: int | None = 0  # MLA: query latent width; 0 or None: a plain query projection (DeepSeek-V2-Lite)
     kv_lora_rank: int = 0     # MLA: width of the joint key/value latent
     qk_nope_head_dim: int = 0  # MLA: per-head query/key width without RoPE
@@ -74,18 +71,18 @@ class ModelConfig:
     num_shared_experts: int = 1
     expert_ffn_size: int = 96
     top_k: int = 2
-    score_func: str = "softmax"
+    score_func: ScoreFunc = "softmax"
     num_groups: int = 1
     topk_groups: int = 1
     capacity_factor: float | None = None
-    drop_policy: str = "probs"
+    drop_policy: DropPolicy = "probs"
     norm_topk: bool = True
     route_scale: float = 1.0
     aux_loss_coeff: float = 0.0
     seq_aux_loss_coeff: float = 0.0
     z_loss_coeff: float = 0.0
     bias_update_rate: float = 0.0
-    expert_precision: str = "native"
+    expert_precision: ExpertPrecision = "native"
     init_std: float = 0.02
     mtp_depth: int = 0        # multi-token prediction modules (moe.mtp, DeepSeek-V3: 1); 0: off
     mtp_loss_coeff: float = 0.3  # weight of the MTP losses' mean over depths (V3: 0.3, later 0.1)
@@ -99,7 +96,7 @@ class ModelConfig:
         check_positive("first_k_dense", self.first_k_dense, minimum=0)
         check_positive("num_shared_experts", self.num_shared_experts, minimum=0)
         check_positive("head_dim", self.head_dim, minimum=0)
-        check_choice("attention", self.attention, ATTENTIONS)
+        check_choice("attention", self.attention, Attention)
         if self.q_lora_rank is None:  # Hugging Face's spelling of "no query latent"
             self.q_lora_rank = 0
         if self.attention == "mla":
@@ -110,7 +107,7 @@ class ModelConfig:
             raise ValueError(f"first_k_dense = {self.first_k_dense} must be <= num_layers = {self.num_layers}")
         check_router_settings(self.num_experts, self.top_k, self.score_func, self.num_groups,
                               self.topk_groups, self.capacity_factor, self.drop_policy)
-        check_choice("expert_precision", self.expert_precision, EXPERT_PRECISIONS)
+        check_choice("expert_precision", self.expert_precision, ExpertPrecision)
         check_positive("mtp_depth", self.mtp_depth, minimum=0)
         if self.mtp_depth and (isinstance(self.mtp_loss_coeff, bool) or not isinstance(self.mtp_loss_coeff, (int, float))
                                or not 0 < self.mtp_loss_coeff < math.inf):

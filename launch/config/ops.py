@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
-from moe.config import check_choice, check_positive
+from dispatch.choices import check_choice
+from moe.config import check_positive
 
 HEARTBEAT_S = 1.0  # how often each rank pushes its progress and the monitor judges
-HANG_KINDS = ("spin", "sleep", "stop", "kill")  # ops.inject_hang drills: Python loop, blocked, SIGSTOP, SIGKILL
-SPIKE_POLICIES = ("none", "skip", "rollback")
+HangKind = Literal["spin", "sleep", "stop", "kill"]  # ops.inject_hang drills: Python loop, blocked, SIGSTOP, SIGKILL
+HANG_KINDS = get_args(HangKind)
+SpikePolicy = Literal["none", "skip", "rollback"]
 
 
 
@@ -42,7 +45,7 @@ class OpsSettings:
     keep_checkpoints: int = 3
     async_checkpoint: bool = False
     max_bad_steps: int = 3
-    spike_policy: str = "none"
+    spike_policy: SpikePolicy = "none"
     spike_window: int = 50
     spike_zscore: float = 6.0
     heartbeat_timeout_s: float = 60.0  # a rank making no progress this long ends the run (0: watchdog off)
@@ -57,7 +60,7 @@ class OpsSettings:
             check_positive(f"ops.{name}", getattr(self, name))
         check_positive("ops.max_restarts", self.max_restarts, minimum=0)
         check_positive("ops.spike_window", self.spike_window, minimum=MIN_SPIKE_HISTORY)
-        check_choice("ops.spike_policy", self.spike_policy, SPIKE_POLICIES)
+        check_choice("ops.spike_policy", self.spike_policy, SpikePolicy)
         if not self.spike_zscore > 0:
             raise ValueError(f"ops.spike_zscore = {self.spike_zscore!r} must be > 0 (e.g. 6.0)")
         shortest = MIN_HEARTBEATS * HEARTBEAT_S
@@ -76,5 +79,5 @@ class OpsSettings:
                                  f"(e.g. {{rank = 1, step = 2, kind = \"spin\"}})")
             for name in ("rank", "step"):
                 check_positive(f"ops.inject_hang.{name}", self.inject_hang[name], minimum=0)
-            check_choice("ops.inject_hang.kind", self.inject_hang["kind"], HANG_KINDS)
+            check_choice("ops.inject_hang.kind", self.inject_hang["kind"], HangKind)
 

@@ -8,18 +8,23 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
-from launch.parallel.device import DEVICES
+from dispatch.choices import allowed_values, check_choice
+from dispatch.dispatcher import Payload
+from dispatch.routes import DispatchBackend
+from launch.parallel.device import CommBackend, Device
 from launch.config.ops import OpsSettings
 from kernels.quant_ref import ALIGN as FP8_ALIGN
 from launch.parallel.mesh import Layout
-from moe.config import ModelConfig, check_choice, check_positive
-from moe.cp import CP_METHODS
-from moe.recompute import RECOMPUTE
-from pipeline.schedules import min_chunks
+from moe.config import ModelConfig, check_positive
+from moe.cp import CpMethod
+from moe.recompute import Recompute
+from optim.zero1 import ZeroStage
+from pipeline.schedules import ScheduleName, min_chunks
 from moe.tp import check_tp_shapes
 
-DTYPES = ("float32", "bfloat16", "float64")
+Dtype = Literal["float32", "bfloat16", "float64"]
 
 
 @dataclass
@@ -38,8 +43,8 @@ class TrainSettings:
     beta2: float = 0.95
     grad_clip: float = 1.0
     seed: int = 0
-    dtype: str = "float32"
-    device: str = "auto"  # "auto": CUDA when available (cuda:LOCAL_RANK per rank), else the CPU; "cuda"; "cpu"
+    dtype: Dtype = "float32"
+    device: Device = "auto"  # "auto": CUDA when available (cuda:LOCAL_RANK per rank), else the CPU; "cuda"; "cpu"
     run_dir: str = "runs/default"
     checkpoint_every: int = 0
     eval_every: int = 50
@@ -47,7 +52,7 @@ class TrainSettings:
     peak_tflops_per_gpu: float = 0.0  # for MFU; 0: from the GPU's name (none on CPU)
     tensorboard: bool = False  # also write TensorBoard events to run_dir/tensorboard
     rank_metrics_every: int = 10  # steps between the records' per-rank sections (gathered to rank 0), and the last
-    recompute: str = "none"  # activation recomputation (moe.recompute): "none", "selective" (V3's) or "full"
+    recompute: Recompute = "none"  # activation recomputation (moe.recompute): "none", "selective" (V3's) or "full"
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batch_size", "grad_accum_steps", "seq_len", "rank_metrics_every"):
@@ -61,9 +66,9 @@ class TrainSettings:
             raise ValueError(f"train.peak_tflops_per_gpu = {self.peak_tflops_per_gpu!r} must be >= 0 (0: from the GPU)")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"train.min_lr_ratio = {self.min_lr_ratio!r} must be in [0, 1]")
-        check_choice("train.dtype", self.dtype, DTYPES)
-        check_choice("train.device", self.device, DEVICES)
-        check_choice("train.recompute", self.recompute, RECOMPUTE)
+        check_choice("train.dtype", self.dtype, Dtype)
+        check_choice("train.device", self.device, Device)
+        check_choice("train.recompute", self.recompute, Recompute)
 
 
 @dataclass
@@ -126,11 +131,8 @@ def _check_source(field_name: str, index: int, source: object, keys: tuple[str, 
     return Path(source["path"]).resolve()
 
 
-SCHEDULES = ("none", "dualpipev", "dualpipe", "1f1b", "zb1p", "afab")
+Schedule = Literal["none", ScheduleName]  # "none": no pipeline (parallel.pp = 1)
 ENDS_TOGETHER = ("dualpipev", "dualpipe")  # schedules placing the first and the last stage on one rank
-COMM_BACKENDS = ("auto", "gloo", "nccl")
-DISPATCH_BACKENDS = ("flat", "hierarchical")
-DISPATCH_PAYLOADS = ("bf16", "fp8")
 
 
 @dataclass
@@ -150,35 +152,35 @@ class ParallelSettings:
     tp: int = 1
     ep: int = 1
     cp: int = 1
-    cp_method: str = "ring"
+    cp_method: CpMethod = "ring"
     sequence_parallel: bool = False
     gpus_per_node: int = 0
-    schedule: str = "none"
+    schedule: Schedule = "none"
     num_chunks: int = 0
     split_bw: bool = True
     merge_w: int = 1
     overlap: bool = True
     overlap_grad_reduce: bool = True
-    dispatch_backend: str = "flat"
-    dispatch_payload: str = "bf16"
+    dispatch_backend: DispatchBackend = "flat"
+    dispatch_payload: Payload = "bf16"
     dispatch_chunks: int = 1
-    comm_backend: str = "auto"
+    comm_backend: CommBackend = "auto"
 
     def __post_init__(self) -> None:
         for name in ("pp", "dp", "tp", "ep", "cp", "merge_w", "dispatch_chunks"):
             check_positive(f"parallel.{name}", getattr(self, name))
-        check_choice("parallel.cp_method", self.cp_method, CP_METHODS)
+        check_choice("parallel.cp_method", self.cp_method, CpMethod)
         for name in ("gpus_per_node", "num_chunks"):
             check_positive(f"parallel.{name}", getattr(self, name), minimum=0)
-        check_choice("parallel.schedule", self.schedule, SCHEDULES)
-        check_choice("parallel.dispatch_backend", self.dispatch_backend, DISPATCH_BACKENDS)
-        check_choice("parallel.dispatch_payload", self.dispatch_payload, DISPATCH_PAYLOADS)
-        check_choice("parallel.comm_backend", self.comm_backend, COMM_BACKENDS)
+        check_choice("parallel.schedule", self.schedule, Schedule)
+        check_choice("parallel.dispatch_backend", self.dispatch_backend, DispatchBackend)
+        check_choice("parallel.dispatch_payload", self.dispatch_payload, Payload)
+        check_choice("parallel.comm_backend", self.comm_backend, CommBackend)
         if self.dispatch_chunks > 1 and self.dispatch_backend != "hierarchical":
             raise ValueError(f"parallel.dispatch_chunks = {self.dispatch_chunks} pipelines the two hops of "
                              f"parallel.dispatch_backend = 'hierarchical'; with {self.dispatch_backend!r} allowed: 1")
         if (self.pp == 1) != (self.schedule == "none"):
-            allowed = "'none'" if self.pp == 1 else ", ".join(map(repr, SCHEDULES[1:]))
+            allowed = "'none'" if self.pp == 1 else ", ".join(map(repr, allowed_values(ScheduleName)))
             raise ValueError(f"parallel.schedule = {self.schedule!r} with parallel.pp = {self.pp}: allowed {allowed}")
         if self.schedule == "dualpipe" and self.pp % 2:
             raise ValueError(f"parallel.pp = {self.pp}: schedule 'dualpipe' needs an even pp (allowed: 2, 4, 6, ...)")
@@ -207,8 +209,7 @@ class ParallelSettings:
         return 2 * self.pp if self.schedule == "dualpipev" else self.pp
 
 
-ZERO_STAGES = (1, 2, 3)
-OFFLOADS = ("none", "optimizer")
+Offload = Literal["none", "optimizer"]
 
 
 @dataclass
@@ -219,12 +220,12 @@ class OptimSettings:
     offload "optimizer" (ZeRO-Offload, stage 1 or 2) keeps the fp32 masters and AdamW moments in host memory and
     updates them there."""
 
-    zero_stage: int = 1
-    offload: str = "none"
+    zero_stage: ZeroStage = 1
+    offload: Offload = "none"
 
     def __post_init__(self) -> None:
-        check_choice("optim.zero_stage", self.zero_stage, ZERO_STAGES)
-        check_choice("optim.offload", self.offload, OFFLOADS)
+        check_choice("optim.zero_stage", self.zero_stage, ZeroStage)
+        check_choice("optim.offload", self.offload, Offload)
 
 
 def _check_optim(cfg: "RunConfig") -> None:
@@ -365,7 +366,12 @@ SECTIONS = {"model": ModelConfig, "train": TrainSettings, "data": DataSettings, 
 
 
 def _accepted_types(hint: object) -> tuple[type, ...]:
+    """The Python types a TOML value of a field typed hint may have: a Literal's values' types, each member of a
+    union, a generic's container (list for list[int]), and int where float is accepted."""
+    if typing.get_origin(hint) is Literal:
+        return tuple(dict.fromkeys(type(value) for value in typing.get_args(hint)))
     args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    args = tuple(typing.get_origin(arg) or arg for arg in args)
     return args + ((int,) if float in args else ())
 
 
