@@ -121,7 +121,8 @@ def _check_document_mask(data: DataSettings, model: ModelConfig, par: ParallelSe
 def _check_optim(optim: OptimSettings, par: ParallelSettings) -> None:
     """Layouts the ZeRO stages do not run: ZeRO-2 frees each full grad bucket once reduced over DP, so it needs the
     reduction inside the backward and no TP-partial grads still to be summed over TP after it; ZeRO-3's gathers
-    and reductions share the DP group, so a pipeline must not run a backward beside a forward (parallel.overlap)."""
+    and reductions share the DP group, so a pipeline must not run a backward beside a forward
+    (parallel.overlap_fb_pairs)."""
     if optim.zero_stage >= 2 and not par.overlap_grad_reduce:
         raise ValueError(f"optim.zero_stage = {optim.zero_stage} reduce-scatters grads during every backward: "
                          f"parallel.overlap_grad_reduce must be true (allowed with false: optim.zero_stage = 1)")
@@ -131,9 +132,10 @@ def _check_optim(optim: OptimSettings, par: ParallelSettings) -> None:
     if optim.offload != "none" and optim.zero_stage == 3:
         raise ValueError(f"optim.offload = {optim.offload!r} does not run with optim.zero_stage = 3 (its params are "
                          f"gathered from device masters): allowed optim.zero_stage = 1 or 2, or optim.offload = 'none'")
-    if optim.zero_stage == 3 and par.pp > 1 and par.overlap:
+    if optim.zero_stage == 3 and par.pp > 1 and par.overlap_fb_pairs:
         raise ValueError("optim.zero_stage = 3 with parallel.pp > 1 gathers params in the forward and the backward on "
-                         "one group: parallel.overlap must be false (allowed with overlap: optim.zero_stage = 1 or 2)")
+                         "one group: parallel.overlap_fb_pairs must be false (allowed with it: optim.zero_stage = 1 or "
+                         "2)")
 
 
 def _check_fp8_sizes(model: ModelConfig, par: ParallelSettings) -> None:

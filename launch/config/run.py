@@ -6,6 +6,7 @@ from __future__ import annotations
 import tomllib
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -44,6 +45,33 @@ class RunConfig:
 
 SECTIONS = {"model": ModelConfig, "train": TrainSettings, "data": DataSettings, "parallel": ParallelSettings,
             "ops": OpsSettings, "optim": OptimSettings}
+RENAMED = {"parallel": {"overlap": "overlap_fb_pairs", "split_bw": "defer_weight_grads",
+                        "merge_w": "chunks_per_weight_grad"}}
+"""Keys renamed since configs and checkpoints were written with them: section -> {old name: new name}. An old name
+is still read (a config file's with a warning naming the new key)."""
+
+
+def current_names(section: str, values: dict) -> dict:
+    """values (one section's keys) with each old key name (RENAMED) replaced by its new one; ValueError when one key is
+    given under both names."""
+    renamed = RENAMED.get(section, {})
+    for old, new in renamed.items():
+        if old in values and new in values:
+            raise ValueError(f"{section}.{old} and {section}.{new} are both given: {old} is the old name of {new}; "
+                             f"give {section}.{new} only")
+    return {renamed.get(key, key): value for key, value in values.items()}
+
+
+def _current_document(raw: dict) -> dict:
+    """raw (a parsed TOML document) with each section's keys under their current names, warning once for each old
+    name used."""
+    for section, values in raw.items():
+        for key in values if isinstance(values, dict) else ():
+            if key in RENAMED.get(section, {}):
+                note = f"{section}.{key} is renamed {section}.{RENAMED[section][key]}; the old name is read for now"
+                warnings.warn(note, FutureWarning)
+    return {section: current_names(section, values) if isinstance(values, dict) else values
+            for section, values in raw.items()}
 
 
 def _accepted_types(hint: object) -> tuple[type, ...]:
@@ -68,7 +96,9 @@ def _check_section(name: str, values: dict, cls: type) -> None:
 
 
 def build_config(raw: dict) -> RunConfig:
-    """Validate a parsed TOML document and build the RunConfig (errors name the field)."""
+    """Validate a parsed TOML document (old key names read as their new ones: RENAMED) and build the RunConfig (errors
+    name the field)."""
+    raw = _current_document(raw)
     for section in raw:
         if section not in SECTIONS:
             raise ValueError(f"unknown section [{section}]; allowed sections: {', '.join(SECTIONS)}")
@@ -97,15 +127,15 @@ def parse_override(text: str) -> tuple[str, str, object]:
 
 
 def read_toml(path: str | Path, seen: tuple[Path, ...] = ()) -> dict:
-    """A TOML config as a dict; a top-level `base = "other.toml"` (relative to this file) is read
-    first and this file's keys override its keys section by section."""
+    """A TOML config as a dict, keys under their current names (RENAMED); a top-level `base = "other.toml"` (relative
+    to this file) is read first and this file's keys override its keys section by section."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"config file {str(path)!r} does not exist")
     if path.resolve() in seen:
         raise ValueError(f"config file {str(path)!r} names itself as a base (through {', '.join(map(str, seen))})")
     with path.open("rb") as handle:
-        raw = tomllib.load(handle)
+        raw = _current_document(tomllib.load(handle))
     _resolve_data_paths(raw.get("data"), path.parent)
     model = raw.get("model")
     if isinstance(model, dict) and isinstance(model.get("init_from"), str) and model["init_from"]:
@@ -142,5 +172,5 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
     raw = read_toml(path)
     for override in overrides:
         section, key, value = parse_override(override)
-        raw.setdefault(section, {})[key] = value
+        raw.setdefault(section, {}).update(_current_document({section: {key: value}})[section])
     return build_config(raw)

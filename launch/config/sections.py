@@ -152,9 +152,9 @@ class ParallelSettings:
     gpus_per_node: int = 0
     schedule: Schedule = "none"
     num_chunks: int = 0
-    split_bw: bool = True
-    merge_w: int = 1
-    overlap: bool = True
+    defer_weight_grads: bool = True
+    chunks_per_weight_grad: int = 1
+    overlap_fb_pairs: bool = True
     overlap_grad_reduce: bool = True
     dispatch_backend: DispatchBackend = "flat"
     dispatch_payload: Payload = "bf16"
@@ -162,7 +162,7 @@ class ParallelSettings:
     comm_backend: CommBackend = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("pp", "dp", "tp", "ep", "cp", "merge_w", "dispatch_chunks"):
+        for name in ("pp", "dp", "tp", "ep", "cp", "chunks_per_weight_grad", "dispatch_chunks"):
             check_positive(f"parallel.{name}", getattr(self, name))
         check_choice("parallel.cp_method", self.cp_method, CpMethod)
         for name in ("gpus_per_node", "num_chunks"):
