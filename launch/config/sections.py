@@ -12,7 +12,7 @@ from dispatch.choices import allowed_values, check_choice
 from dispatch.dispatcher import Payload
 from dispatch.topology import DispatchBackend
 from launch.parallel.device import CommBackend, Device
-from launch.parallel.mesh import Layout
+from launch.parallel.mesh import ONE_NODE, Layout
 from moe.config import ModelConfig, check_positive
 from moe.cp import CpMethod
 from moe.recompute import Recompute
@@ -20,34 +20,67 @@ from optim.zero1 import ZeroStage
 from pipeline.schedules import ScheduleName
 
 Dtype = Literal["float32", "bfloat16", "float64"]
+ONLY_AT_END = 0  # train.checkpoint_every, train.eval_every: no periodic ones, only after the last step
+PEAK_FROM_GPU = 0.0  # train.peak_tflops_per_gpu: looked up from the GPU's name
 
 
 @dataclass
 class TrainSettings:
-    """Optimisation and loop settings."""
+    """[train]: the optimisation, the step loop, its checkpoints, evaluations and records."""
 
     steps: int = 200
+    """Optimizer steps the run trains for (a resumed run goes on to this many)."""
     micro_batch_size: int = 16
+    """Sequences in one micro-batch (one forward and backward of a DP rank)."""
     grad_accum_steps: int = 1
+    """Micro-batches in one optimizer step, over all DP ranks (a multiple of parallel.dp): a step holds
+    micro_batch_size x grad_accum_steps sequences."""
     seq_len: int = 128
+    """Tokens in one training sequence (at most model.max_seq_len)."""
     lr: float = 3e-3
+    """Peak learning rate, reached after the warmup; it then decays along a cosine (optim.lr_schedule)."""
     min_lr_ratio: float = 0.1
+    """Learning rate the cosine decays to by the last step, as a fraction of lr (in [0, 1])."""
     warmup_steps: int = 20
+    """Steps of the linear warmup from lr / warmup_steps to lr."""
     weight_decay: float = 0.1
+    """AdamW's decoupled weight decay (>= 0)."""
     beta1: float = 0.9
+    """AdamW's first-moment decay (in [0, 1))."""
     beta2: float = 0.95
+    """AdamW's second-moment decay (in [0, 1))."""
     grad_clip: float = 1.0
+    """Largest global L2 norm of the gradients: larger ones are scaled down to it (> 0)."""
     seed: int = 0
+    """Seed of the initial weights (each drawn from a seed derived from it and the weight's name) and of the data
+    order."""
     dtype: Dtype = "float32"
-    device: Device = "auto"  # "auto": CUDA when available (cuda:LOCAL_RANK per rank), else the CPU; "cuda"; "cpu"
+    """Dtype of the parameters and activations."""
+    device: Device = "auto"
+    """Where the ranks compute: "auto" on CUDA when it is available (cuda:LOCAL_RANK per rank), else on the CPU;
+    "cuda" or "cpu" force one (launch.parallel.device)."""
     run_dir: str = "runs/default"
-    checkpoint_every: int = 0
+    """Folder of the run: checkpoints, metrics.jsonl, logs, the prepared corpus, TensorBoard events."""
+    checkpoint_every: int = ONLY_AT_END
+    """Steps between checkpoints; `ONLY_AT_END`: a checkpoint after the last step only (one is always saved
+    there)."""
     eval_every: int = 50
+    """Steps between evaluations on held-out data; `ONLY_AT_END`: after the last step only (always evaluated when
+    there is held-out data)."""
     eval_batches: int = 4
-    peak_tflops_per_gpu: float = 0.0  # for MFU; 0: from the GPU's name (none on CPU)
-    tensorboard: bool = False  # also write TensorBoard events to run_dir/tensorboard
-    rank_metrics_every: int = 10  # steps between the records' per-rank sections (gathered to rank 0), and the last
-    recompute: Recompute = "none"  # activation recomputation (moe.recompute): "none", "selective" (V3's) or "full"
+    """Held-out micro-batches one evaluation averages over (rounded up to a multiple of the DP ranks); 0: no
+    evaluation."""
+    peak_tflops_per_gpu: float = PEAK_FROM_GPU
+    """Peak dense TFLOP/s of one GPU, the denominator of the MFU metric; `PEAK_FROM_GPU`: looked up from the GPU's
+    name and the run's precision (no MFU on CPU)."""
+    tensorboard: bool = False
+    """Also write TensorBoard events to run_dir/tensorboard."""
+    rank_metrics_every: int = 10
+    """Steps between the records' per-rank sections (gathered to rank 0); the last step always has one."""
+    recompute: Recompute = "none"
+    """Activation recomputation (moe.recompute): "none" keeps every activation for the backward; "selective"
+    (DeepSeek-V3's) rebuilds the norms' outputs, MLA's q/k/v and the SwiGLU products in the backward; "full" keeps
+    each block segment's inputs only and reruns the segment."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batch_size", "grad_accum_steps", "seq_len", "rank_metrics_every"):
@@ -58,7 +91,8 @@ class TrainSettings:
             if getattr(self, name) <= 0:
                 raise ValueError(f"train.{name} = {getattr(self, name)!r} must be > 0")
         if self.peak_tflops_per_gpu < 0:
-            raise ValueError(f"train.peak_tflops_per_gpu = {self.peak_tflops_per_gpu!r} must be >= 0 (0: from the GPU)")
+            raise ValueError(f"train.peak_tflops_per_gpu = {self.peak_tflops_per_gpu!r} must be >= 0 "
+                             f"({PEAK_FROM_GPU}: from the GPU)")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"train.min_lr_ratio = {self.min_lr_ratio!r} must be in [0, 1]")
         check_choice("train.dtype", self.dtype, Dtype)
@@ -68,21 +102,31 @@ class TrainSettings:
 
 @dataclass
 class DataSettings:
-    """Where the training tokens come from: data.sources (datasets `moe-data prepare` made, blended by weight), or
-    data.corpus ("stdlib" = Python's own sources, or a text file/folder) prepared into the run directory."""
+    """[data]: where the training tokens come from: data.sources (datasets `moe-data prepare` made, blended by
+    weight), or data.corpus prepared into the run directory. Paths written in a config file are relative to that
+    file (launch.data.feed, launch.data.shards)."""
 
     corpus: str = "stdlib"
-    max_bytes: int = 4_000_000  # the corpus's tokens are cut here (bytes, with the byte tokenizer)
-    eval_fraction: float = 0.02  # the corpus's held-out tail
-    # A compact block: the prepared-data path (launch.data.feed, launch.data.shards). Paths written in a config file are
-    # relative to that file.
-    tokenizer: str = "bytes"  # "bytes", a tokenizer.json, or a Hugging Face model folder holding one
-    sources: list = field(default_factory=list)  # [{path = PREPARED_FOLDER, weight = W}, ...]; replaces corpus
-    eval_sources: list = field(default_factory=list)  # [{path = PREPARED_FOLDER}, ...]: held-out data of sources
-    prefetch_steps: int = 1  # steps whose rows a background thread reads ahead (0: read when first used)
-    # Attention, RoPE positions and the loss stay inside each document: rows split after every EOS of data.tokenizer
-    # (moe.documents; Megatron's reset_attention_mask + reset_position_ids + eod_mask_loss)
+    """Text to train on when data.sources is empty: "stdlib" (Python's own standard-library sources), or a text
+    file or a folder of them; tokenised into run_dir/data."""
+    max_bytes: int = 4_000_000
+    """How much of the corpus is tokenised, in tokens (bytes with the byte tokenizer); the rest is not read."""
+    eval_fraction: float = 0.02
+    """Share of the corpus's tokens held out for evaluation, taken from its end (in [0, 0.5))."""
+    tokenizer: str = "bytes"
+    """"bytes" (one token per byte), a tokenizer.json, or a Hugging Face model folder holding one."""
+    sources: list[dict] = field(default_factory=list)
+    """Prepared datasets to train on instead of the corpus: [{path = FOLDER, weight = W}, ...], each FOLDER made
+    by `moe-data prepare` with data.tokenizer, sampled in proportion to its weight (a finite number > 0)."""
+    eval_sources: list[dict] = field(default_factory=list)
+    """Held-out prepared datasets for evaluation with data.sources: [{path = FOLDER}, ...], none of them a
+    training source."""
+    prefetch_steps: int = 1
+    """Steps whose rows a background thread reads ahead; 0: each row read when first used."""
     document_mask: bool = False
+    """Keep attention, RoPE positions and the loss inside each document: rows split after every end-of-document
+    token of data.tokenizer (moe.documents; Megatron's reset_attention_mask + reset_position_ids +
+    eod_mask_loss)."""
 
     def __post_init__(self) -> None:
         check_positive("data.max_bytes", self.max_bytes)
@@ -128,38 +172,67 @@ def _check_source(field_name: str, index: int, source: object, keys: tuple[str, 
 
 Schedule = Literal["none", ScheduleName]  # "none": no pipeline (parallel.pp = 1)
 ENDS_TOGETHER = ("dualpipev", "dualpipe")  # schedules placing the first and the last stage on one rank
+ALL_MICRO_BATCHES = 0  # parallel.num_chunks: one pipeline step runs all of a DP rank's micro-batches of a step
 
 
 @dataclass
 class ParallelSettings:
-    """The layout: world = pp x dp x cp x tp ranks (TP innermost, then CP, DP, PP); EP folded over a stage's
-    dp x cp x tp ranks.
-
-    gpus_per_node 0 puts every rank on one node; num_chunks 0 runs all of a DP rank's
-    micro-batches in one pipeline step. Experts are replicated over dp * cp * tp / ep ranks. cp splits each
-    sequence over cp ranks in zig-zag chunks (moe.cp; cp_method "ring" or "allgather"); CP ranks are data
-    replicas for gradient sums.
-    dispatch_chunks > 1 pipelines the hierarchical dispatch's two hops in that many chunks of tokens.
-    """
+    """[parallel]: the layout, world = pp x dp x cp x tp ranks (TP innermost, then CP, DP, PP), EP folded over a
+    stage's dp x cp x tp ranks, and how the pipeline, the expert dispatch and the collectives run."""
 
     pp: int = 1
+    """Pipeline-parallel ranks: the layers are cut into stages over them (parallel.schedule)."""
     dp: int = 1
+    """Data-parallel ranks: each runs its share of a step's micro-batches."""
     tp: int = 1
+    """Tensor-parallel ranks: attention heads, FFN widths and the vocabulary split over them (moe.tp)."""
     ep: int = 1
+    """Expert-parallel ranks: a stage's routed experts split over them (must divide dp x cp x tp and
+    model.num_experts); each expert is replicated over dp x cp x tp / ep ranks."""
     cp: int = 1
+    """Context-parallel ranks: each sequence split over them in 2 x cp zig-zag chunks (moe.cp); for gradient sums
+    they are data replicas."""
     cp_method: CpMethod = "ring"
+    """How CP attention sees the whole sequence: "ring" passes K/V blocks round the CP ranks, each hop's transfer
+    beside the attention of the block in hand; "allgather" gathers all K/V at once (one collective, cp x the K/V
+    memory)."""
     sequence_parallel: bool = False
-    gpus_per_node: int = 0
+    """With tp > 1, split the activations outside attention and the FFNs over the TP ranks along the sequence (SP)."""
+    gpus_per_node: int = ONE_NODE
+    """Ranks (GPUs) on one node, dividing the world size: consecutive ranks share a node, and the hierarchical
+    dispatch crosses nodes once. On CPU the nodes are simulated. `ONE_NODE`: every rank on one node."""
     schedule: Schedule = "none"
-    num_chunks: int = 0
+    """Pipeline schedule: "none" without a pipeline (pp = 1); with pp > 1 one of the pipeline's schedules
+    (pipeline.schedules; "dualpipe" needs an even pp; "dualpipev" runs two stages per rank)."""
+    num_chunks: int = ALL_MICRO_BATCHES
+    """Micro-batches one pipeline step runs (dividing the grad_accum_steps / dp a DP rank runs per step; at least
+    what the schedule needs to fill the pipeline); `ALL_MICRO_BATCHES`: all of them in one pipeline step."""
     defer_weight_grads: bool = True
+    """Split each backward into B (input grads, sent upstream at once) and W (weight grads, run later by the
+    schedule's W actions), as zero-bubble schedules and DualPipe do (pipeline.wgrad); false: a backward computes
+    both."""
     chunks_per_weight_grad: int = 1
+    """Chunks whose weight grads one W action computes together, as one larger GEMM per weight
+    (schedules.merge_weight_grads); > 1 needs defer_weight_grads. Holds each chunk's layer inputs and output grads
+    until then."""
     overlap_fb_pairs: bool = True
+    """In DualPipe's paired forward-and-backward actions, run one chunk's backward while the other chunk's forward
+    waits on its expert all-to-all (on a helper thread beside the forward when both stages allow it,
+    pipeline.overlap); false: each pair runs its forward, then its backward."""
     overlap_grad_reduce: bool = True
+    """Start each gradient bucket's reduce-scatter over its replicas during the step's last backward, once its
+    grads are final; false: reduce after the backward (bitwise the same)."""
     dispatch_backend: DispatchBackend = "flat"
+    """Expert dispatch and combine: "flat" sends each token once to every EP rank holding one of its experts;
+    "hierarchical" sends it once per destination node, then within the node (dispatch)."""
     dispatch_payload: Payload = "bf16"
+    """Dispatched rows travel "bf16" (in the activations' own dtype) or "fp8" (e4m3 with one scale per 128
+    channels); combine always travels in the activations' dtype."""
     dispatch_chunks: int = 1
+    """Chunks of tokens the hierarchical dispatch pipelines its two hops in (> 1 only with "hierarchical")."""
     comm_backend: CommBackend = "auto"
+    """Backend of the process groups: "auto" is NCCL on CUDA ranks and gloo on CPU ones; "gloo" or "nccl" force
+    one."""
 
     def __post_init__(self) -> None:
         for name in ("pp", "dp", "tp", "ep", "cp", "chunks_per_weight_grad", "dispatch_chunks"):
@@ -183,10 +256,11 @@ class ParallelSettings:
             allowed = [d for d in range(1, self.stage_ranks + 1) if self.stage_ranks % d == 0]
             raise ValueError(f"parallel.ep = {self.ep} must divide dp x cp x tp = {self.stage_ranks} "
                              f"(allowed: {', '.join(map(str, allowed))})")
-        if self.gpus_per_node and self.world_size % self.gpus_per_node:
+        if self.gpus_per_node != ONE_NODE and self.world_size % self.gpus_per_node:
             allowed = [d for d in range(1, self.world_size + 1) if self.world_size % d == 0]
             raise ValueError(f"parallel.gpus_per_node = {self.gpus_per_node} must divide the world size "
-                             f"pp x dp x cp x tp = {self.world_size} (allowed: 0, {', '.join(map(str, allowed))})")
+                             f"pp x dp x cp x tp = {self.world_size} (allowed: {ONE_NODE} (one node), "
+                             f"{', '.join(map(str, allowed))})")
 
     @property
     def stage_ranks(self) -> int:
@@ -205,7 +279,7 @@ class ParallelSettings:
 
     def chunks_per_step(self, grad_accum_steps: int) -> int:
         """Micro-batches one DP rank runs in one pipeline step, of train.grad_accum_steps over all DP ranks."""
-        return self.num_chunks or grad_accum_steps // self.dp
+        return grad_accum_steps // self.dp if self.num_chunks == ALL_MICRO_BATCHES else self.num_chunks
 
     def layout(self, model: ModelConfig) -> Layout:
         """The rank layout of these settings for model (its MTP modules may need an embedding copy on the last
@@ -220,14 +294,16 @@ Offload = Literal["none", "optimizer"]
 
 @dataclass
 class OptimSettings:
-    """The distributed optimizer: zero_stage 1 shards the fp32 masters and AdamW moments over each param's
-    replicas, 2 also the grads (reduce-scattered during every backward, full grads freed; optim.ZeRO1), 3 also the
-    dense params (each module's gathered around its forward and backward, per micro-batch; optim.zero3).
-    offload "optimizer" (ZeRO-Offload, stage 1 or 2) keeps the fp32 masters and AdamW moments in host memory and
-    updates them there."""
+    """[optim]: the distributed optimizer (optim.ZeRO1): AdamW whose fp32 masters and moments are sharded over each
+    parameter's replicas."""
 
     zero_stage: ZeroStage = 1
+    """What is sharded: 1 the fp32 masters and AdamW moments; 2 also the grads (reduce-scattered during every
+    backward, full grads freed); 3 also the dense params (each module's gathered around its forward and backward,
+    per micro-batch; optim.zero3)."""
     offload: Offload = "none"
+    """"optimizer" (ZeRO-Offload, zero_stage 1 or 2) keeps the fp32 masters and AdamW moments in host memory and
+    updates them there; "none" keeps them on the device."""
 
     def __post_init__(self) -> None:
         check_choice("optim.zero_stage", self.zero_stage, ZeroStage)
