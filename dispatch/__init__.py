@@ -4,8 +4,7 @@ from dispatch.dispatcher import PAYLOADS, EPDispatcher, EPHandle, RecvInfo
 from dispatch.hopgroups import HopGroups, make_hop_groups
 from dispatch.layout import DispatchLayout, check_routing, expert_owner, get_dispatch_layout
 from dispatch.permute import Permutation, make_permutation, permute, unpermute
-from dispatch.routes import BACKENDS
-from dispatch.topology import Topology, make_topology
+from dispatch.topology import BACKENDS, Topology, make_topology
 from dispatch.traffic import Traffic
 
 __all__ = [

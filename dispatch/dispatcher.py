@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -10,17 +11,19 @@ from torch import Tensor
 
 from dispatch import rehearsal_rule
 from dispatch.channel import HopTransport, Steps, run_steps, transport_for
+from dispatch.choices import check_choice
 from dispatch.fp8 import decode_fp8, encode_fp8, split_fp8
 from dispatch.hopgroups import HopGroups, check_hop_group
 from dispatch.layout import check_num_experts, check_routing, expert_owner, lookup
 from dispatch.permute import Permutation, make_permutation, permute, unpermute
-from dispatch.routes import BACKENDS, routes_for
-from dispatch.topology import make_topology
+from dispatch.routes import routes_for
+from dispatch.topology import DispatchBackend, make_topology
 from dispatch.traffic import Traffic, TrafficMeter
 from dispatch.transport import Codec, CombineRows, DispatchRows, Route, dispatch_steps, gather_steps
 from kernels import FP8Rows
 
-PAYLOADS = ("bf16", "fp8")
+Payload = Literal["bf16", "fp8"]  # how dispatched rows travel: in their own dtype, or e4m3 with 1x128 scales
+PAYLOADS = get_args(Payload)
 
 FP8_CODEC = Codec(encode_fp8, lambda wire, like: decode_fp8(wire, like.shape[1], like.dtype))
 FP8_WIRE_CODEC = Codec(encode_fp8, lambda wire, like: wire)  # rows stay e4m3 + scales on arrival (fp8_rows)
@@ -42,12 +45,6 @@ class EPHandle:
     perm: Permutation
     recv_weights: Tensor  # [rows received, k] fp32 routing weights (differentiable)
     num_tokens: int
-
-
-def check_choice(name: str, value: object, allowed: tuple) -> None:
-    """Raise a ValueError naming the field and the allowed values unless value is one of them."""
-    if value not in allowed:
-        raise ValueError(f"{name} = {value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}")
 
 
 def _check_grad_group(grad_group: dist.ProcessGroup, group: dist.ProcessGroup) -> None:
@@ -87,8 +84,8 @@ class EPDispatcher:
     def __init__(self, num_experts: int, group: dist.ProcessGroup | None = None, gpus_per_node: int | None = None,
                  backend: str = "flat", payload: str = "bf16", grad_group: dist.ProcessGroup | None = None,
                  hops: HopGroups | None = None, chunks: int = 1, fp8_rows: bool = False) -> None:
-        check_choice("backend", backend, BACKENDS)
-        check_choice("payload", payload, PAYLOADS)
+        check_choice("backend", backend, DispatchBackend)
+        check_choice("payload", payload, Payload)
         if not isinstance(chunks, int) or chunks < 1 or (chunks > 1 and backend != "hierarchical"):
             raise ValueError(f"chunks = {chunks!r} must be an integer >= 1, and 1 unless backend = 'hierarchical' "
                              f"(got backend = {backend!r}): chunks pipeline the two hierarchical hops")

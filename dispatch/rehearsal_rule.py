@@ -50,7 +50,8 @@ from typing import Any
 
 from torch import Tensor
 
-from dispatch.topology import Topology
+from dispatch.choices import check_choice
+from dispatch.topology import DispatchBackend, Topology
 from kernels.grouped_ref import balanced_split
 
 __all__ = ["DispatchPlan", "balanced_split", "capacity_of", "chunk_counts", "expert_slots", "mark_capacity",
@@ -107,7 +108,7 @@ def plan_dispatch(tokens: int, top_k: int, num_experts: int, topology: Topology,
         inside = [nodes * rows[r] if topology.node_of(r) == node else 0 for r in range(world)]
         hops = [(across, topology.rail_ranks(rank)), (inside, topology.node_ranks(rank))]
     else:
-        raise ValueError(f"backend = {backend!r} is not allowed; choose one of 'flat', 'hierarchical'")
+        check_choice("backend", backend, DispatchBackend)
     per_rank = num_experts // world
     slots = expert_slots(tokens, top_k, num_experts, capacity)[rank * per_rank:(rank + 1) * per_rank]
     return DispatchPlan([sends for sends, _ in hops], [received_counts(sends, peers, rank) for sends, peers in hops],

@@ -7,11 +7,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dispatch.choices import check_choice
 from dispatch.layout import expert_owner, lookup, membership
 from dispatch.segment import SegmentPlan, pass_sizes, segment_plan
-from dispatch.topology import Topology
-
-BACKENDS = ("flat", "hierarchical")
+from dispatch.topology import DispatchBackend, Topology
 
 
 @dataclass
@@ -39,8 +38,7 @@ def routes_for(backend: str, topology: Topology, num_experts: int, rank: int,
     owner = expert_owner(num_experts, topology.world_size, device)
     if backend == "flat":
         return [HopRoute(owner, list(range(topology.world_size)), "ep")]
-    if backend != "hierarchical":
-        raise ValueError(f"backend = {backend!r} is not allowed; choose one of {', '.join(map(repr, BACKENDS))}")
+    check_choice("backend", backend, DispatchBackend)
     gpn, node, local = topology.gpus_per_node, topology.node_of(rank), topology.local_rank(rank)
     owner_node = owner // gpn
     across = HopRoute(owner_node * gpn + local, topology.rail_ranks(rank), "rail")

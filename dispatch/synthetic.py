@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
 from torch import Tensor
 
-ROUTINGS = ("uniform", "skewed", "node-limited")
+from dispatch.choices import check_choice
+
+Routing = Literal["uniform", "skewed", "node-limited"]
+ROUTINGS = get_args(Routing)
 
 
 def synthetic_routing(num_tokens: int, num_experts: int, top_k: int, routing: str = "uniform", *,
@@ -16,8 +21,7 @@ def synthetic_routing(num_tokens: int, num_experts: int, top_k: int, routing: st
     uniform: every expert equally likely; skewed: expert e drawn with probability ~ 1/(e+1)^skew;
     node-limited: DeepSeek-style, experts only from the topk_groups best of num_groups groups.
     """
-    if routing not in ROUTINGS:
-        raise ValueError(f"routing = {routing!r} is not allowed; choose one of {', '.join(map(repr, ROUTINGS))}")
+    check_choice("routing", routing, Routing)
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k = {top_k} must be in [1, num_experts = {num_experts}]")
     gumbel = -torch.empty(num_tokens, num_experts).exponential_(generator=generator).log()

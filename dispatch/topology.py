@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
+
+DispatchBackend = Literal["flat", "hierarchical"]  # one hop to each expert's rank; or across nodes, then inside one
+BACKENDS = get_args(DispatchBackend)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,8 @@ from torch import Tensor
 
 from moe.tp.comm import Group, GroupRegion, gather_for_region
 
-CP_METHODS = ("ring", "allgather")
+CpMethod = Literal["ring", "allgather"]
+CP_METHODS = get_args(CpMethod)
 
 
 def zigzag_chunks(cp: int, rank: int) -> tuple[int, int]:

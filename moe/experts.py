@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe.config import check_choice, EXPERT_PRECISIONS
+from dispatch.choices import check_choice
+from moe.config import ExpertPrecision
 from moe.grouped_mm import group_offsets, grouped_linear
 from moe.recompute import Rebuild, recomputed
 
@@ -45,7 +46,7 @@ class GroupedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, ffn_size: int, *,
                  precision: str = "native", init_std: float = 0.02, out_std: float | None = None) -> None:
         super().__init__()
-        check_choice("expert_precision", precision, EXPERT_PRECISIONS)
+        check_choice("expert_precision", precision, ExpertPrecision)
         self.precision = precision
         self.w_gate_up = nn.Parameter(torch.randn(num_experts, 2 * ffn_size, hidden_size) * init_std)
         self.w_down = nn.Parameter(torch.randn(num_experts, hidden_size, ffn_size) * (out_std or init_std))

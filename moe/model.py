@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dispatch.channel import run_steps
-from moe.config import ModelConfig, check_choice
+from dispatch.choices import check_choice
+from moe.config import ModelConfig
 from moe.cp import CPRegion
 from moe.documents import document_attention_mask, document_positions
 from moe.experts import SwiGLU
@@ -20,7 +21,7 @@ from moe.layer import MoELayer, MoEStats
 from moe.mla import MLA
 from moe.mtp import MTPDepth, mtp_loss, mtp_steps, parallelize_mtp
 from moe.norm import RMSNorm
-from moe.recompute import RECOMPUTE, Rebuild, norm_output, recomputed
+from moe.recompute import Recompute, Rebuild, norm_output, recomputed
 from moe.rope import apply_rope, rope_tables
 from moe.tp import (TensorParallelRouter, TPRegion, check_tp_shapes, parallelize_block, parallelize_embedding,
                     parallelize_head, vocab_parallel_cross_entropy)
@@ -93,7 +94,7 @@ class Attention(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block whose FFN is a dense SwiGLU or an MoE layer.
 
-    recompute (moe.recompute.RECOMPUTE): "selective" rebuilds the norms' outputs, MLA's q/k/v and the SwiGLU
+    recompute (moe.recompute.Recompute): "selective" rebuilds the norms' outputs, MLA's q/k/v and the SwiGLU
     products in backward. "full" keeps a dense block's input only and reruns the block in backward; an MoE block
     is rerun in segments that hold no communication: attention with both norms (its input kept), the routed experts
     (their dispatched rows kept) and the shared experts (the FFN norm's output kept); the router, dispatch and
@@ -104,7 +105,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, moe: bool, recompute: str = "none") -> None:
         super().__init__()
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        check_choice("train.recompute", recompute, RECOMPUTE)
+        check_choice("train.recompute", recompute, Recompute)
         self.recompute = recompute
         self.attn_norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.attn = (MLA if cfg.attention == "mla" else Attention)(cfg, out_std)

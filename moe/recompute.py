@@ -10,12 +10,13 @@ communication (see Block), so no collective is issued again in backward.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Literal, Sequence, get_args
 
 import torch
 from torch import Tensor
 
-RECOMPUTE = ("none", "selective", "full")
+Recompute = Literal["none", "selective", "full"]
+RECOMPUTE = get_args(Recompute)
 
 
 def _storage_id(t: Tensor) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Literal, Sequence, get_args
 
 import torch
 import torch.distributed as dist
@@ -17,7 +17,8 @@ from optim.zero3 import Unit
 
 LAYOUT_KEYS = ("process_group", "norm_groups", "grad_divisor", "norm_weight", "overlap", "module")
 COLLECTIVES = ("auto", "scatter_gather", "p2p")
-STAGES = (1, 2, 3)
+ZeroStage = Literal[1, 2, 3]  # what is sharded: optimizer state; also grads; also params
+STAGES = get_args(ZeroStage)
 FUSED_BY_DEFAULT = (torch.optim.Adam, torch.optim.AdamW)
 IMPLEMENTATION_KEYS = ("fused", "foreach", "differentiable")
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from dataclasses import dataclass, replace
 from enum import Enum
+from typing import Literal, get_args
 
-SCHEDULES = ("afab", "1f1b", "zb1p", "dualpipe", "dualpipev")
+ScheduleName = Literal["afab", "1f1b", "zb1p", "dualpipe", "dualpipev"]
+SCHEDULES = get_args(ScheduleName)
 
 
 class Op(str, Enum):

@@ -12,9 +12,6 @@ from launch.config.run import SECTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 250
-# Pages the README links that are written on another branch of issue 45 (the generated config reference); a link
-# to any other missing page fails.
-PENDING = {"docs/config.md"}
 MAP = re.compile(r"<!-- map: (?P<name>[a-z]+) -->\n(?P<body>.*?)<!-- end of map: (?P=name) -->", re.S)
 # A repository path as the pages write it: a folder or file under one of these, no placeholders (an upper-case
 # segment such as optim/NAME/exp_avg is a checkpoint key's pattern, not a path).
@@ -102,7 +99,7 @@ def test_each_config_section_names_the_module_that_defines_it():
 def test_readme_links_every_docs_page_and_only_pages_that_exist():
     links = {m.group("target").split("#")[0] for m in LINK.finditer(readme())}
     pages = {link for link in links if link.startswith("docs/")}
-    assert {p for p in pages if not (ROOT / p).is_file()} <= PENDING
+    assert {p for p in pages if not (ROOT / p).is_file()} == set()
     written = {f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")}
     assert written <= pages, written - pages
 
@@ -126,10 +123,8 @@ def test_docs_pages_link_only_to_pages_and_headings_that_exist():
                 continue
             file, _, anchor = target.partition("#")
             path = (page.parent / file).resolve() if file else page
-            relative = path.relative_to(ROOT).as_posix()
             if not path.is_file():
-                if relative not in PENDING:
-                    broken.append(f"{page.name}: {target}")
+                broken.append(f"{page.name}: {target}")
             elif anchor and anchor not in anchors(path):
                 broken.append(f"{page.name}: {target}")
     assert broken == []
@@ -141,6 +136,6 @@ def test_paths_the_docs_pages_name_exist():
     missing = []
     for page in sorted((ROOT / "docs").glob("*.md")):
         for span in re.findall(r"`([^`\n]+)`", page.read_text()):
-            if REPO_PATH.match(span) and not (ROOT / span).exists() and span not in PENDING:
+            if REPO_PATH.match(span) and not (ROOT / span).exists():
                 missing.append(f"{page.name}: {span}")
     assert missing == []

@@ -19,16 +19,18 @@ from typing import Any
 
 import torch
 
+from dispatch.choices import allowed_values
 from dispatch.layout import check_num_experts
 from dispatch.predict import predict_traffic
 from dispatch.synthetic import ROUTINGS
 from launch.bench.harness import fields, ratio_fields, slowest
-from dispatch.topology import make_topology
+from dispatch.topology import BACKENDS, make_topology
 from launch.bench.alltoall import per_expert_traffic
 from launch.bench.dispatch_model import V3, LinkModel, byte_fields, moved_bytes, predict_v3, projected_fields
 from launch.bench.dispatch_worker import (CONTENDERS, KINDS, ONEHOT, PER_EXPERT, cpu_has_native_bf16,
                                           peer_compute_dtype, points_worker, rank_routing)
 from launch.bench.onehot import dropped_slots, onehot_capacity, onehot_traffic
+from launch.parallel.device import CommBackend
 from launch.bench.plot import sweep_figure, write_figure
 from launch.bench.progress import BudgetExceeded, Progress, run_ranks
 from launch.bench.report import HIGHER, LOWER, header, header_line, table, write_json
@@ -131,7 +133,7 @@ def format_ratios(rows: list[dict]) -> str:
              f"flat / per-expert payload bytes (bf16): "
              f"{(flat['inter_payload_bytes'] + flat['intra_payload_bytes']) / (per_expert['inter_payload_bytes'] + per_expert['intra_payload_bytes']):.3f}"
              " (a token goes once per destination rank, not once per expert)"]
-    for backend in ("flat", "hierarchical"):
+    for backend in BACKENDS:
         bf16, fp8 = _row(rows, backend, "bf16"), _row(rows, backend, "fp8")
         pay = [r["inter_payload_bytes"] + r["intra_payload_bytes"] for r in (fp8, bf16)]
         meta = [r["inter_meta_bytes"] + r["intra_meta_bytes"] for r in (fp8, bf16)]
@@ -224,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--repeats", type=int, default=3, help="timed repeats per contender (median reported)")
     add("--warmup", type=int, default=1, help="untimed repeats per contender")
     add("--seed", type=int, default=0, help="rank r's routing uses seed + r")
-    add("--comm", choices=("auto", "gloo", "nccl"), default="auto",
+    add("--comm", choices=allowed_values(CommBackend), default="auto",
         help="process group backend; auto: nccl + cuda when every rank gets a GPU")
     add("--threads", type=int, default=1, help="torch threads per process")
     add("--call-budget", type=float, default=60.0,

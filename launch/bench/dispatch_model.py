@@ -9,9 +9,8 @@ import torch
 
 from dispatch.dispatcher import PAYLOADS
 from dispatch.predict import inter_node_copies, predict_traffic, received_rows
-from dispatch.routes import BACKENDS
 from dispatch.synthetic import synthetic_routing
-from dispatch.topology import make_topology
+from dispatch.topology import BACKENDS, make_topology
 from dispatch.traffic import Traffic
 
 V3 = {"world": 64, "gpus_per_node": 8, "experts": 256, "top_k": 8, "num_groups": 8, "topk_groups": 4}

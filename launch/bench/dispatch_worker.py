@@ -14,9 +14,8 @@ from torch import Tensor
 
 from dispatch.dispatcher import PAYLOADS, EPDispatcher
 from dispatch.hopgroups import make_hop_groups
-from dispatch.routes import BACKENDS
 from dispatch.synthetic import synthetic_routing
-from dispatch.topology import make_topology
+from dispatch.topology import BACKENDS, make_topology
 from dispatch.traffic import Traffic
 from kernels.metrics import calc_diff
 from launch.bench.alltoall import PerExpertDispatcher

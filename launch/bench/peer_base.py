@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 
 from dispatch.channel import Channel
-from dispatch.dispatcher import PAYLOADS, check_choice
+from dispatch.choices import check_choice
+from dispatch.dispatcher import Payload
 from dispatch.layout import check_num_experts
 from dispatch.topology import make_topology
 from dispatch.traffic import Traffic, TrafficMeter
@@ -19,7 +20,7 @@ class PeerDispatcher:
 
     def __init__(self, num_experts: int, group: dist.ProcessGroup | None = None, gpus_per_node: int | None = None,
                  payload: str = "bf16", compute_dtype: torch.dtype | None = None) -> None:
-        check_choice("payload", payload, PAYLOADS)
+        check_choice("payload", payload, Payload)
         self.group = group if group is not None else dist.group.WORLD
         self.world_size = dist.get_world_size(self.group)
         self.num_experts, self.payload, self.compute_dtype = num_experts, payload, compute_dtype

@@ -40,7 +40,7 @@ def layouts(parallel: dict) -> dict[str, dict]:
     """The rows' [parallel] sections: single process, pp=2 DualPipeV, the config's layout, its overlap off."""
     own = " ".join(f"{k}={parallel[k]}" for k in ("pp", "dp", "tp", "ep", "schedule") if k in parallel)
     return {"1 process": {}, "pp=2 dualpipev": {"pp": 2, "schedule": "dualpipev"},
-            f"config: {own}": dict(parallel), f"config: {own}, overlap off": {**parallel, "overlap": False}}
+            f"config: {own}": dict(parallel), f"config: {own}, overlap off": {**parallel, "overlap_fb_pairs": False}}
 
 
 def _train_rank(rank: int, world: int, opts: dict) -> list[dict]:

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch.distributed as dist
 
 from dispatch import progress as marks
-from launch.config.ops import HEARTBEAT_S
+from launch.config.ops import HEARTBEAT_S, WATCHDOG_OFF
 
 if TYPE_CHECKING:
     from launch.config.ops import OpsSettings
@@ -309,9 +309,9 @@ def rendezvous_store(timeout_s: float) -> dist.Store:
 
 
 def run_watchdog(ops: OpsSettings, run_dir: str | Path, rank: int, world_size: int, enabled: bool = True) -> Watchdog:
-    """The trainer's watchdog: on when enabled, with several ranks and ops.heartbeat_timeout_s > 0 (without, its
-    Progress only records, and the ops.inject_hang drill still fires)."""
-    on = enabled and world_size > 1 and ops.heartbeat_timeout_s > 0
+    """The trainer's watchdog: on when enabled, with several ranks and ops.heartbeat_timeout_s other than
+    WATCHDOG_OFF (without, its Progress only records, and the ops.inject_hang drill still fires)."""
+    on = enabled and world_size > 1 and ops.heartbeat_timeout_s != WATCHDOG_OFF
     return Watchdog(rendezvous_store(ops.heartbeat_timeout_s) if on else None, rank, world_size,
                     ops.heartbeat_timeout_s, ops.long_phase_timeout_s, run_dir, ops.inject_hang,
                     int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))

@@ -9,13 +9,15 @@ spawn and mpiexec set it too) and NCCL; a CPU rank uses gloo. A rehearsal hands 
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from typing import Literal, Mapping, get_args
 
 import numpy as np
 import torch
 from torch import Tensor
 
-DEVICES = ("auto", "cuda", "cpu")
+Device = Literal["auto", "cuda", "cpu"]
+DEVICES = get_args(Device)
+CommBackend = Literal["auto", "gloo", "nccl"]
 FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm89) and Hopper (sm90) onwards
 
 

@@ -22,6 +22,8 @@ from torch.distributed import ProcessGroup
 from dispatch.hopgroups import HopGroups
 from moe.tp import check_tp_group
 
+ONE_NODE = 0  # Layout.gpus_per_node (parallel.gpus_per_node): every rank on one node
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -31,7 +33,7 @@ class Layout:
     dp: int
     tp: int
     ep: int
-    gpus_per_node: int  # 0: every rank on one node
+    gpus_per_node: int  # or ONE_NODE
     mirrored: bool = False  # DualPipe: pipeline ranks p and pp-1-p hold copies of the same two stages
     cp: int = 1  # context-parallel ranks per sequence
     hop_groups: bool = False  # hierarchical dispatch: per-hop (node, rail) groups inside each EP group
@@ -50,7 +52,7 @@ class Layout:
     @property
     def node_size(self) -> int:
         """Ranks per (real or simulated) node."""
-        return self.gpus_per_node or self.world_size
+        return self.world_size if self.gpus_per_node == ONE_NODE else self.gpus_per_node
 
     def rank(self, pp: int, dp: int, tp: int, cp: int = 0) -> int:
         """Global rank at coordinates (pp, dp, tp, cp)."""

@@ -167,8 +167,9 @@ def make_schedule(config: RunConfig) -> Schedule | None:
     par = config.parallel
     if par.schedule == "none":
         return None
-    schedule = build(par.schedule, par.pp, config.chunks_per_step, split_bw=par.split_bw)
-    return merge_weight_grads(schedule, par.merge_w) if par.merge_w > 1 else schedule
+    schedule = build(par.schedule, par.pp, config.chunks_per_step, split_bw=par.defer_weight_grads)
+    merge = par.chunks_per_weight_grad
+    return merge_weight_grads(schedule, merge) if merge > 1 else schedule
 
 
 def _layout(config: RunConfig) -> StageLayout:
@@ -235,7 +236,7 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
     # overlap: the runtime runs each F&B pair's halves at once (the backward on a helper thread)
     deferred = [acts.deferred_stage(layers[s], s == num_stages - 1, tokens) for s in range(num_stages)]
     # a pair's halves allocate and free over their kernels' time: the slot cost is fitted to throughput, not memory
-    kernels = [c.without_slots() for c in costs] if par.overlap else None
+    kernels = [c.without_slots() for c in costs] if par.overlap_fb_pairs else None
     peaks = (schedule_peaks(schedule, stage_bytes, kernels, deferred) if schedule
              else [stage_bytes[0]])
     # recompute full, moe or layer: the same schedule with each backward's rerun segments held beside the rest
@@ -275,7 +276,7 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
     elif schedule:
         profile = machine.profile
         priced = paired(costs, machine.comm_sm_share, machine.pair_hidden) if options.paired else costs
-        result = simulate_step(schedule, priced, p2p_seconds, par.overlap, profile.pair_factor if profile else 1.0,
+        result = simulate_step(schedule, priced, p2p_seconds, par.overlap_fb_pairs, profile.pair_factor if profile else 1.0,
                                profile.speed(par.pp) if profile else None, machine.comm_sm_share)
         makespan, idles, busy = result.makespan, result.idle_fractions, result.busy
         if options.virtual_stages > 1:

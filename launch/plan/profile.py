@@ -127,7 +127,7 @@ def profile_rank(rank: int, world: int, config: RunConfig, repeats: int) -> tupl
     ids = stage_ids(config, mesh.pp_rank)
     chunks = _Chunks(config, WeightGradStore())
     samples: dict[int, list[tuple[float, float, float]]] = {i: [] for i in ids}
-    threaded = (runtime is not None and config.parallel.overlap and config.parallel.schedule in PAIRED
+    threaded = (runtime is not None and config.parallel.overlap_fb_pairs and config.parallel.schedule in PAIRED
                 and all(stage.concurrent_backward for stage in stages))
     factors = []
     with ThreadPoolExecutor(1) as pool:

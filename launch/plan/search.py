@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from launch.config.run import RunConfig
+from launch.config.sections import ALL_MICRO_BATCHES
 from launch.plan.memory import RECOMPUTE
 from launch.plan.planner import Machine, Options, Plan, make_plan
 from pipeline.schedules import SCHEDULES, min_chunks
@@ -53,7 +54,7 @@ def candidates(config: RunConfig, gpus: int, gpus_per_node: int) -> Iterator[dic
                 counts = sorted({valid[0], valid[-1]}) if valid and schedule != "none" else [micro or 1]
                 for chunks in counts:
                     yield dict(pp=pp, dp=dp, cp=cp, tp=tp, ep=ep, schedule=schedule,
-                               num_chunks=0 if chunks == micro else chunks,
+                               num_chunks=ALL_MICRO_BATCHES if chunks == micro else chunks,
                                sequence_parallel=tp > 1, gpus_per_node=gpus_per_node)
 
 

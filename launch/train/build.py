@@ -62,8 +62,8 @@ def build_model(cfg: RunConfig, mesh: Mesh, device: torch.device) -> tuple[list[
         stage.reset_tallies()  # the routing tallies live on device too
     if par.pp == 1:
         return stages, None
-    runtime = RUNTIMES[par.schedule](stages, process_group=mesh.pipeline, split_bw=par.split_bw,
-                                     overlap=par.overlap, merge_w=par.merge_w)
+    runtime = RUNTIMES[par.schedule](stages, process_group=mesh.pipeline, split_bw=par.defer_weight_grads,
+                                     overlap=par.overlap_fb_pairs, merge_w=par.chunks_per_weight_grad)
     runtime.fix_boundary(boundary_meta(cfg))
     return stages, runtime
 

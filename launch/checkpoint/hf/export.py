@@ -22,6 +22,7 @@ from torch import Tensor
 from launch.checkpoint.chunks import Reader
 from launch.checkpoint.hf.config import hub_config
 from launch.checkpoint.hf.names import Part, export_parts
+from launch.config.run import current_names
 from launch.data.tokenizer import load_tokenizer
 from moe.config import ModelConfig
 from moe.model import MoETransformer
@@ -40,7 +41,8 @@ def read_tensor(reader: Reader, key: str) -> Tensor:
 
 
 def saved_config(reader: Reader) -> dict[str, dict]:
-    """The run config (dataclasses.asdict of launch.config.run.RunConfig, by section) a checkpoint was saved with."""
+    """The run config (dataclasses.asdict of launch.config.run.RunConfig, by section) a checkpoint was saved with, its
+    keys under their current names (a checkpoint saved before a key was renamed holds the old one)."""
     prefix = "meta/config."
     out: dict[str, object] = {k: None for k in reader.read_metadata().state_dict_metadata if k.startswith(prefix)}
     dcp.load(out, storage_reader=reader, no_dist=True)  # DCP flattened the nested dict: one entry per field
@@ -48,7 +50,7 @@ def saved_config(reader: Reader) -> dict[str, dict]:
     for key, value in out.items():
         section, _, field = key.removeprefix(prefix).partition(".")
         config.setdefault(section, {})[field] = value
-    return config
+    return {section: current_names(section, values) for section, values in config.items()}
 
 
 def model_keys(cfg: ModelConfig) -> list[str]:

@@ -10,7 +10,7 @@ from launch.bench.train import layouts, main
 def test_rows_are_single_process_pp2_dualpipev_the_config_and_its_overlap_off():
     config = {"pp": 2, "dp": 2, "ep": 2, "schedule": "dualpipev", "gpus_per_node": 1}
     rows = layouts(config)
-    assert list(rows.values()) == [{}, {"pp": 2, "schedule": "dualpipev"}, config, {**config, "overlap": False}]
+    assert list(rows.values()) == [{}, {"pp": 2, "schedule": "dualpipev"}, config, {**config, "overlap_fb_pairs": False}]
     assert list(rows)[2] == "config: pp=2 dp=2 ep=2 schedule=dualpipev"
 
 

@@ -15,8 +15,10 @@ import pytest
 import torch
 
 from launch.parallel.spawn import WorkerError, run_processes
-from launch.checkpoint.checkpointer import consolidate, export, latest_valid, published, verify
-from launch.config.run import build_config
+from launch.checkpoint.checkpointer import Checkpointer, consolidate, export, latest_valid, published, verify
+from launch.checkpoint.chunks import Reader
+from launch.checkpoint.hf.export import saved_config
+from launch.config.run import RENAMED, build_config
 from launch.train.loop import train
 from launch.train_cli import main
 from moe.model import MoETransformer
@@ -164,3 +166,24 @@ def test_async_saves_hold_the_same_numbers_and_export_loads(corpus, saved_refere
     model.load_state_dict(torch.load(path))
     want = consolidate(ref_dir / "checkpoint")
     assert all(torch.equal(value, want[key]) for key, value in model.state_dict().items())
+
+
+def test_a_checkpoint_saved_with_old_key_names_resumes(corpus, saved_reference, tmp_path, monkeypatch):
+    """A checkpoint whose saved config spells [parallel]'s renamed keys the old way (RENAMED) resumes the run, and its
+    saved config reads with the current names."""
+    want, _ = saved_reference
+    run = tmp_path / "run"
+    save, old_name = Checkpointer.save, {new: old for old, new in RENAMED["parallel"].items()}
+
+    def save_with_old_names(self, state, step, config):
+        parallel = {old_name.get(key, key): value for key, value in config["parallel"].items()}
+        save(self, state, step, {**config, "parallel": parallel})
+
+    monkeypatch.setattr(Checkpointer, "save", save_with_old_names)
+    train(build_config(config(run, corpus, {}, steps=HALF)), progress=False)
+    monkeypatch.undo()
+    folder = run / "checkpoint" / f"step{HALF:08d}"
+    stored = Reader(str(folder)).read_metadata().state_dict_metadata
+    assert all(f"meta/config.parallel.{old}" in stored for old in RENAMED["parallel"])
+    assert set(saved_config(Reader(str(folder)))["parallel"]) >= set(RENAMED["parallel"].values())
+    assert_continues(train(build_config(config(run, corpus, {})), resume=True, progress=False), want, HALF)

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
 
 LAYOUTS = {
     "pp2 dualpipev, 2 pipeline steps per step": {"pp": 2, "schedule": "dualpipev", "num_chunks": 4},
-    "pp2 dualpipev merged W": {"pp": 2, "schedule": "dualpipev", "merge_w": 4},
+    "pp2 dualpipev merged W": {"pp": 2, "schedule": "dualpipev", "chunks_per_weight_grad": 4},
     "pp2 dualpipe (mirrored stage copies)": {"pp": 2, "schedule": "dualpipe"},
     "pp2 1f1b": {"pp": 2, "schedule": "1f1b"},
     "dp2 ep2": {"dp": 2, "ep": 2},

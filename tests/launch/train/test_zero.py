@@ -33,7 +33,7 @@ RUNS = {2: {"zero2 dp2 ep2 capacity 1.0": ({"dp": 2, "ep": 2}, {"zero_stage": 2}
             "zero2 pp2 dualpipev, 2 pipeline steps per step": ({"pp": 2, "schedule": "dualpipev", "num_chunks": 4},
                                                                {"zero_stage": 2}, None)},
         4: {"zero3 pp2 dp2 ep2 dualpipev, B/W split": ({"pp": 2, "dp": 2, "ep": 2, "schedule": "dualpipev",
-                                                         "overlap": False}, {"zero_stage": 3}, None)}}
+                                                         "overlap_fb_pairs": False}, {"zero_stage": 3}, None)}}
 ROUTING_NAME = {None: "dropless", 1.0: "capacity 1.0"}
 
 
@@ -123,7 +123,7 @@ def test_sharded_checkpoints_reshard_to_and_from_one_process(optim, resharded, u
     ({"zero_stage": 2}, {"dp": 2, "tp": 2}, "optim.zero_stage"),
     ({"zero_stage": 2}, {"dp": 2, "overlap_grad_reduce": False}, "parallel.overlap_grad_reduce"),
     ({"offload": "gpu"}, {}, "optim.offload"),
-    ({"zero_stage": 3}, {"pp": 2, "schedule": "1f1b"}, "parallel.overlap"),
+    ({"zero_stage": 3}, {"pp": 2, "schedule": "1f1b"}, "parallel.overlap_fb_pairs"),
     ({"zero_stage": 3, "offload": "optimizer"}, {}, "optim.offload"),
 ])
 def test_bad_optim_settings_name_the_field(optim, parallel, field, corpus, tmp_path):
@@ -172,13 +172,13 @@ def test_rehearsal_on_meta_holds_the_planned_model_states(stage):
     grads and optimizer bytes as moe-plan's within 1%; ZeRO-3 all-gathers over dp = 2 during forward and
     backward, many more times than ZeRO-2's one gather per bucket after the step."""
     from launch.plan.rehearse import rehearse  # here only: this module's spawned ranks need not import its tracing stack
-    overrides = [f"optim.zero_stage={stage}", "parallel.overlap=false"]
+    overrides = [f"optim.zero_stage={stage}", "parallel.overlap_fb_pairs=false"]
     result = rehearse(load_config(TINY, overrides))
     for category in ("params", "grads", "optimizer"):
         assert result.peak[category] == pytest.approx(result.planned[category], rel=0.01), category
     gathers = {k: calls for k, group, calls, _ in result.collectives.rows() if group == 2 and "allgather" in k}
     if stage == 3:
-        lower = rehearse(load_config(TINY, ["optim.zero_stage=2", "parallel.overlap=false"]))
+        lower = rehearse(load_config(TINY, ["optim.zero_stage=2", "parallel.overlap_fb_pairs=false"]))
         fewer = {k: calls for k, group, calls, _ in lower.collectives.rows() if group == 2 and "allgather" in k}
         assert sum(gathers.values()) > 4 * sum(fewer.values()) > 0, (gathers, fewer)
 
