@@ -215,7 +215,7 @@ def _train_with_embedding(rank: int, world: int, raws: list[dict]) -> list[tuple
         out = build_model(*args, **kwargs)
         held.append(next((s.embed.weight for s in out[0] if s.embed is not None), None))
         return out
-    with mock.patch("launch.train.build.build_model", build):
+    with mock.patch("launch.train.loop.build_model", build):  # where train() looks it up
         return [(release_groups(train(build_config(raw), progress=False)), held[-1]) for raw in raws]
 
 
