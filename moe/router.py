@@ -111,7 +111,9 @@ class TopKRouter(nn.Module):
         return losses
 
     def _capacity_mask(self, indices: Tensor, priority: Tensor) -> Tensor:
-        """True for slots kept under the capacity limit, chosen by drop_policy inside each expert."""
+        """True for slots kept under the capacity limit, chosen by drop_policy inside each expert. Equal priorities
+        keep the earliest slot (a stable sort); priorities equal only in exact arithmetic (tokens whose contexts are
+        equal) are told apart by rounding, so another layout or CPU kernel may keep the other one of them."""
         capacity = self.capacity(indices.shape[0])
         if capacity is None or indices.is_meta:  # meta: no values to rank; the dispatchers apply the
             return torch.ones_like(indices, dtype=torch.bool)  # capacity by dispatch.rehearsal_rule's rule

@@ -12,7 +12,8 @@ from launch.checkpoint.checkpointer import consolidate
 from launch.config.run import build_config
 from launch.train.loop import train
 from tests.launch.checkpoint.test_checkpoint import config
-from tests.launch.train.test_equivalence import CUT, ROUTING, STEPS, corpus_of, cut_raw, raw_config
+from tests.launch.train.test_equivalence import (CUT, ROUTING, STEPS, corpus_of, cut_raw, drop_text, raw_config,
+                                                 routed_corpus)
 
 
 @pytest.fixture(scope="session")
@@ -34,7 +35,16 @@ def documents(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def reference(corpus, documents, tmp_path_factory):
+def drop_corpus(tmp_path_factory) -> str:
+    """The capacity runs' corpus (test_equivalence.drop_text): no two tokens of a micro-batch are equal in exact
+    arithmetic, so no drop is decided by rounding."""
+    path = tmp_path_factory.mktemp("drop_corpus") / "text.txt"
+    path.write_text(drop_text())
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def reference(corpus, documents, drop_corpus, tmp_path_factory):
     """(routing name, attention, MTP depth, document mask) -> (records, consolidated params) of the single process,
     each trained on first use."""
     out = {}
@@ -44,8 +54,8 @@ def reference(corpus, documents, tmp_path_factory):
         key = (name, attention, mtp_depth, document_mask)
         if key not in out:
             run_dir = tmp_path_factory.mktemp("ref")
-            raw = raw_config(str(run_dir), corpus_of(document_mask, corpus, documents), {}, ROUTING[name], attention,
-                             mtp_depth, document_mask)
+            text = routed_corpus(ROUTING[name], corpus_of(document_mask, corpus, documents), drop_corpus)
+            raw = raw_config(str(run_dir), text, {}, ROUTING[name], attention, mtp_depth, document_mask)
             out[key] = (train(build_config(raw), progress=False), consolidate(run_dir / "checkpoint"))
         return out[key]
     return run

@@ -3,13 +3,18 @@
 Each layout trains the same tiny model on the same global batches, once dropless and once with a
 capacity factor that drops slots (not under TP or CP: see routings); per-step losses (LM and router)
 must agree to 1e-10 relative and the final parameters, consolidated from the per-rank checkpoints, to
-calc_diff < 1e-12. MLA attention is checked dropless in pipeline, TP and CP layouts, and CP x TP with GQA and
-MLA (test_batched_layouts_equal_single_process); every run of one world size is trained in one spawn.
+calc_diff < 1e-12. The capacity runs read a corpus on which no two routed tokens are equal in exact arithmetic
+(drop_text), so that every drop is decided by a margin far above rounding (test_capacity_runs_drop_by_clear_margins)
+and not by a layout's, or a CPU kernel's, summation order. MLA attention is checked dropless in pipeline, TP and CP
+layouts, and CP x TP with GQA and MLA (test_batched_layouts_equal_single_process); every run of one world size is
+trained in one spawn.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import random
 import shutil
 from datetime import timedelta
 from pathlib import Path
@@ -27,6 +32,7 @@ from launch.config.run import build_config
 from launch.metrics.records import decode_array
 from launch.train.build import build_model
 from launch.train.loop import train
+from moe.router import TopKRouter
 from tests.spawns import from_shared_spawn
 
 pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
@@ -136,11 +142,81 @@ def corpus_of(document_mask: bool, corpus: str, documents: str) -> str:
     return documents if document_mask else corpus
 
 
-def spawned_raws(corpus: str, documents: str, root) -> dict[tuple, dict]:
+def routed_corpus(capacity_factor: float | None, corpus: str, drop_corpus: str) -> str:
+    """The corpus of a run routed with capacity_factor: drop_corpus (drop_text) under a capacity limit, else corpus."""
+    return corpus if capacity_factor is None else drop_corpus
+
+
+ROW_STARTS = [chr(c) for c in range(33, 127)]  # printable ASCII but the space: 94 first bytes of rows
+DROP_MARGIN = 1e-8  # relative; a layout moves the router's float64 scores by ~4e-16 relative
+
+
+def drop_text(seed: int = 0, width: int = 17) -> str:
+    """The capacity runs' corpus: len(ROW_STARTS) rows of width = train.seq_len + 1 bytes (the byte tokenizer's
+    rows, cut from the start), each starting with its own byte and no row holding the same byte twice in a row.
+
+    A capacity limit ranks an expert's slots by router score and drops the last ones, so it is a step function of
+    the scores: two slots whose scores are equal in exact arithmetic are ranked by rounding, which differs between
+    a layout and one process (an expert's rows from several ranks, other reduction orders) and between the CPU
+    kernels torch dispatches to (ATEN_CPU_CAPABILITY). With attention the only place positions enter (RoPE), tokens
+    are equal in exact arithmetic where their contexts are: the two rows of a micro-batch starting with the same
+    bytes (bit for bit equal too), or a row starting with a run of one byte (equal up to rounding: attention over
+    equal values returns that value). The code-like corpus has both (indents of 4 spaces, lines of one template),
+    and under ATEN_CPU_CAPABILITY=default dp2 ep2 kept the second of two such tokens where one process kept the
+    first. Here no two tokens of a micro-batch share a context: 5 steps read 80 of the 92 training rows (2% held
+    out), one epoch, each row once."""
+    gen = random.Random(seed)
+    starts = list(ROW_STARTS)
+    gen.shuffle(starts)
+    body = [chr(c) for c in range(32, 127)]
+    rows = []
+    for start in starts:
+        row = [start]
+        while len(row) < width:
+            row.append(gen.choice([c for c in body if c != row[-1]]))
+        rows.append("".join(row))
+    return "".join(rows)
+
+
+@contextlib.contextmanager
+def drop_margins():
+    """Yields a list that collects, for each capacity decision of every TopKRouter in this process and each expert
+    that drops slots, (lowest kept score - highest dropped score) / lowest kept score."""
+    margins: list[float] = []
+    capacity_mask = TopKRouter._capacity_mask
+
+    def recording(self, indices, priority):
+        kept = capacity_mask(self, indices, priority)
+        experts, scores, kept_flat = indices.reshape(-1), priority.reshape(-1), kept.reshape(-1)
+        for expert in experts[~kept_flat].unique().tolist():
+            mine = experts == expert
+            lowest_kept = scores[mine & kept_flat].min()
+            margins.append(((lowest_kept - scores[mine & ~kept_flat].max()) / lowest_kept).item())
+        return kept
+    with mock.patch.object(TopKRouter, "_capacity_mask", recording):
+        yield margins
+
+
+def test_capacity_runs_drop_by_clear_margins(drop_corpus, tmp_path):
+    """The single process's capacity run (the layouts' reference) decides every drop by a relative score margin above
+    DROP_MARGIN: 1e-8, ten thousand times the scores' rounding and a hundred times the losses' bound, so that no
+    layout's (or CPU kernel's) summation order can drop another slot. On the code-like corpus this fails: margin 0."""
+    text = Path(drop_corpus).read_text()
+    rows = [text[i:i + 17] for i in range(0, len(text), 17)]
+    assert sorted(row[0] for row in rows) == ROW_STARTS
+    assert all(a != b for row in rows for a, b in zip(row, row[1:]))
+    with drop_margins() as margins:
+        records = train(build_config(raw_config(str(tmp_path), drop_corpus, {}, ROUTING["capacity 1.0"])),
+                        progress=False)
+    assert all(r["dropped_tokens"] > 0 for r in records) and len(margins) > 100
+    assert min(margins) > DROP_MARGIN, sorted(margins)[:5]
+
+
+def spawned_raws(corpus: str, documents: str, drop_corpus: str, root) -> dict[tuple, dict]:
     """Every spawned run of the equivalence tests, by key: ("layout", name, routing) for each routing a layout must
     reproduce, ("batched", name, attention, document mask, recompute) and ("mtp", name) -> its raw config."""
     layouts = LAYOUTS | BATCHED
-    keyed = [(("layout", name, routing), (corpus, parallel, capacity))
+    keyed = [(("layout", name, routing), (routed_corpus(capacity, corpus, drop_corpus), parallel, capacity))
              for name, parallel in LAYOUTS.items() for routing, capacity in routings(parallel).items()]
     keyed += [(("batched", name, attention, masked, recompute),
                (corpus_of(masked, corpus, documents), layouts[name], None, attention, 0, masked, recompute))
@@ -152,10 +228,10 @@ def spawned_raws(corpus: str, documents: str, root) -> dict[tuple, dict]:
 
 
 @pytest.fixture(scope="module")
-def spawned(corpus, documents, tmp_path_factory):
+def spawned(corpus, documents, drop_corpus, tmp_path_factory):
     """Run key (spawned_raws) -> (raw config, records, each rank's final embedding or None); the runs of one world
     size are all trained in one spawn, on first use of any of them."""
-    raws = spawned_raws(corpus, documents, tmp_path_factory.mktemp("layouts"))
+    raws = spawned_raws(corpus, documents, drop_corpus, tmp_path_factory.mktemp("layouts"))
     worlds = {key: build_config(raw).parallel.world_size for key, raw in raws.items()}
     out = {}
 
@@ -217,7 +293,7 @@ def _train_with_embedding(rank: int, world: int, raws: list[dict]) -> list[tuple
         out = build_model(*args, **kwargs)
         held.append(next((s.embed.weight for s in out[0] if s.embed is not None), None))
         return out
-    with mock.patch("launch.train.loop.build_model", build):
+    with mock.patch("launch.train.loop.build_model", build):  # where train() looks it up
         return [(release_groups(train(build_config(raw), progress=False)), held[-1]) for raw in raws]
 
 

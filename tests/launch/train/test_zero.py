@@ -3,7 +3,8 @@ reduces every backward, frees its full grads (and ZeRO-3 its dense params), and 
 other layouts; moe-plan's model states per rank match the measured and rehearsed ones, offload moves them to host.
 
 Layouts of one world size train in one spawn (tests/launch/train/test_equivalence.py's method and tolerances: losses
-1e-10 relative, consolidated params calc_diff < 1e-12); capacity factor 1.0 drops slots in the dp2 ep2 runs.
+1e-10 relative, consolidated params calc_diff < 1e-12); capacity factor 1.0 drops slots in the dp2 ep2 runs (on
+test_equivalence's drop corpus, which leaves no drop to rounding).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from launch.train.loop import train
 from optim.shard import ShardedParams
 from optim.zero import ZeroOptimizer
 from tests.launch.train.test_equivalence import (SPAWN_S, STEPS, check_equal_runs, check_resumed_runs, raw_config,
-                                           release_groups, reshard)
+                                           release_groups, reshard, routed_corpus)
 
 pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
 
@@ -80,12 +81,13 @@ def _train_counting(rank: int, world: int, raws: list[dict]) -> list[tuple[list[
 
 
 @pytest.mark.parametrize("world", list(RUNS))
-def test_zero2_layouts_equal_single_process(world, corpus, reference, tmp_path):
+def test_zero2_layouts_equal_single_process(world, corpus, drop_corpus, reference, tmp_path):
     """Losses and params as one process; under ZeRO-2/3 each backward (micro-batch, or pipeline step) reduces every
     bucket once and no full grad buffer is held after the update, under ZeRO-3 no full dense param either (ZeRO-1,
     offloaded here: one reduction per step, full grads kept)."""
     runs = RUNS[world]
-    raws = [zero_raw(tmp_path / name.replace(" ", "_").replace(",", ""), corpus, *spec) for name, spec in runs.items()]
+    raws = [zero_raw(tmp_path / name.replace(" ", "_").replace(",", ""), routed_corpus(spec[2], corpus, drop_corpus),
+                     *spec) for name, spec in runs.items()]
     assert {build_config(raw).parallel.world_size for raw in raws} == {world}
     results = run_processes(_train_counting, world, raws, timeout_s=600)
     for i, ((name, (parallel, _, capacity)), raw) in enumerate(zip(runs.items(), raws)):
