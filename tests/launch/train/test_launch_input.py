@@ -71,7 +71,7 @@ def _no_training(*args, **kwargs):
     (["parallel.schedule=dualpipe", "parallel.pp=3", "train.grad_accum_steps=12"],
      "parallel.pp = 3: schedule 'dualpipe' needs an even pp (allowed: 2, 4, 6, ...)"),
     (["parallel.gpus_per_node=3"], "parallel.gpus_per_node = 3 must divide the world size pp x dp x cp x tp = 4 "
-                                   "(allowed: 0, 1, 2, 4)"),
+                                   "(allowed: 0 (one node), 1, 2, 4)"),
     (["parallel.dispatch_chunks=0"], "parallel.dispatch_chunks = 0 must be an integer >= 1"),
     (["parallel.dispatch_backend=flat", "parallel.dispatch_chunks=2"],
      "parallel.dispatch_chunks = 2 pipelines the two hops of parallel.dispatch_backend = 'hierarchical'; with 'flat' "
