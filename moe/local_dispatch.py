@@ -12,7 +12,7 @@ from dispatch.layout import count_ids
 
 
 @dataclass
-class RecvInfo:
+class LocalRecvInfo:
     """What arrived for the local experts."""
 
     tokens_per_local_expert: Tensor  # [E_local] int64 rows per local expert, in row order
@@ -35,7 +35,7 @@ class LocalDispatcher:
         self.experts_per_rank = num_experts
         self.dropless = dropless  # the router drops no slot (no capacity): every slot is a row, no count to read
 
-    def dispatch(self, x: Tensor, indices: Tensor, weights: Tensor) -> tuple[Tensor, RecvInfo, LocalHandle]:
+    def dispatch(self, x: Tensor, indices: Tensor, weights: Tensor) -> tuple[Tensor, LocalRecvInfo, LocalHandle]:
         """Rows of x, one per kept (token, expert) slot, stably sorted by expert."""
         flat = indices.reshape(-1)
         if flat.is_meta:  # a rehearsal: no values; rows per expert from the rule (dispatch.rehearsal_rule)
@@ -51,7 +51,7 @@ class LocalDispatcher:
                 order = kept[torch.argsort(flat[kept], stable=True)]
         token_of_row = order // indices.shape[1]
         handle = LocalHandle(token_of_row, weights.reshape(-1)[order], x.shape[0])
-        return x[token_of_row], RecvInfo(counts), handle
+        return x[token_of_row], LocalRecvInfo(counts), handle
 
     def combine(self, y: Tensor, handle: LocalHandle) -> Tensor:
         """out[t] = sum over t's rows of weight * y[row], accumulated in at least fp32."""

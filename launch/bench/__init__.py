@@ -8,7 +8,7 @@ Adding a suite:
    (argparse, prog="moe-bench NAME"), returns 0 on success and non-zero when a correctness check fails.
 2. Spawn ranks only through `launch.parallel.spawn.run_processes`, via `launch.bench.progress.run_ranks`,
    which adds the per-call time budget (`call_budget` in the workers) and its clear stop message;
-   show progress with `launch.bench.progress.Progress`.
+   show progress with `launch.bench.progress.BenchProgress`.
 3. Print and save through `launch.bench.report`: `table` for the text table and `write_json`, which puts
    the common header (machine, versions, command line, git commit) above the rows and names the row
    key and the timed metrics, so `moe-bench compare OLD.json NEW.json` works on the suite unchanged.

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 import launch.checkpoint.checkpointer
 from launch.bench.harness import fields, ratio_fields, rounds, slowest
-from launch.bench.progress import BudgetExceeded, Progress, call_budget, run_ranks, worker_progress
+from launch.bench.progress import BenchProgress, BudgetExceeded, call_budget, run_ranks, worker_progress
 from launch.bench.report import LOWER, emit, header
 from launch.checkpoint.checkpointer import Checkpointer, TrainState
 from launch.config.run import RunConfig, build_config, read_toml
@@ -152,7 +152,7 @@ def widened(raw: dict) -> dict:
     return run
 
 
-def measure(mode: str, raw: dict, progress: Progress, call_budget_s: float = 0.0, repeats: int = 3) -> dict:
+def measure(mode: str, raw: dict, progress: BenchProgress, call_budget_s: float = 0.0, repeats: int = 3) -> dict:
     """The saves and the load in `mode` ("sync" or "async") on the config's layout: the row (slowest rank's
     seconds, largest rise of a rank's memory)."""
     cfg = build_config(raw)
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--repeats = {args.repeats} must be >= 1")
     raw = read_toml(args.config)
     raw = raw if args.as_is else widened(raw)
-    progress = Progress("checkpoint")
+    progress = BenchProgress("checkpoint")
     rows = []
     try:
         for mode in ("sync", "async"):

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from launch.bench.harness import Timing, fields, ratio_fields, require_positive, round_options, rounds, slowest
-from launch.bench.progress import Progress, run_ranks, worker_progress
+from launch.bench.progress import BenchProgress, run_ranks, worker_progress
 from launch.bench.report import LOWER, emit, header
 from moe.cp import cp_attention, zigzag_shard
 from pipeline.memory import SavedTensorMeter
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = {"seqs": args.seq, "batch": args.batch, "heads": args.heads, "kv_heads": args.kv_heads,
             "head_dim": args.head_dim, "steps": args.steps, "warmup": args.warmup, "call_budget": args.call_budget,
             "quiet": args.quiet}
-    progress = Progress("cp", enabled=not args.quiet)
+    progress = BenchProgress("cp", enabled=not args.quiet)
     results = run_ranks(worker, args.cp, opts, "try shorter --seq or fewer --steps", progress=progress)
     rows = rows_from(results, args.cp)
     emit(header("cp", list(argv or []), notes=[__doc__]), rows, COLUMNS, args.json, key=["seq", "contender"],

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from launch.bench.harness import fields, rounds
-from launch.bench.progress import Progress, run_ranks
+from launch.bench.progress import BenchProgress, run_ranks
 from launch.bench.report import HIGHER, LOWER, header, header_line, table, write_json
 from launch.config.run import build_config
 from launch.data.feed import DataFeed, corpus_files
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("mbytes", "num_proc", "dp", "steps", "micro_batch", "seq_len"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} = {getattr(args, name)} must be > 0")
-    progress = Progress("data", not args.quiet)
+    progress = BenchProgress("data", not args.quiet)
     tmp = Path(tempfile.mkdtemp(prefix="moe-bench-data-"))
     rows: list[dict] = []
     try:

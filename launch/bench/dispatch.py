@@ -32,7 +32,7 @@ from launch.bench.dispatch_worker import (CONTENDERS, KINDS, ONEHOT, PER_EXPERT,
 from launch.bench.onehot import dropped_slots, onehot_capacity, onehot_traffic
 from launch.parallel.device import CommBackend
 from launch.bench.plot import sweep_figure, write_figure
-from launch.bench.progress import BudgetExceeded, Progress, run_ranks
+from launch.bench.progress import BenchProgress, BudgetExceeded, run_ranks
 from launch.bench.report import HIGHER, LOWER, header, header_line, table, write_json
 from launch.bench.sweep import point_argv, point_label, sweep_axes, sweep_points
 
@@ -311,7 +311,7 @@ def run_points(points: list[tuple[dict[str, str], argparse.Namespace]], link: Li
                 for i in members]
         quiet = points[members[0]][1].quiet
         results = run_ranks(points_worker, nproc, {"points": opts, "quiet": quiet}, HINT, backend=comm,
-                            threads=threads, progress=Progress("dispatch", not quiet))
+                            threads=threads, progress=BenchProgress("dispatch", not quiet))
         for j, i in enumerate(members):
             per_point[i] = summarise([rank[j] for rank in results], opts[j], link)
             for row in per_point[i]:

@@ -16,7 +16,7 @@ from kernels.metrics import calc_diff
 from kernels.ops import run
 from kernels.quant_ref import FP8_DTYPE, FP8_MAX
 from launch.bench.harness import fields, ratio_fields, rounds
-from launch.bench.progress import Progress
+from launch.bench.progress import BenchProgress
 from launch.bench.report import HIGHER, LOWER, header, header_line, table, write_json
 from launch.plan.efficiency import GemmModel
 from launch.plan.presets import preset_for_device
@@ -186,7 +186,7 @@ def gpu_rows(args: argparse.Namespace, device: str = "cuda") -> list[dict]:
     rows = []
     gpu = preset_for_device(torch.cuda.get_device_name(device)) if torch.device(device).type == "cuda" else None
     model = None if gpu is None else GemmModel(gpu, clock=1.0, attention_clock=1.0)  # short timed rounds: the boost clock holds
-    progress = Progress("kernels", not args.quiet)
+    progress = BenchProgress("kernels", not args.quiet)
     for k, n in args.shapes:
         for groups in args.groups:
             for per_group in args.rows:

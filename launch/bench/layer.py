@@ -36,7 +36,7 @@ from dispatch import EPDispatcher
 from dispatch.layout import check_num_experts
 from launch.parallel.spawn import PEER_LOST
 from launch.bench.peers.fwdbwd import TIE_EPS, decided_tokens, fwd_bwd, inputs, relative_error, time_steps
-from launch.bench.progress import BudgetExceeded, Progress, call_budget, run_ranks
+from launch.bench.progress import BenchProgress, BudgetExceeded, call_budget, run_ranks
 from launch.bench.report import LOWER, emit, header
 from moe.config import ModelConfig
 from moe.layer import MoELayer
@@ -152,7 +152,7 @@ def peer_python(name: str, given: dict[str, str]) -> str | None:
     return str(default) if default.exists() else None
 
 
-def measure(name: str, ep: int, args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
+def measure(name: str, ep: int, args: argparse.Namespace, progress: BenchProgress) -> dict[str, Any]:
     """{"seconds": slowest rank's per repeat, "info"} of one contender at one EP size, or {"error": why}."""
     opts = {"spec": args.spec, "call_budget": args.call_budget, "quiet": args.quiet}
     progress(f"{name} EP={ep}")
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.setup_peers:
         return subprocess.run(["bash", str(PEERS_DIR / "setup.sh"), args.setup_peers]).returncode
-    progress = Progress("layer", not args.quiet)
+    progress = BenchProgress("layer", not args.quiet)
     weights_dir = tempfile.TemporaryDirectory(prefix="moe-bench-layer-")
     args.spec["weights"] = str(Path(weights_dir.name) / "weights.pt")
     checked = write_weights(args.spec, max(args.ep), Path(args.spec["weights"]))

@@ -36,7 +36,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from launch.bench.harness import fields, ratio_fields, rounds, slowest
-from launch.bench.progress import BudgetExceeded, Progress, run_ranks, worker_progress
+from launch.bench.progress import BenchProgress, BudgetExceeded, run_ranks, worker_progress
 from launch.bench.report import LOWER, header, header_line, table, write_json
 from optim.memory import local, model_state_bytes, optimizer_state_bytes
 from optim.zero import COLLECTIVES, ZeroOptimizer
@@ -118,7 +118,7 @@ def _worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Spawn the gloo processes, return one row per optimizer (max over ranks of the medians)."""
     per_rank = run_ranks(_worker, args.world_size, vars(args), "run a smaller model (--layers, --hidden) or raise "
-                         "--call-budget", threads=args.threads, progress=Progress("optim", not args.quiet))
+                         "--call-budget", threads=args.threads, progress=BenchProgress("optim", not args.quiet))
     params = args.layers * (args.hidden * args.hidden + args.hidden)
     rows = []
     for name in per_rank[0]:

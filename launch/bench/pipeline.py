@@ -31,7 +31,7 @@ import torch.distributed as dist
 from launch.bench.pipeline_models import build_layers
 from launch.bench.pipeline_runners import OURS, PER_CHUNK_W, TORCH, Runner, our_runner, single_process, torch_runner
 from launch.bench.harness import fields, ratio_fields, rounds
-from launch.bench.progress import BudgetExceeded, Progress, call_budget, run_ranks, worker_progress
+from launch.bench.progress import BenchProgress, BudgetExceeded, call_budget, run_ranks, worker_progress
 from launch.bench.report import LOWER, header, header_line, table, write_json
 from pipeline import schedules
 from pipeline.costs import (CostSamples, action_window, hop_latencies, measured_wait, median_wait, occupied_durations,
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     print(header_line(head))
     try:
         results = run_ranks(worker, args.world, opts, "run a smaller model (--layers, --hidden, --batch) or raise "
-                            "--call-budget", threads=args.threads, progress=Progress("pipeline", not args.quiet))
+                            "--call-budget", threads=args.threads, progress=BenchProgress("pipeline", not args.quiet))
     except BudgetExceeded as err:
         print(f"moe-bench pipeline: stopped: {err}", file=sys.stderr)
         return 3

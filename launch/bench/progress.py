@@ -22,7 +22,7 @@ class BudgetExceeded(RuntimeError):
     """A timed call ran past the per-call budget; the message names the contender and the call."""
 
 
-class Progress:
+class BenchProgress:
     """Prints '[moe-bench SUITE  12.3 s] text' on stderr at once (silent when not enabled); seconds since start
     (a time.time() value, e.g. the launching process's Progress.start, so workers count from the same moment)."""
 
@@ -60,13 +60,13 @@ def call_budget(seconds: float | None, what: str, opts: dict[str, Any] | None = 
         timer.cancel()
 
 
-def worker_progress(suite: str, rank: int, opts: dict[str, Any]) -> Progress:
+def worker_progress(suite: str, rank: int, opts: dict[str, Any]) -> BenchProgress:
     """Rank 0's progress lines in a worker (unless opts["quiet"]), timed from the launcher's start."""
-    return Progress(suite, rank == 0 and not opts.get("quiet"), opts.get(PROGRESS_START))
+    return BenchProgress(suite, rank == 0 and not opts.get("quiet"), opts.get(PROGRESS_START))
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, opts: dict[str, Any], hint: str, *, backend: str = "gloo",
-              threads: int = 1, timeout_s: float = 3600.0, progress: Progress | None = None) -> list[Any]:
+              threads: int = 1, timeout_s: float = 3600.0, progress: BenchProgress | None = None) -> list[Any]:
     """run_processes(fn, world_size, opts) where fn(rank, world, opts) may use call_budget(..., opts):
     a call over budget raises BudgetExceeded naming it, followed by hint (how to make the run smaller).
     With progress: says that the processes start, and workers' worker_progress counts from its start."""

@@ -39,7 +39,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from launch.bench.harness import fields, ratio_fields, require_positive, round_options, rounds, slowest
-from launch.bench.progress import Progress, run_ranks
+from launch.bench.progress import BenchProgress, run_ranks
 from launch.bench.report import LOWER, header, header_line, table, write_json
 from moe.config import ModelConfig
 from moe.model import Block, apply_rope, rope_tables
@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name.replace('_', '-')} = {getattr(args, name)} must be divisible by --tp = {args.tp}")
     opts = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "seq", "batch", "steps",
                                           "warmup", "call_budget")}
-    progress = Progress("tp", enabled=not args.quiet)
+    progress = BenchProgress("tp", enabled=not args.quiet)
     progress(f"{args.tp} gloo ranks, {args.layers} blocks, hidden {args.hidden}, seq {args.seq}, batch {args.batch}")
     results = run_ranks(worker, args.tp, opts, "try fewer --layers, a shorter --seq or fewer --steps")
     rows = rows_from(results)

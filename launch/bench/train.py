@@ -24,7 +24,7 @@ from functools import partial
 from pathlib import Path
 
 from launch.bench.harness import fields, ratio_fields, rounds
-from launch.bench.progress import Progress, run_ranks
+from launch.bench.progress import BenchProgress, run_ranks
 from launch.bench.report import HIGHER, LOWER, header, header_line, table, write_json
 from launch.config.run import build_config, read_toml
 from launch.train.loop import train
@@ -74,7 +74,7 @@ def launch(run: dict, warmup: int) -> dict:
             "last_loss": records[-1]["lm_loss"]}
 
 
-def measure(runs: dict[str, dict], warmup: int, repeats: int, progress: Progress) -> list[dict]:
+def measure(runs: dict[str, dict], warmup: int, repeats: int, progress: BenchProgress) -> list[dict]:
     """Every layout in rounds; one row each (its last round's idle, memory and loss)."""
     last: dict[str, dict] = {}
 
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             if i == 0 or not args.only or name in args.only}  # the first row, one process, is every baseline
     runs = {name: with_layout(raw, parallel, args.warmup + args.steps)  # every row checked before any runs
             for name, parallel in kept.items()}
-    rows = measure(runs, args.warmup, args.rounds, Progress("train"))
+    rows = measure(runs, args.warmup, args.rounds, BenchProgress("train"))
     head = header("train", list(sys.argv[2:] if argv is None else argv),
                   [f"config {args.config}; each rank one process with one thread; {args.rounds} rounds of every "
                    f"layout in turn, each run {args.warmup} + {args.steps} steps (its median step); median over "

@@ -24,7 +24,7 @@ MISS_FIELDS = {"assumption": "assumes", "unknown": "unknown"}
 
 
 @dataclass
-class Run:
+class PublishedRun:
     """One published run: what was run, on what, and what it reached."""
 
     name: str
@@ -62,19 +62,19 @@ class Run:
         return Options(**self.plan)
 
 
-def load_runs(path: Path = CALIBRATION) -> list[Run]:
+def load_runs(path: Path = CALIBRATION) -> list[PublishedRun]:
     """The runs of a calibration file."""
     with path.open("rb") as handle:
-        return [Run(**entry) for entry in tomllib.load(handle)["run"]]
+        return [PublishedRun(**entry) for entry in tomllib.load(handle)["run"]]
 
 
 @dataclass
-class Check:
+class RunCheck:
     """One run planned (plan None: no public layout) beside its published throughput; base is the same plan
     without the routed-slot cost (efficiency.SLOT_SECONDS), loo the ratio with its handling's cost fitted to the other
     runs it is fitted to (None for a held-out run, a run without routed slots, or the only run of its handling)."""
 
-    run: Run
+    run: PublishedRun
     plan: Plan | None
     base: Plan | None = None
     loo: float | None = None
@@ -108,12 +108,12 @@ class Check:
         return published / (self.base.step_seconds + self.slot_share * slot_seconds)
 
 
-def fitted_to(checks: list[Check], handling: str) -> list[Check]:
+def fitted_to(checks: list[RunCheck], handling: str) -> list[RunCheck]:
     """The checks a handling's routed-slot cost is fitted to: its planned MoE runs that are not held out."""
     return [c for c in checks if c.plan is not None and c.run.fit and c.run.moe_handling == handling and c.slot_share]
 
 
-def fit_slot_seconds(checks: list[Check], handling: str) -> float:
+def fit_slot_seconds(checks: list[RunCheck], handling: str) -> float:
     """The routed-slot cost (seconds, to 1 ns) of one way of handling the slots that minimises the squared log
     ratios of the checks it is fitted to (fitted_to)."""
     planned = fitted_to(checks, handling)
@@ -123,7 +123,7 @@ def fit_slot_seconds(checks: list[Check], handling: str) -> float:
     return min(grid, key=lambda slot: sum(math.log(c.ratio_at(slot)) ** 2 for c in planned))
 
 
-def plan_run(run: Run, slot_seconds: float | None = None, pair_hidden: float = PAIR_HIDDEN) -> Plan | None:
+def plan_run(run: PublishedRun, slot_seconds: float | None = None, pair_hidden: float = PAIR_HIDDEN) -> Plan | None:
     """The run planned in its own layout on its GPU (None when its layout is not public), at slot_seconds a routed
     slot (default: its handling's shipped cost, efficiency.SLOT_SECONDS)."""
     slot_seconds = SLOT_SECONDS[run.moe_handling] if slot_seconds is None else slot_seconds
@@ -138,7 +138,7 @@ def plan_run(run: Run, slot_seconds: float | None = None, pair_hidden: float = P
     return make_plan(config, machine, run.options())
 
 
-def overlap_pairs(runs: list[Run]) -> list[tuple[Run, Run]]:
+def overlap_pairs(runs: list[PublishedRun]) -> list[tuple[PublishedRun, PublishedRun]]:
     """(run with its paired 1F1B, the same layout published without it) for every run naming its twin; the two
     halves of an A/B handle the slots alike (ValueError otherwise)."""
     by_name = {run.name: run for run in runs}
@@ -150,7 +150,7 @@ def overlap_pairs(runs: list[Run]) -> list[tuple[Run, Run]]:
     return pairs
 
 
-def fit_pair_hidden(paired: Run, alone: Run, slot_seconds: float | None = None) -> float:
+def fit_pair_hidden(paired: PublishedRun, alone: PublishedRun, slot_seconds: float | None = None) -> float:
     """The share of the EP exchanges (to 0.01) a paired 1F1B hides for the planner to give `paired` the speedup over
     `alone` their published throughputs show (the planned speedup grows with the share: bisection)."""
     published = paired.tokens_per_s_per_gpu / alone.tokens_per_s_per_gpu
@@ -169,9 +169,9 @@ def fit_pair_hidden(paired: Run, alone: Run, slot_seconds: float | None = None) 
     return min((low, high), key=lambda share: abs(math.log(gain(share) / published))) / 100
 
 
-def validate(path: Path = CALIBRATION) -> list[Check]:
+def validate(path: Path = CALIBRATION) -> list[RunCheck]:
     """Every run of the calibration file planned, with its leave-one-out ratio."""
-    checks = [Check(run, plan_run(run), plan_run(run, 0.0)) for run in load_runs(path)]
+    checks = [RunCheck(run, plan_run(run), plan_run(run, 0.0)) for run in load_runs(path)]
     fits = {handling: fitted_to(checks, handling) for handling in MOE_HANDLING}
     for check in checks:
         fit = fits[check.run.moe_handling]
@@ -181,7 +181,7 @@ def validate(path: Path = CALIBRATION) -> list[Check]:
     return checks
 
 
-def render(checks: list[Check], constants: dict) -> str:
+def render(checks: list[RunCheck], constants: dict) -> str:
     """The checks as a table (a run outside the band marked MISS, one without a public layout "-"), the fitted
     constants (fitted_constants) under it, and each run's source and notes."""
     rows = []
@@ -226,7 +226,7 @@ def render(checks: list[Check], constants: dict) -> str:
     return "\n".join(lines)
 
 
-def fitted_constants(checks: list[Check]) -> dict:
+def fitted_constants(checks: list[RunCheck]) -> dict:
     """The constants fitted to the published runs, as shipped and as these checks fit them (a routed-slot cost per
     handling; the pair share to every A/B, the shipped one to those not held out), JSON-ready."""
     pairs = overlap_pairs([c.run for c in checks])
@@ -242,7 +242,7 @@ def fitted_constants(checks: list[Check]) -> dict:
                             for paired, alone in pairs]}
 
 
-def to_dicts(checks: list[Check]) -> list[dict]:
+def to_dicts(checks: list[RunCheck]) -> list[dict]:
     """The checks, JSON-ready."""
     return [{"name": c.run.name, "gpus": c.run.gpus, "gpu": c.run.gpu, "published_tokens_per_s_per_gpu":
              c.run.tokens_per_s_per_gpu, "predicted_tokens_per_s_per_gpu": c.predicted, "ratio": c.ratio,

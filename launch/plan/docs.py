@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from launch.plan import efficiency
-from launch.plan.calibrate import BAND, MISS_FIELDS, Check, fitted_constants, validate
+from launch.plan.calibrate import BAND, MISS_FIELDS, RunCheck, fitted_constants, validate
 from launch.plan.presets import gpu_preset
 from launch.plan.report import known_error
 
@@ -45,7 +45,7 @@ def _slot_constant(handling: str) -> str:
     return name
 
 
-def calibration_block(checks: list[Check]) -> list[str]:
+def calibration_block(checks: list[RunCheck]) -> list[str]:
     """Every published run planned in its own layout (a ratio outside the band in bold), and the counts."""
     rows = []
     for c in checks:
@@ -86,7 +86,7 @@ def constants_block(constants: dict) -> list[str]:
     return lines
 
 
-def misses_block(checks: list[Check]) -> list[str]:
+def misses_block(checks: list[RunCheck]) -> list[str]:
     """Each planned run outside the band: its ratio, the assumption it breaks and what public data does not say
     (its miss in calibration.toml)."""
     misses = [c for c in checks if c.plan is not None and not c.within]
@@ -95,7 +95,7 @@ def misses_block(checks: list[Check]) -> list[str]:
                    for c in misses])
 
 
-def blocks(checks: list[Check], constants: dict) -> dict[str, str]:
+def blocks(checks: list[RunCheck], constants: dict) -> dict[str, str]:
     """Name -> text of every generated block of the page."""
     return {name: "\n".join(lines) + "\n" for name, lines in (
         ("calibration", calibration_block(checks)),

@@ -179,7 +179,7 @@ IDLE_TOLERANCE = 0.05  # the bubble, as a share of all ranks' time: the median m
 
 
 @dataclass(frozen=True)
-class Check:
+class MeasuredFigure:
     """One predicted figure beside its measurement; tolerance is relative (0: must be equal), or absolute (a
     difference of fractions, e.g. the pipeline's idle share)."""
 
@@ -228,7 +228,7 @@ def _links(traffic: dict, kinds: Iterable[str]) -> tuple[int, int]:
     return sums[0], sums[1]
 
 
-def compare(plan: Plan, measured: list[RankMeasure]) -> list[Check]:
+def compare(plan: Plan, measured: list[RankMeasure]) -> list[MeasuredFigure]:
     """Every rank's measured figures beside the plan's (of the same config); activations are checked on the
     busiest replica of each pipeline rank (the plan assumes balanced routing, the GPU must hold the peak); the
     pipeline's bubble over all ranks (rank -1), each rank's idle fraction shown beside it."""
@@ -252,13 +252,13 @@ def compare(plan: Plan, measured: list[RankMeasure]) -> list[Check]:
                 ("EP bytes inter (plan's routing)", ep_plan[1], ep_meas[1], None),
                 ("PP p2p bytes intra", pp_plan[0], m.p2p.get("intra_node", 0), 0),
                 ("PP p2p bytes inter", pp_plan[1], m.p2p.get("inter_node", 0), 0)]
-        checks += [Check(m.rank, *row) for row in rows]
+        checks += [MeasuredFigure(m.rank, *row) for row in rows]
     if plan.config.parallel.pp > 1:
-        checks.append(Check(-1, "pipeline bubble: idle share of all ranks' time", plan.idle_fraction,
+        checks.append(MeasuredFigure(-1, "pipeline bubble: idle share of all ranks' time", plan.idle_fraction,
                             statistics.mean(m.idle for m in measured), IDLE_TOLERANCE, absolute=True))
     for pp_rank, plan_rank in enumerate(plan.ranks):
         replicas = [m for m in measured if m.pp_rank == pp_rank]
         busiest = max(replicas, key=lambda m: m.activation_peak)
-        checks.append(Check(busiest.rank, f"activation peak bytes, max of {len(replicas)} replicas",
+        checks.append(MeasuredFigure(busiest.rank, f"activation peak bytes, max of {len(replicas)} replicas",
                             plan_rank.activations + plan_rank.transient, busiest.activation_peak, 0.10))
     return checks

@@ -14,7 +14,7 @@ import pytest
 
 from launch.parallel.spawn import run_processes
 from launch.config.run import load_config
-from launch.plan.measure import IDLE_TOLERANCE, Check, RankMeasure, compare, cpu_machine, measure, measure_rank
+from launch.plan.measure import IDLE_TOLERANCE, MeasuredFigure, RankMeasure, compare, cpu_machine, measure, measure_rank
 from launch.plan.planner import Machine, Options, make_plan
 from launch.plan.presets import GPUS
 from launch.plan.profile import Profile, StageSeconds
@@ -108,12 +108,12 @@ def test_this_machines_profiled_plan_and_measured_idle_are_well_formed():
 
 def test_the_bubble_is_checked_as_an_absolute_difference_of_idle_shares():
     # a share of time: 0.129 predicted against 0.158 measured is 0.029 off (18% relative, within 0.05)
-    bubble = Check(-1, "pipeline bubble: idle share of all ranks' time", 0.129, 0.158, IDLE_TOLERANCE, absolute=True)
+    bubble = MeasuredFigure(-1, "pipeline bubble: idle share of all ranks' time", 0.129, 0.158, IDLE_TOLERANCE, absolute=True)
     assert bubble.ok and bubble.describe_error() == "-0.029" and bubble.describe_tolerance() == "±0.05"
-    assert not Check(-1, "bubble", 0.10, 0.158, IDLE_TOLERANCE, absolute=True).ok
-    relative = Check(0, "activation peak bytes", 105, 100, 0.10)
+    assert not MeasuredFigure(-1, "bubble", 0.10, 0.158, IDLE_TOLERANCE, absolute=True).ok
+    relative = MeasuredFigure(0, "activation peak bytes", 105, 100, 0.10)
     assert relative.ok and relative.describe_error() == "+5.0%" and relative.describe_tolerance() == "10%"
-    assert not Check(0, "bytes", 101, 100, 0).ok and Check(0, "bytes", 100, 100, 0).describe_tolerance() == "exact"
+    assert not MeasuredFigure(0, "bytes", 101, 100, 0).ok and MeasuredFigure(0, "bytes", 100, 100, 0).describe_tolerance() == "exact"
 
 
 # MLA with v_head_dim = qk_nope + qk_rope: torch's CPU attention then takes its fused kernel (q, k, v, output and

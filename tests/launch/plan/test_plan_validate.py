@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from launch.config.run import load_config
-from launch.plan.calibrate import (BAND, MISS_FIELDS, Run, fit_pair_hidden, fit_slot_seconds, fitted_constants,
+from launch.plan.calibrate import (BAND, MISS_FIELDS, PublishedRun, fit_pair_hidden, fit_slot_seconds, fitted_constants,
                                    load_runs, overlap_pairs, plan_run, render, validate)
 from launch.plan.efficiency import MOE_HANDLING, SLOT_SECONDS, VALIDATED
 from launch.plan.cli import main
@@ -196,7 +196,7 @@ def test_the_gb200_preset_is_the_rack_spec_per_gpu():
 def test_a_calibration_run_names_an_allowed_slot_handling():
     """A run's moe_handling is one of efficiency.MOE_HANDLING, refused by name otherwise."""
     with pytest.raises(ValueError, match="moe_handling = 'graphs' is not allowed; choose one of synced, captured"):
-        Run(name="x", model="m", stack="s", gpu="h100", gpus=8, layout="l", precision="p", published="1",
+        PublishedRun(name="x", model="m", stack="s", gpu="h100", gpus=8, layout="l", precision="p", published="1",
             tokens_per_s_per_gpu=1.0, source="s", moe_handling="graphs")
 
 
@@ -246,8 +246,8 @@ def test_a_miss_gives_the_assumption_and_what_is_unknown():
                  {"assumption": "even routing", "unknown": "  "}, {"assumption": "a", "unknown": 3},
                  {"assumption": "a", "unknown": "b", "why": "c"}):
         with pytest.raises(ValueError, match="calibration run x: miss must give exactly assumption and unknown"):
-            Run(**kwargs, miss=miss)
-    assert Run(**kwargs, miss={"assumption": "a", "unknown": "b"}).miss["unknown"] == "b"
+            PublishedRun(**kwargs, miss=miss)
+    assert PublishedRun(**kwargs, miss={"assumption": "a", "unknown": "b"}).miss["unknown"] == "b"
 
 
 def test_every_plan_states_the_error_validate_measures(checks, tmp_path, capsys):
