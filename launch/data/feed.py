@@ -31,7 +31,8 @@ from launch.data.shards import Prepared, new_manifest, prepare_folder
 from launch.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
-    from launch.config.run import DataSettings, RunConfig
+    from launch.config.run import RunConfig
+    from launch.config.sections import DataSettings
 
 __all__ = ["ByteTokenizer", "DataFeed", "MicroBatch", "corpus_files", "prepare_corpus"]
 
