@@ -5,10 +5,16 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import launch.parallel.stages
 from launch.config.run import build_config, load_config
+from launch.parallel.mesh import Mesh
+from launch.plan.planner import Machine, Options, make_plan
+from launch.plan.presets import gpu_preset
 from launch.plan.rehearse import DeviceError, rehearse
+from launch.train.build import build_model
 from launch.train_cli import main
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -49,11 +55,31 @@ def test_tiny_rehearsal_runs_the_step_of_the_largest_rank():
 
 @pytest.mark.timeout(120)
 def test_v3_shaped_rehearsal_at_world_256_runs_on_meta():
-    result = rehearse(build_config(V3_SHAPED), rank=0)
+    """Rank 0 under DualPipe holds stages 0 and 1 (the embedding, the head and the MTP depth): its params as planned."""
+    result = rehearse(build_config({**V3_SHAPED, "model": {**V3_SHAPED["model"], "mtp_depth": 1}}), rank=0)
     assert result.world_size == 256
     assert result.peak["params"] == pytest.approx(result.planned["params"], rel=0.01)
     assert set(_calls(result, "alltoall_base_")) == {8}  # EP64's hops: rail (8 nodes) and node (8 ranks) groups
     assert 256 in _calls(result, "allreduce_")
+
+
+def test_dualpipe_rank_0_holds_one_embedding_and_one_head_that_mtp_shares():
+    """DeepSeek-V3's layout: DualPipe puts the first and the last stage on pipeline rank 0, so the MTP depth there
+    uses the model's own embedding and head (no copies); moe-plan counts that rank's params the same way."""
+    cfg = build_config({**V3_SHAPED, "model": {**V3_SHAPED["model"], "mtp_depth": 1}})
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cfg.parallel.world_size)
+    try:
+        stages, _ = build_model(cfg, Mesh(cfg.layout), torch.device("meta"))
+    finally:
+        dist.destroy_process_group()
+    params = {id(p): (name, p) for stage in stages for name, p in stage.named_parameters()}
+    vocab_rows = sorted(name for name, p in params.values() if p.shape[0] == cfg.model.padded_vocab_size)
+    assert vocab_rows == ["embed.weight", "lm_head.weight"]
+    assert [s.mtp is not None for s in stages] == [False, True] and stages[1].embed is stages[0].embed
+    plan = make_plan(cfg, Machine(gpu_preset("h800"), cfg.parallel.gpus_per_node), Options(), timed=False).ranks[0]
+    assert plan.stages == [0, 1]
+    expert = sum(p.numel() for name, p in params.values() if ".experts.w_" in name)
+    assert (sum(p.numel() for _, p in params.values()) - expert, expert) == (plan.dense_params, plan.expert_params)
 
 
 def test_chunked_hierarchical_rehearsal_runs_each_hop_on_its_group():
