@@ -14,6 +14,33 @@ from dispatch.layout import count_ids
 from moe.config import check_router_settings
 
 
+class _PromotedLinear(torch.autograd.Function):
+    """F.linear(x, w) computed in `dtype` (wider than x's and w's), keeping x and w as given for backward: not the
+    promoted copies autograd's casts would keep (an fp32 copy of a bf16 router's input is 4 bytes per hidden
+    element and token, twice the input itself; under selective recompute the input is not kept either but rebuilt).
+    Grads are those of F.linear(x.to(dtype), w.to(dtype)), cast back to x's and w's dtypes."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, dtype: torch.dtype) -> Tensor:  # noqa: D102
+        ctx.save_for_backward(x, w)
+        ctx.dtype = dtype
+        return F.linear(x.to(dtype), w.to(dtype))
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:  # noqa: D102
+        x, w = ctx.saved_tensors
+        dx = (grad @ w.to(ctx.dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
+        dw = (grad.t() @ x.to(ctx.dtype)).to(w.dtype) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
+
+
+def promoted_linear(x: Tensor, w: Tensor, dtype: torch.dtype) -> Tensor:
+    """F.linear in dtype; where x or w is narrower, without keeping their promoted copies (_PromotedLinear)."""
+    if x.dtype == w.dtype == dtype:
+        return F.linear(x, w)
+    return _PromotedLinear.apply(x, w, dtype)
+
+
 @dataclass
 class RoutingResult:
     """What the router decided for T tokens (k slots each); -1 / 0 mark dropped slots."""
@@ -57,7 +84,7 @@ class TopKRouter(nn.Module):
         if x.dim() != 2 or x.shape[1] != self.weight.shape[1]:
             raise ValueError(f"router input must be [T, {self.weight.shape[1]}], got {list(x.shape)}")
         dtype = torch.promote_types(x.dtype, torch.float32)  # scores and balance statistics in fp32 at least
-        logits = F.linear(x.to(dtype), self.weight.to(dtype))
+        logits = promoted_linear(x, self.weight, dtype)
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
         choice = self._limit_groups(scores.detach() + self.expert_bias)
         indices = choice.topk(self.top_k, dim=-1).indices

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import moe.router
 from moe.router import TopKRouter
 from tests.moe import naive
 from tests.moe.helpers import make_router, naive_route, tokens
@@ -46,6 +47,25 @@ def test_scores_are_fp32_for_bf16_input():
     assert got.weights.dtype == torch.float32
     assert got.indices.tolist() == ref.indices
     torch.testing.assert_close(got.weights, torch.tensor(ref.weights, dtype=torch.float32), atol=1e-6, rtol=0)
+
+
+def test_bf16_router_keeps_no_fp32_copy_of_its_input_and_has_the_cast_path_grads():
+    """The gate runs in fp32 on a bf16 input without keeping the fp32 copies autograd's casts keep (an fp32 input
+    copy is twice the input: DeepSeek-V3's 28 KB per token and MoE layer); its grads are the cast path's, bitwise."""
+    x = tokens(32).bfloat16().requires_grad_()
+    router = make_router().bfloat16()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        logits = moe.router.promoted_linear(x, router.weight, torch.float32)
+    assert {(tuple(t.shape), t.dtype) for t in saved} == {(tuple(x.shape), torch.bfloat16),
+                                                          (tuple(router.weight.shape), torch.bfloat16)}
+    grad = torch.randn_like(logits)
+    got = torch.autograd.grad(logits, (x, router.weight), grad)
+    w = router.weight.detach().requires_grad_()
+    x2 = x.detach().requires_grad_()
+    want = torch.autograd.grad(torch.nn.functional.linear(x2.float(), w.float()), (x2, w), grad)
+    for g, r in zip(got, want):
+        assert g.dtype == torch.bfloat16 and torch.equal(g, r)
 
 
 def test_group_limited_routing_stays_in_kept_groups():
