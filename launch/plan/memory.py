@@ -161,12 +161,12 @@ class ActivationModel:
         return gate_up + (2 if self._project else 1) * ffn * self.itemsize
 
     def _router(self) -> float:
-        """Router: fp32 logits and scores (project: also its fp32 input copy, chosen ids and weights)."""
+        """Router: fp32 logits and scores (project: also the chosen ids and weights; the gate keeps its input as
+        given, moe.router.promoted_linear, which the norm's count holds)."""
         cfg = self.cfg
         if not self._project:
             return 2 * 4 * cfg.num_experts
-        copy = 4 * cfg.hidden_size if self.itemsize != 4 else 0
-        return copy + 2 * 4 * cfg.num_experts + cfg.top_k * (8 + 4 + 1) + 3 * 4
+        return 2 * 4 * cfg.num_experts + cfg.top_k * (8 + 4 + 1) + 3 * 4
 
     def _slot(self) -> float:
         """One routed slot: the expert input, its SwiGLU, the expert output kept for combine's weight
@@ -193,8 +193,7 @@ class ActivationModel:
         if self.recompute == "full":
             if not moe:
                 return self._hidden(1)
-            normed = 1 if cfg.num_shared_experts or self.itemsize == 4 else 0
-            return self._hidden(1 + normed) + cfg.top_k * self._slot() / self.tp + self._router()
+            return self._hidden(2) + cfg.top_k * self._slot() / self.tp + self._router()
         if not moe:
             return self._attention() + self._norm() + self._swiglu(cfg.dense_ffn_size / self.tp)
         if self.recompute == "moe":  # the FFN norm keeps its input, the MoE block nothing

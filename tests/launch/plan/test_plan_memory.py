@@ -193,10 +193,10 @@ def test_sequence_parallel_and_recompute_shrink_activations():
              for sp in (False, True) for mode in ("none", "selective", "full")}
     assert sizes[(True, "none")] < sizes[(False, "none")]
     assert sizes[(False, "full")] < sizes[(False, "selective")] < sizes[(False, "none")]
-    # full: an MoE layer keeps its input and the FFN norm's output (bf16, split by SP), the router's fp32 input copy,
-    # logits and scores and 8 slots' ids/weights (+12), and per slot (8 over tp 4) the expert input, the expert
-    # output and combine's weight and row ids; a dense layer keeps its input only
-    router = 4 * 7168 + 2 * 4 * 256 + 8 * 13 + 12
+    # full: an MoE layer keeps its input and the FFN norm's output (bf16, split by SP; the router's input as given),
+    # the router's logits and scores and 8 slots' ids/weights (+12), and per slot (8 over tp 4) the expert input, the
+    # expert output and combine's weight and row ids; a dense layer keeps its input only
+    router = 2 * 4 * 256 + 8 * 13 + 12
     routed = 8 * (2 * 7168 * 2 + 4 + 16) / 4
     assert sizes[(False, "full")] == 2 * 7168 * 2 + router + routed
     assert sizes[(True, "full")] == 2 * 7168 * 2 / 4 + router + routed
