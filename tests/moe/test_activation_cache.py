@@ -225,3 +225,14 @@ def test_bad_activation_cache_is_refused_naming_the_key_and_choices():
         ModelConfig(activation_cache="bf16")
     with pytest.raises(ValueError, match="activation_cache"):
         GroupedExperts(2, 8, 8, activation_cache="e5m2")
+
+
+@pytest.mark.parametrize("precision", ["fp8", "native"])
+def test_the_cached_layer_runs_on_meta(precision):
+    """The rehearsal's device: forward and backward with the cache and the fold make only meta tensors."""
+    with torch.device("meta"):
+        layer = MoELayer(config(activation_cache="fp8", expert_precision=precision)).bfloat16()
+        x = torch.randn(TOKENS, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
+    out, _ = layer(x)
+    out.sum().backward()
+    assert out.is_meta and x.grad.is_meta and layer.experts.w_down.grad.is_meta
