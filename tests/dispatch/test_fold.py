@@ -12,31 +12,18 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from dispatch import EPDispatcher
 from dispatch.synthetic import synthetic_routing
 from moe.config import ModelConfig
 from moe.layer import MoELayer
+from tests.dispatch.test_segment_ops import one_rank  # noqa: F401  (fixture)
 
 HIDDEN, FFN, EXPERTS, TOP_K, TOKENS = 128, 64, 4, 2, 20
 VARIANTS = {"flat": {}, "hierarchical": {"backend": "hierarchical", "gpus_per_node": 1},
             "hierarchical in 2 chunks": {"backend": "hierarchical", "gpus_per_node": 1, "chunks": 2},
             "fp8 payload, FP8Rows": {"payload": "fp8", "fp8_rows": True}}
 BOUND = 2 * (TOP_K + 2) * 2.0 ** -24
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    """A 1-rank gloo group for this module's tests (made and destroyed once: each costs seconds on a busy CPU).
-    Skips when this process already has a default group."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def grads(layer: MoELayer, x: torch.Tensor, dy: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -46,8 +33,9 @@ def grads(layer: MoELayer, x: torch.Tensor, dy: torch.Tensor) -> dict[str, torch
     return {"out": out.detach(), "x": x.grad, **{n: p.grad for n, p in layer.named_parameters() if p.grad is not None}}
 
 
+@pytest.mark.usefixtures("one_rank")
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_folded_ep_layer_equals_the_local_one(one_rank, variant):
+def test_folded_ep_layer_equals_the_local_one(variant):
     torch.manual_seed(0)
     cfg = ModelConfig(hidden_size=HIDDEN, num_experts=EXPERTS, top_k=TOP_K, expert_ffn_size=FFN,
                       activation_cache="fp8", expert_precision="fp8" if "fp8" in variant else "native")
@@ -62,7 +50,8 @@ def test_folded_ep_layer_equals_the_local_one(one_rank, variant):
         assert (got[key] - want[key]).abs().max() <= BOUND * want[key].abs().max(), (variant, key)
 
 
-def test_unweighted_combine_keeps_nothing_of_the_expert_output(one_rank):
+@pytest.mark.usefixtures("one_rank")
+def test_unweighted_combine_keeps_nothing_of_the_expert_output():
     gen = torch.Generator().manual_seed(0)
     indices, weights = synthetic_routing(TOKENS, EXPERTS, TOP_K, generator=gen)
     dispatcher = EPDispatcher(EXPERTS)
@@ -70,7 +59,7 @@ def test_unweighted_combine_keeps_nothing_of_the_expert_output(one_rank):
     rows, _, handle = dispatcher.dispatch(x, indices, weights.requires_grad_())
     y = rows * 2
     for weighted, kept in ((True, [y.shape]), (False, [])):
-        saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        saved: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(saved.append, lambda t: t):  # no backward runs
             dispatcher.combine(y, handle, weighted)
         assert [t.shape for t in saved if t.shape == y.shape] == kept

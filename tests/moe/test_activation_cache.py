@@ -40,7 +40,8 @@ FP8_BOUND = 2.0 ** -7  # the FP8 cache's derived calc_diff bound (module doc); m
 
 
 def config(**overrides) -> ModelConfig:
-    settings = dict(hidden_size=HIDDEN, num_experts=EXPERTS, top_k=TOP_K, expert_ffn_size=FFN, num_shared_experts=1)
+    settings = {"hidden_size": HIDDEN, "num_experts": EXPERTS, "top_k": TOP_K, "expert_ffn_size": FFN,
+                "num_shared_experts": 1}
     return ModelConfig(**{**settings, **overrides})
 
 

@@ -16,7 +16,12 @@ from launch.checkpoint.checkpointer import consolidate
 from launch.config.run import build_config
 from launch.parallel.spawn import run_processes
 from launch.train.loop import train
-from tests.launch.train.test_equivalence import LAYOUTS, _train_runs, check_equal_runs, raw_config
+from tests.launch.train.test_equivalence import (
+    LAYOUTS,
+    _train_runs,
+    check_equal_runs,
+    raw_config,
+)
 
 pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
 
