@@ -14,7 +14,12 @@ most 2^-4 of a value, normal range, and by half a subnormal step, 2^-10 * scale 
   relative: a grad built from it is off by <= c * 2^-4 per entry, c the sensitivity of silu(g) * u and its
   derivative to g and u (<= 2 for |g| <= 4), so calc_diff = (1/2) mean squared relative error <= (1/2)(2 * 2^-4)^2
   = 2^-7; the mean of uniform rounding errors is a fifth of that (E[delta^2] = 2^-8 / 3 * E[1/m^2], m the mantissa).
-  Spread measured over 5 seeds x ATEN_CPU_CAPABILITY=default|avx2|native (max calc_diff per grad): see FP8_BOUND.
+Measured over seeds 0-4 x ATEN_CPU_CAPABILITY=default|avx2|native (fold_errors, fp8_errors per seed): the fold's
+largest error is 0.044 of n u max|entry| (bound FOLD_ULPS = 2; the routing weights' grads, fp32, came out equal),
+the same under every capability to 3 digits; the FP8 cache's largest calc_diff is 2.37e-3 (router.weight; x 5.7e-4,
+routing weights 1.8e-3, experts 1.5e-3 and 1.8e-3, shared 4e-4 and 8.9e-4), identical under the three capabilities,
+against the bound 2^-7 = 7.8e-3; the output's calc_diff 1.7e-14 against (n 2^-24)^2 / 2 = 1.2e-10. The tests run
+two of those seeds (TEST_SEEDS) to stay fast.
 """
 
 from __future__ import annotations
@@ -34,9 +39,10 @@ from moe.experts import GroupedExperts, swiglu_down
 from moe.layer import MoELayer
 
 HIDDEN, FFN, EXPERTS, TOP_K, TOKENS = 256, 128, 4, 2, 24
-SEEDS = range(5)
+SEEDS = range(5)  # the seeds the spreads were measured over
+TEST_SEEDS = SEEDS[:2]
 FOLD_ULPS = 2  # the fold's bound: FOLD_ULPS * n * u * max|entry| (module doc)
-FP8_BOUND = 2.0 ** -7  # the FP8 cache's derived calc_diff bound (module doc); measured max: see the final message
+FP8_BOUND = 2.0 ** -7  # the FP8 cache's derived calc_diff bound (module doc)
 
 
 def config(**overrides) -> ModelConfig:
@@ -177,7 +183,7 @@ class FoldedLayer(MoELayer):
         return True
 
 
-@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("seed", TEST_SEEDS)
 def test_the_fold_equals_weighting_in_combine_up_to_float64_rounding(seed):
     errors = fold_errors(seed)
     assert set(errors) >= {"out", "x", "routing weights", "router.weight", "experts.w_gate_up", "experts.w_down"}
@@ -190,7 +196,7 @@ def fp8_errors(seed: int, dtype: torch.dtype = torch.float32) -> dict[str, float
     return {k: calc_diff(got[k].double(), want[k].double()) for k in want}
 
 
-@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("seed", TEST_SEEDS)
 def test_the_fp8_cache_is_within_e4m3_rounding_of_the_native_layer(seed):
     errors = fp8_errors(seed)
     assert set(errors) >= {"out", "x", "routing weights", "router.weight", "experts.w_gate_up", "experts.w_down",
