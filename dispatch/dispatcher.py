@@ -178,17 +178,24 @@ class EPDispatcher:
         (FP8Rows with fp8_rows)."""
         return run_steps(self.dispatch_steps(x, indices, weights))
 
-    def combine_steps(self, y: Tensor, handle: EPHandle) -> Steps:
+    def row_weights(self, handle: EPHandle) -> Tensor:
+        """[rows] the combine weight of each row dispatch handed out (differentiable: its grad reaches the
+        routing weights on their source ranks), for experts that apply it themselves (combine's weighted=False)."""
+        return handle.recv_weights[handle.perm.row, handle.perm.slot]
+
+    def combine_steps(self, y: Tensor, handle: EPHandle, weighted: bool = True) -> Steps:
         """combine as a generator that yields each exchange while it is in flight; returns what
         combine returns."""
         if y.dim() != 2 or y.shape[0] != handle.perm.row.numel():
             raise ValueError(f"y must be [{handle.perm.row.numel()}, hidden] (one row per dispatched row), "
                              f"got shape {list(y.shape)}")
         self.meter.start("combine")
-        partial = unpermute(y, handle.perm, handle.recv_weights, y.dtype)  # one partial sum per row, as sent
+        weights = handle.recv_weights if weighted else None
+        partial = unpermute(y, handle.perm, weights, y.dtype)  # one partial sum per row, as sent
         summed = yield from gather_steps(partial.detach(), handle.route, self.channels, "combine", y.dtype)
         return CombineRows.apply(partial, summed, handle.route, self.grad_channels)
 
-    def combine(self, y: Tensor, handle: EPHandle) -> Tensor:
-        """out[t] = sum_k weights[t, k] * y(row of t for expert k); dropped slots add nothing."""
-        return run_steps(self.combine_steps(y, handle))
+    def combine(self, y: Tensor, handle: EPHandle, weighted: bool = True) -> Tensor:
+        """out[t] = sum_k weights[t, k] * y(row of t for expert k); dropped slots add nothing. weighted=False: the
+        plain sum over k (the experts applied the weights, row_weights), which keeps nothing of y for backward."""
+        return run_steps(self.combine_steps(y, handle, weighted))

@@ -61,28 +61,33 @@ class _Permute(torch.autograd.Function):
 
 
 class _Unpermute(torch.autograd.Function):
-    """y [P, H], weights [M, k] -> [M, H] weighted sums of each row's pairs, taken in at least fp32."""
+    """y [P, H], weights [M, k] (or None: unweighted) -> [M, H] weighted sums of each row's pairs, taken in at least
+    fp32; keeps y for the weights' grad only, and nothing of it unweighted."""
 
     @staticmethod
-    def forward(ctx, y: Tensor, weights: Tensor, perm: Permutation, dtype: torch.dtype | None) -> Tensor:  # noqa: D102
+    def forward(ctx, y: Tensor, weights: Tensor | None, perm: Permutation, dtype: torch.dtype | None) -> Tensor:  # noqa: D102
         acc = torch.promote_types(y.dtype, torch.float32)
-        pair_weight = weights[perm.row, perm.slot].to(acc)
+        pair_weight = None if weights is None else weights[perm.row, perm.slot].to(acc)
         ctx.save_for_backward(y if ctx.needs_input_grad[1] else None, pair_weight)  # y only feeds weights' grad
-        ctx.perm, ctx.weights_like, ctx.y_dtype = perm, (weights.shape, weights.dtype), y.dtype
+        ctx.perm, ctx.y_dtype, ctx.acc = perm, y.dtype, acc
+        ctx.weights_like = None if weights is None else (weights.shape, weights.dtype)
         return ordered_sum(y, perm.inverse, pair_weight, acc, dtype)
 
     @staticmethod
     def backward(ctx, grad: Tensor):  # noqa: D102
         y, pair_weight = ctx.saved_tensors
-        perm, (shape, dtype) = ctx.perm, ctx.weights_like
-        g = grad.index_select(0, perm.row).to(pair_weight.dtype)  # [P, H] in the accumulation dtype, as is g * y
+        perm = ctx.perm
+        g = grad.index_select(0, perm.row).to(ctx.acc)  # [P, H] in the accumulation dtype, as is g * y
         grad_weights = None
         if ctx.needs_input_grad[1]:
+            shape, dtype = ctx.weights_like
             grad_weights = pair_weight.new_zeros(shape)
             grad_weights[perm.row, perm.slot] = (g * y).sum(1)
             grad_weights = grad_weights.to(dtype)
-        grad_y = g.mul_(pair_weight.unsqueeze(1)).to(ctx.y_dtype) if ctx.needs_input_grad[0] else None
-        return grad_y, grad_weights, None, None
+        if not ctx.needs_input_grad[0]:
+            return None, grad_weights, None, None
+        grad_y = g if pair_weight is None else g.mul_(pair_weight.unsqueeze(1))
+        return grad_y.to(ctx.y_dtype), grad_weights, None, None
 
 
 def permute(x: Tensor, perm: Permutation) -> Tensor:
@@ -90,8 +95,9 @@ def permute(x: Tensor, perm: Permutation) -> Tensor:
     return _Permute.apply(x, perm)
 
 
-def unpermute(y: Tensor, perm: Permutation, weights: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-    """[M, H]: out[m] = sum over m's pairs of weights[m, slot] * y[pair], summed in at least fp32.
+def unpermute(y: Tensor, perm: Permutation, weights: Tensor | None, dtype: torch.dtype | None = None) -> Tensor:
+    """[M, H]: out[m] = sum over m's pairs of weights[m, slot] * y[pair] (weights None: of y[pair]), summed in at
+    least fp32.
 
     The sums are rounded once to dtype (default: the fp32-or-wider accumulation dtype).
     """

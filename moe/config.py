@@ -11,6 +11,7 @@ from dispatch.choices import check_choice
 ScoreFunc = Literal["softmax", "sigmoid"]
 DropPolicy = Literal["probs", "position"]
 ExpertPrecision = Literal["native", "fp8"]
+ActivationCache = Literal["native", "fp8"]
 Attention = Literal["gqa", "mla"]
 MLA_DIMS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")  # each >= 1 with MLA
 SPLIT_HIDDEN = 0  # head_dim: hidden_size / num_heads
@@ -134,6 +135,13 @@ class ModelConfig:
     expert_precision: ExpertPrecision = "native"
     """The routed experts' GEMMs: "native" in the run's dtype (train.dtype), "fp8" as e4m3 with 1x128 activation
     and 128x128 weight scales (Triton kernels on GPUs with FP8 tensor cores, a torch reference on CPU)."""
+    activation_cache: ActivationCache = "native"
+    """How the SwiGLUs (routed, shared and dense) keep their activations for backward: "native" as autograd does,
+    in the run's dtype, with each token's routing weights applied in combine; "fp8" DeepSeek-V3's low-precision
+    storage (report section 3.3.2): a SwiGLU keeps only its input gate|up, as e4m3 in 1x128 tiles with fp32 scales,
+    and rebuilds silu(gate) * up (and the down projection's input) from it in backward, and an expert row's routing
+    weight scales that product before the down projection, so combine is a plain sum that keeps no expert output.
+    Meaningful with either expert_precision and any train.dtype (the cache rounds to e4m3 whatever the GEMMs use)."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation (output projections: init_std / sqrt(2 x num_layers))."""
     mtp_depth: int = 0
@@ -165,6 +173,7 @@ class ModelConfig:
         check_router_settings(self.num_experts, self.top_k, self.score_func, self.num_groups,
                               self.topk_groups, self.capacity_factor, self.drop_policy)
         check_choice("expert_precision", self.expert_precision, ExpertPrecision)
+        check_choice("activation_cache", self.activation_cache, ActivationCache)
         check_positive("mtp_depth", self.mtp_depth, minimum=0)
         if self.mtp_depth and (isinstance(self.mtp_loss_coeff, bool) or not isinstance(self.mtp_loss_coeff, (int, float))
                                or not 0 < self.mtp_loss_coeff < math.inf):

@@ -52,10 +52,13 @@ class MoELayer(nn.Module):
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.dispatcher = LocalDispatcher(cfg.num_experts, dropless=cfg.capacity_factor is None)
         self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.expert_ffn_size,
-                                      precision=cfg.expert_precision, init_std=cfg.init_std, out_std=out_std)
+                                      precision=cfg.expert_precision, init_std=cfg.init_std, out_std=out_std,
+                                      activation_cache=cfg.activation_cache)
         self.shared = (SwiGLU(cfg.hidden_size, cfg.num_shared_experts * cfg.expert_ffn_size,
                               init_std=cfg.init_std, out_std=out_std)
                        if cfg.num_shared_experts else None)
+        if self.shared is not None:
+            self.shared.activation_cache = cfg.activation_cache
 
     @torch.no_grad()
     def to_expert_parallel(self, dispatcher: EPDispatcher) -> None:
@@ -92,13 +95,21 @@ class MoELayer(nn.Module):
         dispatching = _steps(self.dispatcher, "dispatch", flat, route.indices, route.weights)
         (recv_x, recv_info, handle), shared = yield from _at_first_pause(dispatching, self._shared, flat, saved)
         mark("experts", EXCHANGE)
-        y = self.experts(recv_x, recv_info.tokens_per_local_expert)
+        fold = self.fold_weights
+        row_weight = self.dispatcher.row_weights(handle) if fold else None
+        y = self.experts(recv_x, recv_info.tokens_per_local_expert, row_weight)
         mark("combine", EXCHANGE)
-        out = yield from _steps(self.dispatcher, "combine", y, handle)
+        out = yield from _steps(self.dispatcher, "combine", y, handle, not fold)
         if shared is not None:
             out = out + shared
         stats = MoEStats(route.aux_loss, route.tokens_per_expert, route.dropped, route.losses)
         return out.view_as(x), stats
+
+    @property
+    def fold_weights(self) -> bool:
+        """Whether the routing weights scale the expert rows before their down projection (model.activation_cache
+        "fp8"), so that combine is a plain sum keeping no expert output, rather than in combine."""
+        return self.experts.activation_cache == "fp8"
 
     def forward(self, x: Tensor, seq_len: int | None = None) -> tuple[Tensor, MoEStats]:
         """x [..., H] -> (out [..., H], stats); seq_len feeds the sequence-wise balance loss."""

@@ -53,27 +53,36 @@ class LocalDispatcher:
         handle = LocalHandle(token_of_row, weights.reshape(-1)[order], x.shape[0])
         return x[token_of_row], LocalRecvInfo(counts), handle
 
-    def combine(self, y: Tensor, handle: LocalHandle) -> Tensor:
-        """out[t] = sum over t's rows of weight * y[row], accumulated in at least fp32."""
-        return _Combine.apply(y, handle.weight_of_row, handle.token_of_row, handle.num_tokens).to(y.dtype)
+    def row_weights(self, handle: LocalHandle) -> Tensor:
+        """[N] each dispatched row's combine weight (differentiable), for experts that apply it themselves."""
+        return handle.weight_of_row
+
+    def combine(self, y: Tensor, handle: LocalHandle, weighted: bool = True) -> Tensor:
+        """out[t] = sum over t's rows of weight * y[row], accumulated in at least fp32; weighted=False: the plain
+        sum (the experts applied the weights, row_weights), which keeps nothing of y for backward."""
+        weight = handle.weight_of_row if weighted else None
+        return _Combine.apply(y, weight, handle.token_of_row, handle.num_tokens).to(y.dtype)
 
 
 class _Combine(torch.autograd.Function):
-    """Weighted rows y [N, H] summed into their tokens in at least fp32, saving y in its own dtype (autograd's
-    cast, product and index_add would keep fp32 copies of every expert output for backward, as the EP combine,
-    dispatch.permute.unpermute, does not)."""
+    """Rows y [N, H], weighted when a weight is given, summed into their tokens in at least fp32, saving y in its own
+    dtype for the weight's grad only (autograd's cast, product and index_add would keep fp32 copies of every expert
+    output for backward, as the EP combine, dispatch.permute.unpermute, does not)."""
 
     @staticmethod
-    def forward(ctx, y: Tensor, weight: Tensor, token: Tensor, num_tokens: int) -> Tensor:  # noqa: D102
+    def forward(ctx, y: Tensor, weight: Tensor | None, token: Tensor, num_tokens: int) -> Tensor:  # noqa: D102
         acc = torch.promote_types(y.dtype, torch.float32)
-        ctx.save_for_backward(y, weight, token)
-        weighted = y.to(acc) * weight.to(acc).unsqueeze(1)
-        return weighted.new_zeros(num_tokens, y.shape[1]).index_add_(0, token, weighted)
+        ctx.save_for_backward(None if weight is None else y, weight, token)
+        ctx.y_dtype = y.dtype
+        rows = y.to(acc) if weight is None else y.to(acc) * weight.to(acc).unsqueeze(1)
+        return rows.new_zeros(num_tokens, y.shape[1]).index_add_(0, token, rows)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None, None]:  # noqa: D102
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor | None, None, None]:  # noqa: D102
         y, weight, token = ctx.saved_tensors
         rows = grad.index_select(0, token)
+        if weight is None:
+            return rows.to(ctx.y_dtype), None, None, None
         grad_y = (rows * weight.to(grad.dtype).unsqueeze(1)).to(y.dtype)
         grad_weight = (rows * y.to(grad.dtype)).sum(1).to(weight.dtype)
         return grad_y, grad_weight, None, None

@@ -117,6 +117,8 @@ class Block(nn.Module):
         for mlp in (self.ffn.experts, self.ffn.shared) if moe else (self.ffn,):
             if mlp is not None:
                 mlp.recompute = recompute if moe or recompute == "selective" else "none"
+        if not moe:
+            self.ffn.activation_cache = cfg.activation_cache
         self.moe_tokens: TPRegion | None = None  # TP without SP: the MoE layer routes this rank's S/tp tokens
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None

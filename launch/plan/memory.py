@@ -154,8 +154,13 @@ class ActivationModel:
         return self._norm() + latent + qkv + out
 
     def _swiglu(self, ffn: float) -> float:
-        """Saved bytes of a SwiGLU of width ffn (its input counted by the caller)."""
-        gate_up = 2 * ffn * (FP8_CACHED if self.kernels == "fused-fp8" else self.itemsize)
+        """Saved bytes of a SwiGLU of width ffn (its input counted by the caller): gate|up, then silu(gate) and
+        the product (fused: the product), not kept under selective recompute (moe.experts.swiglu_down). fused-fp8
+        (model.activation_cache "fp8"): gate|up's e4m3 tiles and fp32 scales only, whatever the recompute
+        (moe.experts._CachedSwiGLU saves them; the down projection's input is rebuilt from them in backward)."""
+        if self.kernels == "fused-fp8":
+            return 2 * ffn * FP8_CACHED
+        gate_up = 2 * ffn * self.itemsize
         if self.recompute == "selective":
             return gate_up
         return gate_up + (2 if self._project else 1) * ffn * self.itemsize
@@ -171,14 +176,18 @@ class ActivationModel:
     def _slot(self) -> float:
         """One routed slot: the expert input, its SwiGLU, the expert output kept for combine's weight
         grad (project: also the fp32 weight and two int64 row ids); the FP8 expert
-        linear keeps its input unquantised, so FP8 experts save the same bytes. fused-fp8: the input
-        cached in FP8 and no expert output (the routing weight scales the SwiGLU output before the down
-        projection, whose input grad and input give the weight's grad). Full recompute keeps no SwiGLU bytes
-        (the experts rerun from their input)."""
+        linear keeps its input unquantised, so FP8 experts save the same bytes. fused-fp8 (model.activation_cache
+        "fp8" with expert_precision "fp8"): the input as the e4m3 tiles the first FP8 GEMM reads (moe.experts'
+        FP8Rows, kept by kernels.FP8GroupedLinear), the SwiGLU's cache (_swiglu), the row's fp32 routing weight
+        (moe.experts._CachedSwiGLU: it scales the SwiGLU output before the down projection, and the weight's grad
+        is the down projection's input grad dotted with the rebuilt product) and the dispatch's two int64 row ids
+        (the source token and the flat slot, moe.local_dispatch; an EP dispatch's perm.row and perm.slot, which the
+        row weights are gathered with); combine, a plain sum then, keeps no expert output (dispatch.permute). Full
+        recompute keeps no SwiGLU bytes (the experts rerun from their input)."""
         h, a = self.cfg.hidden_size, self.itemsize
         swiglu = 0.0 if self.recompute == "full" else self._swiglu(self.cfg.expert_ffn_size)
         if self.kernels == "fused-fp8":
-            return h * FP8_CACHED + swiglu
+            return h * FP8_CACHED + swiglu + 4 + 16
         combine = h * a + (4 + 16 if self._project else 0)
         return h * a + swiglu + combine
 
