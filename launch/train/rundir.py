@@ -262,6 +262,7 @@ def check_resume(cfg: RunConfig, required: bool, allow_data_change: bool) -> Non
         if reason is None:
             break
         refused.append(f"{folder}: {reason}")
+        print(f"checkpoint {folder} refused: {reason}; trying the previous one", file=sys.stderr, flush=True)
     else:
         where = ("each candidate was refused: " + "; ".join(refused) if refused
                  else "none was published" if root.is_dir() else "the folder does not exist")
