@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.checkpoint.manifest import published, publish, verify
+from launch.checkpoint.manifest import publish, published, verify
 from launch.metrics.records import read_jsonl
 from launch.parallel.spawn import RankRefusal
 from launch.train.rundir import ASIDE, IDENTITY, LOCK, rewind_metrics, run_identity
@@ -134,7 +134,7 @@ def test_a_second_run_into_a_held_directory_is_refused_and_the_first_finishes_un
             assert f"in use by the run of pid {first.pid} on host {socket.gethostname()}" in err, err
         assert time.monotonic() - began < 30
         assert first.poll() is None, "the first run ended before the second was refused: lengthen it"
-        out, err = first.communicate(timeout=300)
+        _, err = first.communicate(timeout=300)
     finally:
         first.kill()
     assert first.returncode == 0, err
