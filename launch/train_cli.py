@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None, trainer: Trainer | None = None) -> int:
                         help="with --resume: continue although the data settings differ from the checkpoint's (the "
                              "new data is read from its start)")
     parser.add_argument("--check", action="store_true", help="validate the config (every section, the corpus, the "
-                                                             "run dir) and exit: 0 valid, 2 not")
+                                                             "run dir) and every prepared shard's CRC-32, and exit: "
+                                                             "0 valid, 2 not")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("--rehearse", action="store_true",
                         help="run one training step of the whole layout as one rank, here, on the meta device under "
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None, trainer: Trainer | None = None) -> int:
     if args.run_dir is not None:
         overrides.append(f"train.run_dir={args.run_dir!r}")
     try:
-        cfg = check_config(args.config, overrides)
+        cfg = check_config(args.config, overrides, verify=args.check)
     except ValueError as error:
         print(f"moe-train: invalid config: {error}", file=sys.stderr)
         return 2

@@ -340,3 +340,39 @@ def test_export_shard_size_must_be_positive_and_for_hf(tmp_path, capsys, flags):
         main(["export", str(tmp_path / "checkpoint"), str(tmp_path / "out"), *flags])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and f"--max-shard-bytes {flags[1]}: allowed only with --format hf" in err, err
+
+
+# verified reads
+
+
+@pytest.mark.slow  # the trained run (a few seconds, once)
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+@pytest.mark.parametrize("form", ["torch", "hf"])
+def test_export_of_a_damaged_step_folder_is_refused_naming_the_file(run, capsys, damage, form):
+    folder = run[0] / "checkpoint" / "step00000006"
+    shard = next(folder.glob("*.distcp"))
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-64] if damage == "truncate" else data[:99] + bytes([data[99] ^ 1]) + data[100:])
+    out = run[0].parent / "export"
+    code = main(["export", str(folder), str(out), "--format", form])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert f"checkpoint {folder} cannot be read: {shard}" in err, err
+    assert ("fails its CRC-32 check" if damage == "flip" else "(truncated or overwritten)") in err, err
+    assert not out.exists()
+
+
+@pytest.mark.slow  # trains (a few seconds)
+def test_a_corrupted_shard_of_the_run_directorys_corpus_ends_the_resume_naming_it(run, capsys):
+    run_dir, config = run
+    flip = run_dir / "data" / "00000.tokens"
+    data = bytearray(flip.read_bytes())
+    data[10] ^= 0x01
+    flip.write_bytes(bytes(data))
+    err = refused(capsys, config, "--check")
+    assert f"data.corpus: shard {flip} is corrupted" in err, err
+    code = moe_train(config, "--resume", "--steps", "8")
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith(f"moe-train: data.corpus: shard {flip} is corrupted"), err
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(STEPS))  # nothing lost
