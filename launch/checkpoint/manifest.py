@@ -1,8 +1,10 @@
 """Integrity of published checkpoint folders: per-file CRC-32 tables, manifest.json, atomic publication, checks.
 
 A save goes to ROOT/.stepNNNNNNNN.tmp; `publish` (rank 0, with every rank's table of the files it wrote)
-writes manifest.json last, renames the folder to ROOT/stepNNNNNNNN and keeps the newest `keep` folders.
-`verify` checks a folder's manifest and the files asked for (a rank: only those it reads).
+writes manifest.json last (the step, the file table, the id of the run that wrote it and its config), renames the
+folder to ROOT/stepNNNNNNNN and keeps the newest `keep` folders of that run id (another run's are never deleted).
+`verify` checks a folder's manifest and the files asked for (a rank: only those it reads; without crc, their
+sizes only).
 """
 
 from __future__ import annotations
