@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from launch.parallel.spawn import WorkerError
+from launch.parallel.spawn import RankRefusal, WorkerError, WorkerRefusal
 from launch.checkpoint.checkpointer import export_main
 from launch.train.launcher import LaunchError, NodeFlags, Trainer, launch_run, wait_for_every_refusal
 from launch.train.preflight import check_config
@@ -35,9 +35,19 @@ def main(argv: list[str] | None = None, trainer: Trainer | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override any config value, e.g. --set model.expert_precision=fp8")
     parser.add_argument("--resume", action="store_true",
-                        help="continue from the latest valid checkpoint in RUN_DIR/checkpoint (saved in any layout)")
+                        help="continue the run in RUN_DIR from its latest valid checkpoint (saved in any layout; "
+                             "metrics.jsonl rewound to its step); refused (exit 2) when there is none")
+    parser.add_argument("--resume-if-possible", action="store_true",
+                        help="as --resume, but start at step 0 when RUN_DIR holds no valid checkpoint")
+    parser.add_argument("--start-over", action="store_true",
+                        help="begin a new run in a RUN_DIR that holds another run's checkpoints or metrics: they are "
+                             "moved into RUN_DIR/previous/RUN_ID, never deleted")
+    parser.add_argument("--allow-data-change", action="store_true",
+                        help="with --resume: continue although the data settings differ from the checkpoint's (the "
+                             "new data is read from its start)")
     parser.add_argument("--check", action="store_true", help="validate the config (every section, the corpus, the "
-                                                             "run dir) and exit: 0 valid, 2 not")
+                                                             "run dir) and every prepared shard's CRC-32, and exit: "
+                                                             "0 valid, 2 not")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("--rehearse", action="store_true",
                         help="run one training step of the whole layout as one rank, here, on the meta device under "
@@ -52,13 +62,14 @@ def main(argv: list[str] | None = None, trainer: Trainer | None = None) -> int:
     nodes.add_argument("--master-port", type=int, help="rendezvous port on node 0 (default MASTER_PORT, or 29500 "
                                                         "with several nodes; one node picks a free port)")
     args = parser.parse_args(argv)
+    _refuse_idle_flags(parser, args)
     overrides = list(args.set)
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
     if args.run_dir is not None:
         overrides.append(f"train.run_dir={args.run_dir!r}")
     try:
-        cfg = check_config(args.config, overrides)
+        cfg = check_config(args.config, overrides, verify=args.check)
     except ValueError as error:
         print(f"moe-train: invalid config: {error}", file=sys.stderr)
         return 2
@@ -76,12 +87,17 @@ def main(argv: list[str] | None = None, trainer: Trainer | None = None) -> int:
         return 0
     flags = NodeFlags(args.nnodes, args.node_rank, args.master_addr, args.master_port)
     try:
-        records = launch_run(cfg, flags, trainer=trainer, metrics_out=args.metrics_out, resume=args.resume,
-                             progress=not args.no_progress)
+        resume = args.resume or args.resume_if_possible
+        records = launch_run(cfg, flags, trainer=trainer, start_over=args.start_over,
+                             allow_data_change=args.allow_data_change, metrics_out=args.metrics_out, resume=resume,
+                             require_checkpoint=not args.resume_if_possible, progress=not args.no_progress)
     except LaunchError as error:
         print(f"moe-train: {error}", file=sys.stderr, flush=True)
         if error.launch is not None:  # torchrun or mpiexec must not stop another rank before it said why
             wait_for_every_refusal(error.launch)
+        return 2
+    except (RankRefusal, WorkerRefusal) as error:  # a rank refused a checkpoint or a data shard, saying why
+        print(f"moe-train: {error}", file=sys.stderr)
         return 2
     except WorkerError as error:
         print(f"moe-train: the run failed and its other ranks were stopped: {error}", file=sys.stderr)
@@ -91,6 +107,22 @@ def main(argv: list[str] | None = None, trainer: Trainer | None = None) -> int:
         print(f"steps {first['step']}..{last['step']}: lm_loss {first['lm_loss']:.4f} -> {last['lm_loss']:.4f}; "
               f"run dir {cfg.train.run_dir}")
     return 0
+
+
+def _refuse_idle_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Flags that would do nothing, or contradict each other, end with parser.error (exit 2) naming them."""
+    resume = [flag for flag, given in (("--resume", args.resume), ("--resume-if-possible", args.resume_if_possible))
+              if given]
+    if args.rank is not None and not args.rehearse:
+        parser.error(f"--rank {args.rank} chooses the rank of a rehearsal: allowed only with --rehearse")
+    if len(resume) == 2:
+        parser.error("--resume and --resume-if-possible: give one")
+    if args.start_over and resume:
+        parser.error(f"--start-over begins a new run, {resume[0]} continues the old one: give one")
+    if args.allow_data_change and not resume:
+        parser.error("--allow-data-change applies to a resume: allowed only with --resume or --resume-if-possible")
+    if args.master_port is not None and not 0 <= args.master_port <= 65535:
+        parser.error(f"--master-port {args.master_port}: allowed 0 (a free port, one node) to 65535")
 
 
 if __name__ == "__main__":

@@ -42,7 +42,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from launch.checkpoint.chunks import Chunks, HostStager, LoadPlanner, Reader, SavePlanner, Writer, files_read
 from launch.faults.guard import StepGuard
 from launch.parallel.placement import EXPERT_KEY, Placement, placements
-from launch.checkpoint.manifest import MANIFEST, file_table, latest_valid, publish, published, verify
+from launch.parallel.spawn import RankRefusal
+from launch.checkpoint.manifest import MANIFEST, STEP_DIR, file_table, latest_valid, publish, published, verify
 from optim.shard import MASTER_KEY, Piece
 from optim.zero import ZeroOptimizer
 
@@ -214,18 +215,24 @@ def _saved_kinds(saved: dict, places: dict[str, Placement], names: dict[int, str
     return sorted(elementwise), scalars
 
 
+class CheckpointRefused(RankRefusal):
+    """No checkpoint can be loaded (a required resume), or the checkpoint is of another model: the message names
+    each candidate and why."""
+
+
 class Checkpointer:
     """Saves and loads one run's sharded checkpoints under root; create it on every rank at once."""
 
-    def __init__(self, root: str | Path, keep: int = 3, asynchronous: bool = False) -> None:
+    def __init__(self, root: str | Path, keep: int = 3, asynchronous: bool = False, run_id: str | None = None) -> None:
         if keep < 1:
             raise ValueError(f"keep = {keep} must be >= 1 (checkpoints kept on disk)")
         self.root = Path(root)
         self.keep = keep
         self.asynchronous = asynchronous
+        self.run_id = run_id  # recorded in each manifest; retention deletes only this run's checkpoints (rank 0's)
         self.group = dist.new_group(backend="gloo")  # DCP's planning collectives, off the training groups
         self.stager = HostStager() if asynchronous else None
-        self._pending: tuple[Future, Writer, Path, int] | None = None
+        self._pending: tuple[Future, Writer, Path, int, dict] | None = None
 
     def save(self, state: TrainState, step: int, config: dict) -> None:
         """Write step's checkpoint (every rank); returns once it is published, or, when asynchronous, once this
@@ -242,40 +249,57 @@ class Checkpointer:
         if self.asynchronous:
             future = dcp.async_save(flat, storage_writer=writer, planner=SavePlanner(), process_group=self.group,
                                     async_stager=self.stager)
-            self._pending = (future, writer, tmp, step)
+            self._pending = (future, writer, tmp, step, config)
         else:
             dcp.save(flat, storage_writer=writer, planner=SavePlanner(), process_group=self.group)
-            self._publish(tmp, step, writer.result)
+            self._publish(tmp, step, writer.result, config)
 
     def finish(self) -> None:
         """Wait for an asynchronous save in flight and publish it (every rank)."""
         if self._pending is not None:
-            future, writer, tmp, step = self._pending
+            future, writer, tmp, step, config = self._pending
             self._pending = None
             future.result()
-            self._publish(tmp, step, writer.result)
+            self._publish(tmp, step, writer.result, config)
 
-    def _publish(self, tmp: Path, step: int, table: dict[str, list[int]]) -> None:
+    def _publish(self, tmp: Path, step: int, table: dict[str, list[int]], config: dict) -> None:
         """Gather every rank's file table (bytes, CRC-32 of the files it wrote) on rank 0, which publishes the
         folder (launch.checkpoint.manifest.publish); one gather and one barrier per rank."""
         tables = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(table, tables, dst=0, group=self.group)
         if tables is not None:
-            publish(tmp, self.root, step, {k: v for t in tables for k, v in t.items()}, self.keep)
+            publish(tmp, self.root, step, {k: v for t in tables for k, v in t.items()}, self.keep, self.run_id, config)
         dist.barrier(self.group)
 
-    def load(self, state: TrainState, restore_data: bool = True) -> int:
+    def load(self, state: TrainState, restore_data: bool = True, required: bool = False) -> int:
         """Restore state from the newest checkpoint every rank finds valid (any layout); returns its step, 0 when
-        none. Each rank checks only the files it reads; one all-reduce per candidate folder agrees on it."""
+        none (required: CheckpointRefused naming each candidate and why it was refused). Each rank checks only the
+        files it reads; one all-reduce per candidate folder agrees on it."""
         self.finish()
+        reasons: dict[str, str | None] = {}
         for step, folder in published(self.root):
             reader = Reader(str(folder))
-            if self._agree(step, folder, *self._check(folder, reader, state, restore_data)):
+            reason, fatal = self._check(folder, reader, state, restore_data)
+            if self._agree(step, folder, reason, fatal):
                 wanted, pieces = state.read_request(reader.read_metadata(), restore_data, bind=True)
                 dcp.load(wanted, storage_reader=reader, planner=LoadPlanner(), process_group=self.group)
                 return state.restore(wanted, pieces, restore_data)
+            reasons[str(folder)] = reason
         self._agree(-1, None, None, False)  # every rank is out of candidates at once
+        if required:
+            raise CheckpointRefused(self._no_checkpoint(reasons))
         return 0
+
+    def _no_checkpoint(self, reasons: dict[str, str | None]) -> str:
+        """The refusal of a required load: each candidate with the first reason any rank gave (one all-gather)."""
+        tables: list[dict[str, str | None]] = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(tables, reasons, group=self.group)
+        if not reasons:
+            where = "none was published" if self.root.is_dir() else "the folder does not exist"
+            return f"--resume: no checkpoint under {self.root} ({where})"
+        why = {folder: next((t[folder] for t in tables if t.get(folder)), "refused") for folder in reasons}
+        return (f"--resume: no valid checkpoint under {self.root}; each candidate was refused: "
+                + "; ".join(f"{folder}: {reason}" for folder, reason in why.items()))
 
     @staticmethod
     def _check(folder: Path, reader: Reader, state: TrainState, restore_data: bool) -> tuple[str | None, bool]:
@@ -304,15 +328,21 @@ class Checkpointer:
             raise RuntimeError(f"ranks see different checkpoints under {self.root} (steps {-oldest}..{newest} "
                                f"at the same position): is the folder shared by every rank?")
         if fatal_anywhere:
-            raise ValueError(reason if fatal else f"checkpoint {folder} does not fit this model (see the rank "
+            raise CheckpointRefused(reason if fatal else f"checkpoint {folder} does not fit this model (see the rank "
                                                   f"that refused it)")
         return not bad
 
 
 def checkpoint_folder(path: str | Path) -> Path:
-    """The step folder path names: path itself, or a run's checkpoint root's latest valid one."""
+    """The step folder path names, checked as a resume checks it (manifest, every file's size and CRC-32): path
+    itself, or a run's checkpoint root's latest valid one. ValueError naming the file that fails."""
     path = Path(path)
-    folder = path if (path / MANIFEST).is_file() else latest_valid(path)
+    if (path / MANIFEST).is_file() or (path / ".metadata").is_file() or STEP_DIR.match(path.name):
+        reason = verify(path)
+        if reason is not None:
+            raise ValueError(f"checkpoint {path} cannot be read: {reason}")
+        return path
+    folder = latest_valid(path)
     if folder is None:
         raise ValueError(f"no valid checkpoint under {path}")
     return folder
@@ -363,6 +393,9 @@ def export_main(argv: list[str]) -> int:
     parser.add_argument("--format", choices=("torch", "hf"), default="torch", help="what to write (default torch)")
     parser.add_argument("--max-shard-bytes", type=int, help="hf: largest safetensors shard (default 5 GiB)")
     args = parser.parse_args(argv)
+    if args.max_shard_bytes is not None and (args.max_shard_bytes < 1 or args.format != "hf"):
+        parser.error(f"--max-shard-bytes {args.max_shard_bytes}: allowed only with --format hf, as a positive number "
+                     f"of bytes")
     try:
         if args.format == "hf":
             from launch.checkpoint.hf.export import MAX_SHARD_BYTES, export_hub

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from launch.config.run import RunConfig
     from launch.config.sections import DataSettings
 
-__all__ = ["ByteTokenizer", "DataFeed", "MicroBatch", "corpus_files", "prepare_corpus"]
+__all__ = ["ByteTokenizer", "DataFeed", "MicroBatch", "corpus_files", "corpus_key", "prepare_corpus"]
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")
 READ_CHARS = 1 << 20  # characters read per piece while tokenising: memory stays flat on any corpus
@@ -56,7 +56,7 @@ def corpus_files(corpus: str) -> list[Path]:
     raise ValueError(f"data.corpus = {corpus!r}: no such file or folder")
 
 
-def _corpus_key(data: DataSettings) -> dict:
+def corpus_key(data: DataSettings) -> dict:
     """What the run directory's prepared corpus is made from: the corpus files (paths, sizes, mtimes; as a
     digest) and data.max_bytes (the tokenizer is the manifest's own field)."""
     files = corpus_files(data.corpus)
@@ -102,7 +102,7 @@ def prepare_corpus(data: DataSettings, folder: str | Path, tokenizer: Tokenizer 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     with _file_lock(folder / "prepare.lock"):
-        prepare_folder(folder, new_manifest(tokenizer, _corpus_key(data)),
+        prepare_folder(folder, new_manifest(tokenizer, corpus_key(data)),
                        lambda skip: corpus_pieces(data.corpus, tokenizer, skip), CORPUS_SHARD_TOKENS,
                        max_tokens=data.max_bytes, replace=True)
     return Prepared(folder, tokenizer.digest, field="data.corpus")

@@ -6,7 +6,9 @@ manifest.json: the dtype, the tokenizer (digest, vocabulary, EOS id), what the d
 input documents consumed so far, and per shard its token and document counts and the CRC-32 of both files.
 A shard is written to a temporary file, renamed into place and only then listed (the manifest is replaced
 atomically): a half-written shard is never listed, and a writer that stopped continues after the last listed
-shard. Readers treat the folder's tokens as one stream and map each shard when first read.
+shard. Readers treat the folder's tokens as one stream and map each shard when first read, checking it then:
+its CRC-32 and its token ids against the tokenizer's vocabulary (a ShardRefused names the shard). A reader thus
+verifies what it opens, once, where it opens it (a rank: in its prefetch thread), never the whole dataset first.
 """
 
 from __future__ import annotations
@@ -20,12 +22,18 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from launch.files import crc32, write_atomically
 from launch.data.tokenizer import Tokenizer
+from launch.files import crc32, write_atomically
+from launch.parallel.spawn import RankRefusal
 
 MANIFEST = "manifest.json"
 FORMAT = "moe-pretrain shards v1"
 DOC_DTYPE = np.dtype("<u8")
+CHECK_BLOCK = 1 << 22  # tokens per block of the check at a shard's opening
+
+
+class ShardRefused(RankRefusal):
+    """A shard opened for reading is not what its manifest lists (corrupted, or ids outside the vocabulary)."""
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -155,7 +163,8 @@ def _publish(folder: Path, manifest: dict, shard: _OpenShard) -> None:
 
 class Prepared:
     """A prepared folder read as one token stream: the manifest checked (complete, the expected tokenizer, every
-    listed shard present with its size; with verify, its CRCs), shards memory-mapped when first read."""
+    listed shard present with its size; with verify, every shard's CRCs at once), each shard memory-mapped when
+    first read and then checked (its CRC-32, its ids below the tokenizer's vocabulary size; ShardRefused)."""
 
     def __init__(self, folder: str | Path, digest: str | None = None, verify: bool = False, field: str = "path") -> None:
         self.folder = Path(folder)
@@ -170,7 +179,7 @@ class Prepared:
         if digest is not None and made != digest:
             raise ValueError(f"{field} = {str(folder)!r} was tokenised by {manifest['tokenizer']['name']!r} "
                              f"(digest {made[:12]}), not by the configured data.tokenizer (digest {digest[:12]})")
-        self.manifest, self.dtype = manifest, np.dtype(manifest["dtype"])
+        self.manifest, self.dtype, self.field = manifest, np.dtype(manifest["dtype"]), field
         self.vocab_size, self.eos_id = manifest["tokenizer"]["vocab_size"], manifest["tokenizer"]["eos_id"]
         for shard in manifest["shards"]:
             self._check(shard, verify, field)
@@ -188,12 +197,31 @@ class Prepared:
                                  f"bytes): prepare the dataset again")
             if verify and crc32(path) != crc:
                 raise ValueError(f"{field}: shard {path} is corrupted (its CRC-32 differs from the manifest's): "
-                                 f"prepare the dataset again")
+                                 f"{self._remedy()}")
+
+    def _remedy(self) -> str:
+        return (f"remove {self.folder} to have the run prepare it again" if self.field == "data.corpus"
+                else "prepare the dataset again (moe-data prepare)")
 
     def _shard(self, index: int) -> np.ndarray:
+        """Shard index's tokens, mapped and checked on first use (ShardRefused when the check fails)."""
         if index not in self._maps:
-            name = self.manifest["shards"][index]["name"]
-            self._maps[index] = np.memmap(self.folder / f"{name}.tokens", dtype=self.dtype, mode="r")
+            shard = self.manifest["shards"][index]
+            path = self.folder / f"{shard['name']}.tokens"
+            tokens = np.memmap(path, dtype=self.dtype, mode="r")
+            crc, top = 0, 0
+            for at in range(0, tokens.size, CHECK_BLOCK):
+                block = tokens[at:at + CHECK_BLOCK]
+                crc = zlib.crc32(block, crc)
+                top = max(top, int(block.max()))
+            if crc != shard["tokens_crc32"]:
+                raise ShardRefused(f"{self.field}: shard {path} is corrupted (its CRC-32 differs from the manifest's): "
+                                   f"{self._remedy()}")
+            if top >= self.vocab_size:
+                raise ShardRefused(f"{self.field}: shard {path} holds token id {top}, outside the vocabulary of its "
+                                   f"tokenizer {self.manifest['tokenizer']['name']!r} ({self.vocab_size} ids): "
+                                   f"{self._remedy()}")
+            self._maps[index] = tokens
         return self._maps[index]
 
     def read(self, starts: Iterable[int], width: int) -> np.ndarray:

@@ -44,6 +44,15 @@ class WorkerError(RuntimeError):
     """A worker process raised, timed out or died; the message carries its traceback."""
 
 
+class RankRefusal(ValueError):
+    """Raised on a rank that refuses its input (a checkpoint, a data shard): the message says what and why, and
+    run_processes reports it alone, with no traceback, as a WorkerRefusal."""
+
+
+class WorkerRefusal(WorkerError):
+    """The first rank to fail refused its input (RankRefusal): the message is that rank's, without a traceback."""
+
+
 def _context() -> multiprocessing.context.BaseContext:
     """The fork server's context, started on first use; spawn where the caller's IMPORT_ENV differs from the server's
     (a server restart would kill the ranks of concurrent runs) or MOE_START_METHOD=spawn asks for it (debugging)."""
@@ -151,6 +160,8 @@ def _worker(
         out = fn(rank, world_size, *args)
         # plain pickle copies tensors by value: shared-memory handles would die with this process
         results.put((rank, True, pickle.dumps(out)))
+    except RankRefusal as error:
+        results.put((rank, None, str(error)))
     except BaseException:  # noqa: BLE001 - the parent re-raises with this traceback
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -247,11 +258,13 @@ def _forwarding(procs: dict[int, Any], signals: tuple[int, ...]) -> Iterator[Non
 
 def _collect(procs: dict[int, Any], results: Any, outputs: dict[int, Any], wait_s: float,
              logs: _LogStreams | None, last_words: Callable[[int], str] | None,
-             verdict_exit: int | None = None) -> str | None:
-    """Fill outputs with each rank's result; return a message naming the failed ranks (died ones first), or None.
-    A rank that exits with verdict_exit ended the run on a verdict it printed: no grace for the others."""
+             verdict_exit: int | None = None) -> tuple[str | None, bool]:
+    """Fill outputs with each rank's result; return (a message naming the failed ranks (died ones first), or None;
+    whether the first failure was a RankRefusal). A rank that exits with verdict_exit ended the run on a verdict it
+    printed: no grace for the others."""
     end = time.monotonic() + wait_s
     raised: dict[int, str] = {}
+    refused: set[int] = set()
     died: dict[int, str] = {}
     suspects: set[int] = set()
     grace_end = None
@@ -269,23 +282,28 @@ def _collect(procs: dict[int, Any], results: Any, outputs: dict[int, Any], wait_
             suspects = dead
             if time.monotonic() > end and not (raised or died):
                 missing = sorted(set(procs) - set(outputs))
-                return f"no result within {wait_s:.0f}s from ranks {missing}"
+                return f"no result within {wait_s:.0f}s from ranks {missing}", False
         else:
             if ok:
                 outputs[rank] = pickle.loads(payload)
+            elif ok is None:
+                raised[rank] = payload
+                refused.add(rank)
             else:
                 raised[rank] = f"rank {rank} failed:\n{payload}"
         if (raised or died) and grace_end is None:
             grace_end = time.monotonic() + GRACE_S
     if not (raised or died):
-        return None
+        return None, False
     cause = next((r for r in raised if not PEER_LOST.search(raised[r])), next(iter(raised), None))  # first to report
+    if not died and cause in refused:
+        return raised[cause], True
     first = [died[r] for r in sorted(died)] or [raised[cause]]
     others = sorted(set(raised) - ({cause} if not died else set()))
     if others:
         last_lines = "; ".join(f"rank {r}: {raised[r].strip().splitlines()[-1]}" for r in others)
         first.append(f"ranks that failed after it: {last_lines}")
-    return "\n".join(first)
+    return "\n".join(first), False
 
 
 def run_processes(
@@ -314,7 +332,7 @@ def run_processes(
     and .err and are copied to this process's (rank 0 as is, the others prefixed "[rank r]").
     If any rank raises, dies or runs out of time, every local rank is killed and a WorkerError
     names the failed ranks with the first one's traceback (or exit code, signal and last stderr
-    lines); a rank that dies without reporting is noticed within about a second. A killed parent
+    lines; a WorkerRefusal, when that rank raised a RankRefusal: its message alone); a rank that dies without reporting is noticed within about a second. A killed parent
     takes its ranks with it (Linux). on_death(store, rank), on node 0, is told of a rank that died
     (the rendezvous store in hand) and returns words the message adds about it. A rank exiting with
     verdict_exit ended the run on a verdict of its own (a watchdog's, after the live ranks' last words): the
@@ -355,12 +373,13 @@ def run_processes(
     logs = _LogStreams(prefixes) if log_dir is not None else None
     outputs: dict[int, Any] = {}
     failure: str | None = "interrupted"
+    refusal = False
     try:
         for p in procs.values():
             p.start()
         with _forwarding(procs, (signal.SIGTERM,)):
             last_words = (lambda rank: on_death(store, rank)) if on_death is not None and store is not None else None
-            failure = _collect(procs, results, outputs, run_timeout_s, logs, last_words, verdict_exit)
+            failure, refusal = _collect(procs, results, outputs, run_timeout_s, logs, last_words, verdict_exit)
     finally:
         for p in procs.values():
             if failure is not None and p.is_alive():
@@ -373,5 +392,5 @@ def run_processes(
             logs.close()
         del store
     if failure is not None:
-        raise WorkerError(failure)
+        raise (WorkerRefusal if refusal else WorkerError)(failure)
     return [outputs[r] for r in ranks]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from dataclasses import asdict, replace
@@ -92,7 +93,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def machine_from(args: argparse.Namespace, default_gpn: int) -> Machine:
-    """The GPU preset with flag overrides (a GPU without a preset needs every figure)."""
+    """The GPU preset with flag overrides (a GPU without a preset needs every figure); every figure finite."""
+    for name, value in vars(args).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"--{name.replace('_', '-')} = {value} must be a finite number")
     given = {name: getattr(args, name) for name in OVERRIDES if getattr(args, name) is not None}
     for name, value in given.items():
         if value < 0 or (value == 0 and name != "exchange_latency_us"):
@@ -108,7 +112,7 @@ def machine_from(args: argparse.Namespace, default_gpn: int) -> Machine:
     else:
         base = gpu_preset(args.gpu or "h800")
     gpu = replace(base, **{OVERRIDES[n]: v for n, v in given.items()})
-    gpn = args.gpus_per_node or default_gpn
+    gpn = args.gpus_per_node if args.gpus_per_node is not None else default_gpn
     if gpn < 1:
         raise ValueError(f"--gpus-per-node = {gpn} must be >= 1")
     if args.gemm_efficiency is not None and not 0 < args.gemm_efficiency <= 1:

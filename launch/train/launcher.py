@@ -26,6 +26,7 @@ from launch.config.run import RunConfig
 from launch.faults.watchdog import WATCHDOG_EXIT, on_rank_death
 from launch.parallel.device import backend_for, check_device
 from launch.parallel.spawn import WorkerError, run_processes
+from launch.train.rundir import check_resume, own_run_dir
 
 COLLECTIVE_TIMEOUT_S = 300.0  # rendezvous and every collective; a hung rank ends the run after this
 REFUSAL_WAIT_S = 30.0  # a rank refusing its launcher's world waits at most this long for the others to refuse too
@@ -270,7 +271,7 @@ def _spawn(cfg: RunConfig, launch: Launch, backend: str, threads: int, trainer: 
     attempt n > 0 logs to RUN_DIR/logs/restartN."""
     attempt = 0
     while True:
-        kwargs = {**train_kwargs, "resume": True} if attempt else train_kwargs
+        kwargs = {**train_kwargs, "resume": True, "require_checkpoint": False} if attempt else train_kwargs
         logs = Path(cfg.train.run_dir) / "logs"
         try:
             results = run_processes(
@@ -290,20 +291,42 @@ def _spawn(cfg: RunConfig, launch: Launch, backend: str, threads: int, trainer: 
 
 
 def launch_run(cfg: RunConfig, flags: NodeFlags = NodeFlags(), env: Mapping[str, str] | None = None,
-               trainer: Trainer | None = None, **train_kwargs: Any) -> list[dict]:
+               trainer: Trainer | None = None, start_over: bool = False, allow_data_change: bool = False,
+               **train_kwargs: Any) -> list[dict]:
     """Run cfg on the ranks its layout needs, however this process was started; rank 0's records ([] elsewhere).
 
     Raises LaunchError (before any process starts or any group forms) when the launch does not
     fit the layout, and launch.parallel.spawn.WorkerError when a spawned rank fails (the message
     names the rank, its exit code and its last traceback lines) in each of ops.max_restarts + 1
     attempts. trainer defaults to launch.train.loop.train; it runs on the current process group with
-    train_kwargs.
+    train_kwargs. The process of rank 0 (moe-train's own spawn: node 0's) holds the run directory for the
+    whole run (launch.train.rundir: refused, as a LaunchError, while another run holds it or when it holds
+    another run's files and neither train_kwargs' resume nor start_over accepts them); with resume, the
+    checkpoint to continue is checked first (launch.train.rundir.check_resume; allow_data_change lets the data
+    settings differ, the new data then read from its start).
     """
     env = os.environ if env is None else env
     launch = detect_launch(cfg.parallel.world_size, flags, env)
     check_launch(cfg, launch)
     backend = resolve_backend(cfg, launch.local_ranks)
     threads = threads_per_rank(launch.local_ranks, env)
+    resume = bool(train_kwargs.get("resume"))
+    if allow_data_change:
+        train_kwargs["resume_data"] = False
+    with contextlib.ExitStack() as held:
+        if launch.node_rank == 0 and launch.rank in (None, 0):
+            try:
+                held.enter_context(own_run_dir(cfg.train.run_dir, resume, start_over, train_kwargs.get("metrics_out")))
+                if resume:
+                    check_resume(cfg, train_kwargs.get("require_checkpoint", True), allow_data_change)
+            except ValueError as error:  # this rank alone refuses: its launcher stops the others
+                raise LaunchError(str(error)) from None
+        return _run(cfg, launch, backend, threads, env, trainer, train_kwargs)
+
+
+def _run(cfg: RunConfig, launch: Launch, backend: str, threads: int, env: Mapping[str, str], trainer: Trainer | None,
+         train_kwargs: dict) -> list[dict]:
+    """launch_run's ranks: spawned here, this process alone, or this process as one rank of its launcher's world."""
     if launch.rank is None and (launch.world_size > 1 or cfg.ops.max_restarts):
         return _spawn(cfg, launch, backend, threads, trainer, train_kwargs)
     torch.set_num_threads(threads)

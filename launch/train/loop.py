@@ -30,6 +30,7 @@ from launch.parallel.device import rank_device
 from launch.parallel.mesh import Mesh
 from launch.parallel.stages import Stage
 from launch.train.build import build_model, build_optimizer, sum_tp_partial_grads
+from launch.train.rundir import METRICS, rewind_metrics, run_identity
 from launch.train.step import (document_eos, evaluate, forward_backward, gather_step_stats, step_metrics,
                                update_expert_bias)
 from optim.lr_schedule import warmup_cosine
@@ -57,8 +58,14 @@ def checkpoint_dir(cfg: RunConfig) -> Path:
 
 
 def train(cfg: RunConfig, metrics_out: str | Path | None = None, resume: bool = False,
-          progress: bool = True, device: torch.device | None = None) -> list[dict]:
+          progress: bool = True, device: torch.device | None = None, require_checkpoint: bool = True,
+          resume_data: bool = True) -> list[dict]:
     """Train cfg's model on cfg's corpus with cfg's layout; returns the metric records on rank 0 ([] elsewhere).
+
+    resume: continue from the newest valid checkpoint in RUN_DIR/checkpoint (the metrics file is rewound to its
+    step); when there is none, launch.checkpoint.checkpointer.CheckpointRefused names each candidate, unless
+    require_checkpoint is False (then the run starts at step 0); without resume_data the sampler starts afresh
+    (the data changed: launch.train.rundir.check_resume).
 
     device: where this rank computes; default train.device's choice (launch.parallel.device: cuda:LOCAL_RANK or
     the CPU). A rehearsal (launch.plan.rehearse) hands in `meta` under a fake process group: the step runs
@@ -68,12 +75,12 @@ def train(cfg: RunConfig, metrics_out: str | Path | None = None, resume: bool = 
     if device.type == "cuda":
         torch.cuda.set_device(device)
     with process_group(device):
-        return _train(cfg, metrics_out, resume, progress, device)
+        return _train(cfg, metrics_out, resume, require_checkpoint, resume_data, progress, device)
 
 
 
-def _train(cfg: RunConfig, metrics_out: str | Path | None, resume: bool, progress: bool,
-           device: torch.device) -> list[dict]:
+def _train(cfg: RunConfig, metrics_out: str | Path | None, resume: bool, require_checkpoint: bool, resume_data: bool,
+           progress: bool, device: torch.device) -> list[dict]:
     settings = cfg.train
     mesh = Mesh(cfg.layout)
     lead = mesh.rank == 0
@@ -91,12 +98,13 @@ def _train(cfg: RunConfig, metrics_out: str | Path | None, resume: bool, progres
         print("rehearsal on the meta device: checkpoints (DCP writes real storage) and the step-progress watchdog "
               "(the rendezvous store of every rank) are skipped", flush=True)
     checkpointer = None if rehearsal else Checkpointer(checkpoint_dir(cfg), cfg.ops.keep_checkpoints,
-                                                       cfg.ops.async_checkpoint)
+                                                       cfg.ops.async_checkpoint,
+                                                       run_identity(settings.run_dir) if lead else None)
     state = TrainState(stages, optimizer, scheduler, batches, StepGuard(cfg.ops))
     with Preemption() as preemption, run_watchdog(cfg.ops, settings.run_dir, mesh.rank, mesh.layout.world_size,
                                                   enabled=not rehearsal) as phases:
         phases.enter("load", long=True)
-        start = checkpointer.load(state) if resume and checkpointer else 0
+        start = checkpointer.load(state, resume_data, required=require_checkpoint) if resume and checkpointer else 0
         records = _loop(cfg, mesh, stages, runtime, state, checkpointer, eval_batches, start, metrics_out,
                         progress, preemption, phases)
     if checkpointer is not None:
@@ -114,8 +122,10 @@ def _loop(cfg: RunConfig, mesh: Mesh, stages: list[Stage], runtime: PipelineRunt
     lead = mesh.rank == 0
     guard = state.guard
     skipped = 0
-    writers = [JsonlWriter(Path(metrics_out) if metrics_out else Path(settings.run_dir) / "metrics.jsonl",
-                           append=start > 0)] if lead else []
+    metrics = Path(metrics_out) if metrics_out else Path(settings.run_dir) / METRICS
+    if lead and start > 0:
+        rewind_metrics(metrics, start)
+    writers = [JsonlWriter(metrics, append=start > 0)] if lead else []
     if lead and settings.tensorboard:
         writers.append(TensorBoardWriter(Path(settings.run_dir) / "tensorboard"))
     records = []

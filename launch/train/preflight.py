@@ -3,22 +3,25 @@
 build_config already refuses unknown sections and keys, wrong types, out-of-range values and
 inconsistent layouts; check_run adds what needs the whole config or the machine: finite numbers,
 optimizer ranges, the tokenizer (its vocabulary within model.vocab_size), the data (the corpus readable and
-large enough for one micro-batch; prepared sources complete, of the configured tokenizer, every shard's CRC-32
-intact), a writable run directory and model.init_from (a Hugging Face folder of this model: launch.checkpoint.hf.load).
-Every error names the field and what is allowed.
+large enough for one micro-batch; prepared sources complete, of the configured tokenizer, every shard of its
+listed size), a writable run directory and model.init_from (a Hugging Face folder of this model: launch.checkpoint.hf.load).
+Every error names the field and what is allowed. A launch reads no shard's contents here (each rank checks the
+shards it opens: launch.data.shards); `moe-train --check` (verify) also checks every shard's CRC-32, those of
+data.sources and of the corpus the run directory holds prepared.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from pathlib import Path
 
 from launch.checkpoint.hf.load import check_init_from
 from launch.config.run import RunConfig, load_config
-from launch.data.feed import corpus_files
-from launch.data.shards import Prepared
+from launch.data.feed import corpus_files, corpus_key
+from launch.data.shards import Prepared, read_manifest
 from launch.data.tokenizer import load_tokenizer
 from launch.parallel.device import check_device
 
@@ -43,8 +46,9 @@ def _check_optimizer(cfg: RunConfig) -> None:
         raise ValueError(f"train.weight_decay = {cfg.train.weight_decay!r} must be >= 0")
 
 
-def _check_corpus(cfg: RunConfig) -> None:
-    """The corpus's files hold at least one micro-batch of training tokens (one byte is one token)."""
+def _check_corpus(cfg: RunConfig, verify: bool) -> None:
+    """The corpus's files hold at least one micro-batch of training tokens (one byte is one token); with verify,
+    the run directory's prepared copy of this corpus (if any) is intact."""
     files = corpus_files(cfg.data.corpus)
     unreadable = [str(f) for f in files if not os.access(f, os.R_OK)]
     if unreadable:
@@ -55,11 +59,16 @@ def _check_corpus(cfg: RunConfig) -> None:
         raise ValueError(f"data.corpus = {cfg.data.corpus!r} with data.max_bytes = {cfg.data.max_bytes} gives about "
                          f"{tokens} tokens, fewer than one micro-batch (train.micro_batch_size x (train.seq_len + 1) "
                          f"= {needed}): give a larger corpus or lower those fields")
+    prepared = Path(cfg.train.run_dir) / "data"
+    manifest = read_manifest(prepared)
+    if verify and manifest is not None and manifest["complete"] and manifest["key"] == corpus_key(cfg.data):
+        Prepared(prepared, verify=True, field="data.corpus")
 
 
-def _check_data(cfg: RunConfig) -> None:
+def _check_data(cfg: RunConfig, verify: bool) -> None:
     """The tokenizer loads and model.vocab_size covers it; then the corpus, or every prepared source (manifest
-    complete, made by this tokenizer, shards of the listed sizes and CRC-32s, at least one row each)."""
+    complete, made by this tokenizer, shards of the listed sizes (with verify: and CRC-32s), at least one row
+    each)."""
     data, width = cfg.data, cfg.train.seq_len + 1
     tokenizer = load_tokenizer(data.tokenizer)
     if cfg.model.vocab_size < tokenizer.vocab_size:
@@ -67,12 +76,12 @@ def _check_data(cfg: RunConfig) -> None:
                          f"= {data.tokenizer!r} ({tokenizer.vocab_size} ids): allowed model.vocab_size >= "
                          f"{tokenizer.vocab_size}")
     if not data.sources:
-        _check_corpus(cfg)
+        _check_corpus(cfg, verify)
         return
     rows = 0
     for name, entries in (("data.sources", data.sources), ("data.eval_sources", data.eval_sources)):
         for i, source in enumerate(entries):
-            tokens = Prepared(source["path"], tokenizer.digest, verify=True, field=f"{name}[{i}].path").tokens
+            tokens = Prepared(source["path"], tokenizer.digest, verify=verify, field=f"{name}[{i}].path").tokens
             if tokens < width:
                 raise ValueError(f"{name}[{i}].path = {source['path']!r} holds {tokens} tokens, fewer than one row "
                                  f"of train.seq_len + 1 = {width}")
@@ -104,14 +113,16 @@ def _check_init_from(cfg: RunConfig) -> None:
         check_init_from(cfg.model)
 
 
-def check_run(cfg: RunConfig) -> None:
-    """Raise ValueError naming the field unless the whole run can start (no process is spawned)."""
-    for check in (_check_finite, _check_optimizer, _check_machine, _check_data, _check_run_dir, _check_init_from):
+def check_run(cfg: RunConfig, verify: bool = False) -> None:
+    """Raise ValueError naming the field unless the whole run can start (no process is spawned); with verify, every
+    prepared shard's CRC-32 too."""
+    for check in (_check_finite, _check_optimizer, _check_machine, functools.partial(_check_data, verify=verify),
+                  _check_run_dir, _check_init_from):
         check(cfg)
 
 
-def check_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
-    """load_config plus check_run: the config `moe-train --check` accepts."""
+def check_config(path: str | Path, overrides: list[str] = (), verify: bool = False) -> RunConfig:
+    """load_config plus check_run: the config a launch (verify: `moe-train --check`) accepts."""
     cfg = load_config(path, overrides)
-    check_run(cfg)
+    check_run(cfg, verify)
     return cfg

@@ -50,19 +50,25 @@ def folders(tmp_path):
     return {name: str(path) for name, path in paths.items()}
 
 
-def run_check(tmp_path, model: dict, data: dict, capsys) -> str:
-    """moe-train with and without --check on this [model]/[data]: both exit 2; their shared message."""
+def run_check(tmp_path, model: dict, data: dict, capsys, launch_refuses: bool = True) -> str:
+    """moe-train with and without --check on this [model]/[data]: both exit 2; their shared message. Unless
+    launch_refuses, only --check refuses (it reads every shard); a launch goes on to the ranks, which check the
+    shards they open (tests/launch/data/test_verified_reads.py)."""
     sections = {"model": {**MODEL, **model}, "data": data,
                 "train": {"steps": 2, "micro_batch_size": 2, "seq_len": 16, "run_dir": str(tmp_path / "run")}}
     path = tmp_path / "run.toml"
     path.write_text("".join(f"[{s}]\n" + "".join(f"{k} = {toml(v)}\n" for k, v in values.items())
                             for s, values in sections.items()))
     errors = []
-    for flags in (["--check"], []):
+    for flags in (["--check"], []) if launch_refuses else (["--check"],):
         assert main(["--config", str(path), "--no-progress", *flags], trainer=never_called) == 2
         errors.append(capsys.readouterr().err)
-    assert errors[0] == errors[1] and "invalid config" in errors[0]
+    assert errors[0] == errors[-1] and "invalid config" in errors[0]
     assert not (tmp_path / "run").exists()  # nothing written
+    if not launch_refuses:
+        launched = []
+        assert main(["--config", str(path), "--no-progress"], trainer=lambda *a, **k: launched.append(1) or []) == 0
+        assert launched
     return errors[0]
 
 
@@ -121,7 +127,8 @@ def test_bad_data_inputs_are_refused_naming_the_field(name, data, wanted, tmp_pa
             resolved[key] = entries
     if resolved.get("tokenizer") == "SHIPPED":
         resolved["tokenizer"] = str(SHIPPED_TOKENIZER)
-    err = run_check(tmp_path, {"vocab_size": 512} if "tokenizer" in data else {}, resolved, capsys)
+    err = run_check(tmp_path, {"vocab_size": 512} if "tokenizer" in data else {}, resolved, capsys,
+                    launch_refuses=name != "corrupted shard")
     for text in wanted:
         assert text in err, err
 

@@ -17,6 +17,7 @@ import launch.data.feed as data
 from launch.data.feed import ByteTokenizer, DataFeed, MicroBatch, prepare_corpus
 from launch.data.sampler import Blend, RowPermutation
 from launch.data.shards import MANIFEST, Prepared, new_manifest, write_manifest
+from launch.files import crc32
 from tests.launch.data_helpers import ROOT, config, tagged_source, write_corpus
 
 CPU = torch.device("cpu")
@@ -363,7 +364,7 @@ def _growth(source: Path, run_dir: Path) -> dict:
 
 def sparse_source(folder: Path, tokens: int) -> Path:
     """A prepared dataset of one uint16 shard of `tokens` tokens written as a sparse numpy memmap (zeros but a
-    few marks), with its manifest (CRCs computed, as the reader checks sizes only)."""
+    few marks), with its manifest (CRCs computed: the reader checks a shard's where it opens it)."""
     folder.mkdir()
     shard = np.memmap(folder / "00000.tokens", dtype="<u2", mode="w+", shape=(tokens,))
     shard[:: 1 << 24] = 7
@@ -373,8 +374,8 @@ def sparse_source(folder: Path, tokens: int) -> Path:
     ends.tofile(folder / "00000.docs")
     manifest = new_manifest(ByteTokenizer(), {"synthetic": tokens})
     manifest.update(tokens=tokens, documents=1, complete=True,
-                    shards=[{"name": "00000", "tokens": tokens, "documents": 1, "tokens_crc32": 0,
-                             "docs_crc32": 0}])
+                    shards=[{"name": "00000", "tokens": tokens, "documents": 1,
+                             "tokens_crc32": crc32(folder / "00000.tokens"), "docs_crc32": crc32(folder / "00000.docs")}])
     write_manifest(folder, manifest)
     return folder
 

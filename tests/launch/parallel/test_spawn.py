@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from launch.parallel import spawn
-from launch.parallel.spawn import IMPORT_ENV, WorkerError, run_processes
+from launch.parallel.spawn import IMPORT_ENV, RankRefusal, WorkerError, WorkerRefusal, run_processes
 
 pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
 
@@ -41,6 +41,19 @@ def test_failing_rank_raises_with_traceback_and_does_not_hang():
     with pytest.raises(WorkerError, match="rank one fails on purpose"):
         run_processes(_rank_one_fails_others_wait, 2, timeout_s=20)
     assert time.monotonic() - start < 60
+
+
+def _rank_one_refuses_others_wait(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise RankRefusal("shard 00003.tokens is corrupted")
+    dist.barrier()
+
+
+def test_a_refusing_rank_is_reported_by_its_message_alone():
+    """A RankRefusal ends the run as a WorkerRefusal whose message is the refusal's, no traceback, no peer's error."""
+    with pytest.raises(WorkerRefusal) as refused:
+        run_processes(_rank_one_refuses_others_wait, 2, timeout_s=20)
+    assert str(refused.value) == "shard 00003.tokens is corrupted"
 
 
 def _loop_on_collectives(rank: int, world_size: int, pid_dir: str) -> None:
