@@ -3,7 +3,8 @@
 Format. A checkpoint is one folder RUN_DIR/checkpoint/stepNNNNNNNN written by DCP. Every tensor has the
 single-process key and full shape, experts one key each ("model/blocks.3.ffn.experts.w_down.5" is expert 5
 of layer 3 wherever it lived): model/KEY (params and buffers), optim/KEY/KIND (optimizer state: AdamW's
-exp_avg, exp_avg_sq, step; master only where it is not the param itself, e.g. bf16 params), data/, sched/,
+exp_avg, exp_avg_sq in optim.moment_dtype, step; master only where it is not the param itself, e.g. bf16 params;
+ema, the weight EMA, when optim.ema_decay keeps one), data/, sched/,
 meta/, guard/ (the spike guard's history), rng/rankNNNNN. A tensor is stored as rectangles (DCP chunks),
 each written by the one rank that holds it: ZeRO-1 hands out, per param, the runs of its flattened
 elements its shard holds (ZeroOptimizer.pieces: views, no gather); launch.parallel.placement maps a run to at
@@ -29,6 +30,7 @@ import functools
 import os
 import shutil
 import sys
+import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +45,7 @@ from launch.checkpoint.chunks import Chunks, HostStager, LoadPlanner, Reader, Sa
 from launch.faults.guard import StepGuard
 from launch.parallel.placement import EXPERT_KEY, Placement, placements
 from launch.checkpoint.manifest import MANIFEST, file_table, latest_valid, publish, published, verify
+from optim.ema import EMA_KEY
 from optim.shard import MASTER_KEY, Piece
 from optim.zero import ZeroOptimizer
 
@@ -118,10 +121,13 @@ class TrainState:
         saved = metadata.state_dict_metadata
         pieces = self.optimizer.pieces()
         elementwise, scalars = _saved_kinds(saved, self.places, self.names, pieces)
+        ema = EMA_KEY in elementwise and self.optimizer.ema is not None  # else the EMA restarts from the masters
+        elementwise = [kind for kind in elementwise if kind != EMA_KEY]  # not the inner optimizers' state
         if bind:
             self.optimizer.reset_state(elementwise, {k: torch.zeros(m.size, dtype=m.properties.dtype)
                                                      for k, m in scalars.items()})
             pieces = self.optimizer.pieces()
+            _warn_converted(saved, self.places, self.names, pieces, elementwise)
         wanted: dict[str, object] = {}
         for piece in pieces:
             place = self.places[self.names[id(piece.param)]]
@@ -129,7 +135,7 @@ class TrainState:
             own = master.dtype == piece.param.dtype
             first = _add(wanted, "model/{}" if own else f"optim/{{}}/{MASTER_KEY}", place, piece.start, master,
                          bind)[0]
-            for kind in elementwise:
+            for kind in elementwise + [EMA_KEY] * ema:
                 _add(wanted, f"optim/{{}}/{kind}", place, piece.start, piece.state[kind] if bind else master, bind)
             for kind, meta in scalars.items():
                 wanted[f"optim/{first}/{kind}"] = torch.empty(meta.size, dtype=meta.properties.dtype)
@@ -161,6 +167,10 @@ class TrainState:
             for kind, value in piece.scalars.items():
                 value.copy_(wanted[f"optim/{first}/{kind}"])
         self.optimizer.gather_params()
+        if self.optimizer.ema is not None and not any(key.endswith(f"/{EMA_KEY}") for key in wanted):
+            warnings.warn("the checkpoint holds no weight EMA (saved with optim.ema_decay = 0.0): the EMA starts from "
+                          "the loaded weights", stacklevel=2)
+            self.optimizer.ema.reset()
         epoch = int(wanted["sched/last_epoch"])
         self.scheduler.last_epoch = epoch
         for group, base, rule in zip(self.optimizer.param_groups, self.scheduler.base_lrs, self.scheduler.lr_lambdas):
@@ -186,6 +196,22 @@ def _param_values(piece: Piece) -> Tensor:
     if piece.param.untyped_storage().nbytes() == 0:
         return master.to(piece.param.dtype)
     return piece.param.detach().view(-1)[piece.start:piece.start + piece.length]
+
+
+def _warn_converted(saved: dict, places: dict[str, Placement], names: dict[int, str], pieces: list[Piece],
+                    elementwise: list[str]) -> None:
+    """One warning when the checkpoint stores optimizer-state kinds in another dtype than this run keeps them (AdamW's
+    moments saved under another optim.moment_dtype): they are converted as they are read."""
+    if not pieces:
+        return
+    prefix = f"optim/{_first_key(places[names[id(pieces[0].param)]], pieces[0])}/"
+    converted = {kind: saved[prefix + kind].properties.dtype for kind in elementwise
+                 if saved[prefix + kind].properties.dtype != pieces[0].state[kind].dtype}
+    if converted:
+        kinds = ", ".join(sorted(converted))
+        warnings.warn(f"the checkpoint stores {kinds} in {next(iter(converted.values()))}, this run keeps them in "
+                      f"{pieces[0].state[next(iter(converted))].dtype} (optim.moment_dtype): converted on load",
+                      stacklevel=3)
 
 
 def _first_key(place: Placement, piece: Piece) -> str:
