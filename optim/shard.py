@@ -122,6 +122,7 @@ class ShardedParams:
         self.zero_grad(set_to_none=False)
         self.bucket_params = [[i for i, b in enumerate(self.layout.bucket_of) if b == bucket]
                               for bucket in range(len(self.layout.buckets))]
+        self._stored: dict[tuple[torch.Tensor, str], torch.Tensor] = {}  # narrow state entries during a step
         self.ema_values: list[torch.Tensor] | None = None  # per bucket: the host EMA of its master (optim.ema), if kept
         self.listener: Callable[[int], None] | None = None  # told each param index whose grad came in
         self.launched: set[int] = set()  # buckets whose reduction started and is not finished
@@ -161,6 +162,10 @@ class ShardedParams:
         """One inner optimizer per bucket, so each bucket's gather starts as soon as it is updated."""
         self.optims = [optimizer_class([{**hyper, "params": chunks}], **defaults)
                        for chunks in self.bucket_chunks]
+        if self.state_dtype != self.master_dtype:  # state stored narrower: widened around each step (fp32 update)
+            for optim, chunks in zip(self.optims, self.bucket_chunks):
+                optim.register_step_pre_hook(functools.partial(self._widen, chunks))
+                optim.register_step_post_hook(functools.partial(self._narrow, chunks))
 
     def zero_grad(self, set_to_none: bool) -> None:
         """Drop fp32 grads (set_to_none) or bind them to the zeroed bucket buffers; zero the sums. With
@@ -303,7 +308,7 @@ class ShardedParams:
                 arrived[i].synchronize()  # host sync by design: the host's update reads the grad shard just copied
             optim = self.optims[i]
             optim.param_groups[0].update(hyper)
-            self._inner_step(optim, self.bucket_chunks[i])
+            optim.step()
             if not self.shard_params:  # ZeRO-3 gathers a param where it is used next
                 started, piece = self._gather_bucket(self.param_flat, self.masters[i], self.layout.buckets[i])
                 works += started
@@ -311,28 +316,26 @@ class ShardedParams:
         _wait(works)
         self.launched.clear()
 
-    def _inner_step(self, optim: torch.optim.Optimizer, chunks: Sequence[torch.nn.Parameter]) -> None:
-        """One inner optimizer's step with its elementwise state (AdamW's moments) stored in state_dtype: each entry
-        is widened to the master dtype (exactly), updated there by the optimizer in the master dtype's arithmetic,
-        and stored back once, so a narrower state_dtype rounds each entry once per step. The widened copies, one
-        bucket's shard per entry, live only during the step."""
-        if self.state_dtype == self.master_dtype:
-            optim.step()
-            return
-        stored = {}
+    def _widen(self, chunks: Sequence[torch.nn.Parameter], optim: torch.optim.Optimizer, *_: Any) -> None:
+        """Step pre-hook of an inner optimizer whose elementwise state (AdamW's moments) is stored in a narrower
+        state_dtype: hand it each entry widened to the master dtype (exactly), keeping the stored tensor."""
         for chunk in chunks:
             entry = optim.state.get(chunk, {})
             for key, value in entry.items():
                 if _elementwise(value, chunk):
-                    stored[chunk, key] = value
+                    self._stored[chunk, key] = value
                     entry[key] = value.to(self.master_dtype)
-        optim.step()
+
+    def _narrow(self, chunks: Sequence[torch.nn.Parameter], optim: torch.optim.Optimizer, *_: Any) -> None:
+        """Step post-hook (see _widen): store each entry back in state_dtype, rounded once per step (the widened
+        copies, one bucket's shard per entry, lived only during the step). A per-optimizer hook runs before the
+        global ones, so memory trackers hooked there (the rehearsal's) see the stored state."""
         for chunk in chunks:
             entry = optim.state[chunk]
             for key, value in entry.items():
                 if _elementwise(value, chunk):
-                    narrow = stored.get((chunk, key))
-                    entry[key] = value.to(self.state_dtype) if narrow is None else narrow.copy_(value)
+                    stored = self._stored.pop((chunk, key), None)
+                    entry[key] = value.to(self.state_dtype) if stored is None else stored.copy_(value)
 
     def gather_full(self, shard: torch.Tensor) -> torch.Tensor:
         """A new flat buffer (the shard's dtype) holding every rank's piece of a shard-shaped tensor."""

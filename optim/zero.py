@@ -122,7 +122,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     masters back (see ShardedParams.step).
     state_dtype (e.g. torch.bfloat16, DeepSeek-V3's AdamW moments; None: the masters' dtype) stores every elementwise
     entry of the inner optimizers' state (AdamW's exp_avg, exp_avg_sq) in that dtype, on the device or offloaded;
-    each step widens them to the masters' dtype, updates them there and rounds them once (ShardedParams._inner_step).
+    each step widens them to the masters' dtype, updates them there and rounds them once (ShardedParams._widen, _narrow).
     ema_decay > 0 keeps an exponential moving average of this rank's masters on ema_host (host memory; optim.ema), updated
     in the background after each step; pieces() hand it out beside the masters (checkpointed and resharded as they are).
     """
@@ -351,7 +351,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         the full fp32 grad sums of params whose .grad is not bound to them (bf16 params), ZeRO-2's grad shards (ZeRO-1
         reduces in place: its reduced grads are its own pieces of the full sums, no separate copy), fp32 master shards held apart from the params (bf16 params), masters of the params' dtype held apart
         from them (param_shards: ZeRO-3, offload), the p2p receive scratch, the host copies of the reduced grad
-        shards (offload)."""
+        shards (offload), the weight EMA's host buffers (host_ema: never on the device)."""
         return {"grad_sums": sum(g.untyped_storage().nbytes() for s in self._shards if not s.binds_grads
                                  for g in s.grad_buckets),
                 "grad_shards": sum(s.grad.nbytes for s in self._shards if s.shard_grads),
@@ -359,7 +359,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "param_shards": sum(m.nbytes for s in self._shards for m in s.masters
                                     if (s.shard_params or s.host is not None) and m.dtype == s.param_flat.dtype),
                 "host_grads": sum(s.host_grad.nbytes for s in self._shards if s.host is not None),
-                "scratch": sum(s._scratch.nbytes for s in self._shards)}
+                "scratch": sum(s._scratch.nbytes for s in self._shards),
+                "host_ema": 0 if self.ema is None else self.ema.nbytes()}
 
     def pieces(self) -> list[Piece]:
         """This rank's pieces of every param: the runs of its flattened elements the local shards hold, each with

@@ -50,6 +50,9 @@ from optim.shard import MASTER_KEY, Piece
 from optim.zero import ZeroOptimizer
 
 
+WEIGHTS = ("model", EMA_KEY)  # what consolidate and `moe-train export --weights` write: the weights or their EMA
+
+
 def _add(flat: dict[str, object], fqn: str, place: Placement, start: int, data: Tensor, bind: bool = True) -> list[str]:
     """Put the rectangles of data (a run of a stage tensor's elements from start) under fqn.format(key) as Chunks
     (the views themselves, or only their geometry when not bind); returns the keys touched, in order."""
@@ -344,14 +347,26 @@ def checkpoint_folder(path: str | Path) -> Path:
     return folder
 
 
-def consolidate(path: str | Path) -> dict[str, Tensor]:
+def consolidate(path: str | Path, weights: str = "model") -> dict[str, Tensor]:
     """The single-process MoETransformer state dict of a checkpoint (a step folder, or a run's checkpoint
-    root: its latest valid one), experts stacked back in id order; no process group needed."""
+    root: its latest valid one), experts stacked back in id order; no process group needed. weights "ema": each
+    parameter's weight EMA (optim/KEY/ema, kept by optim.ema_decay) in the parameter's dtype instead of its value
+    (buffers, which have none, as saved)."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights = {weights!r} is not allowed; choose one of {', '.join(map(repr, WEIGHTS))}")
     folder = checkpoint_folder(path)
     metadata = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-    wanted = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items()
-              if k.startswith("model/") and isinstance(m, TensorStorageMetadata)}
+    models = {k: m for k, m in metadata.items() if k.startswith("model/") and isinstance(m, TensorStorageMetadata)}
+    source = {k: k for k in models}
+    if weights == EMA_KEY:
+        source = {k: f"optim/{k.removeprefix('model/')}/{EMA_KEY}" for k in models}
+        source = {k: e if e in metadata else k for k, e in source.items()}
+        if source == {k: k for k in models}:
+            raise ValueError(f"{folder} holds no weight EMA: it was saved by a run with optim.ema_decay = 0.0")
+    wanted = {source[k]: torch.empty(metadata[source[k]].size, dtype=metadata[source[k]].properties.dtype)
+              for k in models}
     dcp.load(wanted, checkpoint_id=str(folder), no_dist=True)
+    wanted = {k: wanted[source[k]].to(m.properties.dtype) for k, m in models.items()}
     full: dict[str, Tensor] = {}
     experts: dict[str, dict[int, Tensor]] = {}
     for key, value in wanted.items():
@@ -366,20 +381,20 @@ def consolidate(path: str | Path) -> dict[str, Tensor]:
     return full
 
 
-def export(path: str | Path, out: str | Path) -> Path:
-    """Write consolidate(path) as one torch.save file that MoETransformer.load_state_dict takes. With
+def export(path: str | Path, out: str | Path, weights: str = "model") -> Path:
+    """Write consolidate(path, weights) as one torch.save file that MoETransformer.load_state_dict takes. With
     model.vocab_multiple, embed.weight and lm_head.weight hold the padded vocab's rows (moe.vocab): a model of the same
     config loads them; an unpadded one takes their first model.vocab_size rows."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    torch.save(consolidate(path), tmp)
+    torch.save(consolidate(path, weights), tmp)
     os.replace(tmp, out)
     return out
 
 
 def export_main(argv: list[str]) -> int:
-    """`moe-train export CHECKPOINT OUT [--format torch|hf]`: CHECKPOINT is a step folder or a run's checkpoint root."""
+    """`moe-train export CHECKPOINT OUT [--format torch|hf] [--weights model|ema]`: CHECKPOINT is a step folder or a run's checkpoint root."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="moe-train export", description=export_main.__doc__)
@@ -388,13 +403,17 @@ def export_main(argv: list[str]) -> int:
                                     "hf: a new folder for a Hugging Face DeepSeek-V3 model (safetensors shards)")
     parser.add_argument("--format", choices=("torch", "hf"), default="torch", help="what to write (default torch)")
     parser.add_argument("--max-shard-bytes", type=int, help="hf: largest safetensors shard (default 5 GiB)")
+    parser.add_argument("--weights", choices=WEIGHTS, default="model",
+                        help="torch: the trained weights (default) or their EMA (saved by runs with optim.ema_decay)")
     args = parser.parse_args(argv)
     try:
+        if args.format == "hf" and args.weights != "model":
+            raise ValueError("--weights ema writes --format torch only (allowed with hf: --weights model)")
         if args.format == "hf":
             from launch.checkpoint.hf.export import MAX_SHARD_BYTES, export_hub
             path = export_hub(checkpoint_folder(args.checkpoint), args.out, args.max_shard_bytes or MAX_SHARD_BYTES)
         else:
-            path = export(args.checkpoint, args.out)
+            path = export(args.checkpoint, args.out, args.weights)
     except (ValueError, FileNotFoundError) as error:
         print(f"moe-train export: {error}", file=sys.stderr)
         return 2
