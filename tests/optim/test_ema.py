@@ -14,8 +14,6 @@ import threading
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from optim import ZeroOptimizer
 from optim.ema import EMA_KEY, HostEMA
@@ -23,13 +21,6 @@ from optim.ema import EMA_KEY, HostEMA
 SHAPES = [(32, 16), (300,), (5, 3)]
 DECAY = 0.9
 STEPS = 5
-
-
-@pytest.fixture
-def one_rank():
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def ema_error(stage: int, dtype: torch.dtype, seed: int, threads: set[str]) -> float:

@@ -22,21 +22,12 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from optim import ZeroOptimizer
 
 SHAPES = [(64, 48), (500,), (7, 9)]
 LR, BETAS, EPS, DECAY = 1e-2, (0.9, 0.95), 1e-8, 0.1
 STEPS = 4
-
-
-@pytest.fixture
-def one_rank():
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def reference_step(master, grad, m, v, step):
