@@ -34,16 +34,17 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 def model_state_bytes(optimizer: ZeroOptimizer, params: Iterable[torch.Tensor]) -> dict[str, int]:
     """Bytes this rank holds right now for the model states of params under optimizer: "params" (the storage the
     params view, freed storage counting 0, plus masters of their dtype kept apart: ZeRO-3's shards, offload's),
-    "grads" (full grad buffers held, the reduced shards, receive scratch, host copies, any .grad outside them)
-    and "optimizer" (held_optimizer_bytes: state and masters of another dtype)."""
+    "grads" (full grad buffers held, ZeRO-2's shards, host copies, any .grad outside them), "optimizer"
+    (held_optimizer_bytes: state and masters of another dtype) and "receive_rows" (the p2p exchange's receive rows,
+    gloo's: NCCL's in-place reduce-scatter has none, so they are kept apart from the grads a GPU holds)."""
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params}
     buffers = optimizer.buffer_bytes()
     apart = {g.untyped_storage().data_ptr() for s in optimizer._shards for g in s.grad_buckets}
     loose = sum(p.grad.nbytes for p in params if p.grad is not None and p.grad.untyped_storage().data_ptr() not in apart)
     held = sum(g.untyped_storage().nbytes() for s in optimizer._shards for g in s.grad_buckets)
     return {"params": sum(storages.values()) + buffers["param_shards"],
-            "grads": held + buffers["grad_shards"] + buffers["scratch"] + buffers["host_grads"] + loose,
-            "optimizer": held_optimizer_bytes(optimizer)}
+            "grads": held + buffers["grad_shards"] + buffers["host_grads"] + loose,
+            "optimizer": held_optimizer_bytes(optimizer), "receive_rows": buffers["scratch"]}
 
 
 def held_optimizer_bytes(optimizer: ZeroOptimizer) -> int:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from optim.ema import EMA_KEY
 from optim.flat_layout import Bucket, FlatLayout
 
 # torch 2.13 renamed the flat collectives (the old names warn there); torch 2.11-2.12 have only the old ones.
@@ -26,8 +27,9 @@ MASTER_KEY = "master"
 class Piece:
     """A run of one param's flattened elements that this rank's shard holds, with views of its state there.
 
-    state maps "master" and every elementwise entry of the inner optimizer's state (AdamW: exp_avg,
-    exp_avg_sq) to a 1-D view of `length` elements of the live tensors (no copy); scalars are the live
+    state maps "master", every elementwise entry of the inner optimizer's state (AdamW: exp_avg,
+    exp_avg_sq) and, when kept, "ema" (the host EMA of the master, optim.ema) to a 1-D view of `length`
+    elements of the live tensors (no copy); scalars are the live
     per-chunk entries (AdamW's step), shared by the other pieces of the same chunk.
     """
 
@@ -57,16 +59,18 @@ class ShardedParams:
     Collectives per bucket: "scatter_gather" is one reduce_scatter_single in and one
     all_gather_single out (NCCL, and what "auto" picks off gloo). "p2p" (what "auto" picks on
     gloo) is a direct exchange: every rank isends each peer that peer's piece of the bucket and
-    irecvs its own piece from every peer (the first straight into the grad shard, the others
-    into a scratch of N-2 shards), then adds them up; the gather is the same exchange of the
-    updated pieces into the flat params. Both move (N-1)/N of the bucket each way per rank, as
+    irecvs its own piece from every peer into a receive row (N-1 rows of a shard), then adds them
+    onto its own piece in peer order; the gather is the same exchange of the updated pieces into
+    the flat params. Either way the reduction is in place: the reduced grads are this rank's own
+    pieces of the full fp32 buffers (self.reduced), which the inner optimizers read. Both move (N-1)/N of the bucket each way per rank, as
     ring collectives do; on gloo the exchange is the faster of the two (timings:
     docs/parallelism.md, ZeRO).
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], group: ProcessGroup | None,
                  bucket_cap: int, grad_divisor: float, collectives: str, shard_grads: bool = False,
-                 shard_params: bool = False, host: torch.device | None = None) -> None:
+                 shard_params: bool = False, host: torch.device | None = None,
+                 state_dtype: torch.dtype | None = None) -> None:
         self.params = list(params)
         self.group = group
         self.grad_divisor = grad_divisor
@@ -81,6 +85,7 @@ class ShardedParams:
         self.layout = FlatLayout.build([p.shape for p in self.params], world, rank, bucket_cap)
         dtype = self.params[0].dtype
         self.master_dtype = torch.promote_types(dtype, torch.float32)
+        self.state_dtype = state_dtype or self.master_dtype
         with torch.no_grad():
             self.param_flat = self.layout.flatten([p.detach() for p in self.params], dtype)
             for p, view in zip(self.params, self.layout.views(self.param_flat)):
@@ -93,27 +98,32 @@ class ShardedParams:
             else:
                 self.masters = (owned if dtype == self.master_dtype and not shard_params
                                 else [o.to(self.master_dtype, copy=True) for o in owned])
-        self.grad = torch.zeros(self.layout.shard_numel, dtype=self.master_dtype,
-                                device=self.param_flat.device)
-        # the inner optimizers' grads: the reduced shard itself, or (offload) its host copy
-        self.host_grad = (self.grad if host is None
-                          else _host_buffer(self.layout.shard_numel, self.master_dtype, host, self.grad.device))
-        self.bucket_chunks = [self._chunks(m, self.host_grad[b.shard])
-                              for m, b in zip(self.masters, self.layout.buckets)]
-        self.optims: list[torch.optim.Optimizer] = []
-        self.grad_buckets = [torch.zeros(b.numel, dtype=self.master_dtype, device=self.param_flat.device)
-                             for b in self.layout.buckets]
+        device = self.param_flat.device
+        self.grad_buckets = [torch.zeros(b.numel, dtype=self.master_dtype, device=device) for b in self.layout.buckets]
         self.grad_views = self.layout.bucket_views(self.grad_buckets)
         self.binds_grads = dtype == self.master_dtype and not shard_grads
-        # receive rows: ZeRO-1's reduction lands in the grad shard (p2p: plus N-2 rows for the other peers);
-        # ZeRO-2's lands in row 0 (p2p: N-1 rows), then is added to the shard, which sums every backward's
-        scratch_rows = (max(world - 2, 0) if collectives == "p2p" else 0) + shard_grads
-        self._scratch = torch.empty(scratch_rows, self.layout.shard_numel, dtype=self.master_dtype,
-                                    device=self.grad.device)
-        self._inboxes = list(self._scratch) if shard_grads else [self.grad, *self._scratch]
+        # every reduction is in place: a bucket's sums over the group land in this rank's own piece of its full
+        # buffer. ZeRO-1 keeps them there (no separate reduced shard); ZeRO-2 adds them to its grad shard, which sums
+        # the reductions of every backward while the full buffers are freed in between
+        self.grad = (torch.zeros(self.layout.shard_numel, dtype=self.master_dtype, device=device) if shard_grads
+                     else None)
+        self.reduced = [self.grad[b.shard] if shard_grads else flat[b.local_piece(b.rank)]
+                        for flat, b in zip(self.grad_buckets, self.layout.buckets)]
+        # the inner optimizers' grads: the reduced pieces themselves, or (offload) their host copy
+        self.host_grad = (None if host is None
+                          else _host_buffer(self.layout.shard_numel, self.master_dtype, host, device))
+        self.bucket_chunks = [self._chunks(m, reduced if host is None else self.host_grad[b.shard])
+                              for m, reduced, b in zip(self.masters, self.reduced, self.layout.buckets)]
+        self.optims: list[torch.optim.Optimizer] = []
+        # p2p receive rows, one per peer (the exchange cannot receive into the own piece, which holds this rank's
+        # sums until they are added up); scatter_gather reduces in place and needs none
+        rows = len(self.peers) if collectives == "p2p" else 0
+        self._scratch = torch.empty(rows, self.layout.shard_numel, dtype=self.master_dtype, device=device)
         self.zero_grad(set_to_none=False)
         self.bucket_params = [[i for i, b in enumerate(self.layout.bucket_of) if b == bucket]
                               for bucket in range(len(self.layout.buckets))]
+        self._stored: dict[tuple[torch.Tensor, str], torch.Tensor] = {}  # narrow state entries during a step
+        self.ema_values: list[torch.Tensor] | None = None  # per bucket: the host EMA of its master (optim.ema), if kept
         self.listener: Callable[[int], None] | None = None  # told each param index whose grad came in
         self.launched: set[int] = set()  # buckets whose reduction started and is not finished
         self._works: dict[int, list[dist.Work]] = {}
@@ -152,6 +162,10 @@ class ShardedParams:
         """One inner optimizer per bucket, so each bucket's gather starts as soon as it is updated."""
         self.optims = [optimizer_class([{**hyper, "params": chunks}], **defaults)
                        for chunks in self.bucket_chunks]
+        if self.state_dtype != self.master_dtype:  # state stored narrower: widened around each step (fp32 update)
+            for optim, chunks in zip(self.optims, self.bucket_chunks):
+                optim.register_step_pre_hook(functools.partial(self._widen, chunks))
+                optim.register_step_post_hook(functools.partial(self._narrow, chunks))
 
     def zero_grad(self, set_to_none: bool) -> None:
         """Drop fp32 grads (set_to_none) or bind them to the zeroed bucket buffers; zero the sums. With
@@ -217,12 +231,13 @@ class ShardedParams:
         self.launched.add(bucket)
 
     def _start_reduce(self, bucket: int) -> list[dist.Work]:
-        """Start reducing a bucket's grad sums; rank r's piece ends up on rank r (see _finish)."""
+        """Start reducing a bucket's grad sums in place: rank r's piece of the sums ends up in rank r's own piece of
+        its full buffer (scatter_gather: the reduce-scatter's output is that view of its input; p2p: the peers'
+        pieces arrive in the receive rows, added in _finish)."""
         b, flat = self.layout.buckets[bucket], self.grad_buckets[bucket]
         if self.collectives == "scatter_gather":
-            return [_reduce_scatter_flat(self._inboxes[0][b.shard], flat, group=self.group, async_op=True)]
-        return self._exchange([flat[b.local_piece(r)] for r in self.peers],
-                              [inbox[b.shard] for inbox in self._inboxes])
+            return [_reduce_scatter_flat(flat[b.local_piece(b.rank)], flat, group=self.group, async_op=True)]
+        return self._exchange([flat[b.local_piece(r)] for r in self.peers], [row[b.shard] for row in self._scratch])
 
     def _exchange(self, outgoing: list[torch.Tensor], incoming: list[torch.Tensor]
                   ) -> list[dist.Work]:
@@ -234,23 +249,19 @@ class ShardedParams:
         return works
 
     def _finish(self, i: int) -> None:
-        """Wait for bucket i's reduction (if pending), sum its pieces, divide by grad_divisor (ZeRO-2: add the
-        result to the grad shard and free the bucket's full buffer)."""
+        """Wait for bucket i's reduction (if pending), add up its pieces in place (p2p: the peers' rows onto the own
+        piece, in peer order), divide by grad_divisor (ZeRO-2: add the result to the grad shard and free the bucket's
+        full buffer)."""
         if i not in self._works:
             return
         _wait(self._works.pop(i))
         b = self.layout.buckets[i]
-        grad, own = self._inboxes[0][b.shard], self.grad_buckets[i][b.local_piece(b.rank)]
-        if self.collectives == "p2p":
-            if self.peers:
-                grad.add_(own)
-            else:
-                grad.copy_(own)
-            for inbox in self._inboxes[1:]:
-                grad.add_(inbox[b.shard])
-        grad.div_(self.grad_divisor)
+        own = self.grad_buckets[i][b.local_piece(b.rank)]
+        for row in self._scratch:
+            own.add_(row[b.shard])
+        own.div_(self.grad_divisor)
         if self.shard_grads:
-            self.grad[b.shard].add_(grad)
+            self.grad[b.shard].add_(own)
             self._free(i)
 
     def finish_completed(self) -> None:
@@ -259,7 +270,7 @@ class ShardedParams:
             self._finish(i)
 
     def finish_reduce(self) -> None:
-        """Wait for every started reduction; this rank's shard of the grad sums / grad_divisor is in self.grad."""
+        """Wait for every started reduction; this rank's pieces of the grad sums / grad_divisor are in self.reduced."""
         for i in reversed(range(len(self.layout.buckets))):
             self._finish(i)
         self.launched.clear()
@@ -289,8 +300,8 @@ class ShardedParams:
             for i in reversed(range(len(self.layout.buckets))):
                 self._finish(i)
                 shard = self.layout.buckets[i].shard
-                self.host_grad[shard].copy_(self.grad[shard], non_blocking=True)
-                arrived[i] = _copied(self.grad.device)
+                self.host_grad[shard].copy_(self.reduced[i], non_blocking=True)
+                arrived[i] = _copied(self.reduced[i].device)
         for i in reversed(range(len(self.layout.buckets))):
             self._finish(i)
             if i in arrived and arrived[i] is not None:
@@ -304,6 +315,27 @@ class ShardedParams:
                 pieces.append(piece)
         _wait(works)
         self.launched.clear()
+
+    def _widen(self, chunks: Sequence[torch.nn.Parameter], optim: torch.optim.Optimizer, *_: Any) -> None:
+        """Step pre-hook of an inner optimizer whose elementwise state (AdamW's moments) is stored in a narrower
+        state_dtype: hand it each entry widened to the master dtype (exactly), keeping the stored tensor."""
+        for chunk in chunks:
+            entry = optim.state.get(chunk, {})
+            for key, value in entry.items():
+                if _elementwise(value, chunk):
+                    self._stored[chunk, key] = value
+                    entry[key] = value.to(self.master_dtype)
+
+    def _narrow(self, chunks: Sequence[torch.nn.Parameter], optim: torch.optim.Optimizer, *_: Any) -> None:
+        """Step post-hook (see _widen): store each entry back in state_dtype, rounded once per step (the widened
+        copies, one bucket's shard per entry, lived only during the step). A per-optimizer hook runs before the
+        global ones, so memory trackers hooked there (the rehearsal's) see the stored state."""
+        for chunk in chunks:
+            entry = optim.state[chunk]
+            for key, value in entry.items():
+                if _elementwise(value, chunk):
+                    stored = self._stored.pop((chunk, key), None)
+                    entry[key] = value.to(self.state_dtype) if stored is None else stored.copy_(value)
 
     def gather_full(self, shard: torch.Tensor) -> torch.Tensor:
         """A new flat buffer (the shard's dtype) holding every rank's piece of a shard-shaped tensor."""
@@ -320,8 +352,16 @@ class ShardedParams:
             master.copy_(full[b.owned])
 
     def sq_norm(self) -> torch.Tensor:
-        """Sum of squares (float64, shape [1]) of this rank's reduced grad shard."""
-        return torch.linalg.vector_norm(self.grad, dtype=torch.float64).square().reshape(1)
+        """Sum of squares (float64, shape [1]) of this rank's reduced grads (ZeRO-2: its grad shard; ZeRO-1: its
+        pieces, one per bucket)."""
+        pieces = [self.grad] if self.shard_grads else self.reduced
+        norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in pieces])
+        return norms.square().sum().reshape(1)
+
+    def scale_grads(self, coef: torch.Tensor) -> None:
+        """Multiply this rank's reduced grads by coef (on the device: no host sync)."""
+        for grad in [self.grad] if self.shard_grads else self.reduced:
+            grad.mul_(coef)
 
     def chunk_states(self) -> list[tuple[torch.Tensor, dict[str, Any]]]:
         """(chunk, its inner-optimizer state) for every chunk, in shard order."""
@@ -348,6 +388,8 @@ class ShardedParams:
                 n = min(length, CHUNK - offset)
                 entry = optim.state.get(chunks[chunk], {})
                 state = {MASTER_KEY: master[at:at + n]}
+                if self.ema_values is not None:
+                    state[EMA_KEY] = self.ema_values[bucket][at:at + n]
                 state.update({k: v[offset:offset + n] for k, v in entry.items() if _elementwise(v, chunks[chunk])})
                 scalars = {k: v for k, v in entry.items() if not _elementwise(v, chunks[chunk])}
                 out.append(Piece(self.params[index], start, n, state, scalars))
@@ -361,7 +403,8 @@ class ShardedParams:
                 optim.state.pop(chunk, None)
                 if elementwise or scalars:
                     entry = {k: v.to(chunk.device, copy=True) for k, v in scalars.items()}
-                    optim.state[chunk] = entry | {k: torch.zeros_like(chunk) for k in elementwise}
+                    optim.state[chunk] = entry | {k: torch.zeros_like(chunk, dtype=self.state_dtype)
+                                                  for k in elementwise}
 
     def gather_params(self) -> None:
         """All-gather every rank's master pieces into the model params (after the masters were written; ZeRO-3
@@ -377,11 +420,12 @@ class ShardedParams:
         _wait(works)
 
     def set_state(self, elementwise: Mapping[str, torch.Tensor], scalars: Mapping[str, Any]) -> None:
-        """Give the inner optimizers this shard's state (inverse of get_state)."""
+        """Give the inner optimizers this shard's state (inverse of get_state; elementwise entries in state_dtype)."""
         start = 0
         for optim, chunks in zip(self.optims, self.bucket_chunks):
             for chunk in chunks:
-                entry = {k: v[start:start + chunk.numel()].clone() for k, v in elementwise.items()}
+                entry = {k: v[start:start + chunk.numel()].to(self.state_dtype, copy=True)
+                         for k, v in elementwise.items()}
                 entry.update(copy.deepcopy(dict(scalars)))
                 optim.state[chunk] = entry
                 start += chunk.numel()

@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import warnings
 from typing import Any, Callable, Iterable, Iterator, Literal, Sequence, get_args
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from optim.ema import HostEMA
 from optim.grad_norm import global_sq_norm
 from optim.shard import MASTER_KEY, Piece, ShardedParams
 from optim.zero3 import Unit
@@ -19,6 +21,7 @@ LAYOUT_KEYS = ("process_group", "norm_groups", "grad_divisor", "norm_weight", "o
 COLLECTIVES = ("auto", "scatter_gather", "p2p")
 ZeroStage = Literal[1, 2, 3]  # what is sharded: optimizer state; also grads; also params
 STAGES = get_args(ZeroStage)
+MomentDtype = Literal["float32", "bfloat16"]  # what a trainer may store AdamW's moments in (state_dtype)
 FUSED_BY_DEFAULT = (torch.optim.Adam, torch.optim.AdamW)
 IMPLEMENTATION_KEYS = ("fused", "foreach", "differentiable")
 
@@ -94,7 +97,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     local, un-averaged sums over micro-batches (no DDP wrapper; non-fp32 grads are summed in
     fp32 inside ZeroOptimizer) and nothing is communicated during backward unless the last one runs
     inside reduce_during_backward(), which overlaps the reduction with it. step() (or
-    reduce_gradients()) reduce-scatters the sums in fp32, divided by each group's grad_divisor
+    reduce_gradients()) reduce-scatters the sums in fp32 in place (each rank's reduced grads are its own pieces of
+    the full fp32 buffer: no separate reduced copy), divided by each group's grad_divisor
     (default: its process-group size), updates the local shard and all-gathers the new params
     into the model. Param-group keys besides the optimizer's hyper-parameters: process_group
     (shard group, e.g. expert-data-parallel for experts), norm_groups (extra groups the grad
@@ -116,14 +120,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
     offload=host device ("cpu"; ZeRO-Offload, stage 1 or 2): the fp32 masters and the inner optimizers' state
     live there and the update runs there; step() copies each bucket's reduced grad shard to the host and its updated
     masters back (see ShardedParams.step).
+    state_dtype (e.g. torch.bfloat16, DeepSeek-V3's AdamW moments; None: the masters' dtype) stores every elementwise
+    entry of the inner optimizers' state (AdamW's exp_avg, exp_avg_sq) in that dtype, on the device or offloaded;
+    each step widens them to the masters' dtype, updates them there and rounds them once (ShardedParams._widen, _narrow).
+    ema_decay > 0 keeps an exponential moving average of this rank's masters on ema_host (host memory; optim.ema), updated
+    in the background after each step; pieces() hand it out beside the masters (checkpointed and resharded as they are).
     """
 
     def __init__(self, params: Iterable[Any],
                  optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
                  process_group: ProcessGroup | None = None, *, bucket_cap_mb: float = 25.0,
                  norm_groups: Sequence[ProcessGroup] = (), collectives: str = "auto",
-                 stage: int = 1, offload: torch.device | str | None = None, **defaults: Any) -> None:
+                 stage: int = 1, offload: torch.device | str | None = None, state_dtype: torch.dtype | None = None,
+                 ema_decay: float = 0.0, ema_host: torch.device | str = "cpu", **defaults: Any) -> None:
         groups = _param_groups(params)
+        if state_dtype is not None and not (isinstance(state_dtype, torch.dtype) and state_dtype.is_floating_point):
+            raise ValueError(f"state_dtype must be a floating-point torch.dtype (or None: the masters' dtype), "
+                             f"got {state_dtype!r}")
         if stage not in STAGES:
             raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
         if offload is not None and stage == 3:
@@ -152,7 +165,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         bucket_cap = max(1, int(bucket_cap_mb * 2**20) // 4)
         self._shards = [ShardedParams(g["params"], g["process_group"], bucket_cap,
                                       g["grad_divisor"], collectives, stage >= 2, "module" in g,
-                                      None if offload is None else torch.device(offload)) for g in groups]
+                                      None if offload is None else torch.device(offload), state_dtype) for g in groups]
+        self.ema: HostEMA | None = None
+        if ema_decay:
+            self.ema = HostEMA([m for shard in self._shards for m in shard.masters], ema_decay, torch.device(ema_host))
+            first = 0
+            for shard in self._shards:
+                shard.ema_values = self.ema.values[first:first + len(shard.masters)]
+                first += len(shard.masters)
         self._unit_order: list[Unit] = []
         by_module: dict[int, tuple[torch.nn.Module, list[ShardedParams]]] = {}
         for group, shard in zip(groups, self._shards):
@@ -161,7 +181,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._units = [Unit(module, shards, self._unit_order) for module, shards in by_module.values()]
         for group, shard in zip(groups, self._shards):
             shard.build_optimizers(optimizer_class, _hyper(group),
-                                   _inner_defaults(optimizer_class, defaults, shard.host_grad.device))
+                                   _inner_defaults(optimizer_class, defaults, shard.masters[0].device))
             group.update(_hyper(shard.optims[0].param_groups[0]))
         # one launch order for every bucket of every group (overlapped groups first, last bucket first): the
         # same on every rank, since collectives on a process group must start in the same order everywhere
@@ -281,7 +301,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         norm = global_sq_norm(parts).sqrt()
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # on the device: no host sync (x 1.0 is exact)
         for shard in self._shards:
-            shard.grad.mul_(coef)
+            shard.scale_grads(coef)
         return norm
 
     @torch.no_grad()
@@ -297,12 +317,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if not self._reduced:
             self._launch(flush=True)
+        self._ema_wait()  # the previous step's average may still be reading host masters
         for group, shard in zip(self.param_groups, self._shards):
             shard.step(_hyper(group))
+        if self.ema is not None:
+            self.ema.update()
         self.release_params()
         self._reset()
         self._reduced = False
         return loss
+
+    def _ema_wait(self) -> None:
+        """Finish the weight EMA's update in flight, if any (before the masters or the EMA are written or read)."""
+        if self.ema is not None:
+            self.ema.wait()
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for the optimizer: fp32 master shards and each state entry.
@@ -320,28 +348,32 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def buffer_bytes(self) -> dict[str, int]:
         """Bytes of this rank's ZeRO-1 buffers besides the params, their .grad and the inner optimizers' state:
-        the full fp32 grad sums of params whose .grad is not bound to them (bf16 params), the reduced grad
-        shards, fp32 master shards held apart from the params (bf16 params), masters of the params' dtype held apart
+        the full fp32 grad sums of params whose .grad is not bound to them (bf16 params), ZeRO-2's grad shards (ZeRO-1
+        reduces in place: its reduced grads are its own pieces of the full sums, no separate copy), fp32 master shards held apart from the params (bf16 params), masters of the params' dtype held apart
         from them (param_shards: ZeRO-3, offload), the p2p receive scratch, the host copies of the reduced grad
-        shards (offload)."""
+        shards (offload), the weight EMA's host buffers (host_ema: never on the device)."""
         return {"grad_sums": sum(g.untyped_storage().nbytes() for s in self._shards if not s.binds_grads
                                  for g in s.grad_buckets),
-                "grad_shards": sum(s.grad.nbytes for s in self._shards),
+                "grad_shards": sum(s.grad.nbytes for s in self._shards if s.shard_grads),
                 "masters": sum(m.nbytes for s in self._shards for m in s.masters if m.dtype != s.param_flat.dtype),
                 "param_shards": sum(m.nbytes for s in self._shards for m in s.masters
                                     if (s.shard_params or s.host is not None) and m.dtype == s.param_flat.dtype),
                 "host_grads": sum(s.host_grad.nbytes for s in self._shards if s.host is not None),
-                "scratch": sum(s._scratch.nbytes for s in self._shards)}
+                "scratch": sum(s._scratch.nbytes for s in self._shards),
+                "host_ema": 0 if self.ema is None else self.ema.nbytes()}
 
     def pieces(self) -> list[Piece]:
         """This rank's pieces of every param: the runs of its flattened elements the local shards hold, each with
         views of its master and optimizer state (no copy, no collective). A checkpoint writes and reads these
-        directly; every element of a param lies in exactly one piece across the param group's process group."""
+        directly; every element of a param lies in exactly one piece across the param group's process group. With a
+        weight EMA, its update in flight is finished first (the pieces hold views of it)."""
+        self._ema_wait()
         return [piece for shard in self._shards for piece in shard.pieces()]
 
     def reset_state(self, elementwise: Sequence[str], scalars: dict[str, torch.Tensor]) -> None:
         """Replace the inner optimizers' state by zeros for the elementwise entries and copies of scalars, so
         pieces() has views a checkpoint can be read into (nothing given: the state of a fresh optimizer)."""
+        self._ema_wait()
         for shard in self._shards:
             shard.reset_state(elementwise, scalars)
         self._reduced = False
@@ -381,6 +413,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state_dict() saved at any world size: re-slice this rank's shards, set the model params."""
+        self._ema_wait()
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"state_dict has {len(saved_groups)} param groups, this optimizer "
@@ -394,6 +427,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._load_group(shard, entries, state_dict["elementwise_keys"][i])
             self.param_groups[i].update({k: v for k, v in saved.items() if k != "params"})
         self.release_params()  # ZeRO-3: the next forward gathers the loaded masters
+        if self.ema is not None:  # a state_dict holds no EMA: it restarts from the loaded masters
+            self.ema.reset()
         self._reduced = False
 
     def _load_group(self, shard: ShardedParams, entries: list[dict[str, Any]],
@@ -404,6 +439,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         elementwise = {k: layout.shard_of(layout.flatten([e[k] for e in entries],
                                                          entries[0][k].dtype)) for k in keys}
         scalars = {k: v for k, v in entries[0].items() if k != MASTER_KEY and k not in keys}
+        converted = sorted(k for k, v in elementwise.items() if v.dtype != shard.state_dtype)
+        if converted:
+            warnings.warn(f"state_dict holds {', '.join(converted)} in {elementwise[converted[0]].dtype}, this "
+                          f"optimizer keeps them in {shard.state_dtype} (state_dtype): converted on load", stacklevel=3)
         shard.set_state(elementwise, scalars)
 
 

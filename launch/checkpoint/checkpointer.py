@@ -3,7 +3,8 @@
 Format. A checkpoint is one folder RUN_DIR/checkpoint/stepNNNNNNNN written by DCP. Every tensor has the
 single-process key and full shape, experts one key each ("model/blocks.3.ffn.experts.w_down.5" is expert 5
 of layer 3 wherever it lived): model/KEY (params and buffers), optim/KEY/KIND (optimizer state: AdamW's
-exp_avg, exp_avg_sq, step; master only where it is not the param itself, e.g. bf16 params), data/, sched/,
+exp_avg, exp_avg_sq in optim.moment_dtype, step; master only where it is not the param itself, e.g. bf16 params;
+ema, the weight EMA, when optim.ema_decay keeps one), data/, sched/,
 meta/, guard/ (the spike guard's history), rng/rankNNNNN. A tensor is stored as rectangles (DCP chunks),
 each written by the one rank that holds it: ZeRO-1 hands out, per param, the runs of its flattened
 elements its shard holds (ZeroOptimizer.pieces: views, no gather); launch.parallel.placement maps a run to at
@@ -29,6 +30,7 @@ import functools
 import os
 import shutil
 import sys
+import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,8 +46,12 @@ from launch.faults.guard import StepGuard
 from launch.parallel.placement import EXPERT_KEY, Placement, placements
 from launch.parallel.spawn import RankRefusal
 from launch.checkpoint.manifest import MANIFEST, STEP_DIR, file_table, latest_valid, publish, published, verify
+from optim.ema import EMA_KEY
 from optim.shard import MASTER_KEY, Piece
 from optim.zero import ZeroOptimizer
+
+
+WEIGHTS = ("model", EMA_KEY)  # what consolidate and `moe-train export --weights` write: the weights or their EMA
 
 
 def _add(flat: dict[str, object], fqn: str, place: Placement, start: int, data: Tensor, bind: bool = True) -> list[str]:
@@ -119,10 +125,13 @@ class TrainState:
         saved = metadata.state_dict_metadata
         pieces = self.optimizer.pieces()
         elementwise, scalars = _saved_kinds(saved, self.places, self.names, pieces)
+        ema = EMA_KEY in elementwise and self.optimizer.ema is not None  # else the EMA restarts from the masters
+        elementwise = [kind for kind in elementwise if kind != EMA_KEY]  # not the inner optimizers' state
         if bind:
             self.optimizer.reset_state(elementwise, {k: torch.zeros(m.size, dtype=m.properties.dtype)
                                                      for k, m in scalars.items()})
             pieces = self.optimizer.pieces()
+            _warn_converted(saved, self.places, self.names, pieces, elementwise)
         wanted: dict[str, object] = {}
         for piece in pieces:
             place = self.places[self.names[id(piece.param)]]
@@ -130,7 +139,7 @@ class TrainState:
             own = master.dtype == piece.param.dtype
             first = _add(wanted, "model/{}" if own else f"optim/{{}}/{MASTER_KEY}", place, piece.start, master,
                          bind)[0]
-            for kind in elementwise:
+            for kind in elementwise + [EMA_KEY] * ema:
                 _add(wanted, f"optim/{{}}/{kind}", place, piece.start, piece.state[kind] if bind else master, bind)
             for kind, meta in scalars.items():
                 wanted[f"optim/{first}/{kind}"] = torch.empty(meta.size, dtype=meta.properties.dtype)
@@ -162,6 +171,10 @@ class TrainState:
             for kind, value in piece.scalars.items():
                 value.copy_(wanted[f"optim/{first}/{kind}"])
         self.optimizer.gather_params()
+        if self.optimizer.ema is not None and not any(key.endswith(f"/{EMA_KEY}") for key in wanted):
+            warnings.warn("the checkpoint holds no weight EMA (saved with optim.ema_decay = 0.0): the EMA starts from "
+                          "the loaded weights", stacklevel=2)
+            self.optimizer.ema.reset()
         epoch = int(wanted["sched/last_epoch"])
         self.scheduler.last_epoch = epoch
         for group, base, rule in zip(self.optimizer.param_groups, self.scheduler.base_lrs, self.scheduler.lr_lambdas):
@@ -187,6 +200,22 @@ def _param_values(piece: Piece) -> Tensor:
     if piece.param.untyped_storage().nbytes() == 0:
         return master.to(piece.param.dtype)
     return piece.param.detach().view(-1)[piece.start:piece.start + piece.length]
+
+
+def _warn_converted(saved: dict, places: dict[str, Placement], names: dict[int, str], pieces: list[Piece],
+                    elementwise: list[str]) -> None:
+    """One warning when the checkpoint stores optimizer-state kinds in another dtype than this run keeps them (AdamW's
+    moments saved under another optim.moment_dtype): they are converted as they are read."""
+    if not pieces:
+        return
+    prefix = f"optim/{_first_key(places[names[id(pieces[0].param)]], pieces[0])}/"
+    converted = {kind: saved[prefix + kind].properties.dtype for kind in elementwise
+                 if saved[prefix + kind].properties.dtype != pieces[0].state[kind].dtype}
+    if converted:
+        kinds = ", ".join(sorted(converted))
+        warnings.warn(f"the checkpoint stores {kinds} in {next(iter(converted.values()))}, this run keeps them in "
+                      f"{pieces[0].state[next(iter(converted))].dtype} (optim.moment_dtype): converted on load",
+                      stacklevel=3)
 
 
 def _first_key(place: Placement, piece: Piece) -> str:
@@ -348,14 +377,26 @@ def checkpoint_folder(path: str | Path) -> Path:
     return folder
 
 
-def consolidate(path: str | Path) -> dict[str, Tensor]:
+def consolidate(path: str | Path, weights: str = "model") -> dict[str, Tensor]:
     """The single-process MoETransformer state dict of a checkpoint (a step folder, or a run's checkpoint
-    root: its latest valid one), experts stacked back in id order; no process group needed."""
+    root: its latest valid one), experts stacked back in id order; no process group needed. weights "ema": each
+    parameter's weight EMA (optim/KEY/ema, kept by optim.ema_decay) in the parameter's dtype instead of its value
+    (buffers, which have none, as saved)."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights = {weights!r} is not allowed; choose one of {', '.join(map(repr, WEIGHTS))}")
     folder = checkpoint_folder(path)
     metadata = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-    wanted = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items()
-              if k.startswith("model/") and isinstance(m, TensorStorageMetadata)}
+    models = {k: m for k, m in metadata.items() if k.startswith("model/") and isinstance(m, TensorStorageMetadata)}
+    source = {k: k for k in models}
+    if weights == EMA_KEY:
+        source = {k: f"optim/{k.removeprefix('model/')}/{EMA_KEY}" for k in models}
+        source = {k: e if e in metadata else k for k, e in source.items()}
+        if source == {k: k for k in models}:
+            raise ValueError(f"{folder} holds no weight EMA: it was saved by a run with optim.ema_decay = 0.0")
+    wanted = {source[k]: torch.empty(metadata[source[k]].size, dtype=metadata[source[k]].properties.dtype)
+              for k in models}
     dcp.load(wanted, checkpoint_id=str(folder), no_dist=True)
+    wanted = {k: wanted[source[k]].to(m.properties.dtype) for k, m in models.items()}
     full: dict[str, Tensor] = {}
     experts: dict[str, dict[int, Tensor]] = {}
     for key, value in wanted.items():
@@ -370,20 +411,20 @@ def consolidate(path: str | Path) -> dict[str, Tensor]:
     return full
 
 
-def export(path: str | Path, out: str | Path) -> Path:
-    """Write consolidate(path) as one torch.save file that MoETransformer.load_state_dict takes. With
+def export(path: str | Path, out: str | Path, weights: str = "model") -> Path:
+    """Write consolidate(path, weights) as one torch.save file that MoETransformer.load_state_dict takes. With
     model.vocab_multiple, embed.weight and lm_head.weight hold the padded vocab's rows (moe.vocab): a model of the same
     config loads them; an unpadded one takes their first model.vocab_size rows."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    torch.save(consolidate(path), tmp)
+    torch.save(consolidate(path, weights), tmp)
     os.replace(tmp, out)
     return out
 
 
 def export_main(argv: list[str]) -> int:
-    """`moe-train export CHECKPOINT OUT [--format torch|hf]`: CHECKPOINT is a step folder or a run's checkpoint root."""
+    """`moe-train export CHECKPOINT OUT [--format torch|hf] [--weights model|ema]`: CHECKPOINT is a step folder or a run's checkpoint root."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="moe-train export", description=export_main.__doc__)
@@ -392,16 +433,20 @@ def export_main(argv: list[str]) -> int:
                                     "hf: a new folder for a Hugging Face DeepSeek-V3 model (safetensors shards)")
     parser.add_argument("--format", choices=("torch", "hf"), default="torch", help="what to write (default torch)")
     parser.add_argument("--max-shard-bytes", type=int, help="hf: largest safetensors shard (default 5 GiB)")
+    parser.add_argument("--weights", choices=WEIGHTS, default="model",
+                        help="torch: the trained weights (default) or their EMA (saved by runs with optim.ema_decay)")
     args = parser.parse_args(argv)
     if args.max_shard_bytes is not None and (args.max_shard_bytes < 1 or args.format != "hf"):
         parser.error(f"--max-shard-bytes {args.max_shard_bytes}: allowed only with --format hf, as a positive number "
                      f"of bytes")
     try:
+        if args.format == "hf" and args.weights != "model":
+            raise ValueError("--weights ema writes --format torch only (allowed with hf: --weights model)")
         if args.format == "hf":
             from launch.checkpoint.hf.export import MAX_SHARD_BYTES, export_hub
             path = export_hub(checkpoint_folder(args.checkpoint), args.out, args.max_shard_bytes or MAX_SHARD_BYTES)
         else:
-            path = export(args.checkpoint, args.out)
+            path = export(args.checkpoint, args.out, args.weights)
     except (ValueError, FileNotFoundError) as error:
         print(f"moe-train export: {error}", file=sys.stderr)
         return 2

@@ -16,7 +16,7 @@ from launch.parallel.mesh import ONE_NODE, Layout
 from moe.config import ModelConfig, check_positive
 from moe.cp import CpMethod
 from moe.recompute import Recompute
-from optim.zero import ZeroStage
+from optim.zero import MomentDtype, ZeroStage
 from pipeline.schedules import ScheduleName
 
 Dtype = Literal["float32", "bfloat16", "float64"]
@@ -304,8 +304,22 @@ class OptimSettings:
     offload: Offload = "none"
     """"optimizer" (ZeRO-Offload, zero_stage 1 or 2) keeps the fp32 masters and AdamW moments in host memory and
     updates them there; "none" keeps them on the device."""
+    moment_dtype: MomentDtype = "float32"
+    """Dtype AdamW's two moments (exp_avg, exp_avg_sq) are stored in, on the device or offloaded: "bfloat16" (DeepSeek-V3's
+    recipe) halves their bytes; each step still updates them in fp32 arithmetic and rounds them once. The masters
+    stay fp32. A checkpoint with moments of the other dtype is converted on load, with a warning."""
+    ema_decay: float = 0.0
+    """Decay of an exponential moving average of the weights kept in host memory (never on the device), updated
+    after each optimizer step in the background: ema = decay x ema + (1 - decay) x master, from the fp32 masters,
+    saved in checkpoints (`moe-train export --weights ema` writes it). 0.0 (the default) keeps none; otherwise in
+    (0, 1)."""
 
     def __post_init__(self) -> None:
         check_choice("optim.zero_stage", self.zero_stage, ZeroStage)
         check_choice("optim.offload", self.offload, Offload)
+        check_choice("optim.moment_dtype", self.moment_dtype, MomentDtype)
+        if not (isinstance(self.ema_decay, (int, float)) and not isinstance(self.ema_decay, bool)
+                and (self.ema_decay == 0.0 or 0.0 < self.ema_decay < 1.0)):
+            raise ValueError(f"optim.ema_decay = {self.ema_decay!r} is not allowed; choose 0.0 (no weight EMA) or a "
+                             f"decay in (0, 1), e.g. 0.999")
 

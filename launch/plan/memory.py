@@ -69,7 +69,7 @@ def zero_model_states(num_params: float, shard_group: int, stage: int, recipe: S
         raise ValueError(f"shard group size = {shard_group!r} must be >= 1")
     split = [1 if stage < s else shard_group for s in (3, 2, 1)]
     return ModelStates(num_params * recipe.param / split[0],
-                       num_params * (recipe.grad / split[1] + recipe.reduced_grad / shard_group),
+                       num_params * recipe.grad / split[1],
                        num_params * recipe.optimizer / split[2])
 
 

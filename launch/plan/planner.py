@@ -71,7 +71,7 @@ class Options:
 
     recompute: str = "none"
     kernels: str = "project"     # activation bytes of this project's ops, or of fused kernels (memory.KERNELS)
-    recipe: str | None = None    # model-state bytes (presets.RECIPES); default from train.dtype
+    recipe: str | None = None    # model-state bytes (presets.RECIPES); default: default_recipe(config)
     sample_tokens: int = 1024    # tokens per EP rank routed to estimate dispatch bytes
     linears: str | None = None   # precision of every linear (efficiency.PRECISIONS); default BF16 + the config's experts
     virtual_stages: int = 1      # interleaved 1F1B: model chunks per rank (Megatron's VPP), shrinking the bubble
@@ -158,8 +158,12 @@ class Plan:
 
 
 def default_recipe(config: RunConfig) -> StateBytes:
-    """This project's ZeRO-1 bytes for the config's training dtype."""
-    return RECIPES["project-bf16" if config.train.dtype == "bfloat16" else "project-fp32"]
+    """The recipe the runtime's ZeroOptimizer holds for the config: its training dtype (bf16 weights with fp32
+    masters, or weights that are their own masters) and optim.moment_dtype; grads are reduce-scattered in place."""
+    bf16_moments = config.optim.moment_dtype == "bfloat16"
+    if config.train.dtype == "bfloat16":
+        return RECIPES["deepseek-v3" if bf16_moments else "project-bf16"]
+    return RECIPES["project-fp32-bf16-moments" if bf16_moments else "project-fp32"]
 
 
 def make_schedule(config: RunConfig) -> Schedule | None:

@@ -72,19 +72,22 @@ class StateBytes:
     grad: float
     optimizer: float
     source: str
-    reduced_grad: float = 0.0  # a sharded copy of the reduced grads (bytes per param, split over the shard group)
 
 
 RECIPES: dict[str, StateBytes] = {
     "zero-paper": StateBytes("zero-paper", 2, 2, 12, "ZeRO (Rajbhandari et al. 2020): fp16 params and grads, "
                              "fp32 master + Adam moments (K = 12)"),
     "project-bf16": StateBytes("project-bf16", 2, 4, 12, "this project's ZeroOptimizer on bf16 weights: grads summed "
-                               "in a full fp32 flat buffer, fp32 master + AdamW moments sharded", reduced_grad=4),
+                               "in a full fp32 flat buffer and reduce-scattered in place, fp32 master + AdamW moments "
+                               "sharded"),
     "project-fp32": StateBytes("project-fp32", 4, 4, 8, "this project's ZeroOptimizer on fp32 weights (CPU runs): the "
-                               "weights are their own masters (counted as params), AdamW moments sharded",
-                               reduced_grad=4),
+                               "weights are their own masters (counted as params), grads reduce-scattered in place, "
+                               "AdamW moments sharded"),
+    "project-fp32-bf16-moments": StateBytes("project-fp32-bf16-moments", 4, 4, 4, "project-fp32 with "
+                                            "optim.moment_dtype = \"bfloat16\": AdamW moments stored in BF16"),
     "megatron": StateBytes("megatron", 2, 4, 12, "Megatron-Core's distributed optimizer: BF16 params, FP32 main grads, "
                            "FP32 main params + Adam moments sharded over DP (its docs: 6 + 12/d bytes per param)"),
     "deepseek-v3": StateBytes("deepseek-v3", 2, 4, 8, "DeepSeek-V3 report section 3.3.3: BF16 weights, FP32 grads "
-                              "and master weights, BF16 AdamW moments"),
+                              "and master weights, BF16 AdamW moments; this project's ZeroOptimizer on bf16 weights "
+                              "with optim.moment_dtype = \"bfloat16\" (grads reduce-scattered in place)"),
 }

@@ -107,6 +107,7 @@ def build_optimizer(stages: list[Stage], cfg: RunConfig, mesh: Mesh) -> ZeroOpti
     holding TP-partial grads are reduced after the backward (sum_tp_partial_grads first), the others during it.
     A param two stages share (the embedding MTP uses on DualPipe's ends) is counted once; an embedding copy on
     another pipeline rank (MTP under 1F1B-like schedules) forms a group of its own over every rank holding it.
+    AdamW's moments are stored in optim.moment_dtype; optim.ema_decay keeps a weight EMA in host memory.
     optim.zero_stage 3: the dense params of each module holding them directly (a norm, a linear, a router, the
     embedding) form groups of their own, named by that module: ZeRO-3 gathers them around its forward and
     backward (optim.zero3); experts stay sharded as ZeRO-2 (over expert-DP)."""
@@ -130,15 +131,17 @@ def build_optimizer(stages: list[Stage], cfg: RunConfig, mesh: Mesh) -> ZeroOpti
                                    **({"module": module} if module is not None else {})})
     groups += [{"params": [p], "weight_decay": cfg.train.weight_decay, "process_group": mesh.embed_replicas,
                 "grad_divisor": 1} for p in copies.values()]
+    host = _host(stages)
     return ZeroOptimizer(groups, torch.optim.AdamW, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2),
-                 stage=cfg.optim.zero_stage, offload=_host(cfg, stages))
+                         stage=cfg.optim.zero_stage, offload=host if cfg.optim.offload == "optimizer" else None,
+                         state_dtype=getattr(torch, cfg.optim.moment_dtype), ema_decay=cfg.optim.ema_decay,
+                         ema_host=host)
 
 
 
-def _host(cfg: RunConfig, stages: list[Stage]) -> torch.device | None:
-    """Where optim.offload "optimizer" keeps the optimizer: host memory, or in a rehearsal the meta device too."""
-    if cfg.optim.offload == "none":
-        return None
+def _host(stages: list[Stage]) -> torch.device:
+    """Host memory, where optim.offload "optimizer" keeps the optimizer and optim.ema_decay the weight EMA; in a
+    rehearsal the meta device too."""
     device = next(stages[0].parameters()).device
     return device if device.type == "meta" else torch.device("cpu")
 

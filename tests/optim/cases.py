@@ -140,7 +140,12 @@ def dp_worker(rank: int, world: int, saved: dict[str, Any] | None) -> dict[str, 
     more = train(model, opt, range(SAVE_AT, STEPS), rank, world, overlap=overlap)
     out = {k: out[k] + more[k] for k in out}
     out.update(params=params_of(model), state_bytes=opt.state_bytes(),
-               buckets=len(opt._shards[0].layout.buckets), saved=state if rank == 0 else None)
+               buckets=len(opt._shards[0].layout.buckets), saved=state if rank == 0 else None,
+               buffer_bytes=opt.buffer_bytes(), reduced_in_place=[
+                   reduced.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
+                   and reduced.data_ptr() == full[b.local_piece(b.rank)].data_ptr()
+                   for shard in opt._shards for reduced, full, b in zip(shard.reduced, shard.grad_buckets,
+                                                                          shard.layout.buckets)])
     out.update(unclipped_params=unclipped_case(rank, world), ep=ep_case(rank, world))
     if saved is not None:
         out.update(resume_case(rank, world, saved))

@@ -55,6 +55,17 @@ def test_params_equal_single_process_adamw(run: list[dict[str, Any]], ref: dict[
         assert out["norms"] == pytest.approx(ref["norms"], rel=1e-6)
 
 
+def test_grads_are_reduced_in_place(run: list[dict[str, Any]], ref: dict[str, Any]) -> None:
+    """The reduced grads are each rank's own pieces of its full fp32 buffers (both collectives): no separate
+    reduced shard; p2p's receive rows, one per peer, are its only extra (scatter_gather: none)."""
+    world = len(run)
+    for out in run:
+        assert out["reduced_in_place"] and all(out["reduced_in_place"])
+        assert out["buffer_bytes"]["grad_shards"] == 0
+        rows = world - 1 if cases.COLLECTIVES_BY_WORLD[world] == "p2p" else 0
+        assert out["buffer_bytes"]["scratch"] == pytest.approx(4 * rows * ref["numel"] / world, rel=0.05)
+
+
 def test_unclipped_steps_equal_single_process_adamw(run: list[dict[str, Any]]) -> None:
     want = cases.reference(max_norm=None)["params"]
     for out in run:
