@@ -31,8 +31,11 @@ PEER_LOST = re.compile(r"Connection (closed|reset) by peer|remote worker crash")
 GRACE_S = 3.0  # after a first failure, how long the others may still report (a killed peer explains their errors)
 PR_SET_PDEATHSIG = 1
 # Ranks start from a fork server that has imported these (a rank then starts in ~0.1 s instead of re-importing torch);
-# its one other thread, numpy's OpenBLAS pool, is joined by OpenBLAS's own fork handler before every fork
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.optim", __name__]
+# its one other thread, numpy's OpenBLAS pool, is joined by OpenBLAS's own fork handler before every fork.
+# torch._dynamo (no threads of its own) is what torch.optim's optimizers import when the first one is built: ~1 s of
+# CPU a training rank would pay again, once per server instead
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.optim", "torch._dynamo",
+           __name__]
 # Variables read at interpreter start or module import: a rank must start with the caller's values of these
 IMPORT_ENV = re.compile(r"PYTHON|LD_|TORCH|PYTORCH_|ATEN_|OMP_|MKL_|KMP_|GOMP_|OPENBLAS_|CUDA_|TRITON_|MOE_")
 START_METHODS = ("forkserver", "spawn")  # MOE_START_METHOD: how ranks start (spawn: fresh interpreters)

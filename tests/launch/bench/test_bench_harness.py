@@ -5,6 +5,7 @@ carry the harness's fields for their timed metrics."""
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -12,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from launch.bench.harness import Timing, check_row, fields, ratio_fields, rounds, slowest, timed_metric
 from launch.bench.cli import available
+from launch.bench.harness import Timing, check_row, fields, ratio_fields, rounds, slowest, timed_metric
 
 pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
 
@@ -94,16 +95,50 @@ def test_every_registered_suite_has_a_tiny_run_here():
     assert set(available()) - UNTIMED == set(TINY), "add the new suite's smallest run to TINY"
 
 
-@pytest.mark.timeout(900)
+# One process runs every suite's tiny run in turn, as `moe-bench SUITE ... --json FILE` would (kernels first: it sets
+# Triton's interpreter up before anything imports a kernel); each suite's stderr follows a line "=== SUITE", and its
+# exit code (1 for an exception, its traceback on stderr) is the last line of its own section.
+DRIVER = """
+import json, sys, traceback
+from launch.bench.cli import main
+for suite, args in json.loads(sys.argv[1]).items():
+    print("=== " + suite, file=sys.stderr, flush=True)
+    try:
+        code = main([suite, *args])
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    print(f"exit {code}", file=sys.stderr, flush=True)
+"""
+GROUP_S = 1500  # the whole group's bound: the sum of the suites' tiny runs, several ranks' start-ups among them
+
+
+@pytest.fixture(scope="module")
+def suite_runs(tmp_path_factory) -> dict[str, tuple[int, str, Path]]:
+    """suite -> (exit code, its stderr, its JSON file): the tiny run of every suite in TINY, all in one process
+    (each process of its own paid the interpreter's and torch's start-up again, ~3 s of the ~10 s a suite took)."""
+    tmp = tmp_path_factory.mktemp("bench")
+    (tmp / "train.toml").write_text(TRAIN_CONFIG)
+    order = ["kernels", *sorted(set(TINY) - {"kernels"})]
+    runs = {suite: [*(arg.replace("{tmp}", str(tmp)) for arg in TINY[suite]), "--json", str(tmp / f"{suite}.json")]
+            for suite in order}
+    done = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(runs)], check=False,
+                          capture_output=True, text=True, timeout=GROUP_S)
+    parts = re.split(r"^=== (\w+)\n", done.stderr, flags=re.MULTILINE)
+    sections = dict(zip(parts[1::2], parts[2::2]))
+    out = {}
+    for suite in order:
+        text = sections.get(suite, f"(the driver never started it: exit {done.returncode})\n" + done.stderr[-2000:])
+        last = text.rstrip().rsplit("\n", 1)[-1]
+        out[suite] = (int(last[5:]) if last.startswith("exit ") else -1, text, tmp / f"{suite}.json")
+    return out
+
+
+@pytest.mark.timeout(GROUP_S + 60)
 @pytest.mark.parametrize("suite", sorted(TINY))
-def test_every_suite_json_carries_the_harness_fields(suite, tmp_path):
-    path = tmp_path / f"{suite}.json"
-    (tmp_path / "train.toml").write_text(TRAIN_CONFIG)
-    args = [arg.replace("{tmp}", str(tmp_path)) for arg in TINY[suite]]
-    # a process of its own, as a user runs it (the kernels suite sets Triton's interpreter up before importing it)
-    run = subprocess.run([sys.executable, "-c", "from launch.bench.cli import main; raise SystemExit(main())", suite,
-                          *args, "--json", str(path)], capture_output=True, text=True, timeout=850)
-    assert run.returncode == 0, run.stderr[-2000:]
+def test_every_suite_json_carries_the_harness_fields(suite, suite_runs):
+    code, stderr, path = suite_runs[suite]
+    assert code == 0, stderr[-2000:]
     doc = json.loads(path.read_text())
     assert doc["rows"]
     for row in doc["rows"]:

@@ -213,6 +213,11 @@ def _parent_and_env(rank: int, world: int) -> tuple[int, str | None, str | None]
     return os.getppid(), os.environ.get("RUN_PROCESSES_TEST_VALUE"), os.environ.get("TORCH_RUN_PROCESSES_TEST")
 
 
+def _imported(rank: int, world: int) -> bool:
+    """Whether this rank started with torch._dynamo imported: the ~1 s of CPU torch.optim's first optimizer costs."""
+    return "torch._dynamo" in sys.modules
+
+
 def test_each_rank_sees_the_callers_environment_of_the_call(monkeypatch):
     monkeypatch.delenv("MOE_START_METHOD", raising=False)
     run_processes(_parent_and_env, 1)  # the fork server runs from here on
@@ -223,6 +228,7 @@ def test_each_rank_sees_the_callers_environment_of_the_call(monkeypatch):
     monkeypatch.setenv("RUN_PROCESSES_TEST_VALUE", "set after the server started")
     [(parent, value, _)] = run_processes(_parent_and_env, 1)
     assert value == "set after the server started" and parent != os.getpid()  # a fork server's child
+    assert run_processes(_imported, 1) == [True]  # it starts with the server's imports (spawn.PRELOAD)
     monkeypatch.setenv("TORCH_RUN_PROCESSES_TEST", "read at import")  # a variable the server's imports may have read
     [(parent, value, torch_value)] = run_processes(_parent_and_env, 1)
     assert (value, torch_value) == ("set after the server started", "read at import")
