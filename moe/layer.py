@@ -54,7 +54,7 @@ class MoELayer(nn.Module):
         self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.expert_ffn_size,
                                       precision=cfg.expert_precision, init_std=cfg.init_std, out_std=out_std)
         self.shared = (SwiGLU(cfg.hidden_size, cfg.num_shared_experts * cfg.expert_ffn_size,
-                              init_std=cfg.init_std, out_std=out_std)
+                              init_std=cfg.init_std, out_std=out_std, precision=cfg.linear_precision)
                        if cfg.num_shared_experts else None)
 
     @torch.no_grad()
