@@ -7,7 +7,8 @@ backward is the e4m3 tiles (+ fp32 scales) its forward made of its input, never 
 - Fprop quantises the input x [M, K] in 1x128 tiles along K (the hidden dim) and the weight in 128x128 blocks;
 - Dgrad quantises dy [M, N] in 1x128 tiles along N and uses the weight's blocks transposed;
 - Wgrad dw = dy^T x needs both operands in 1x128 tiles along the tokens (M, "k-grouped"), while the saved tiles run
-  along K. Backward re-tiles them as DeepSeek-V3 does: dequantise the saved e4m3 rows (exact in fp32), requantise
+  along K. Backward re-tiles them as DeepSeek-V3 does: dequantise the saved e4m3 rows (to fp32: relative rounding
+  2^-24, the product of a 4-bit significand and the scale), requantise
   them k-grouped. That is a second e4m3 rounding of x on top of the forward's: relative error <= 2^-4 per element
   each, so the wgrad's x operand is off by up to (1 + 2^-4)^2 - 1 ~ 2^-3.9 instead of 2^-4 (plus e4m3's subnormal
   steps for elements far below their tile's maximum); tests/kernels/test_fp8_linear.py measures it.
@@ -61,7 +62,7 @@ def _kgrouped_wgrad(dy: Tensor, x: Tensor, offs: Tensor, backend: str | None, w_
 
 def _retiled_wgrad(dy: Tensor, x_q: Tensor, x_scale: Tensor, offs: Tensor, backend: str | None,
                    w_dtype: torch.dtype) -> Tensor:
-    """The wgrad from the forward's e4m3 rows (1x128 tiles along K): dequantised in fp32 (exact), requantised
+    """The wgrad from the forward's e4m3 rows (1x128 tiles along K): dequantised to fp32, requantised
     along tokens (the re-tiling)."""
     return _kgrouped_wgrad(dy, dequantize_activation(x_q, x_scale), offs, backend, w_dtype)
 
