@@ -71,6 +71,22 @@ def normed_input(rebuild: Rebuild | None, norm: Callable[[Tensor], Tensor], x: T
     return fp8_norm_output(rebuild, norm, x) if fp8 else norm_output(rebuild, norm, x)
 
 
+def quantised_once(x: Tensor | FP8Rows, consumer: nn.Module) -> Tensor | FP8Rows:
+    """x for several linears like consumer: FP8Rows quantised here once when they are FP8 (so they share one set of
+    e4m3 tiles instead of each saving its own), else x as it is."""
+    if isinstance(x, FP8Rows) or not takes_rows(consumer):
+        return x
+    return FP8Rows(*quantize_activation(x.reshape(-1, x.shape[-1])), x)
+
+
+def detached(x: Tensor | FP8Rows) -> Tensor | FP8Rows:
+    """x detached from autograd, for a thunk that rebuilds from it; FP8Rows keep their tiles and a zero-stride
+    stand-in for rows (the tiles are what the linears read: no float copy is held)."""
+    if isinstance(x, Tensor):
+        return x.detach()
+    return FP8Rows(x.q.detach(), x.scale.detach(), x.rows.detach().new_zeros(()).expand(x.rows.shape))
+
+
 def project_heads(out: nn.Linear, attn: Tensor, core_keeps: bool) -> Tensor:
     """out(attn) for the attention core's output attn [B, heads, S, D], as [B, S, heads x D] -> [B, S, H].
     core_keeps: the core keeps attn for its own backward (a fused SDPA kernel does; moe.cp's attention casts a copy):

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe.config import ModelConfig
-from moe.linear import make_linear, normed_input, project_heads, takes_rows
+from moe.linear import detached, make_linear, normed_input, project_heads, quantised_once, rows_of, takes_rows
 from moe.norm import RMSNorm
 from moe.recompute import Rebuild
 from moe.rope import apply_rope
@@ -76,8 +76,10 @@ class MLA(nn.Module):
         return [*query, self.kv_a, self.kv_a_norm]
 
     def takes_rows(self) -> bool:
-        """Whether forward takes its input as FP8Rows (the norm before it quantised once for q_a and kv_a): FP8
-        linears, a query latent, no TP (whose SP gather comes between the norm and the linears)."""
+        """Whether forward takes its input as FP8Rows (the norm before it quantised once for q_a and kv_a, and rebuilds
+        them under selective recompute): FP8 linears, a query latent (without one, q's input would be held to rebuild
+        the queries), no TP (whose SP gather comes between the norm and the linears; forward then quantises the
+        gathered rows once itself)."""
         return takes_rows(self.kv_a) and bool(self.q_lora_rank) and self.tp is None
 
     def forward(self, x: Tensor | FP8Rows, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -85,6 +87,7 @@ class MLA(nn.Module):
         boolean [B, 1, S, S] in place of the causal mask (moe.documents.document_attention_mask)."""
         if self.tp is not None:
             x = self.tp.enter(x)
+        x = quantised_once(x, self.kv_a)
         q_latent = self.q_a(x) if self.q_lora_rank else x
         latent, k_rope = self.kv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         if self.recompute == "selective":
@@ -94,9 +97,9 @@ class MLA(nn.Module):
         out = project_heads(self.out, attn, core_keeps=self.cp is None)
         return out if self.tp is None else self.tp.leave(out)
 
-    def _query(self, q_latent: Tensor, cos: Tensor, sin: Tensor, rebuild: Rebuild | None = None) -> Tensor:
+    def _query(self, q_latent: Tensor | FP8Rows, cos: Tensor, sin: Tensor, rebuild: Rebuild | None = None) -> Tensor:
         """Queries [B, heads, S, qk_head_dim] (RoPE applied) from the query latent (x itself without one)."""
-        batch, seq, _ = q_latent.shape
+        batch, seq, _ = rows_of(q_latent).shape
         if self.q_lora_rank:
             q = self.q_b(normed_input(rebuild, self.q_a_norm, q_latent, takes_rows(self.q_b)))
         else:
@@ -121,12 +124,12 @@ class MLA(nn.Module):
             return self.cp.attend(q, k, v, self.softmax_scale)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.softmax_scale)
 
-    def _attend_rebuilt(self, q_latent: Tensor, latent: Tensor, k_rope: Tensor, cos: Tensor, sin: Tensor,
+    def _attend_rebuilt(self, q_latent: Tensor | FP8Rows, latent: Tensor, k_rope: Tensor, cos: Tensor, sin: Tensor,
                         mask: Tensor | None = None) -> Tensor:
         """_attend under selective recompute: the latent norms' outputs and q, k, v are not kept for backward but
         rebuilt there from the latents (the up-projections run again, once for k and v when k is unpacked first,
         as the attention's backward does)."""
-        q_kept, *kv_kept = (t.detach() for t in (q_latent, latent, k_rope))
+        q_kept, *kv_kept = (detached(t) for t in (q_latent, latent, k_rope))
         values: list[Tensor] = []
 
         def rebuild_k() -> Tensor:

@@ -18,7 +18,7 @@ from moe.cp import CPRegion
 from moe.documents import document_attention_mask, document_positions
 from moe.experts import SwiGLU
 from moe.layer import MoELayer, MoEStats
-from moe.linear import make_linear, normed_input, project_heads, rows_of, takes_rows
+from moe.linear import make_linear, normed_input, project_heads, quantised_once, rows_of, takes_rows
 from moe.mla import MLA
 from moe.mtp import MTPDepth, mtp_loss, mtp_steps, parallelize_mtp
 from moe.norm import RMSNorm
@@ -72,7 +72,9 @@ class Attention(nn.Module):
         self.cp: CPRegion | None = None  # context parallelism: x holds this rank's zig-zag share of each sequence
 
     def takes_rows(self) -> bool:
-        """Whether forward takes its input as FP8Rows (quantised by the norm before it): an FP8 qkv, no TP."""
+        """Whether forward takes its input as FP8Rows (quantised by the norm before it, rebuilt under selective
+        recompute): an FP8 qkv, no TP (whose SP gather comes between the norm and qkv; forward quantises the gathered
+        rows once itself)."""
         return takes_rows(self.qkv) and self.tp is None
 
     def forward(self, x: Tensor | FP8Rows, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -82,6 +84,7 @@ class Attention(nn.Module):
         if self.tp is not None:
             x = self.tp.enter(x)
         batch, seq, _ = rows_of(x).shape
+        x = quantised_once(x, self.qkv)  # one set of e4m3 tiles for qkv and kv (KV heads replicated over TP)
         qkv = self.qkv(x) if self.kv is None else torch.cat((self.qkv(x), self.kv(x)), dim=-1)
         q, k, v = qkv.view(batch, seq, -1, self.head_dim).transpose(1, 2).split(
             [self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
