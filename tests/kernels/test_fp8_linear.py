@@ -167,7 +167,7 @@ def test_saved_tensors_are_e4m3_tiles_never_a_float_copy_of_the_input():
     for run in (lambda inp: linear(inp), lambda inp: kernels.fp8_grouped_linear(inp, grouped_w, offs)):
         saved: list[torch.Tensor] = []
         inp = x.clone().requires_grad_()
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, saved=saved: saved.append(t) or t, lambda t: t):
             run(inp)
         by_dtype: dict[torch.dtype, int] = {}
         for t in saved:

@@ -11,7 +11,8 @@ import kernels
 from moe.config import ModelConfig
 from moe.model import MoETransformer
 
-MLA = dict(attention="mla", q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6)
+MLA = {"attention": "mla", "q_lora_rank": 12, "kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4,
+       "v_head_dim": 6}
 BATCH, SEQ = 2, 8
 
 

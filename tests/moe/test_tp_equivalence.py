@@ -132,7 +132,7 @@ def _fp8_split(attention: str) -> dict:
         losses.append((out.item(), ref.item()))
     deferred = store.pending()
     store.run(0, 1)
-    return dict(losses=losses, grads=compare(full, model, False, grads=True), deferred=deferred)
+    return {"losses": losses, "grads": compare(full, model, False, grads=True), "deferred": deferred}
 
 
 @pytest.fixture(scope="module", params=[2, 4])
