@@ -126,6 +126,11 @@ def accumulate_grad(param: GradTarget, grad: Callable[[], Tensor], fused: Callab
             fused(param.grad)
 
 
+def capturing(weight: GradTarget) -> bool:
+    """Whether defer_weight_grad(weight, ...) would queue now: a capture is open and weight needs a grad."""
+    return _active is not None and not (isinstance(weight, Tensor) and not weight.requires_grad)
+
+
 def defer_weight_grad(weight: GradTarget, compute: Callable[[], None], holds: tuple[Tensor, ...] = (),
                       merge: Merge | None = None, others: tuple[GradTarget, ...] = ()) -> bool:
     """Call from a backward: inside a capture, queue `compute()` (which accumulates weight's grad,
@@ -133,7 +138,7 @@ def defer_weight_grad(weight: GradTarget, compute: Callable[[], None], holds: tu
     for weight); elsewhere return False. holds: tensors compute keeps alive (memory accounting);
     merge: see WeightGradStore.push; others: further tensors compute accumulates into (a bias)."""
     store = _active
-    if store is None or (isinstance(weight, Tensor) and not weight.requires_grad):
+    if store is None or not capturing(weight):
         return False
     store.push(compute, sum(t.nbytes for t in holds), merge, (weight, *others))
     return True

@@ -12,6 +12,7 @@ ScoreFunc = Literal["softmax", "sigmoid"]
 DropPolicy = Literal["probs", "position"]
 ExpertPrecision = Literal["native", "fp8"]
 ActivationCache = Literal["native", "fp8"]
+LinearPrecision = Literal["native", "fp8"]
 Attention = Literal["gqa", "mla"]
 MLA_DIMS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")  # each >= 1 with MLA
 SPLIT_HIDDEN = 0  # head_dim: hidden_size / num_heads
@@ -142,6 +143,12 @@ class ModelConfig:
     and rebuilds silu(gate) * up (and the down projection's input) from it in backward, and an expert row's routing
     weight scales that product before the down projection, so combine is a plain sum that keeps no expert output.
     Meaningful with either expert_precision and any train.dtype (the cache rounds to e4m3 whatever the GEMMs use)."""
+    linear_precision: LinearPrecision = "native"
+    """Every other linear's GEMMs (MLA's q_a, q_b or q, kv_a, kv_b and out; GQA's qkv and out; the dense and shared
+    experts' SwiGLU; MTP's eh_proj; not the embedding, the LM head, the router's gate, the norms or the attention
+    core): "native" in the run's dtype, "fp8" with Fprop, Dgrad and Wgrad as e4m3 in the experts' 1x128 activation
+    tiles and 128x128 weight blocks (kernels.FP8Linear), each linear keeping its input's e4m3 tiles for backward.
+    Independent of expert_precision."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation (output projections: init_std / sqrt(2 x num_layers))."""
     mtp_depth: int = 0
@@ -174,6 +181,7 @@ class ModelConfig:
                               self.topk_groups, self.capacity_factor, self.drop_policy)
         check_choice("expert_precision", self.expert_precision, ExpertPrecision)
         check_choice("activation_cache", self.activation_cache, ActivationCache)
+        check_choice("linear_precision", self.linear_precision, LinearPrecision)
         check_positive("mtp_depth", self.mtp_depth, minimum=0)
         if self.mtp_depth and (isinstance(self.mtp_loss_coeff, bool) or not isinstance(self.mtp_loss_coeff, (int, float))
                                or not 0 < self.mtp_loss_coeff < math.inf):

@@ -14,6 +14,7 @@ from dispatch.fp8 import dequantize_fp8, quantize_fp8
 from kernels import FP8Rows
 from moe.config import ActivationCache, ExpertPrecision
 from moe.grouped_mm import group_offsets, grouped_linear
+from moe.linear import make_linear, takes_rows
 from moe.recompute import Rebuild, recomputed
 
 if TYPE_CHECKING:
@@ -176,26 +177,30 @@ class SwiGLU(nn.Module):
     """Dense SwiGLU MLP (dense layers and shared experts); tensor-parallel after moe.tp.parallelize_swiglu.
 
     recompute (moe.recompute): "selective" rebuilds the product in backward, "full" keeps the input only and reruns
-    the MLP in backward (not under TP: its collectives would run again)."""
+    the MLP in backward (not under TP: its collectives would run again). precision: model.linear_precision of its
+    gate_up and down linears."""
 
     def __init__(self, hidden_size: int, ffn_size: int, *, init_std: float = 0.02,
-                 out_std: float | None = None) -> None:
+                 out_std: float | None = None, precision: str = "native") -> None:
         super().__init__()
-        self.gate_up = nn.Linear(hidden_size, 2 * ffn_size, bias=False)
-        self.down = nn.Linear(ffn_size, hidden_size, bias=False)
-        nn.init.normal_(self.gate_up.weight, std=init_std)
-        nn.init.normal_(self.down.weight, std=out_std or init_std)
+        self.gate_up = make_linear(hidden_size, 2 * ffn_size, precision, init_std)
+        self.down = make_linear(ffn_size, hidden_size, precision, out_std or init_std)
         self.tp: TPRegion | None = None
         self.recompute = "none"
         self.activation_cache = "native"  # model.activation_cache, set by the block or layer holding it
 
-    def forward(self, x: Tensor) -> Tensor:
-        """x [..., H] -> [..., H] (under TP with SP: token shards in and out)."""
+    def takes_rows(self) -> bool:
+        """Whether forward takes FP8Rows (its input quantised by the norm before it): FP8 linears, no TP (whose
+        SP gather comes between the norm and gate_up), no full recompute (which keeps a tensor input)."""
+        return takes_rows(self.gate_up) and self.tp is None and self.recompute != "full"
+
+    def forward(self, x: Tensor | FP8Rows) -> Tensor:
+        """x [..., H] (FP8Rows when takes_rows()) -> [..., H] (under TP with SP: token shards in and out)."""
         if self.recompute == "full" and self.tp is None:
             return recomputed(lambda rows: (self._swiglu(rows),), [x])[0]
         return self._swiglu(x)
 
-    def _swiglu(self, x: Tensor) -> Tensor:
+    def _swiglu(self, x: Tensor | FP8Rows) -> Tensor:
         if self.tp is not None:
             x = self.tp.enter(x)
         out = swiglu_down(self.gate_up(x), self.down, self.recompute == "selective", self.activation_cache)

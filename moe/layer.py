@@ -55,7 +55,7 @@ class MoELayer(nn.Module):
                                       precision=cfg.expert_precision, init_std=cfg.init_std, out_std=out_std,
                                       activation_cache=cfg.activation_cache)
         self.shared = (SwiGLU(cfg.hidden_size, cfg.num_shared_experts * cfg.expert_ffn_size,
-                              init_std=cfg.init_std, out_std=out_std)
+                              init_std=cfg.init_std, out_std=out_std, precision=cfg.linear_precision)
                        if cfg.num_shared_experts else None)
         if self.shared is not None:
             self.shared.activation_cache = cfg.activation_cache

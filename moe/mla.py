@@ -9,8 +9,9 @@ own RoPE part. RoPE rotates interleaved pairs (moe.rope), DeepSeek's layout. Sco
 so there is no YaRN mscale to apply). The latent norms use model.norm_eps, as the block norms (DeepSeek-V3: 1e-6
 everywhere; transformers' DeepseekV3Attention fixes its latent norms at 1e-6).
 
-Every weight is an nn.Linear (the pipeline runtime defers their weight grads: pipeline.wgrad) or an RMSNorm
-scale. Under TP (moe.tp.parallelize_mla) heads split: q/q_b, kv_b (column-parallel) and out (row-parallel)
+Every weight is an nn.Linear (the pipeline runtime defers their weight grads: pipeline.wgrad; with
+model.linear_precision = "fp8" a kernels.FP8Linear, which defers its own, and the latent norms' outputs reach q_b and
+kv_b as e4m3 rows, moe.linear.fp8_norm_output) or an RMSNorm scale. Under TP (moe.tp.parallelize_mla) heads split: q/q_b, kv_b (column-parallel) and out (row-parallel)
 keep this rank's heads; the down-projections q_a and kv_a and the latent norms are held whole by every TP
 rank, their grads partial sums over the heads of each rank (summed over TP by the trainer).
 """
@@ -24,20 +25,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe.config import ModelConfig
+from moe.linear import detached, make_linear, normed_input, project_heads, quantised_once, rows_of, takes_rows
 from moe.norm import RMSNorm
-from moe.recompute import Rebuild, norm_output
+from moe.recompute import Rebuild
 from moe.rope import apply_rope
 
 if TYPE_CHECKING:
+    from kernels import FP8Rows
     from moe.cp import CPRegion
     from moe.tp.comm import TPRegion
-
-
-def _linear(width_in: int, width_out: int, std: float) -> nn.Linear:
-    """A bias-free linear drawn from normal(0, std), as every MLA projection."""
-    linear = nn.Linear(width_in, width_out, bias=False)
-    nn.init.normal_(linear.weight, std=std)
-    return linear
 
 
 class MLA(nn.Module):
@@ -52,6 +48,10 @@ class MLA(nn.Module):
         self.q_lora_rank, self.kv_lora_rank = cfg.q_lora_rank, cfg.kv_lora_rank
         self.softmax_scale = self.qk_head_dim ** -0.5
         query = cfg.num_heads * self.qk_head_dim
+
+        def _linear(width_in: int, width_out: int, std: float) -> nn.Linear:
+            return make_linear(width_in, width_out, cfg.linear_precision, std)
+
         if cfg.q_lora_rank:
             self.q_a = _linear(h, cfg.q_lora_rank, std)
             self.q_a_norm = RMSNorm(cfg.q_lora_rank, eps=cfg.norm_eps)
@@ -75,26 +75,33 @@ class MLA(nn.Module):
         query = [self.q_a, self.q_a_norm] if self.q_lora_rank else []
         return [*query, self.kv_a, self.kv_a_norm]
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
-        """x [B, S, H] -> [B, S, H]; cos, sin: rope_tables of qk_rope_head_dim; mask: a boolean [B, 1, S, S] in place
-        of the causal mask (moe.documents.document_attention_mask)."""
+    def takes_rows(self) -> bool:
+        """Whether forward takes its input as FP8Rows (the norm before it quantised once for q_a and kv_a, and rebuilds
+        them under selective recompute): FP8 linears, a query latent (without one, q's input would be held to rebuild
+        the queries), no TP (whose SP gather comes between the norm and the linears; forward then quantises the
+        gathered rows once itself)."""
+        return takes_rows(self.kv_a) and bool(self.q_lora_rank) and self.tp is None
+
+    def forward(self, x: Tensor | FP8Rows, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
+        """x [B, S, H] (FP8Rows when takes_rows()) -> [B, S, H]; cos, sin: rope_tables of qk_rope_head_dim; mask: a
+        boolean [B, 1, S, S] in place of the causal mask (moe.documents.document_attention_mask)."""
         if self.tp is not None:
             x = self.tp.enter(x)
-        batch, seq, _ = x.shape
+        x = quantised_once(x, self.kv_a)
         q_latent = self.q_a(x) if self.q_lora_rank else x
         latent, k_rope = self.kv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         if self.recompute == "selective":
             attn = self._attend_rebuilt(q_latent, latent, k_rope, cos, sin, mask)
         else:
             attn = self._attend(self._query(q_latent, cos, sin), *self._key_value(latent, k_rope, cos, sin), mask)
-        out = self.out(attn.transpose(1, 2).reshape(batch, seq, -1))
+        out = project_heads(self.out, attn, core_keeps=self.cp is None)
         return out if self.tp is None else self.tp.leave(out)
 
-    def _query(self, q_latent: Tensor, cos: Tensor, sin: Tensor, rebuild: Rebuild | None = None) -> Tensor:
+    def _query(self, q_latent: Tensor | FP8Rows, cos: Tensor, sin: Tensor, rebuild: Rebuild | None = None) -> Tensor:
         """Queries [B, heads, S, qk_head_dim] (RoPE applied) from the query latent (x itself without one)."""
-        batch, seq, _ = q_latent.shape
+        batch, seq, _ = rows_of(q_latent).shape
         if self.q_lora_rank:
-            q = self.q_b(norm_output(rebuild, self.q_a_norm, q_latent))
+            q = self.q_b(normed_input(rebuild, self.q_a_norm, q_latent, takes_rows(self.q_b)))
         else:
             q = self.q(q_latent)
         q_nope, q_rope = q.view(batch, seq, -1, self.qk_head_dim).transpose(1, 2).split(
@@ -106,7 +113,7 @@ class MLA(nn.Module):
         """Keys [B, heads, S, qk_head_dim] and values [B, heads, S, v_dim] from the joint latent and the shared
         RoPE key part."""
         batch, seq, _ = latent.shape
-        kv = self.kv_b(norm_output(rebuild, self.kv_a_norm, latent))
+        kv = self.kv_b(normed_input(rebuild, self.kv_a_norm, latent, takes_rows(self.kv_b)))
         kv = kv.view(batch, seq, -1, self.nope_dim + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k_rope = apply_rope(k_rope.unsqueeze(1), cos, sin).expand(-1, k_nope.shape[1], -1, -1)
@@ -117,12 +124,12 @@ class MLA(nn.Module):
             return self.cp.attend(q, k, v, self.softmax_scale)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.softmax_scale)
 
-    def _attend_rebuilt(self, q_latent: Tensor, latent: Tensor, k_rope: Tensor, cos: Tensor, sin: Tensor,
+    def _attend_rebuilt(self, q_latent: Tensor | FP8Rows, latent: Tensor, k_rope: Tensor, cos: Tensor, sin: Tensor,
                         mask: Tensor | None = None) -> Tensor:
         """_attend under selective recompute: the latent norms' outputs and q, k, v are not kept for backward but
         rebuilt there from the latents (the up-projections run again, once for k and v when k is unpacked first,
         as the attention's backward does)."""
-        q_kept, *kv_kept = (t.detach() for t in (q_latent, latent, k_rope))
+        q_kept, *kv_kept = (detached(t) for t in (q_latent, latent, k_rope))
         values: list[Tensor] = []
 
         def rebuild_k() -> Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Generator
+from typing import TYPE_CHECKING, Any, Generator
 
 import torch
 import torch.nn.functional as F
@@ -18,16 +18,20 @@ from moe.cp import CPRegion
 from moe.documents import document_attention_mask, document_positions
 from moe.experts import SwiGLU
 from moe.layer import MoELayer, MoEStats
+from moe.linear import make_linear, normed_input, project_heads, quantised_once, rows_of, takes_rows
 from moe.mla import MLA
 from moe.mtp import MTPDepth, mtp_loss, mtp_steps, parallelize_mtp
 from moe.norm import RMSNorm
-from moe.recompute import Recompute, Rebuild, norm_output, recomputed
+from moe.recompute import Recompute, Rebuild, recomputed
 from moe.rope import apply_rope, rope_tables
 from moe.tp import (TensorParallelRouter, TPRegion, check_tp_shapes, parallelize_block, parallelize_embedding,
                     parallelize_head, vocab_parallel_cross_entropy)
 from moe.tp.comm import Group
 from moe.tp.layout import mark_replicated
 from moe.vocab import head_logits
+
+if TYPE_CHECKING:
+    from kernels import FP8Rows
 
 
 def position_tables(cfg: ModelConfig, local_len: int, device: torch.device, tp: TPRegion | None = None,
@@ -59,22 +63,28 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
         self.head_dim = cfg.attention_head_dim
-        self.qkv = nn.Linear(cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * self.head_dim, bias=False)
-        self.out = nn.Linear(cfg.num_heads * self.head_dim, cfg.hidden_size, bias=False)
-        nn.init.normal_(self.qkv.weight, std=cfg.init_std)
-        nn.init.normal_(self.out.weight, std=out_std)
+        self.qkv = make_linear(cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * self.head_dim,
+                               cfg.linear_precision, cfg.init_std)
+        self.out = make_linear(cfg.num_heads * self.head_dim, cfg.hidden_size, cfg.linear_precision, out_std)
         self.kv: nn.Linear | None = None
         self.kv_head: int | None = None
         self.tp: TPRegion | None = None
         self.cp: CPRegion | None = None  # context parallelism: x holds this rank's zig-zag share of each sequence
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
-        """x [B, S, H] -> [B, S, H] (under TP with SP: sequence shards [B, S/tp, H] in and out; under CP: zig-zag
-        shards, cos and sin their positions' rows); mask: a boolean [B, 1, S, S] replacing the causal mask
-        (moe.documents.document_attention_mask)."""
+    def takes_rows(self) -> bool:
+        """Whether forward takes its input as FP8Rows (quantised by the norm before it, rebuilt under selective
+        recompute): an FP8 qkv, no TP (whose SP gather comes between the norm and qkv; forward quantises the gathered
+        rows once itself)."""
+        return takes_rows(self.qkv) and self.tp is None
+
+    def forward(self, x: Tensor | FP8Rows, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
+        """x [B, S, H] (FP8Rows when takes_rows()) -> [B, S, H] (under TP with SP: sequence shards [B, S/tp, H] in and
+        out; under CP: zig-zag shards, cos and sin their positions' rows); mask: a boolean [B, 1, S, S] replacing the
+        causal mask (moe.documents.document_attention_mask)."""
         if self.tp is not None:
             x = self.tp.enter(x)
-        batch, seq, _ = x.shape
+        batch, seq, _ = rows_of(x).shape
+        x = quantised_once(x, self.qkv)  # one set of e4m3 tiles for qkv and kv (KV heads replicated over TP)
         qkv = self.qkv(x) if self.kv is None else torch.cat((self.qkv(x), self.kv(x)), dim=-1)
         q, k, v = qkv.view(batch, seq, -1, self.head_dim).transpose(1, 2).split(
             [self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
@@ -87,7 +97,7 @@ class Attention(nn.Module):
             repeat = self.num_heads // k.shape[1]
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
-        out = self.out(attn.transpose(1, 2).reshape(batch, seq, -1))
+        out = project_heads(self.out, attn, core_keeps=self.cp is None)
         return out if self.tp is None else self.tp.leave(out)
 
 
@@ -111,7 +121,8 @@ class Block(nn.Module):
         self.attn = (MLA if cfg.attention == "mla" else Attention)(cfg, out_std)
         self.ffn_norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.ffn = (MoELayer(cfg) if moe
-                    else SwiGLU(cfg.hidden_size, cfg.dense_ffn_size, init_std=cfg.init_std, out_std=out_std))
+                    else SwiGLU(cfg.hidden_size, cfg.dense_ffn_size, init_std=cfg.init_std, out_std=out_std,
+                                precision=cfg.linear_precision))
         if isinstance(self.attn, MLA):
             self.attn.recompute = "selective" if recompute == "selective" else "none"
         for mlp in (self.ffn.experts, self.ffn.shared) if moe else (self.ffn,):
@@ -152,8 +163,9 @@ class Block(nn.Module):
     def _attention(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
                    rebuild: Rebuild | None) -> tuple[Tensor, Tensor]:
         """The residual stream after attention and the FFN norm's output of it."""
-        x = x + self.attn(norm_output(rebuild, self.attn_norm, x), cos, sin, mask)
-        return x, norm_output(rebuild, self.ffn_norm, x)
+        x = x + self.attn(normed_input(rebuild, self.attn_norm, x, self.attn.takes_rows()), cos, sin, mask)
+        fused = not isinstance(self.ffn, MoELayer) and self.ffn.takes_rows()
+        return x, normed_input(rebuild, self.ffn_norm, x, fused)
 
     def _dense(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, rebuild: Rebuild | None) -> Tensor:
         x, h = self._attention(x, cos, sin, mask, rebuild)

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from moe.config import ModelConfig
 from moe.layer import MoEStats
+from moe.linear import make_linear
 from moe.norm import RMSNorm
 from moe.tp import TPRegion
 from moe.tp.layout import mark_replicated
@@ -38,8 +39,7 @@ class MTPDepth(nn.Module):
         super().__init__()
         self.hnorm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.enorm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
-        nn.init.normal_(self.eh_proj.weight, std=cfg.init_std)
+        self.eh_proj = make_linear(2 * cfg.hidden_size, cfg.hidden_size, cfg.linear_precision, cfg.init_std)
         self.block = block
         self.head_norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
 

@@ -84,7 +84,9 @@ class ActivationModel:
     gate|up, silu(gate) and the product; combine keeps each slot's expert output, its weight and its two
     row ids. kernels="fused" counts fused kernels (norm into its consumer, SwiGLU, combine;
     GQA heads unexpanded); "fused-fp8" also caches the expert inputs and the SwiGLU inputs in FP8 (1x128
-    tiles), DeepSeek-V3's low-precision activation storage (report section 3.3.2). TP splits the head/FFN widths;
+    tiles), DeepSeek-V3's low-precision activation storage (report section 3.3.2), and runs every other linear but
+    the embedding, head and gate in FP8 (model.linear_precision = "fp8"): each keeps its input's e4m3 tiles, a norm's
+    output is kept only as those tiles (rebuilt under selective recompute), the out projection keeps nothing of its own. TP splits the head/FFN widths;
     SP also splits the hidden-width tensors (norm inputs and outputs) that TP alone keeps whole. CP (cp > 1) leaves
     the bytes per token alone but for the attention core, moe.cp's whatever the kernels: q, k, v, its output and
     log-sum-exp in at least float32, K/V unexpanded, the rank's own (ring) or all cp ranks' (allgather); each rank
@@ -123,9 +125,27 @@ class ActivationModel:
         width = count * self.cfg.hidden_size * self.itemsize
         return width / self.tp if self.sequence_parallel else width
 
-    def _norm(self) -> float:
-        """An RMSNorm and its consumer: the norm's input and output (project: also the fp32 rstd per row);
-        selective recompute keeps the input only."""
+    @property
+    def _fp8(self) -> bool:
+        """FP8 linears (model.linear_precision = "fp8", kernels.FP8Linear): what fused-fp8 prices."""
+        return self.kernels == "fused-fp8"
+
+    def _tiles(self, width: float) -> float:
+        """e4m3 tiles (+ fp32 scale per 128) of a width-wide FP8 linear input per token, as FP8GroupedLinear saves
+        them (x_q, x_scale); never split by SP: under TP the linears read the rows gathered from the sequence shards."""
+        return width * FP8_CACHED
+
+    def _norm(self, fp8_consumer: bool = False) -> float:
+        """An RMSNorm and its consumer: the norm's input (RMSNorm saves it) and output (its consumer's saved input;
+        project: also the fp32 rstd per row); selective recompute keeps the input only. fp8_consumer under fused-fp8
+        (the consumers are FP8 linears): the input and the consumers' one set of e4m3 tiles of the output
+        (moe.linear.fp8_norm_output, or quantised_once after TP's gather: MLA's q_a and kv_a, GQA's qkv and kv share
+        it; no bf16 output kept); selective recompute rebuilds the tiles from the input without TP (the norm fused
+        into its consumers, moe.recompute.Rebuild), and keeps them under TP (the gather is not rerun) or for MLA
+        without a query latent."""
+        if fp8_consumer and self._fp8:
+            fused = self.tp == 1 and not (self.attention.kind == "mla" and not self.cfg.q_lora_rank)
+            return self._hidden(1) + (0.0 if self.recompute == "selective" and fused else self._tiles(self.cfg.hidden_size))
         if self.recompute == "selective":
             return self._hidden(1)
         if not self._project:
@@ -133,7 +153,9 @@ class ActivationModel:
         return self._hidden(2) + 4 / (self.tp if self.sequence_parallel else 1)
 
     def _core(self) -> tuple[float, float]:
-        """(q, k and v; the output, its copy the output projection keeps and the log-sum-exp): bytes per token."""
+        """(q, k and v; the output, its copy the output projection keeps (project only) and the log-sum-exp): bytes
+        per token. fused-fp8: the FP8 out projection keeps a view of the output the fused core keeps
+        (moe.linear.project_heads, keep_input), no bytes of its own."""
         a, t, att = self.itemsize, self.tp, self.attention
         kv_width = att.qk_head_dim + att.v_head_dim
         if self.cp > 1 and (self._project or self.cp_method == "allgather"):
@@ -146,12 +168,17 @@ class ActivationModel:
         return qkv, a * att.heads * att.v_head_dim / t * (2 if self._project else 1) + 4 * att.heads / t
 
     def _attention(self) -> float:
+        """The attention norm (see _norm), MLA's latents (kept by the latent norms, RMSNorm's input), the core (see
+        _core). fused-fp8 without selective recompute: also the e4m3 tiles of the latent norms' outputs that q_b and
+        kv_b keep (FP8GroupedLinear; rebuilt under selective recompute, moe.linear.fp8_norm_output)."""
         qkv, out = self._core()
         att = self.attention
         latent = self.itemsize * att.latent
+        if self._fp8 and att.kind == "mla" and self.recompute != "selective":
+            latent += self._tiles(self.cfg.q_lora_rank + self.cfg.kv_lora_rank)
         if self.recompute == "selective":
-            return self._norm() + latent + out + (0 if att.kind == "mla" else qkv)
-        return self._norm() + latent + qkv + out
+            return self._norm(True) + latent + out + (0 if att.kind == "mla" else qkv)
+        return self._norm(True) + latent + qkv + out
 
     def _swiglu(self, ffn: float) -> float:
         """Saved bytes of a SwiGLU of width ffn (its input counted by the caller): gate|up, then silu(gate) and
@@ -204,15 +231,19 @@ class ActivationModel:
                 return self._hidden(1)
             return self._hidden(2) + cfg.top_k * self._slot() / self.tp + self._router()
         if not moe:
-            return self._attention() + self._norm() + self._swiglu(cfg.dense_ffn_size / self.tp)
+            return self._attention() + self._norm(True) + self._swiglu(cfg.dense_ffn_size / self.tp)
         if self.recompute == "moe":  # the FFN norm keeps its input, the MoE block nothing
             return self._attention() + self._hidden(1)
         return self._attention() + self._norm() + self._moe_block()
 
     def _moe_block(self) -> float:
-        """An MoE block's saved bytes per token: each routed slot's, the router's and the shared experts'."""
+        """An MoE block's saved bytes per token: each routed slot's, the router's and the shared experts' (fused-fp8:
+        with the e4m3 tiles of their input that their FP8 gate_up keeps, FP8GroupedLinear; the FFN norm's bf16 output
+        is the router's input)."""
         cfg = self.cfg
         shared = self._swiglu(cfg.num_shared_experts * cfg.expert_ffn_size / self.tp)
+        if self._fp8 and cfg.num_shared_experts:
+            shared += self._tiles(cfg.hidden_size)
         return cfg.top_k * self._slot() / self.tp + self._router() + shared
 
     def backward_layer(self, moe: bool) -> float:
@@ -233,7 +264,7 @@ class ActivationModel:
         cfg = self.cfg
         experts = max(cfg.top_k * plain._swiglu(cfg.expert_ffn_size) / self.tp,
                       plain._swiglu(cfg.num_shared_experts * cfg.expert_ffn_size / self.tp))
-        return max(kept + experts, plain._attention() + plain._norm())
+        return max(kept + experts, plain._attention() + plain._norm(not moe))
 
     def head(self) -> float:
         """Final norm and LM head: the fp32 log-probabilities cross-entropy keeps (fused: also the
@@ -257,10 +288,14 @@ class ActivationModel:
             held += self.layer(moe)
         return max(most * tokens, self.stage(layers, has_head, tokens))
 
-    def _linear_pairs(self, width_in: float, width_out: float) -> float:
-        """A linear's input and output grad, kept for its deferred weight grad (fused-fp8: both in FP8 with 1x128
-        scales, the operands an FP8 weight-grad GEMM reads, as DeepSeek-V3's and Transformer Engine's keep them)."""
-        return (width_in + width_out) * (FP8_CACHED if self.kernels == "fused-fp8" else self.itemsize)
+    def _linear_pairs(self, width_in: float, width_out: float, fp8: bool = True) -> float:
+        """A linear's input and output grad, kept for its deferred weight grad; an FP8 linear's (fused-fp8, fp8) W
+        action holds its input's e4m3 1x128 row tiles and scales (the forward's, FP8GroupedLinear; the out projection
+        quantises the attention output in B) and the output grad in the training dtype (kernels.linear._weight_grad),
+        which it re-tiles along tokens when it runs."""
+        if fp8 and self._fp8:
+            return self._tiles(width_in) + width_out * self.itemsize
+        return (width_in + width_out) * self.itemsize
 
     def deferred_layer(self, moe: bool) -> float:
         """Bytes per token a layer keeps from a split backward (B) to its weight grads (W): every deferred
@@ -283,7 +318,8 @@ class ActivationModel:
         """Bytes one chunk keeps from a split backward of the stage to its W (the LM head: its input and the
         logits' grad)."""
         per_token = sum(self.deferred_layer(i >= self.cfg.first_k_dense) for i in layers)
-        per_token += self._linear_pairs(self.cfg.hidden_size, self.cfg.padded_vocab_size / self.tp) if has_head else 0.0
+        head = self._linear_pairs(self.cfg.hidden_size, self.cfg.padded_vocab_size / self.tp, fp8=False)  # nn.Linear
+        per_token += head if has_head else 0.0
         return per_token * tokens
 
 

@@ -40,8 +40,8 @@ def parallelize_attention(attn: nn.Module, region: TPRegion) -> None:
         attn.num_kv_heads = kv_heads // size
     else:  # every rank holds all KV heads (few, small) and uses the one its query heads share
         kv_rows = torch.arange(heads * dim, (heads + 2 * kv_heads) * dim)
-        attn.kv = nn.Linear(attn.qkv.in_features, kv_rows.numel(), bias=False,
-                            device=attn.qkv.weight.device, dtype=attn.qkv.weight.dtype)
+        attn.kv = type(attn.qkv)(attn.qkv.in_features, kv_rows.numel(), bias=False,  # nn.Linear or FP8Linear
+                                 device=attn.qkv.weight.device, dtype=attn.qkv.weight.dtype)
         attn.kv.weight = attn.qkv.weight
         shard_param(attn.kv, "weight", [kv_rows] * size, rank, grads="partial", source="qkv.weight")
         shard_param(attn.qkv, "weight", q_rows, rank)

@@ -252,10 +252,17 @@ def test_backward_workspace_is_the_largest_grad_before_zero1_takes_it():
                                                + plan.ranks[0].workspace)
 
 
-def test_fused_fp8_linears_keep_their_deferred_weight_grad_operands_in_fp8():
+def test_fused_fp8_linears_keep_their_input_tiles_for_the_deferred_weight_grad():
     """A split backward leaves each linear's input and output grad to its W: in the training dtype for this
-    project's and fused BF16 kernels, in FP8 with 1x128 scales under fused-fp8 (what an FP8 wgrad GEMM reads)."""
+    project's and fused BF16 kernels; under fused-fp8 an FP8 linear's W holds its input's e4m3 1x128 tiles (its
+    forward's, re-tiled along tokens when W runs) and the output grad in the training dtype (kernels.linear), the LM
+    head (a plain nn.Linear) both in the training dtype."""
     cfg = load_config(CONFIGS / "deepseek-v3.toml").model
-    bf16, fp8 = (ActivationModel(cfg, attention_shape(cfg), 2, kernels=k).deferred_layer(True)
-                 for k in ("fused", "fused-fp8"))
-    assert fp8 == pytest.approx(bf16 * FP8_CACHED / 2)
+    bf16, fp8 = (ActivationModel(cfg, attention_shape(cfg), 2, kernels=k) for k in ("fused", "fused-fp8"))
+    assert fp8._linear_pairs(7168, 1536) == 7168 * FP8_CACHED + 1536 * 2
+    assert bf16._linear_pairs(7168, 1536) == (7168 + 1536) * 2
+    tokens = 4096
+    head = (cfg.hidden_size + cfg.padded_vocab_size) * 2 * tokens
+    assert (fp8.deferred_stage(range(60, 61), True, tokens) - fp8.deferred_layer(True) * tokens
+            == pytest.approx(head))
+    assert fp8.deferred_layer(True) < bf16.deferred_layer(True)
