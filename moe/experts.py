@@ -95,8 +95,8 @@ def _cached_swiglu_down(gate_up: Tensor, down: Callable[[Tensor | FP8Rows], Tens
     with Rebuild() as rebuild:
         if not fp8_down:
             return down(rebuild.drop(h, product))
-        tiles = functools.cache(lambda: quantize_fp8(product()))  # one rebuild for both tensors
-        q, scale = quantize_fp8(h.detach())  # the tiles the FP8 linear would make of h itself
+        tiles = functools.cache(lambda: quantize_fp8(product().reshape(-1, h.shape[-1])))  # one rebuild for both
+        q, scale = quantize_fp8(h.detach().reshape(-1, h.shape[-1]))  # the tiles the FP8 linear would make of h
         return down(FP8Rows(rebuild.drop(q, lambda: tiles()[0]), rebuild.drop(scale, lambda: tiles()[1]), h))
 
 
@@ -203,5 +203,8 @@ class SwiGLU(nn.Module):
     def _swiglu(self, x: Tensor | FP8Rows) -> Tensor:
         if self.tp is not None:
             x = self.tp.enter(x)
-        out = swiglu_down(self.gate_up(x), self.down, self.recompute == "selective", self.activation_cache)
+        # an FP8 down projection is handed the product's e4m3 tiles, rebuilt in backward from the FP8 cache
+        fp8_down = self.activation_cache == "fp8" and takes_rows(self.down) and self.tp is None
+        out = swiglu_down(self.gate_up(x), self.down, self.recompute == "selective", self.activation_cache,
+                          fp8_down=fp8_down)
         return out if self.tp is None else self.tp.leave(out)

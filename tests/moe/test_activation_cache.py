@@ -35,7 +35,7 @@ from kernels import FP8_DTYPE, calc_diff, dequantize_activation
 from launch.plan.memory import FP8_CACHED, ActivationModel
 from launch.plan.params import count_params
 from moe.config import ModelConfig
-from moe.experts import GroupedExperts, swiglu_down
+from moe.experts import GroupedExperts, SwiGLU, swiglu_down
 from moe.layer import MoELayer
 
 HIDDEN, FFN, EXPERTS, TOP_K, TOKENS = 256, 128, 4, 2, 24
@@ -121,6 +121,24 @@ def test_moe_layer_keeps_the_plans_bytes_and_no_expert_output(precision):
     assert x.untyped_storage()._cdata in routed  # the router keeps its input as given (moe.router.promoted_linear),
     # as do the shared expert's first linear: the plan counts it with the FFN norm
     assert nbytes(kept) - nbytes(routed.values()) == TOKENS * (TOP_K * slot + model._swiglu(FFN))
+
+
+@pytest.mark.parametrize("shape", [(TOKENS, HIDDEN), (2, TOKENS // 2, HIDDEN)])
+def test_an_fp8_dense_swiglu_keeps_its_input_and_gate_up_tiles_only(shape):
+    """A dense or shared SwiGLU with FP8 linears (model.linear_precision) and the FP8 cache: its down projection is
+    handed the product's e4m3 tiles, rebuilt in backward from the gate|up cache, so it keeps no tiles of its own; what
+    stays is gate_up's input tiles and the gate|up cache (2-D rows, and a dense layer's [B, S, H])."""
+    torch.manual_seed(0)
+    mlp = SwiGLU(HIDDEN, FFN, precision="fp8").bfloat16()
+    mlp.activation_cache = "fp8"
+    x = torch.randn(shape).bfloat16().requires_grad_()
+    _, saved = saved_storages(Run(mlp, x))
+    rows = x.numel() // HIDDEN
+    assert sorted(str((t.dtype, tuple(t.shape))) for t in saved.values() if t.dtype != torch.int32) == sorted(map(str, [
+        (FP8_DTYPE, (rows, HIDDEN)), (torch.float32, (rows, HIDDEN // 128)),
+        (FP8_DTYPE, (rows, 2 * FFN)), (torch.float32, (rows, 2 * FFN // 128))]))
+    mlp(x).float().sum().backward()
+    assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in (x, mlp.gate_up.weight, mlp.down.weight))
 
 
 def test_native_cache_keeps_what_it_kept():
