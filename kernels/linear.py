@@ -15,8 +15,10 @@ backward is the e4m3 tiles (+ fp32 scales) its forward made of its input, never 
 
 The weight is kept as it is (not its e4m3 blocks: one copy per micro-batch in flight); backward requantises it.
 Inside a kernels.wgrad_defer capture (the pipeline's B/W split) dw is left to the W action, which holds the saved
-e4m3 tiles (never a dequantised copy) and dy until it runs; a plain linear's deferred wgrads of several chunks
-merge into one GEMM over all their rows (one group).
+e4m3 tiles (never a dequantised copy) and dy until it runs: a grouped linear's (the routed experts') dy as the
+wgrad's own e4m3 operand, quantised along tokens in B (the same tiles W would make: bitwise the same dw, at about half
+dy's bytes); a plain linear's dy as it is, since its deferred wgrads of several chunks merge into one GEMM over all
+their rows (one group), whose token tiles run across the chunks.
 
 `keep_input`: the input is a tensor another op keeps anyway (the attention core keeps its output for its own
 backward, and the out projection reads it through a view): the linear saves that view, no bytes of its own, and its
@@ -53,14 +55,16 @@ class FP8Rows:
     rows: Tensor   # [..., K] stand-in of q * scale
 
 
-def _kgrouped_wgrad(dy: Tensor, x: Tensor, offs: Tensor, backend: str | None, w_dtype: torch.dtype) -> Tensor:
-    """dw[g] = dy_g^T @ x_g, both operands quantised in 1x128 tiles along tokens, fp32 accumulation, in w_dtype."""
-    dy_t, dy_t_scale = run("quantize_activation_kgrouped", backend, dy, offs)
-    x_t, x_t_scale = run("quantize_activation_kgrouped", backend, x, offs)
-    return run("wgrad", backend, dy_t, dy_t_scale, x_t, x_t_scale, offs).to(w_dtype)
+def _kgrouped_wgrad(dy: Tensor | tuple[Tensor, Tensor], x: Tensor, offs: Tensor, backend: str | None,
+                    w_dtype: torch.dtype) -> Tensor:
+    """dw[g] = dy_g^T @ x_g, both operands quantised in 1x128 tiles along tokens, fp32 accumulation, in w_dtype;
+    dy may be given as those tiles already (quantize_activation_kgrouped's (q, scale))."""
+    dy_t = dy if isinstance(dy, tuple) else run("quantize_activation_kgrouped", backend, dy, offs)
+    x_t = run("quantize_activation_kgrouped", backend, x, offs)
+    return run("wgrad", backend, *dy_t, *x_t, offs).to(w_dtype)
 
 
-def _retiled_wgrad(dy: Tensor, x_q: Tensor, x_scale: Tensor, offs: Tensor, backend: str | None,
+def _retiled_wgrad(dy: Tensor | tuple[Tensor, Tensor], x_q: Tensor, x_scale: Tensor, offs: Tensor, backend: str | None,
                    w_dtype: torch.dtype) -> Tensor:
     """The wgrad from the forward's e4m3 rows (1x128 tiles along K): dequantised to fp32, requantised
     along tokens (the re-tiling)."""
@@ -138,8 +142,15 @@ def _weight_grad(ctx, w: Tensor, offs: Tensor, saved: list[Tensor], dy: Tensor, 
     if not grouped and isinstance(target, Tensor):  # one group: the chunks' wgrads merge into one GEMM
         run_all = partial(_merged_wgrad, target, backend)
         defer_weight_grad(target, partial(run_all, [held]), held, (("fp8-linear", id(target)), run_all, held))
-    else:
-        defer_weight_grad(target, lambda: accumulate_grad(target, grad, lambda acc: acc.add_(grad())), held)
+    else:  # the W action's dy operand made now, in e4m3 along tokens as the wgrad reads it: held at ~half the bytes
+        dy_t = tuple(run("quantize_activation_kgrouped", backend, dy, offs))
+
+        def tiled_grad() -> Tensor:
+            dw = _retiled_wgrad(dy_t, x_q, x_scale, offs, backend, w_dtype)
+            return dw if grouped else dw[0]
+
+        defer_weight_grad(target, lambda: accumulate_grad(target, tiled_grad, lambda acc: acc.add_(tiled_grad())),
+                          (x_q, x_scale, *dy_t))
     return None
 
 

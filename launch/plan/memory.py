@@ -288,13 +288,14 @@ class ActivationModel:
             held += self.layer(moe)
         return max(most * tokens, self.stage(layers, has_head, tokens))
 
-    def _linear_pairs(self, width_in: float, width_out: float, fp8: bool = True) -> float:
+    def _linear_pairs(self, width_in: float, width_out: float, fp8: bool = True, grouped: bool = False) -> float:
         """A linear's input and output grad, kept for its deferred weight grad; an FP8 linear's (fused-fp8, fp8) W
         action holds its input's e4m3 1x128 row tiles and scales (the forward's, FP8GroupedLinear; the out projection
-        quantises the attention output in B) and the output grad in the training dtype (kernels.linear._weight_grad),
-        which it re-tiles along tokens when it runs."""
+        quantises the attention output in B), which it re-tiles along tokens when it runs, and the output grad
+        (kernels.linear._weight_grad): a grouped linear's (the routed experts') as e4m3 tiles along tokens made in
+        B, a plain linear's in the training dtype."""
         if fp8 and self._fp8:
-            return self._tiles(width_in) + width_out * self.itemsize
+            return self._tiles(width_in) + (self._tiles(width_out) if grouped else width_out * self.itemsize)
         return (width_in + width_out) * self.itemsize
 
     def deferred_layer(self, moe: bool) -> float:
@@ -306,12 +307,12 @@ class ActivationModel:
                * (att.qk_head_dim + att.v_head_dim)) / t
         attention = self._linear_pairs(h, qkv) + self._linear_pairs(att.heads * att.v_head_dim / t, h)
 
-        def ffn(width: float) -> float:
-            return self._linear_pairs(h, 2 * width) + self._linear_pairs(width, h)
+        def ffn(width: float, grouped: bool = False) -> float:
+            return self._linear_pairs(h, 2 * width, grouped=grouped) + self._linear_pairs(width, h, grouped=grouped)
 
         if not moe:
             return attention + ffn(cfg.dense_ffn_size / t)
-        return (attention + cfg.top_k * ffn(cfg.expert_ffn_size) / t
+        return (attention + cfg.top_k * ffn(cfg.expert_ffn_size, grouped=True) / t
                 + ffn(cfg.num_shared_experts * cfg.expert_ffn_size / t))
 
     def deferred_stage(self, layers: range, has_head: bool, tokens: int) -> float:

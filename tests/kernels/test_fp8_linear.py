@@ -185,3 +185,24 @@ def test_fp8_linear_is_an_nn_linear_without_bias():
         kernels.FP8Linear(K, N, bias=True)
     with pytest.raises(ValueError, match="input width"):
         linear(torch.randn(3, K + 1))
+
+
+def test_a_grouped_linears_deferred_wgrad_holds_dy_as_its_e4m3_operand_and_equals_the_immediate_one():
+    """The routed experts' W action (kernels.linear._weight_grad, grouped): dy is quantised along tokens in B, the
+    tiles W reads anyway, so it holds e4m3 tiles of x and of dy (about half dy's bytes) and its dw is bitwise the
+    immediate one."""
+    torch.manual_seed(0)
+    groups, m = 3, 300
+    x = torch.randn(m, K)
+    w = torch.randn(groups, N, K, requires_grad=True)
+    dy = torch.randn(m, N)
+    offs = torch.tensor([100, 100, 300], dtype=torch.int32)  # an empty group too
+    kernels.fp8_grouped_linear(x, w, offs).backward(dy)
+    immediate, w.grad = w.grad, None
+    store = WeightGradStore()
+    with store.capture(0):
+        kernels.fp8_grouped_linear(x, w, offs).backward(dy)
+    columns = kernels.quantize_activation_kgrouped(dy, offs)[1].shape[1]  # token tiles restarting at each group
+    assert store.held_bytes == m * K + m * 2 * 4 + N * columns * (128 + 4)  # x's rows; dy's token tiles, not dy
+    store.run(0)
+    assert torch.equal(w.grad, immediate)
