@@ -80,8 +80,9 @@ def parser() -> argparse.ArgumentParser:
                         "--validate; 1: all)")
     p.add_argument("--overlap-dp", action="store_true", help="the DP grad reduce runs behind the step's last backward")
     p.add_argument("--sample-tokens", type=int, default=1024, help="tokens per EP rank routed for the traffic")
-    p.add_argument("--kernels", choices=KERNELS, default="project",
-                   help="activation bytes of this project's ops or of fused kernels (DeepSeek-V3's)")
+    p.add_argument("--kernels", choices=KERNELS,
+                   help="activation bytes of this project's ops or of fused kernels (DeepSeek-V3's); default: what "
+                        "the runtime keeps for the config (fused-fp8 with its FP8 recipe keys on, else project)")
     p.add_argument("--measure", action="store_true", help="also run the layout here (gloo ranks, the trainer's model, "
                    "runtime and ZeRO-1) and print each rank's measured figures beside the plan's")
     p.add_argument("--steps", type=int, default=30, help="measure: forward-backward steps (bytes and memory of the last; "

@@ -37,11 +37,11 @@ class Precisions:
 
     @classmethod
     def of(cls, cfg: ModelConfig, linears: str | None = None) -> Precisions:
-        """linears for every linear if given; else BF16 dense and the config's expert precision (this project's
-        FP8 experts use 1x128 / 128x128 scales)."""
+        """linears for every linear if given; else the config's linear and expert precisions (this project's FP8
+        GEMMs use 1x128 / 128x128 scales)."""
         if linears:
             return cls(linears, linears)
-        return cls("bf16", "fp8-block" if cfg.expert_precision == "fp8" else "bf16")
+        return cls(*("fp8-block" if p == "fp8" else "bf16" for p in (cfg.linear_precision, cfg.expert_precision)))
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,7 @@ class Options:
     """Planner-side choices the run config does not hold."""
 
     recompute: str = "none"
-    kernels: str = "project"     # activation bytes of this project's ops, or of fused kernels (memory.KERNELS)
+    kernels: str | None = None   # activation bytes by kernels (memory.KERNELS); default: the runtime's, runtime_kernels
     recipe: str | None = None    # model-state bytes (presets.RECIPES); default: default_recipe(config)
     sample_tokens: int = 1024    # tokens per EP rank routed to estimate dispatch bytes
     linears: str | None = None   # precision of every linear (efficiency.PRECISIONS); default BF16 + the config's experts
@@ -157,6 +157,16 @@ class Plan:
         return self.peak_memory <= self.machine.gpu.memory_gb * 1e9
 
 
+def runtime_kernels(config: RunConfig) -> str:
+    """The activation bytes (memory.KERNELS) this runtime keeps for the config: "fused-fp8" with DeepSeek-V3's
+    recipe on (model.linear_precision, expert_precision and activation_cache all "fp8": FP8 linears keeping their
+    e4m3 input tiles, FP8-cached SwiGLU inputs, norms rebuilt into their FP8 consumers, no expert output kept by
+    combine), else "project" (its ops with native activations)."""
+    cfg = config.model
+    recipe = (cfg.linear_precision, cfg.expert_precision, cfg.activation_cache)
+    return "fused-fp8" if recipe == ("fp8", "fp8", "fp8") else "project"
+
+
 def default_recipe(config: RunConfig) -> StateBytes:
     """The recipe the runtime's ZeroOptimizer holds for the config: its training dtype (bf16 weights with fp32
     masters, or weights that are their own masters) and optim.moment_dtype; grads are reduce-scattered in place."""
@@ -210,6 +220,7 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
         raise ValueError(f"gpus_per_node = {gpn} must divide the world size pp x dp x cp x tp = {par.world_size}")
     machine = replace(machine, gpus_per_node=gpn)
     _check_options(config, options)
+    options = replace(options, kernels=options.kernels or runtime_kernels(config))
     num_stages = par.num_stages
     layers = stage_ranges(cfg, train.seq_len, num_stages)  # the trainer's own split
     params = count_params(cfg, layers)

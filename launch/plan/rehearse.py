@@ -37,7 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from launch.config.run import RunConfig
-from launch.plan.planner import Machine, Options, make_plan
+from launch.plan.planner import Machine, Options, default_recipe, make_plan
 from launch.plan.presets import gpu_preset
 
 META = torch.device("meta")
@@ -209,16 +209,20 @@ class Rehearsal:
     world_size: int
     peak: dict[str, int]        # bytes by category at the tracker's peak
     planned: dict[str, float]   # moe-plan's bytes by category for the same pipeline rank
+    basis: str                  # what moe-plan planned for: activation kernels and model-state recipe
     collectives: Collectives
     cuda: bool                  # the capability check that switches CUDA-only pieces
 
 
-def planned_memory(cfg: RunConfig) -> list[dict[str, float]]:
-    """moe-plan's bytes by category for each pipeline rank (memory only; the layout's own gpus_per_node)."""
+def planned_memory(cfg: RunConfig) -> tuple[list[dict[str, float]], str]:
+    """moe-plan's bytes by category for each pipeline rank (memory only; the layout's own gpus_per_node), with the
+    activation kernels and model-state recipe it planned them for: the runtime's own for cfg (planner.runtime_kernels,
+    planner.default_recipe)."""
     machine = Machine(gpu_preset("h800"), cfg.parallel.gpus_per_node or cfg.parallel.world_size)
     plan = make_plan(cfg, machine, Options(cfg.train.recompute), timed=False)
+    basis = f"kernels {plan.options.kernels}, recipe {default_recipe(cfg).name}"
     return [{"params": r.states.params, "grads": r.states.grads, "optimizer": r.states.optimizer,
-             "activations": r.activations + r.transient + r.workspace} for r in plan.ranks]
+             "activations": r.activations + r.transient + r.workspace} for r in plan.ranks], basis
 
 
 def rehearsal_config(cfg: RunConfig, run_dir: Path) -> RunConfig:
@@ -235,7 +239,7 @@ def rehearse(cfg: RunConfig, rank: int | None = None) -> Rehearsal:
 
     from launch.train.loop import train
 
-    planned = planned_memory(cfg)
+    planned, basis = planned_memory(cfg)
     if rank is None:
         pp_rank = max(range(len(planned)), key=lambda p: sum(planned[p].values()))
         rank = cfg.layout.rank(pp_rank, 0, 0)
@@ -255,7 +259,7 @@ def rehearse(cfg: RunConfig, rank: int | None = None) -> Rehearsal:
         dist.destroy_process_group()
     peak = tracker.categories()
     pp_rank = cfg.layout.coords(rank)[0]
-    return Rehearsal(rank, world, peak, planned[pp_rank], collectives, torch.cuda.is_available())
+    return Rehearsal(rank, world, peak, planned[pp_rank], basis, collectives, torch.cuda.is_available())
 
 
 def render(result: Rehearsal) -> str:
@@ -263,6 +267,7 @@ def render(result: Rehearsal) -> str:
     gib = 2 ** 30
     lines = [f"rehearsal of rank {result.rank} of {result.world_size} on the meta device under the fake process group "
              f"(CUDA available here: {result.cuda}; CUDA-only pieces off)",
+             f"moe-plan for the same pipeline rank ({result.basis})",
              f"{'memory':<12}{'rehearsal GiB':>15}{'moe-plan GiB':>15}{'ratio':>8}"]
     for cat in CATEGORIES:
         got, plan = result.peak[cat], result.planned[cat]
