@@ -94,10 +94,11 @@ def test_a_flat_efficiency_prices_flops_only():
 
 
 def test_fp8_linears_and_the_shape_model_change_the_planned_step():
-    config = load_config(CONFIGS / "deepseek-v3.toml")
+    config = load_config(CONFIGS / "deepseek-v3.toml")  # its linears FP8 (model.linear_precision): fp8-block GEMMs
     machine = Machine(GPUS["h800"], 8)
     options = Options("selective", "fused-fp8", "deepseek-v3", sample_tokens=256)
-    plain, fp8 = make_plan(config, machine, options), make_plan(config, machine, replace(options, linears="fp8-block"))
+    plain, fp8 = make_plan(config, machine, replace(options, linears="bf16")), make_plan(config, machine, options)
+    assert make_plan(config, machine, replace(options, linears="fp8-block")).stage_costs == fp8.stage_costs
     assert fp8.stage_costs[1].f < plain.stage_costs[1].f  # dense projections at the FP8 peak
     for cost in plain.stage_costs:  # a backward does about twice a forward's work; W is part of it
         assert 1.5 * cost.f < cost.b < 3 * cost.f and 0 < cost.w < cost.b
@@ -185,7 +186,7 @@ def test_the_last_stage_carries_the_mtp_depths_time_and_exchanges():
     block = (layer_seconds(H800, cfg, attention_shape(cfg), cfg.num_layers, 4096, tokens, tp, 64, Precisions.of(cfg))
              + elementwise_seconds(H800, cfg, attention_shape(cfg), cfg.num_layers, tokens, tp, False, 2,
                                    Precisions.of(cfg)))
-    eh_proj, head = H800.gemm(tokens, cfg.hidden_size, 2 * cfg.hidden_size, "bf16"), H800.gemm(
+    eh_proj, head = H800.gemm(tokens, cfg.hidden_size, 2 * cfg.hidden_size, Precisions.of(cfg).dense), H800.gemm(
         tokens, cfg.padded_vocab_size, cfg.hidden_size, "bf16")
     head += H800.memory(2 * 2 * tokens * cfg.padded_vocab_size)  # its loss reads the BF16 logits twice
     assert with_mtp.stage_costs[-1].f - without.stage_costs[-1].f == pytest.approx(block.f + eh_proj + head)
