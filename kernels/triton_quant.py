@@ -9,7 +9,13 @@ from torch import Tensor
 
 from kernels import quant_ref
 from kernels.quant_ref import FP8_DTYPE, kgrouped_columns, num_tiles
-from kernels.triton_common import TILE, e4m3_value, locate_tile, quantize_codes, tile_scale
+from kernels.triton_common import (
+    TILE,
+    e4m3_value,
+    locate_tile,
+    quantize_codes,
+    tile_scale,
+)
 
 ROWS_PER_PROGRAM = 32
 COLUMNS_PER_PROGRAM = 64
@@ -51,7 +57,7 @@ def _kgrouped_block(offs_ptr, K, G, BLOCK_K: tl.constexpr, G_POW2: tl.constexpr)
     """This program's block of a k-grouped launch: its tile column, the tile's 128 source rows (of one group), its
     BLOCK_K columns of K, and which rows (inside the group) and columns exist."""
     tile = tl.program_id(0)
-    g, row0, end, valid = locate_tile(tile, offs_ptr, G, TILE, G_POW2)
+    _, row0, end, _ = locate_tile(tile, offs_ptr, G, TILE, G_POW2)
     rows = (row0 + tl.arange(0, TILE)).to(tl.int64)
     ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     return tile, rows, ks, rows < end, ks < K

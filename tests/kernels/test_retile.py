@@ -5,7 +5,11 @@ import pytest
 import torch
 
 import kernels
-from kernels.quant_ref import dequantize_activation, quantize_activation_kgrouped_ref, retile_kgrouped_ref
+from kernels.quant_ref import (
+    dequantize_activation,
+    quantize_activation_kgrouped_ref,
+    retile_kgrouped_ref,
+)
 from tests.kernels.helpers import GROUP_SIZES, offsets, same_bits
 
 # (group sizes, K): K not a multiple of 128, empty groups (first, middle, last), M not a multiple of 128
