@@ -9,7 +9,8 @@ backward is the e4m3 tiles (+ fp32 scales) its forward made of its input, never 
 - Wgrad dw = dy^T x needs both operands in 1x128 tiles along the tokens (M, "k-grouped"), while the saved tiles run
   along K. Backward re-tiles them as DeepSeek-V3 does: dequantise the saved e4m3 rows (to fp32: relative rounding
   2^-24, the product of a 4-bit significand and the scale), requantise
-  them k-grouped. That is a second e4m3 rounding of x on top of the forward's: relative error <= 2^-4 per element
+  them k-grouped, in one op (ops.retile_kgrouped; on GPU one kernel that dequantises in registers, never an fp32
+  copy of x). That is a second e4m3 rounding of x on top of the forward's: relative error <= 2^-4 per element
   each, so the wgrad's x operand is off by up to (1 + 2^-4)^2 - 1 ~ 2^-3.9 instead of 2^-4 (plus e4m3's subnormal
   steps for elements far below their tile's maximum); tests/kernels/test_fp8_linear.py measures it.
 
@@ -37,7 +38,6 @@ from torch import Tensor, nn
 
 from kernels import checks
 from kernels.ops import run
-from kernels.quant_ref import dequantize_activation
 from kernels.wgrad_defer import accumulate_grad, capturing, defer_weight_grad, grad_target
 
 
@@ -55,20 +55,24 @@ class FP8Rows:
     rows: Tensor   # [..., K] stand-in of q * scale
 
 
-def _kgrouped_wgrad(dy: Tensor | tuple[Tensor, Tensor], x: Tensor, offs: Tensor, backend: str | None,
-                    w_dtype: torch.dtype) -> Tensor:
-    """dw[g] = dy_g^T @ x_g, both operands quantised in 1x128 tiles along tokens, fp32 accumulation, in w_dtype;
-    dy may be given as those tiles already (quantize_activation_kgrouped's (q, scale))."""
+def _wgrad(dy: Tensor | tuple[Tensor, Tensor], x_t: tuple[Tensor, Tensor], offs: Tensor, backend: str | None,
+           w_dtype: torch.dtype) -> Tensor:
+    """dw[g] = dy_g^T @ x_g from x's k-grouped tiles x_t (e4m3, scales), dy quantised the same way (or given as
+    those tiles already: quantize_activation_kgrouped's (q, scale)), fp32 accumulation, in w_dtype."""
     dy_t = dy if isinstance(dy, tuple) else run("quantize_activation_kgrouped", backend, dy, offs)
-    x_t = run("quantize_activation_kgrouped", backend, x, offs)
     return run("wgrad", backend, *dy_t, *x_t, offs).to(w_dtype)
+
+
+def _kgrouped_wgrad(dy: Tensor, x: Tensor, offs: Tensor, backend: str | None, w_dtype: torch.dtype) -> Tensor:
+    """The wgrad from x itself, quantised in 1x128 tiles along tokens."""
+    return _wgrad(dy, run("quantize_activation_kgrouped", backend, x, offs), offs, backend, w_dtype)
 
 
 def _retiled_wgrad(dy: Tensor | tuple[Tensor, Tensor], x_q: Tensor, x_scale: Tensor, offs: Tensor, backend: str | None,
                    w_dtype: torch.dtype) -> Tensor:
-    """The wgrad from the forward's e4m3 rows (1x128 tiles along K): dequantised to fp32, requantised
-    along tokens (the re-tiling)."""
-    return _kgrouped_wgrad(dy, dequantize_activation(x_q, x_scale), offs, backend, w_dtype)
+    """The wgrad from the forward's e4m3 rows (1x128 tiles along K), re-tiled along tokens by one op
+    (retile_kgrouped: the k-grouped quantisation of their dequantised values, no fp32 copy on GPU)."""
+    return _wgrad(dy, run("retile_kgrouped", backend, x_q, x_scale, offs), offs, backend, w_dtype)
 
 
 def _merged_wgrad(weight: Tensor, backend: str | None, parts: list[tuple[Tensor, Tensor, Tensor]]) -> None:

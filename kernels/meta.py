@@ -28,6 +28,11 @@ def quantize_activation_kgrouped(x: Tensor, offs: Tensor) -> tuple[Tensor, Tenso
     return _empty((k, columns * TILE), FP8_DTYPE, x), _empty((k, columns), torch.float32, x)
 
 
+def retile_kgrouped(x_q: Tensor, x_scale: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
+    """e4m3 x_q [M, K] -> e4m3 [K, 128 T] and fp32 scales [K, T], as quantize_activation_kgrouped."""
+    return quantize_activation_kgrouped(x_q, offs)
+
+
 def quantize_weight(w: Tensor) -> tuple[Tensor, Tensor]:
     """w [..., N, K] -> e4m3 [..., N, K] and fp32 scales [..., ceil(N/128), ceil(K/128)]."""
     *lead, n, k = w.shape
@@ -52,6 +57,7 @@ def wgrad(a_t: Tensor, a_t_scale: Tensor, b_t: Tensor, b_t_scale: Tensor, offs: 
 META_KERNELS: dict[str, Callable] = {
     "quantize_activation": quantize_activation,
     "quantize_activation_kgrouped": quantize_activation_kgrouped,
+    "retile_kgrouped": retile_kgrouped,
     "quantize_weight": quantize_weight,
     "gemm": gemm,
     "dgrad": dgrad,

@@ -16,12 +16,14 @@ from kernels import checks
 from kernels.backend import use_triton
 from kernels.grouped_ref import fp8_grouped_gemm_dgrad_ref, fp8_grouped_gemm_ref, fp8_grouped_gemm_wgrad_ref
 from kernels.meta import META_KERNELS
-from kernels.quant_ref import quantize_activation_kgrouped_ref, quantize_activation_ref, quantize_weight_ref
+from kernels.quant_ref import (quantize_activation_kgrouped_ref, quantize_activation_ref, quantize_weight_ref,
+                               retile_kgrouped_ref)
 
 
 KERNELS: dict[str, tuple[str, Callable]] = {
     "quantize_activation": ("triton_quant.quantize_activation", quantize_activation_ref),
     "quantize_activation_kgrouped": ("triton_quant.quantize_activation_kgrouped", quantize_activation_kgrouped_ref),
+    "retile_kgrouped": ("triton_quant.retile_kgrouped", retile_kgrouped_ref),
     "quantize_weight": ("triton_quant.quantize_weight", quantize_weight_ref),
     "gemm": ("triton_gemm.mgrouped_gemm", fp8_grouped_gemm_ref),
     "dgrad": ("triton_gemm.mgrouped_dgrad", fp8_grouped_gemm_dgrad_ref),
@@ -59,6 +61,18 @@ def quantize_activation_kgrouped(x: Tensor, offs: Tensor, *, backend: str | None
     checks.check_offs(offs, x.shape[0])
     checks.check_same_device(x=x, offs=offs)
     return run("quantize_activation_kgrouped", backend, x, offs)
+
+
+def retile_kgrouped(x_q: Tensor, x_scale: Tensor, offs: Tensor, *,
+                    backend: str | None = None) -> tuple[Tensor, Tensor]:
+    """e4m3 rows x_q [M, K] sorted by group, with 1x128 tile scales x_scale [M, ceil(K/128)] along K (as
+    quantize_activation makes them) -> the k-grouped layout of quantize_activation_kgrouped: exactly
+    quantize_activation_kgrouped(x_q * x_scale, offs), without materialising the fp32 x_q * x_scale."""
+    checks.check_fp8("x_q", x_q, 2)
+    checks.check_scale("x_scale", x_scale, checks.activation_scale_shape(x_q))
+    checks.check_offs(offs, x_q.shape[0])
+    checks.check_same_device(x_q=x_q, x_scale=x_scale, offs=offs)
+    return run("retile_kgrouped", backend, x_q, x_scale, offs)
 
 
 def quantize_weight(w: Tensor, *, backend: str | None = None) -> tuple[Tensor, Tensor]:

@@ -87,6 +87,15 @@ def quantize_activation_kgrouped_ref(x: Tensor, offs: Tensor) -> tuple[Tensor, T
     return q.contiguous(), scale
 
 
+def retile_kgrouped_ref(x_q: Tensor, x_scale: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
+    """The forward's e4m3 rows x_q [M, K] (1x128 tiles along K, scales [M, ceil(K/128)]) re-tiled into the
+    k-grouped layout of quantize_activation_kgrouped_ref: (q_t e4m3 [K, 128*T], scale fp32 [K, T]).
+
+    By definition the k-grouped quantisation of the dequantised rows; the Triton kernel gives the same bits
+    without the fp32 [M, K] copy (it dequantises in registers)."""
+    return quantize_activation_kgrouped_ref(dequantize_activation(x_q, x_scale), offs)
+
+
 def dequantize_activation(q: Tensor, scale: Tensor) -> Tensor:
     """Inverse of quantize_activation: q [M, K] * per-1x128-tile scale -> fp32 [M, K]."""
     k = q.shape[-1]

@@ -40,6 +40,19 @@ def e4m3_code(v):
 
 
 @triton.jit
+def e4m3_value(code):
+    """fp32 value of e4m3fn bits (uint8) with the bits of torch's e4m3 -> fp32 cast (NaN codes: 0x7FF00000 and
+    its negative). Integer-only (subnormals: an exact int * 2**-9), as e4m3_code, so exact under the interpreter."""
+    c = code.to(tl.int32)
+    exponent = (c >> 3) & 15
+    mantissa = c & 7
+    normal = ((exponent + 120) << 23) | (mantissa << 20)
+    subnormal = (mantissa.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)
+    magnitude = tl.where((c & 0x7F) == 0x7F, 0x7FF00000, tl.where(exponent > 0, normal, subnormal))
+    return (magnitude | ((c & 0x80) << 24)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def tile_scale(amax):
     """Scale of a tile from its absolute maximum, as the torch reference computes it."""
     return tl.div_rn(tl.maximum(amax, SCALE_EPS), FP8_MAX)

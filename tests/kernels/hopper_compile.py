@@ -41,6 +41,8 @@ def main() -> None:
         "quantize_blocks": compile_ops(triton_quant._quantize_blocks_kernel, quant, {}, 8),
         "quantize_kgrouped": compile_ops(triton_quant._quantize_kgrouped_kernel, quant,
                                          {"BLOCK_K": 64, "G_POW2": 8}, 8),
+        "retile_kgrouped": compile_ops(triton_quant._retile_kgrouped_kernel, {**quant, "x_ptr": "*u8", "xs_ptr": "*fp32"},
+                                       {"BLOCK_K": 64, "G_POW2": 8}, 8),
     }))
 
 

@@ -19,6 +19,7 @@ def test_kernels_compile_for_sm90_with_tma_and_wgmma():
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     ops = json.loads(done.stdout)
-    assert set(ops) == {"mgrouped", "kgrouped", "quantize_rows", "quantize_blocks", "quantize_kgrouped"}
+    assert set(ops) == {"mgrouped", "kgrouped", "quantize_rows", "quantize_blocks", "quantize_kgrouped",
+                        "retile_kgrouped"}
     for gemm in ("mgrouped", "kgrouped"):
         assert {"ttng.warp_group_dot", "ttng.async_tma_copy_global_to_local"} <= set(ops[gemm])
