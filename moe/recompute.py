@@ -72,7 +72,10 @@ class Rebuild:
         dropped = self._drops.get(_storage_id(t))
         if dropped is not None:
             return _Rebuilt(dropped[1], t)
-        return outer(t) if outer is not None else t
+        # a detached alias, as pipeline.memory's meter keeps: an op's own output saved with its grad_fn makes a
+        # reference cycle through its node that outlives a branch whose backward never runs (a router loss with a
+        # zero coefficient), and keeps every node behind it -- and what their contexts hold -- alive
+        return outer(t) if outer is not None else t.detach()
 
 
 def _unpack(held: Any, outer: Callable[[Any], Tensor] | None) -> Tensor:

@@ -126,10 +126,10 @@ class TopKRouter(nn.Module):
         tokens, experts, k = scores.shape[0], self.num_experts, self.top_k
         probs = scores / scores.sum(-1, keepdim=True)
         chosen = torch.zeros_like(scores).scatter_(1, indices, 1.0)
-        losses = {
-            "load_balance": experts * (chosen.mean(0) / k * probs.mean(0)).sum(),
-            "z": torch.logsumexp(logits, -1).square().mean(),
-        }
+        with _graph_if(self.aux_loss_coeff):
+            losses = {"load_balance": experts * (chosen.mean(0) / k * probs.mean(0)).sum()}
+        with _graph_if(self.z_loss_coeff):
+            losses["z"] = torch.logsumexp(logits, -1).square().mean()
         if self.seq_aux_loss_coeff:
             if seq_len is None or tokens % seq_len:
                 raise ValueError(f"seq_aux_loss_coeff needs seq_len dividing the {tokens} routed tokens, got {seq_len}")
@@ -162,3 +162,9 @@ class TopKRouter(nn.Module):
         """Aux-loss-free balancing: bias -= rate * sign(load - mean load)."""
         load = tokens_per_expert.to(self.expert_bias.dtype)
         self.expert_bias -= self.bias_update_rate * torch.sign(load - load.mean())
+
+
+def _graph_if(coefficient: float) -> torch.autograd.grad_mode.set_grad_enabled:
+    """Grad mode for a balance loss: a loss with a zero coefficient is a statistic only, computed without a graph
+    (nothing of it is kept for a backward that never runs)."""
+    return torch.set_grad_enabled(torch.is_grad_enabled() and coefficient != 0)

@@ -3,6 +3,7 @@ and drops what it says it drops from the tensors saved for backward."""
 
 from __future__ import annotations
 
+import gc
 import weakref
 
 import pytest
@@ -24,9 +25,9 @@ def build(attention: str, recompute: str, dtype: torch.dtype = torch.float64, **
     mode."""
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=64, hidden_size=32, max_seq_len=16, num_layers=2, dense_ffn_size=48, num_experts=4,
-                      expert_ffn_size=16, top_k=2, score_func="sigmoid", num_groups=2, topk_groups=1,
-                      aux_loss_coeff=0.01, seq_aux_loss_coeff=0.001, z_loss_coeff=0.001, init_std=0.1,
-                      **ATTENTION[attention] | overrides)
+                      expert_ffn_size=16, top_k=2, score_func="sigmoid", num_groups=2, topk_groups=1, init_std=0.1,
+                      **{"aux_loss_coeff": 0.01, "seq_aux_loss_coeff": 0.001, "z_loss_coeff": 0.001}
+                      | ATTENTION[attention] | overrides)
     return MoETransformer(cfg, recompute=recompute).to(dtype)
 
 
@@ -138,3 +139,25 @@ def test_a_dropped_tensor_is_freed_once_the_forward_lets_go_of_it() -> None:
     assert dropped() is None
     out.backward()
     torch.testing.assert_close(x.grad, 2 * x.sin() * x.cos())
+
+
+def test_a_branch_whose_backward_never_runs_frees_what_it_saved() -> None:
+    # exp saves its own output: kept with its grad_fn, it would hold its node (and every node behind it) in a cycle
+    # that only a backward through it breaks -- a router loss with a zero coefficient never gets one
+    x = torch.randn(4, 3, requires_grad=True)
+    with Rebuild():
+        y = x.exp()
+    saved = weakref.ref(y)
+    del y
+    assert saved() is None
+
+
+@pytest.mark.parametrize("mode", RECOMPUTE)
+def test_no_graph_outlives_a_backward(mode: str) -> None:
+    # zero z and load-balance coefficients: their losses are statistics only; after the backward no tensor of the
+    # step's graph is left (the rehearsal of DeepSeek-V3 kept every micro-batch's graph to the optimizer step)
+    model = build("mla", mode, aux_loss_coeff=0.0, z_loss_coeff=0.0)
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    model(tokens, labels=tokens.roll(-1, dims=1)).loss.backward()
+    gc.collect()
+    assert [tuple(t.shape) for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.grad_fn is not None] == []
