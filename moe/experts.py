@@ -95,8 +95,9 @@ def _cached_swiglu_down(gate_up: Tensor, down: Callable[[Tensor | FP8Rows], Tens
     with Rebuild() as rebuild:
         if not fp8_down:
             return down(rebuild.drop(h, product))
-        tiles = functools.cache(lambda: quantize_fp8(product().reshape(-1, h.shape[-1])))  # one rebuild for both
-        q, scale = quantize_fp8(h.detach().reshape(-1, h.shape[-1]))  # the tiles the FP8 linear would make of h
+        width = h.shape[-1]  # the thunks hold no tensor of the graph: h itself would live as long as they do
+        tiles = functools.cache(lambda: quantize_fp8(product().reshape(-1, width)))  # one rebuild for both
+        q, scale = quantize_fp8(h.detach().reshape(-1, width))  # the tiles the FP8 linear would make of h
         return down(FP8Rows(rebuild.drop(q, lambda: tiles()[0]), rebuild.drop(scale, lambda: tiles()[1]), h))
 
 
