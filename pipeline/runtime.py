@@ -10,6 +10,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
 
 from dispatch.progress import ACTION, mark
 from pipeline import schedules
@@ -123,7 +124,7 @@ class PipelineRuntime(nn.Module):
         self._local: dict[tuple[Op, int, int], list[tuple[Tensor, bool]]] = {}  # hand-overs on this rank
         self._posted: dict[tuple[Op, int, int], Any] = {}  # receives in flight
         self._outbox: dict[tuple[Op, int, int], list[Tensor]] = {}  # waiting for their SEND action
-        self._saved: dict[tuple[int, int], tuple[list[Tensor], tuple]] = {}  # (inputs, outputs) for B
+        self._saved: dict[tuple[int, int], tuple[list[Tensor], tuple]] = {}  # (inputs, outputs or their edges) for B
         self._results: dict[int, tuple[Tensor, ...]] = {}  # last-stage outputs, kept only for return_outputs
         self._keep_outputs = return_outputs
         self._losses: dict[int, Tensor] = {}
@@ -270,8 +271,11 @@ class PipelineRuntime(nn.Module):
             outputs = (loss,)
         else:
             self._hand_over(Op.SEND_F, phase, chunk, stage + 1, [(t, t.requires_grad) for t in outputs])
-        if torch.is_grad_enabled():
-            self._saved[(phase, chunk)] = (inputs, outputs)
+        if torch.is_grad_enabled():  # a handed-over output is kept as its autograd edge only: its bytes are the
+            # next stage's (a payload copy, or its input here) and backward needs the edge, not the values
+            kept = outputs if stage == self._layout.num_stages - 1 else tuple(
+                get_gradient_edge(t) for t in outputs if t.requires_grad)
+            self._saved[(phase, chunk)] = (inputs, kept)
 
     def _backward(self, phase: int, chunk: int, split: bool) -> None:
         self._run_backward(phase, chunk, split, self._output_grads(phase, chunk))
@@ -285,9 +289,8 @@ class PipelineRuntime(nn.Module):
     def _run_backward(self, phase: int, chunk: int, split: bool, grads: list[Tensor] | None) -> None:
         inputs, outputs = self._saved.pop((phase, chunk))
         stage = self._stage(phase)
-        tensors = list(outputs) if grads is None else [t for t in outputs if t.requires_grad]
         with self.store.capture((phase, chunk)) if split else nullcontext():
-            torch.autograd.backward(tensors, grads)
+            torch.autograd.backward(list(outputs), grads)
         if stage > 0:
             in_grads = [(t.grad if t.grad is not None else torch.zeros_like(t), True)
                         for t in inputs if t.requires_grad]
