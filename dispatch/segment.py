@@ -11,12 +11,16 @@ experts or runs; building a plan reads its pass sizes to the host once.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from dispatch import rehearsal_rule
+
+BLOCK_ELEMENTS = 1 << 25  # ordered_sum gathers at most this many elements of its values at a time (128 MiB in fp32):
+# a combine's node hop would otherwise hold every arriving row twice more (gathered, and converted to fp32)
 
 
 @dataclass
@@ -72,25 +76,30 @@ def ordered_sum(values: Tensor, plan: SegmentPlan, weights: Tensor | None = None
 
     Products and sums are taken in dtype (default: values' dtype promoted to at least fp32; weights
     must be in it) and the sums rounded once to out_dtype (default dtype). Memory besides the result:
-    a [num_targets, ...] accumulator in dtype (the result itself when out_dtype is dtype), and the
-    rows of the first pass (one per target that has values; later passes are smaller) gathered in
-    values' dtype (in the result when that is out_dtype) and converted to dtype (unless it is values').
+    a [num_targets, ...] accumulator in dtype (the result itself when out_dtype is dtype), and at most
+    BLOCK_ELEMENTS elements of values at a time (a pass is summed in blocks of rows) gathered in values'
+    dtype (in the result when that is out_dtype) and converted to dtype (unless it is values'). Blocks
+    change no sum: a pass holds one value per target.
     """
     dtype = dtype or torch.promote_types(values.dtype, torch.float32)
     out_dtype = out_dtype or dtype
     rest = values.shape[1:]
     acc = values.new_zeros((plan.num_targets, *rest), dtype=dtype)
-    rows = plan.pass_span(0)[1] if plan.max_slots else 0  # the first pass is the largest
+    block = max(1, BLOCK_ELEMENTS // max(1, math.prod(rest)))
+    rows = min(plan.pass_span(0)[1], block) if plan.max_slots else 0  # the first pass is the largest
     out = None if out_dtype == dtype else values.new_empty((plan.num_targets, *rest), dtype=out_dtype)
     gathered = out if out is not None and out_dtype == values.dtype else values.new_empty((rows, *rest))
     converted = gathered if values.dtype == dtype else values.new_empty((rows, *rest), dtype=dtype)
     for slot in range(plan.max_slots):  # a fixed number of passes: the plan's bound, not the data
-        start, rows = plan.pass_span(slot)  # narrow, not [:rows]: a slice of a whole tensor issues no operator
-        source = plan.source.narrow(0, start, rows)
-        part = torch.index_select(values, 0, source, out=gathered.narrow(0, 0, rows))
-        if converted is not gathered:  # same-dtype kernels: mixed-dtype ones are not vectorised on CPU
-            part = converted.narrow(0, 0, rows).copy_(part)
-        if weights is not None:
-            part.mul_(weights.index_select(0, source).view(-1, *[1] * len(rest)))
-        acc.index_add_(0, plan.target.narrow(0, start, rows), part)
+        start, size = plan.pass_span(slot)
+        for first in range(start, start + max(size, 1), block):  # the plan's host sizes; an empty pass issues its
+            # operators too (on 0 rows): the sequence of operators depends on max_slots and the blocks of a pass only
+            rows = min(block, start + size - first)  # narrow, not [:rows]: a slice of a whole tensor issues no operator
+            source = plan.source.narrow(0, first, rows)
+            part = torch.index_select(values, 0, source, out=gathered.narrow(0, 0, rows))
+            if converted is not gathered:  # same-dtype kernels: mixed-dtype ones are not vectorised on CPU
+                part = converted.narrow(0, 0, rows).copy_(part)
+            if weights is not None:
+                part.mul_(weights.index_select(0, source).view(-1, *[1] * len(rest)))
+            acc.index_add_(0, plan.target.narrow(0, first, rows), part)
     return acc if out is None else out.copy_(acc)
