@@ -191,8 +191,9 @@ class EPDispatcher:
                              f"got shape {list(y.shape)}")
         self.meter.start("combine")
         weights = handle.recv_weights if weighted else None
-        partial = unpermute(y, handle.perm, weights, y.dtype)  # one partial sum per row, as sent
-        summed = yield from gather_steps(partial.detach(), handle.route, self.channels, "combine", y.dtype)
+        partial, dtype = unpermute(y, handle.perm, weights, y.dtype), y.dtype  # one partial sum per row, as sent
+        del y  # the rows are freed here unless unpermute keeps them for the weights' grad (weighted)
+        summed = yield from gather_steps(partial.detach(), handle.route, self.channels, "combine", dtype)
         return CombineRows.apply(partial, summed, handle.route, self.grad_channels)
 
     def combine(self, y: Tensor, handle: EPHandle, weighted: bool = True) -> Tensor:

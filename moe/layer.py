@@ -99,7 +99,9 @@ class MoELayer(nn.Module):
         row_weight = self.dispatcher.row_weights(handle) if fold else None
         y = self.experts(recv_x, recv_info.tokens_per_local_expert, row_weight)
         mark("combine", EXCHANGE)
-        out = yield from _steps(self.dispatcher, "combine", y, handle, not fold)
+        combining = _steps(self.dispatcher, "combine", y, handle, not fold)
+        del y  # combine lets go of the expert rows once it has pre-reduced them (unless it keeps them for backward)
+        out = yield from combining
         if shared is not None:
             out = out + shared
         stats = MoEStats(route.aux_loss, route.tokens_per_expert, route.dropped, route.losses)
@@ -127,7 +129,9 @@ def _steps(dispatcher: Any, name: str, *args: Any) -> Generator[Any, None, Any]:
     steps = getattr(dispatcher, f"{name}_steps", None)
     if steps is None:
         return getattr(dispatcher, name)(*args)
-    return (yield from steps(*args))
+    running = steps(*args)
+    del args  # the steps hold what they need of args, for as long as they need it
+    return (yield from running)
 
 
 def _at_first_pause(steps: Generator[Any, None, Any], work: Callable[..., Any], *args: Any
