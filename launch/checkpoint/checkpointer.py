@@ -46,6 +46,7 @@ from launch.faults.guard import StepGuard
 from launch.parallel.placement import EXPERT_KEY, Placement, placements
 from launch.parallel.spawn import RankRefusal
 from launch.checkpoint.manifest import MANIFEST, STEP_DIR, file_table, latest_valid, publish, published, verify
+from launch.errors import cli
 from optim.ema import EMA_KEY
 from optim.shard import MASTER_KEY, Piece
 from optim.zero import ZeroOptimizer
@@ -423,6 +424,7 @@ def export(path: str | Path, out: str | Path, weights: str = "model") -> Path:
     return out
 
 
+@cli("moe-train export")
 def export_main(argv: list[str]) -> int:
     """`moe-train export CHECKPOINT OUT [--format torch|hf] [--weights model|ema]`: CHECKPOINT is a step folder or a run's checkpoint root."""
     import argparse
@@ -439,16 +441,12 @@ def export_main(argv: list[str]) -> int:
     if args.max_shard_bytes is not None and (args.max_shard_bytes < 1 or args.format != "hf"):
         parser.error(f"--max-shard-bytes {args.max_shard_bytes}: allowed only with --format hf, as a positive number "
                      f"of bytes")
-    try:
-        if args.format == "hf" and args.weights != "model":
-            raise ValueError("--weights ema writes --format torch only (allowed with hf: --weights model)")
-        if args.format == "hf":
-            from launch.checkpoint.hf.export import MAX_SHARD_BYTES, export_hub
-            path = export_hub(checkpoint_folder(args.checkpoint), args.out, args.max_shard_bytes or MAX_SHARD_BYTES)
-        else:
-            path = export(args.checkpoint, args.out, args.weights)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"moe-train export: {error}", file=sys.stderr)
-        return 2
+    if args.format == "hf" and args.weights != "model":
+        raise ValueError("--weights ema writes --format torch only (allowed with hf: --weights model)")
+    if args.format == "hf":
+        from launch.checkpoint.hf.export import MAX_SHARD_BYTES, export_hub
+        path = export_hub(checkpoint_folder(args.checkpoint), args.out, args.max_shard_bytes or MAX_SHARD_BYTES)
+    else:
+        path = export(args.checkpoint, args.out, args.weights)
     print(f"wrote {path}")
     return 0

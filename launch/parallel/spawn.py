@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from launch.errors import DiskFull
+
 TAIL_LINES = 20  # last stderr lines of a dead rank quoted in the failure message
 PEER_LOST = re.compile(r"Connection (closed|reset) by peer|remote worker crash")  # a consequence, not a cause
 GRACE_S = 3.0  # after a first failure, how long the others may still report (a killed peer explains their errors)
@@ -46,6 +48,8 @@ _server_lock = threading.Lock()
 class WorkerError(RuntimeError):
     """A worker process raised, timed out or died; the message carries its traceback."""
 
+    exit_code = 1  # a CLI ends with exit 1 on it (launch.errors)
+
 
 class RankRefusal(ValueError):
     """Raised on a rank that refuses its input (a checkpoint, a data shard): the message says what and why, and
@@ -53,7 +57,12 @@ class RankRefusal(ValueError):
 
 
 class WorkerRefusal(WorkerError):
-    """The first rank to fail refused its input (RankRefusal): the message is that rank's, without a traceback."""
+    """The first rank to fail refused its input (RankRefusal, exit_code 2) or met a full disk (DiskFull, exit_code 1):
+    the message is that rank's, without a traceback."""
+
+    def __init__(self, message: str, exit_code: int = 2) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def _context() -> multiprocessing.context.BaseContext:
@@ -163,8 +172,8 @@ def _worker(
         out = fn(rank, world_size, *args)
         # plain pickle copies tensors by value: shared-memory handles would die with this process
         results.put((rank, True, pickle.dumps(out)))
-    except RankRefusal as error:
-        results.put((rank, None, str(error)))
+    except (RankRefusal, DiskFull) as error:
+        results.put((rank, None, (str(error), 2 if isinstance(error, RankRefusal) else 1)))
     except BaseException:  # noqa: BLE001 - the parent re-raises with this traceback
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -261,13 +270,13 @@ def _forwarding(procs: dict[int, Any], signals: tuple[int, ...]) -> Iterator[Non
 
 def _collect(procs: dict[int, Any], results: Any, outputs: dict[int, Any], wait_s: float,
              logs: _LogStreams | None, last_words: Callable[[int], str] | None,
-             verdict_exit: int | None = None) -> tuple[str | None, bool]:
+             verdict_exit: int | None = None) -> tuple[str | None, int | None]:
     """Fill outputs with each rank's result; return (a message naming the failed ranks (died ones first), or None;
-    whether the first failure was a RankRefusal). A rank that exits with verdict_exit ended the run on a verdict it
+    the exit code when the first failure was a RankRefusal or a DiskFull, else None). A rank that exits with verdict_exit ended the run on a verdict it
     printed: no grace for the others."""
     end = time.monotonic() + wait_s
     raised: dict[int, str] = {}
-    refused: set[int] = set()
+    refused: dict[int, int] = {}
     died: dict[int, str] = {}
     suspects: set[int] = set()
     grace_end = None
@@ -285,28 +294,27 @@ def _collect(procs: dict[int, Any], results: Any, outputs: dict[int, Any], wait_
             suspects = dead
             if time.monotonic() > end and not (raised or died):
                 missing = sorted(set(procs) - set(outputs))
-                return f"no result within {wait_s:.0f}s from ranks {missing}", False
+                return f"no result within {wait_s:.0f}s from ranks {missing}", None
         else:
             if ok:
                 outputs[rank] = pickle.loads(payload)
             elif ok is None:
-                raised[rank] = payload
-                refused.add(rank)
+                raised[rank], refused[rank] = payload
             else:
                 raised[rank] = f"rank {rank} failed:\n{payload}"
         if (raised or died) and grace_end is None:
             grace_end = time.monotonic() + GRACE_S
     if not (raised or died):
-        return None, False
+        return None, None
     cause = next((r for r in raised if not PEER_LOST.search(raised[r])), next(iter(raised), None))  # first to report
     if not died and cause in refused:
-        return raised[cause], True
+        return raised[cause], refused[cause]
     first = [died[r] for r in sorted(died)] or [raised[cause]]
     others = sorted(set(raised) - ({cause} if not died else set()))
     if others:
         last_lines = "; ".join(f"rank {r}: {raised[r].strip().splitlines()[-1]}" for r in others)
         first.append(f"ranks that failed after it: {last_lines}")
-    return "\n".join(first), False
+    return "\n".join(first), None
 
 
 def run_processes(
@@ -376,7 +384,7 @@ def run_processes(
     logs = _LogStreams(prefixes) if log_dir is not None else None
     outputs: dict[int, Any] = {}
     failure: str | None = "interrupted"
-    refusal = False
+    refusal: int | None = None
     try:
         for p in procs.values():
             p.start()
@@ -395,5 +403,5 @@ def run_processes(
             logs.close()
         del store
     if failure is not None:
-        raise (WorkerRefusal if refusal else WorkerError)(failure)
+        raise WorkerError(failure) if refusal is None else WorkerRefusal(failure, refusal)
     return [outputs[r] for r in ranks]
