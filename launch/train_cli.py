@@ -12,6 +12,7 @@ import sys
 
 from launch.checkpoint.checkpointer import export_main
 from launch.errors import cli
+from launch.files import check_writable
 from launch.train.launcher import LaunchError, NodeFlags, Trainer, launch_run, wait_for_every_refusal
 from launch.train.preflight import check_config
 
@@ -77,6 +78,8 @@ def main(argv: list[str] | None = None, trainer: Trainer | None = None) -> int:
         from launch.plan.rehearse import rehearse, render  # here only: it imports torch's tracing stack (~1 s a start)
         print(render(rehearse(cfg, args.rank)))
         return 0
+    if args.metrics_out is not None:
+        check_writable(args.metrics_out, "--metrics-out", make_folder=True)
     if args.check:
         world = cfg.parallel.world_size
         print(f"config OK: {args.config} runs on {world} process{'es' if world > 1 else ''}")

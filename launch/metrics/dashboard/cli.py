@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from launch.errors import cli
+from launch.files import check_writable
 from launch.metrics.dashboard.page import build_html, view_ids
 from launch.metrics.dashboard.runs import load_run
 
@@ -47,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.port <= 65535:
         parser.error(f"--port {args.port}: allowed 0 (any free port) to 65535")
     out = Path(args.out)
-    if not args.serve and not out.parent.is_dir():
-        raise ValueError(f"--out {args.out}: the folder {out.parent} does not exist")
+    if not args.serve:
+        check_writable(out, "--out")
     if args.serve:
         from launch.metrics.dashboard.serve import serve
 
