@@ -50,12 +50,16 @@ def free_bytes(path: str | Path) -> int | None:
         return None
 
 
-def disk_full(error: BaseException) -> bool:
-    """Whether error, or an exception it wraps (its cause or context), is ENOSPC."""
+def disk_full(error: BaseException | None) -> bool:
+    """Whether error, or an exception it wraps (its cause or context; torch.distributed.checkpoint's failures of
+    each rank), is ENOSPC."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+            return True
+        failures = getattr(error, "failures", None)
+        if isinstance(failures, dict) and any(disk_full(f[0] if isinstance(f, tuple) else f) for f in failures.values()):
             return True
         error = error.__cause__ or error.__context__
     return False

@@ -32,8 +32,8 @@ from launch.data.tokenizer import Tokenizer, chunks, load_tokenizer, train_token
 from launch.errors import Interrupted, cli
 
 KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # anything else: text
-CHUNK_CHARS = 1 << 18  # default --chunk-chars: the most characters tokenised as one piece
-BATCH_CHUNKS = 16  # chunks per tokenizer call (spread over its threads): about 16 x 100 B per token of memory
+CHUNK_CHARS = 1 << 20  # default --chunk-chars: the most characters per tokenizer call (~50 B of memory each)
+BATCH_CHUNKS = 16  # a call's characters come in pieces of chunk_chars / BATCH_CHUNKS (spread over its threads)
 PARQUET_ROWS = 16  # rows per Parquet read
 JSON_TYPES = {bool: "a boolean", int: "a number", float: "a number", list: "a list", dict: "an object"}
 
@@ -183,27 +183,37 @@ def _tokenise(batch: dict, tokenizer: Tokenizer) -> dict:
 def token_pieces(documents: Iterable[Iterable[str]], tokenizer: Tokenizer, skip: int = 0,
                  chunk_chars: int = CHUNK_CHARS) -> Iterator[tuple[np.ndarray, bool]]:
     """(token ids, whether the piece ends its document) of each document after the first skip: its text in chunks
-    of about chunk_chars characters (tokenizer.chunks; whole documents where the tokenizer's cuts are not exact),
-    BATCH_CHUNKS chunks per tokenizer call. ValueError when no document was read at all."""
-    size = chunk_chars if tokenizer.exact_cuts else None
+    of about chunk_chars / BATCH_CHUNKS characters (tokenizer.chunks; whole documents where the tokenizer's cuts are
+    not exact), about chunk_chars characters per tokenizer call. DataRefused when no document was read at all."""
+    size = max(1, chunk_chars // BATCH_CHUNKS) if tokenizer.exact_cuts else None
     batch: list[tuple[str, bool]] = []
-    seen = 0
+    held = seen = 0
+
+    def encoded() -> Iterator[tuple[np.ndarray, bool]]:
+        return zip(tokenizer.encode_batch([t for t, _ in batch]), [e for _, e in batch])
+
     for seen, pieces in enumerate(documents, 1):
         if seen <= skip:
             continue
-        parts = chunks(pieces, size) if size else iter(("".join(pieces),))
-        part = next(parts)
-        for following in parts:
-            batch.append((part, False))
-            part = following
-        batch.append((part, True))
-        if len(batch) >= BATCH_CHUNKS:
-            yield from zip(tokenizer.encode_batch([t for t, _ in batch]), [e for _, e in batch])
-            batch = []
+        for part, ends in _marked(chunks(pieces, size) if size else iter(("".join(pieces),))):
+            batch.append((part, ends))
+            held += len(part)
+            if held >= chunk_chars:
+                yield from encoded()
+                batch, held = [], 0
     if batch:
-        yield from zip(tokenizer.encode_batch([t for t, _ in batch]), [e for _, e in batch])
+        yield from encoded()
     if not seen:
         raise DataRefused("the inputs hold no documents")
+
+
+def _marked(parts: Iterator[str]) -> Iterator[tuple[str, bool]]:
+    """(part, whether it is the last) of a non-empty iterator."""
+    part = next(parts)
+    for following in parts:
+        yield part, False
+        part = following
+    yield part, True
 
 
 def prepare(inputs: list[str], tokenizer_spec: str, out: str | Path, field: str = "text", num_proc: int | None = None,
