@@ -69,14 +69,18 @@ class Documents:
             self._parquet_columns()
 
     def __iter__(self) -> Iterator[Iterator[str]]:
+        """Each document's pieces; DataRefused at the end when there were none."""
+        given = 0
         for file in self.files:
             if self.kind == "text":
+                given += 1
                 yield text_pieces(file, self.chunk_chars)
                 continue
             records = 0
             for where, text, why in self._json(file) if self.kind == "json" else self._parquet(file):
                 records += 1
                 if why is None:
+                    given += 1
                     yield iter((text,))
                 elif self.skip_bad:
                     self.skipped += 1
@@ -86,6 +90,10 @@ class Documents:
                                       f"records (counted)")
             if not records:
                 raise DataRefused(f"input {str(file)!r} holds no records")
+        if not given:
+            names = ", ".join(repr(str(f)) for f in self.files[:3]) + (", ..." if len(self.files) > 3 else "")
+            raise DataRefused(f"the inputs ({names}) hold no documents: --skip-bad-records skipped all "
+                              f"{self.skipped} record(s) (the first: {self.first_bad})")
 
     def _field(self, record: object) -> tuple[str | None, str | None]:
         """(the text of a parsed JSON record, None) or (None, why it has none)."""
@@ -184,10 +192,10 @@ def token_pieces(documents: Iterable[Iterable[str]], tokenizer: Tokenizer, skip:
                  chunk_chars: int = CHUNK_CHARS) -> Iterator[tuple[np.ndarray, bool]]:
     """(token ids, whether the piece ends its document) of each document after the first skip: its text in chunks
     of about chunk_chars / BATCH_CHUNKS characters (tokenizer.chunks; whole documents where the tokenizer's cuts are
-    not exact), about chunk_chars characters per tokenizer call. DataRefused when no document was read at all."""
+    not exact), about chunk_chars characters per tokenizer call."""
     size = max(1, chunk_chars // BATCH_CHUNKS) if tokenizer.exact_cuts else None
     batch: list[tuple[str, bool]] = []
-    held = seen = 0
+    held = 0
 
     def encoded() -> Iterator[tuple[np.ndarray, bool]]:
         return zip(tokenizer.encode_batch([t for t, _ in batch]), [e for _, e in batch])
@@ -203,8 +211,6 @@ def token_pieces(documents: Iterable[Iterable[str]], tokenizer: Tokenizer, skip:
                 batch, held = [], 0
     if batch:
         yield from encoded()
-    if not seen:
-        raise DataRefused("the inputs hold no documents")
 
 
 def _marked(parts: Iterator[str]) -> Iterator[tuple[str, bool]]:
