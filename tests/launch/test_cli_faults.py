@@ -9,6 +9,7 @@ damaged checkpoints), tests/launch/data/test_verified_reads.py and tests/launch/
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import os
 import shutil
@@ -86,7 +87,7 @@ def test_a_malformed_record_is_refused_naming_file_and_line(tmp_path, capsys, li
 
 def test_skip_bad_records_skips_and_counts_them(tmp_path, capsys):
     source = tmp_path / "docs.jsonl"
-    source.write_text("\n".join([GOOD, '{"text": 5}', "{broken", GOOD, '{"text": null}', "", GOOD]) + "\n")
+    source.write_text(f'{GOOD}\n{{"text": 5}}\n{{broken\n{GOOD}\n{{"text": null}}\n\n{GOOD}\n')
     code = prepare(tmp_path / "out", "--skip-bad-records", str(source))
     ends(capsys, code, 0, "skipped 3 bad record(s) (the first: " + f"{source}:2: field 'text' is a number")
     assert Prepared(tmp_path / "out").manifest["documents"] == 3
@@ -152,7 +153,7 @@ def test_the_retry_with_the_input_fixed_succeeds_after_a_refusal(tmp_path, capsy
 
 
 def test_ctrl_c_before_the_first_shard_leaves_nothing(tmp_path, capsys, monkeypatch):
-    import launch.data.shards as shards
+    from launch.data import shards
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -173,7 +174,7 @@ def whole_and_chunked(tmp_path, tokenizer: str, texts: list[str], chunk_chars: i
     data = Prepared(tmp_path / "out")
     stream = data.read([0], data.tokens)[0].tolist()
     bounds = [0, *np.concatenate(list(data.documents())).tolist()]
-    prepared = [stream[a:b - 1] for a, b in zip(bounds, bounds[1:])]
+    prepared = [stream[a:b - 1] for a, b in itertools.pairwise(bounds)]
     return [ids.tolist() for ids in load_tokenizer(tokenizer).encode_batch(texts)], prepared
 
 
@@ -270,7 +271,7 @@ def test_export_of_a_missing_checkpoint_is_named(tmp_path, capsys):
 
 
 @pytest.mark.slow  # trains (a few seconds)
-def test_a_disk_full_mid_save_ends_named_and_the_run_resumes_bitwise(run, trained, capsys, monkeypatch):
+def test_a_disk_full_mid_save_ends_named_and_the_run_resumes_bitwise(run, trained, capsys, monkeypatch):  # noqa: F811
     """ENOSPC while the step-4 checkpoint is written: the run ends (exit 1) naming the step folder and the bytes, no
     half-written folder stays; once space is back, --resume continues from step 2 and metrics.jsonl holds each
     step once, the losses bitwise those of the uninterrupted run."""
@@ -339,7 +340,7 @@ def free_port() -> int:
 def test_node_0_names_the_missing_node_while_waiting_and_after_the_timeout(capsys, monkeypatch):
     import torch.distributed as dist
 
-    import launch.parallel.spawn as spawn
+    from launch.parallel import spawn
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     store.set(JOINED.format(rank=0), "1")
