@@ -29,9 +29,9 @@ USER_PATH_ERRNOS = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDIR, errno
 class DiskFull(OSError):
     """A write ran out of space (ENOSPC): names the path and the bytes the write needed, and what is free there."""
 
-    def __init__(self, path: str | Path, needed: int, what: str = "writing") -> None:
+    def __init__(self, path: str | Path, needed: int, what: str = "writing", note: str = "") -> None:
         free = free_bytes(path)
-        super().__init__(errno.ENOSPC, f"no space left on device {what} {path}: {needed:,} bytes needed, "
+        super().__init__(errno.ENOSPC, f"no space left on device {what} {path}: {needed:,} bytes needed{note}, "
                                        f"{'?' if free is None else f'{free:,}'} free there; free some space and run "
                                        f"again", str(path))
 

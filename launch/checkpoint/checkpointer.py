@@ -279,7 +279,7 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         dist.barrier(self.group)
         writer = Writer(str(tmp), lambda files: file_table(tmp, files))
-        needed = sum(v.nbytes for v in flat.values() if isinstance(v, Tensor))
+        needed = sum(v.nbytes for v in flat.values() if isinstance(v, Tensor | Chunks))
         if self.asynchronous:
             with _space_for(tmp, step, needed):
                 future = dcp.async_save(flat, storage_writer=writer, planner=SavePlanner(), process_group=self.group,
@@ -383,7 +383,10 @@ def _space_for(tmp: Path, step: int, needed: int) -> Iterator[None]:
                                      and (free_bytes(tmp) or needed) < needed)):
             raise
         shutil.rmtree(tmp, ignore_errors=True)
-        raise DiskFull(tmp, needed, f"saving checkpoint step {step} (this rank's pieces) into") from None
+        latest = next(iter(published(tmp.parent)), None)
+        took = sum(f.stat().st_size for f in latest[1].iterdir()) if latest else 0
+        raise DiskFull(tmp, needed, f"saving checkpoint step {step} into", " by this rank's tensors" + (
+            f" (the latest checkpoint, {latest[1]}, takes {took:,} bytes in all)" if latest else "")) from None
 
 
 def checkpoint_folder(path: str | Path) -> Path:

@@ -288,8 +288,8 @@ def test_a_disk_full_mid_save_ends_named_and_the_run_resumes_bitwise(run, traine
     monkeypatch.setattr(chunks_module.Writer, "write_data", full_at_step_4)
     code = train_main(["--config", str(config), "--no-progress", "--start-over"])
     tmp = run_dir / "checkpoint" / ".step00000004.tmp"
-    ends(capsys, code, 1, f"moe-train: no space left on device saving checkpoint step 4 (this rank's pieces) into "
-                          f"{tmp}", "bytes needed", "free there")
+    ends(capsys, code, 1, f"moe-train: no space left on device saving checkpoint step 4 into {tmp}: ",
+         "bytes needed by this rank's tensors (the latest checkpoint, ", "step00000002, takes ", "free there")
     assert not tmp.exists() and [p.name for p in (run_dir / "checkpoint").iterdir()] == ["step00000002"]
     monkeypatch.undo()
     assert train_main(["--config", str(config), "--no-progress", "--resume"]) == 0
