@@ -51,3 +51,24 @@ def sync_dir(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def check_writable(path: str | Path, what: str, make_folder: bool = False) -> None:
+    """ValueError naming what (e.g. "--metrics-out") and path unless a file can be written there: path is no folder,
+    its folder exists (with make_folder: is made), and a file can be created in it (tried, then removed) and path,
+    if it exists, is writable."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{what} {path} is a folder; give a file path")
+    if not path.parent.is_dir() and not make_folder:
+        raise ValueError(f"{what} {path}: the folder {path.parent} does not exist")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            os.close(os.open(path, os.O_WRONLY | os.O_APPEND))
+        else:
+            fd, probe = tempfile.mkstemp(dir=path.parent, prefix=".write-probe.")
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as error:
+        raise ValueError(f"{what} {path}: cannot write there ({error.strerror or error})") from None

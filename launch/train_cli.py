@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from launch.parallel.spawn import RankRefusal, WorkerError, WorkerRefusal
 from launch.checkpoint.checkpointer import export_main
+from launch.errors import cli
+from launch.files import check_writable
 from launch.train.launcher import LaunchError, NodeFlags, Trainer, launch_run, wait_for_every_refusal
 from launch.train.preflight import check_config
 
 
+@cli("moe-train")
 def main(argv: list[str] | None = None, trainer: Trainer | None = None) -> int:
     """Parse arguments, validate the config and the launch (before any work), train, print a summary.
 
@@ -71,16 +73,13 @@ def main(argv: list[str] | None = None, trainer: Trainer | None = None) -> int:
     try:
         cfg = check_config(args.config, overrides, verify=args.check)
     except ValueError as error:
-        print(f"moe-train: invalid config: {error}", file=sys.stderr)
-        return 2
+        raise ValueError(f"invalid config: {error}") from None
     if args.rehearse:
         from launch.plan.rehearse import rehearse, render  # here only: it imports torch's tracing stack (~1 s a start)
-        try:
-            print(render(rehearse(cfg, args.rank)))
-        except ValueError as error:
-            print(f"moe-train: {error}", file=sys.stderr)
-            return 2
+        print(render(rehearse(cfg, args.rank)))
         return 0
+    if args.metrics_out is not None:
+        check_writable(args.metrics_out, "--metrics-out", make_folder=True)
     if args.check:
         world = cfg.parallel.world_size
         print(f"config OK: {args.config} runs on {world} process{'es' if world > 1 else ''}")
@@ -96,12 +95,6 @@ def main(argv: list[str] | None = None, trainer: Trainer | None = None) -> int:
         if error.launch is not None:  # torchrun or mpiexec must not stop another rank before it said why
             wait_for_every_refusal(error.launch)
         return 2
-    except (RankRefusal, WorkerRefusal) as error:  # a rank refused a checkpoint or a data shard, saying why
-        print(f"moe-train: {error}", file=sys.stderr)
-        return 2
-    except WorkerError as error:
-        print(f"moe-train: the run failed and its other ranks were stopped: {error}", file=sys.stderr)
-        return 1
     if records:
         first, last = records[0], records[-1]
         print(f"steps {first['step']}..{last['step']}: lm_loss {first['lm_loss']:.4f} -> {last['lm_loss']:.4f}; "

@@ -6,6 +6,8 @@ import importlib
 import importlib.util
 import sys
 
+from launch.errors import cli
+
 SUITES = {
     "dispatch": "launch.bench.dispatch",
     "pipeline": "launch.bench.pipeline",
@@ -27,6 +29,7 @@ def available() -> dict[str, str]:
     return {name: module for name, module in SUITES.items() if importlib.util.find_spec(module) is not None}
 
 
+@cli("moe-bench")
 def main(argv: list[str] | None = None) -> int:
     """Parse the suite name and hand the remaining arguments to that suite's main()."""
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -26,11 +26,13 @@ the newest folder that passed everywhere. Only the newest `keep` folders stay.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
 import sys
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +40,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
@@ -46,6 +49,7 @@ from launch.faults.guard import StepGuard
 from launch.parallel.placement import EXPERT_KEY, Placement, placements
 from launch.parallel.spawn import RankRefusal
 from launch.checkpoint.manifest import MANIFEST, STEP_DIR, file_table, latest_valid, publish, published, verify
+from launch.errors import DiskFull, cli, disk_full, free_bytes
 from optim.ema import EMA_KEY
 from optim.shard import MASTER_KEY, Piece
 from optim.zero import ZeroOptimizer
@@ -261,7 +265,7 @@ class Checkpointer:
         self.run_id = run_id  # recorded in each manifest; retention deletes only this run's checkpoints (rank 0's)
         self.group = dist.new_group(backend="gloo")  # DCP's planning collectives, off the training groups
         self.stager = HostStager() if asynchronous else None
-        self._pending: tuple[Future, Writer, Path, int, dict] | None = None
+        self._pending: tuple[Future, Writer, Path, int, dict, int] | None = None
 
     def save(self, state: TrainState, step: int, config: dict) -> None:
         """Write step's checkpoint (every rank); returns once it is published, or, when asynchronous, once this
@@ -275,20 +279,24 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         dist.barrier(self.group)
         writer = Writer(str(tmp), lambda files: file_table(tmp, files))
+        needed = sum(v.nbytes for v in flat.values() if isinstance(v, Tensor | Chunks))
         if self.asynchronous:
-            future = dcp.async_save(flat, storage_writer=writer, planner=SavePlanner(), process_group=self.group,
-                                    async_stager=self.stager)
-            self._pending = (future, writer, tmp, step, config)
+            with _space_for(tmp, step, needed):
+                future = dcp.async_save(flat, storage_writer=writer, planner=SavePlanner(), process_group=self.group,
+                                        async_stager=self.stager)
+            self._pending = (future, writer, tmp, step, config, needed)
         else:
-            dcp.save(flat, storage_writer=writer, planner=SavePlanner(), process_group=self.group)
+            with _space_for(tmp, step, needed):
+                dcp.save(flat, storage_writer=writer, planner=SavePlanner(), process_group=self.group)
             self._publish(tmp, step, writer.result, config)
 
     def finish(self) -> None:
         """Wait for an asynchronous save in flight and publish it (every rank)."""
         if self._pending is not None:
-            future, writer, tmp, step, config = self._pending
+            future, writer, tmp, step, config, needed = self._pending
             self._pending = None
-            future.result()
+            with _space_for(tmp, step, needed):
+                future.result()
             self._publish(tmp, step, writer.result, config)
 
     def _publish(self, tmp: Path, step: int, table: dict[str, list[int]], config: dict) -> None:
@@ -362,6 +370,25 @@ class Checkpointer:
         return not bad
 
 
+@contextlib.contextmanager
+def _space_for(tmp: Path, step: int, needed: int) -> Iterator[None]:
+    """A save that runs out of disk space ends as a DiskFull naming the step folder and about the bytes this rank
+    needed; the unpublished folder is removed (the latest published checkpoint stays the one a resume continues).
+    Out of space: ENOSPC (also inside DCP's CheckpointException), or any failure while the folder's filesystem has
+    fewer than needed bytes free (torch.save's writer reports a short write as "unexpected pos")."""
+    try:
+        yield
+    except BaseException as error:
+        if not (disk_full(error) or (isinstance(error, Exception | CheckpointException)
+                                     and (free_bytes(tmp) or needed) < needed)):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        latest = next(iter(published(tmp.parent)), None)
+        took = sum(f.stat().st_size for f in latest[1].iterdir()) if latest else 0
+        raise DiskFull(tmp, needed, f"saving checkpoint step {step} into", " by this rank's tensors" + (
+            f" (the latest checkpoint, {latest[1]}, takes {took:,} bytes in all)" if latest else "")) from None
+
+
 def checkpoint_folder(path: str | Path) -> Path:
     """The step folder path names, checked as a resume checks it (manifest, every file's size and CRC-32): path
     itself, or a run's checkpoint root's latest valid one. ValueError naming the file that fails."""
@@ -423,6 +450,7 @@ def export(path: str | Path, out: str | Path, weights: str = "model") -> Path:
     return out
 
 
+@cli("moe-train export")
 def export_main(argv: list[str]) -> int:
     """`moe-train export CHECKPOINT OUT [--format torch|hf] [--weights model|ema]`: CHECKPOINT is a step folder or a run's checkpoint root."""
     import argparse
@@ -439,16 +467,12 @@ def export_main(argv: list[str]) -> int:
     if args.max_shard_bytes is not None and (args.max_shard_bytes < 1 or args.format != "hf"):
         parser.error(f"--max-shard-bytes {args.max_shard_bytes}: allowed only with --format hf, as a positive number "
                      f"of bytes")
-    try:
-        if args.format == "hf" and args.weights != "model":
-            raise ValueError("--weights ema writes --format torch only (allowed with hf: --weights model)")
-        if args.format == "hf":
-            from launch.checkpoint.hf.export import MAX_SHARD_BYTES, export_hub
-            path = export_hub(checkpoint_folder(args.checkpoint), args.out, args.max_shard_bytes or MAX_SHARD_BYTES)
-        else:
-            path = export(args.checkpoint, args.out, args.weights)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"moe-train export: {error}", file=sys.stderr)
-        return 2
+    if args.format == "hf" and args.weights != "model":
+        raise ValueError("--weights ema writes --format torch only (allowed with hf: --weights model)")
+    if args.format == "hf":
+        from launch.checkpoint.hf.export import MAX_SHARD_BYTES, export_hub
+        path = export_hub(checkpoint_folder(args.checkpoint), args.out, args.max_shard_bytes or MAX_SHARD_BYTES)
+    else:
+        path = export(args.checkpoint, args.out, args.weights)
     print(f"wrote {path}")
     return 0

@@ -36,6 +36,11 @@ class Chunks:
             raise ValueError(f"two rectangles at {offsets}: a rank's pieces of one tensor must be disjoint")
         self.parts[tuple(offsets)] = (torch.Size(sizes), tensor)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the rectangles held here (what a save of them writes)."""
+        return sum(sizes.numel() for sizes, _ in self.parts.values()) * self.dtype.itemsize
+
     def size(self) -> torch.Size:
         """The global tensor's size (DCP compares it with the checkpoint's)."""
         return self.global_size

@@ -50,6 +50,10 @@ class OpsSettings:
     below the 300 s collective timeout)."""
     max_restarts: int = 0
     """Restarts of a failed run from its latest checkpoint (moe-train's own spawn, one node)."""
+    rendezvous_timeout_s: float = 300.0
+    """Seconds moe-train's own spawn on several nodes waits for every rank to join the rendezvous (> 0, finite):
+    while it waits, node 0 reports every 10 seconds which ranks (on which nodes) are missing,
+    and another node that its node 0 does not answer; past it the run ends naming them (exit 1)."""
     inject_nan_steps: list[int] = field(default_factory=list)
     """Drill: steps whose loss is multiplied by NaN before the backward (the first time each is reached)."""
     inject_spike_steps: list[int] = field(default_factory=list)
@@ -72,6 +76,9 @@ class OpsSettings:
         if not (self.heartbeat_timeout_s == WATCHDOG_OFF or shortest <= self.heartbeat_timeout_s < math.inf):
             raise ValueError(f"ops.heartbeat_timeout_s = {self.heartbeat_timeout_s!r}; allowed: {WATCHDOG_OFF:g} "
                              f"(watchdog off) or >= {shortest:g} seconds ({MIN_HEARTBEATS} heartbeats), finite")
+        if not 0 < self.rendezvous_timeout_s < math.inf:
+            raise ValueError(f"ops.rendezvous_timeout_s = {self.rendezvous_timeout_s!r} must be > 0 and finite "
+                             f"(seconds; default 300)")
         if not self.heartbeat_timeout_s <= self.long_phase_timeout_s < math.inf:
             raise ValueError(f"ops.long_phase_timeout_s = {self.long_phase_timeout_s!r} must be finite and >= "
                              f"ops.heartbeat_timeout_s = {self.heartbeat_timeout_s!r} seconds")

@@ -135,7 +135,11 @@ def read_toml(path: str | Path, seen: tuple[Path, ...] = ()) -> dict:
     if path.resolve() in seen:
         raise ValueError(f"config file {str(path)!r} names itself as a base (through {', '.join(map(str, seen))})")
     with path.open("rb") as handle:
-        raw = _current_document(tomllib.load(handle))
+        try:
+            document = tomllib.load(handle)
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+            raise ValueError(f"config file {str(path)!r} is not valid TOML: {error}") from None
+    raw = _current_document(document)
     _resolve_data_paths(raw.get("data"), path.parent)
     model = raw.get("model")
     if isinstance(model, dict) and isinstance(model.get("init_from"), str) and model["init_from"]:

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from launch.data.sampler import Blend
-from launch.data.shards import Prepared, new_manifest, prepare_folder
+from launch.data.shards import DataRefused, Prepared, new_manifest, prepare_folder
 from launch.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
@@ -68,18 +68,35 @@ def corpus_key(data: DataSettings) -> dict:
             "max_tokens": data.max_bytes}
 
 
+def text_pieces(file: Path, chars: int, field: str = "input") -> Iterator[str]:
+    """A UTF-8 text file in pieces of chars characters (universal newlines: "\\r\\n" and "\\r" read as "\\n"); a
+    file that is not UTF-8 text is refused (DataRefused naming field and file)."""
+    read = 0
+    with open(file, encoding="utf-8") as text:
+        while True:
+            try:
+                piece = text.read(chars)
+            except UnicodeDecodeError as error:
+                raise DataRefused(f"{field} {str(file)!r} is not UTF-8 text ({error.reason}, within the "
+                                  f"{chars:,} characters after character {read:,}): give text files") from None
+            if not piece:
+                return
+            read += len(piece)
+            yield piece
+
+
 def _text_pieces(corpus: str, skip: int) -> Iterator[tuple[str, bool]]:
     """(text, whether it ends its document) of each file after the first skip, in pieces of READ_CHARS
-    characters (universal newlines: "\\r\\n" and "\\r" read as "\\n")."""
+    characters."""
     for file in corpus_files(corpus)[skip:]:
-        with open(file, encoding="utf-8") as text:
-            piece = text.read(READ_CHARS)
-            while True:
-                following = text.read(READ_CHARS)
-                yield piece, not following
-                if not following:
-                    break
-                piece = following
+        pieces = text_pieces(file, READ_CHARS, "data.corpus file")
+        piece = next(pieces, "")
+        while True:
+            following = next(pieces, "")
+            yield piece, not following
+            if not following:
+                break
+            piece = following
 
 
 def corpus_pieces(corpus: str, tokenizer: Tokenizer, skip: int = 0) -> Iterator[tuple[np.ndarray, bool]]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import zlib
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -32,7 +33,11 @@ DOC_DTYPE = np.dtype("<u8")
 CHECK_BLOCK = 1 << 22  # tokens per block of the check at a shard's opening
 
 
-class ShardRefused(RankRefusal):
+class DataRefused(RankRefusal):
+    """Input data that cannot be used (text that is not UTF-8, a malformed record): the message names the file."""
+
+
+class ShardRefused(DataRefused):
     """A shard opened for reading is not what its manifest lists (corrupted, or ids outside the vocabulary)."""
 
 
@@ -104,22 +109,26 @@ def prepare_folder(folder: Path, fresh: dict, pieces: Callable[[int], Iterator[t
                    shard_tokens: int, max_tokens: int | None = None, replace: bool = False,
                    on_document: Callable[[], None] = lambda: None) -> dict:
     """Make folder the prepared dataset fresh (an empty manifest) describes, from pieces(skip) (the token pieces of
-    the input documents after the first skip): reused when complete, continued when a writer stopped; a folder
-    holding another dataset is refused, or with replace emptied first. Returns the complete manifest."""
+    the input documents after the first skip): reused when complete, continued when a writer stopped. A folder
+    holding another finished dataset is refused (with replace: emptied first); an unfinished preparation of other
+    inputs (e.g. stopped by a bad record, the input fixed since) is replaced, saying so. The manifest is written
+    with the first shard: a writer refused before it leaves no manifest behind. Returns the complete manifest."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     manifest = read_manifest(folder)
     same = manifest is not None and (manifest["key"], manifest["tokenizer"]["digest"], manifest["dtype"]) == (
         fresh["key"], fresh["tokenizer"]["digest"], fresh["dtype"])  # the tokenizer by content, not by path
     if manifest is not None and not same:
-        if not replace:
+        if manifest["complete"] and not replace:
             raise ValueError(f"{folder} holds a prepared dataset of other inputs or another tokenizer; give an "
                              f"empty or new output folder")
+        if not manifest["complete"]:
+            print(f"{folder} held an unfinished preparation of other inputs or another tokenizer ({manifest['documents']} "
+                  f"documents in {len(manifest['shards'])} shard(s)): replacing it", file=sys.stderr, flush=True)
         for old in [*folder.glob("[0-9]*.tokens"), *folder.glob("[0-9]*.docs"), folder / MANIFEST]:
             old.unlink()
     if not same:
         manifest = fresh
-        write_manifest(folder, manifest)
     if manifest["complete"]:
         return manifest
     return write_shards(folder, pieces(manifest["documents"]), manifest, shard_tokens, max_tokens, on_document)

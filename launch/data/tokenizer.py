@@ -1,12 +1,18 @@
 """Tokenizers of the data path: UTF-8 bytes, or a byte-level BPE of the `tokenizers` library (a tokenizer.json,
-or a Hugging Face model folder holding one); `train_tokenizer` trains such a BPE on local files, offline."""
+or a Hugging Face model folder holding one); `train_tokenizer` trains such a BPE on local files, offline.
+
+A long document is tokenised in chunks (`chunks`), cut only at a single space between two non-space characters:
+there GPT-2-style byte-level pre-tokenizers (and whitespace-splitting ones) split anyway and a BPE never merges
+across a pre-token, so the chunks' ids, concatenated, are the whole document's. A tokenizer whose pre-tokenizer
+or normalizer does not split there (checked once on PROBE_TEXT: `exact_cuts`) is given whole documents."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import numpy as np
 
@@ -15,6 +21,44 @@ from launch.files import write_atomically
 BYTES = "bytes"
 EOS_TOKEN = "<|endoftext|>"  # what train_tokenizer adds as id 0
 EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>", "<|eos|>")
+PROBE_TEXT = ("Hello world, it's 2024: naïve café costs 3.50 € (or £3). Tabs\tand  two spaces; "
+              "def f(x):\n    return x ** 2  # done\n\nÜber 🙂 emoji, 中文 text and the end.")
+"""A sample of words, numbers, punctuation, indents, non-Latin scripts: a tokenizer must give the same ids for it
+whole and cut at each of its cut points before its documents are chunked."""
+
+
+def cut_point(text: str, size: int, start: int = 0) -> int:
+    """Where to cut text[start:] into a chunk of at most size characters: the last single space between two
+    non-space characters at index <= start + size (the cut goes before it), else the first one past that; 0 when
+    text[start:] has none."""
+    at = start + size + 1
+    while (at := text.rfind(" ", start + 1, at)) > 0:
+        if _cuttable(text, at):
+            return at
+    at = start + size
+    while (at := text.find(" ", at + 1)) > 0:
+        if _cuttable(text, at):
+            return at
+    return 0
+
+
+def _cuttable(text: str, at: int) -> bool:
+    return at + 1 < len(text) and not text[at - 1].isspace() and not text[at + 1].isspace()
+
+
+def chunks(pieces: Iterable[str], size: int) -> Iterator[str]:
+    """One document's text (given in pieces of any size) re-cut into chunks of about size characters at
+    cut_point; at least one chunk (an empty document: ""). A stretch longer than size with no cut point stays
+    whole (the bound on memory holds for text with spaces)."""
+    rest, start, given = "", 0, False
+    for piece in pieces:
+        rest, start = rest[start:] + piece, 0
+        while len(rest) - start > size and (at := cut_point(rest, size, start)):
+            given = True
+            yield rest[start:at]
+            start = at
+    if len(rest) > start or not given:
+        yield rest[start:]
 
 
 class ByteTokenizer:
@@ -32,6 +76,8 @@ class ByteTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         """Text of token ids (end-of-document ids dropped, bad bytes replaced)."""
         return bytes(i for i in ids if i != self.eos_id).decode("utf-8", errors="replace")
+
+    exact_cuts = True  # a text's bytes are its pieces' bytes wherever it is cut
 
 
 class BPETokenizer:
@@ -69,6 +115,14 @@ class BPETokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         """Text of token ids (special tokens dropped)."""
         return self._tok.decode([int(i) for i in ids])
+
+    @functools.cached_property
+    def exact_cuts(self) -> bool:
+        """Whether PROBE_TEXT cut at any of its cut points tokenises as it does whole (then chunks are exact)."""
+        whole = self.encode_batch([PROBE_TEXT])[0].tolist()
+        cuts = [at for at in range(1, len(PROBE_TEXT)) if PROBE_TEXT[at] == " " and _cuttable(PROBE_TEXT, at)]
+        halves = self.encode_batch([part for at in cuts for part in (PROBE_TEXT[:at], PROBE_TEXT[at:])])
+        return all(a.tolist() + b.tolist() == whole for a, b in zip(halves[::2], halves[1::2]))
 
 
 Tokenizer = ByteTokenizer | BPETokenizer

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from launch.errors import DiskFull
 from launch.metrics.flops import mixed_peak
 from launch.metrics.flops import model_flops_per_token  # noqa: F401 (the trainer's MFU numerator, re-exported)
 from moe.config import ModelConfig
@@ -179,17 +182,28 @@ def step_record(step: int, *sections: dict) -> dict:
 
 
 class JsonlWriter:
-    """Appends one JSON object per line, flushed at every record so a crash loses nothing written."""
+    """Appends one JSON object per line, each record written whole or not at all: one unbuffered write per record
+    (a crash loses nothing written), and a write that fails part-way (a full disk) is cut back off the file, so no
+    partial line ever merges into the next record; the failure is raised (DiskFull names the path and the bytes)."""
 
     def __init__(self, path: str | Path, append: bool = False) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a" if append else "w")
+        self._file = self.path.open("ab" if append else "wb", buffering=0)
 
     def write(self, record: dict) -> None:
-        """Write one record."""
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        """Append one record (whole, or the file is left as it was)."""
+        line = (json.dumps(record) + "\n").encode()
+        start = self._file.seek(0, os.SEEK_END)
+        try:
+            done = 0
+            while done < len(line):
+                done += self._file.write(line[done:])
+        except OSError as error:
+            self._file.truncate(start)
+            if error.errno == errno.ENOSPC:
+                raise DiskFull(self.path, len(line), "appending a metrics record to") from None
+            raise
 
     def close(self) -> None:
         """Close the file."""

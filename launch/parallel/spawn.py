@@ -12,6 +12,7 @@ import pickle
 import queue
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -26,9 +27,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from launch.errors import DiskFull
+
 TAIL_LINES = 20  # last stderr lines of a dead rank quoted in the failure message
 PEER_LOST = re.compile(r"Connection (closed|reset) by peer|remote worker crash")  # a consequence, not a cause
 GRACE_S = 3.0  # after a first failure, how long the others may still report (a killed peer explains their errors)
+RENDEZVOUS_REPORT_S = 10.0  # how often a rendezvous of several nodes still waiting says who is missing
+RENDEZVOUS_GRACE_S = 30.0  # a rank's own rendezvous timeout exceeds the launcher's by this: the launcher names them
+JOINED = "moe/joined/{rank}"  # the store key a rank sets once it reached the rendezvous
 PR_SET_PDEATHSIG = 1
 # Ranks start from a fork server that has imported these (a rank then starts in ~0.1 s instead of re-importing torch);
 # its one other thread, numpy's OpenBLAS pool, is joined by OpenBLAS's own fork handler before every fork.
@@ -46,6 +52,8 @@ _server_lock = threading.Lock()
 class WorkerError(RuntimeError):
     """A worker process raised, timed out or died; the message carries its traceback."""
 
+    exit_code = 1  # a CLI ends with exit 1 on it (launch.errors)
+
 
 class RankRefusal(ValueError):
     """Raised on a rank that refuses its input (a checkpoint, a data shard): the message says what and why, and
@@ -53,7 +61,12 @@ class RankRefusal(ValueError):
 
 
 class WorkerRefusal(WorkerError):
-    """The first rank to fail refused its input (RankRefusal): the message is that rank's, without a traceback."""
+    """The first rank to fail refused its input (RankRefusal, exit_code 2) or met a full disk (DiskFull, exit_code 1):
+    the message is that rank's, without a traceback."""
+
+    def __init__(self, message: str, exit_code: int = 2) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def _context() -> multiprocessing.context.BaseContext:
@@ -156,6 +169,7 @@ def _worker(
     torch.set_num_threads(threads)
     try:
         store = dist.TCPStore(master[0], master[1], is_master=False, timeout=timedelta(seconds=timeout_s))
+        store.set(JOINED.format(rank=rank), "1")
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
         if backend == "nccl":
@@ -163,8 +177,8 @@ def _worker(
         out = fn(rank, world_size, *args)
         # plain pickle copies tensors by value: shared-memory handles would die with this process
         results.put((rank, True, pickle.dumps(out)))
-    except RankRefusal as error:
-        results.put((rank, None, str(error)))
+    except (RankRefusal, DiskFull) as error:
+        results.put((rank, None, (str(error), 2 if isinstance(error, RankRefusal) else 1)))
     except BaseException:  # noqa: BLE001 - the parent re-raises with this traceback
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -259,15 +273,76 @@ def _forwarding(procs: dict[int, Any], signals: tuple[int, ...]) -> Iterator[Non
             signal.signal(sig, handler)
 
 
+class _Rendezvous:
+    """Node 0's watch over a rendezvous of several nodes: every RENDEZVOUS_REPORT_S seconds while ranks are missing
+    it says which (and on which nodes) on stderr; past timeout_s, poll returns the message that ends the run."""
+
+    def __init__(self, store: dist.Store, world_size: int, nnodes: int, where: str, timeout_s: float) -> None:
+        self.store, self.world_size, self.local, self.where = store, world_size, world_size // nnodes, where
+        self.timeout_s, self.began = timeout_s, time.monotonic()
+        self.next_report, self.complete = self.began + RENDEZVOUS_REPORT_S, False
+
+    def missing(self) -> str:
+        """'node N (ranks a-b), ...' of the ranks that have not joined; "" when every rank has."""
+        absent = [r for r in range(self.world_size) if not self.store.check([JOINED.format(rank=r)])]
+        nodes: dict[int, list[int]] = {}
+        for rank in absent:
+            nodes.setdefault(rank // self.local, []).append(rank)
+        return ", ".join(f"node {n} (rank{'s' if len(r) > 1 else ''} {_span(r)})" for n, r in nodes.items())
+
+    def poll(self) -> str | None:
+        """None while the rendezvous is complete or within its time; the failure message once the time is up."""
+        now = time.monotonic()
+        if self.complete or (now < self.next_report and now - self.began < self.timeout_s):
+            return None
+        missing = self.missing()
+        self.complete = not missing
+        if self.complete:
+            return None
+        if now - self.began >= self.timeout_s:
+            return (f"the rendezvous at {self.where} ended after ops.rendezvous_timeout_s = {self.timeout_s:g} s: "
+                    f"{missing} never joined; start moe-train there with its --node-rank and the same --nnodes, "
+                    f"--master-addr and --master-port, or check that it reaches {self.where}")
+        print(f"rendezvous at {self.where}: waiting for {missing} ({now - self.began:.0f} s of "
+              f"ops.rendezvous_timeout_s = {self.timeout_s:g} s)", file=sys.stderr, flush=True)
+        self.next_report = now + RENDEZVOUS_REPORT_S
+        return None
+
+
+def _span(ranks: list[int]) -> str:
+    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 and ranks[-1] - ranks[0] == len(ranks) - 1 else \
+        ", ".join(map(str, ranks))
+
+
+def _reach_node0(addr: str, port: int, timeout_s: float) -> None:
+    """On a node other than 0: wait until node 0's rendezvous store answers, saying so every RENDEZVOUS_REPORT_S
+    seconds; WorkerRefusal (exit 1) naming the address once timeout_s passed."""
+    began = time.monotonic()
+    report = began + RENDEZVOUS_REPORT_S
+    while (now := time.monotonic()) - began < timeout_s:
+        with contextlib.suppress(OSError):
+            socket.create_connection((addr, port), timeout=1.0).close()
+            return
+        if now >= report:
+            print(f"rendezvous at {addr}:{port}: node 0 does not answer yet ({now - began:.0f} s of "
+                  f"ops.rendezvous_timeout_s = {timeout_s:g} s)", file=sys.stderr, flush=True)
+            report = now + RENDEZVOUS_REPORT_S
+        time.sleep(0.5)
+    raise WorkerRefusal(f"the rendezvous at {addr}:{port} ended after ops.rendezvous_timeout_s = {timeout_s:g} s: "
+                        f"node 0 never answered; start moe-train --node-rank 0 there, or check that this node "
+                        f"reaches {addr}:{port}", 1)
+
+
 def _collect(procs: dict[int, Any], results: Any, outputs: dict[int, Any], wait_s: float,
              logs: _LogStreams | None, last_words: Callable[[int], str] | None,
-             verdict_exit: int | None = None) -> tuple[str | None, bool]:
+             verdict_exit: int | None = None, rendezvous: _Rendezvous | None = None) -> tuple[str | None, int | None]:
     """Fill outputs with each rank's result; return (a message naming the failed ranks (died ones first), or None;
-    whether the first failure was a RankRefusal). A rank that exits with verdict_exit ended the run on a verdict it
-    printed: no grace for the others."""
+    the exit code when the first failure was a RankRefusal (2), a DiskFull (1) or a rendezvous past its time (1),
+    else None). A rank that exits with verdict_exit ended the run on a verdict it printed: no grace for the
+    others."""
     end = time.monotonic() + wait_s
     raised: dict[int, str] = {}
-    refused: set[int] = set()
+    refused: dict[int, int] = {}
     died: dict[int, str] = {}
     suspects: set[int] = set()
     grace_end = None
@@ -283,30 +358,32 @@ def _collect(procs: dict[int, Any], results: Any, outputs: dict[int, Any], wait_
                 if procs[rank].exitcode == verdict_exit:
                     grace_end = time.monotonic()
             suspects = dead
+            late = rendezvous.poll() if rendezvous is not None else None
+            if late is not None:
+                return late, 1
             if time.monotonic() > end and not (raised or died):
                 missing = sorted(set(procs) - set(outputs))
-                return f"no result within {wait_s:.0f}s from ranks {missing}", False
+                return f"no result within {wait_s:.0f}s from ranks {missing}", None
         else:
             if ok:
                 outputs[rank] = pickle.loads(payload)
             elif ok is None:
-                raised[rank] = payload
-                refused.add(rank)
+                raised[rank], refused[rank] = payload
             else:
                 raised[rank] = f"rank {rank} failed:\n{payload}"
         if (raised or died) and grace_end is None:
             grace_end = time.monotonic() + GRACE_S
     if not (raised or died):
-        return None, False
+        return None, None
     cause = next((r for r in raised if not PEER_LOST.search(raised[r])), next(iter(raised), None))  # first to report
     if not died and cause in refused:
-        return raised[cause], True
+        return raised[cause], refused[cause]
     first = [died[r] for r in sorted(died)] or [raised[cause]]
     others = sorted(set(raised) - ({cause} if not died else set()))
     if others:
         last_lines = "; ".join(f"rank {r}: {raised[r].strip().splitlines()[-1]}" for r in others)
         first.append(f"ranks that failed after it: {last_lines}")
-    return "\n".join(first), False
+    return "\n".join(first), None
 
 
 def run_processes(
@@ -324,6 +401,7 @@ def run_processes(
     log_dir: str | Path | None = None,
     on_death: Callable[[dist.Store, int], str] | None = None,
     verdict_exit: int | None = None,
+    rendezvous_timeout_s: float | None = None,
 ) -> list[Any]:
     """Run fn(rank, world_size, *args) on this node's share of world_size fresh processes; return their results.
 
@@ -339,7 +417,10 @@ def run_processes(
     takes its ranks with it (Linux). on_death(store, rank), on node 0, is told of a rank that died
     (the rendezvous store in hand) and returns words the message adds about it. A rank exiting with
     verdict_exit ended the run on a verdict of its own (a watchdog's, after the live ranks' last words): the
-    ranks still running are killed at once instead of after a grace period. fn and its results
+    ranks still running are killed at once instead of after a grace period. With nnodes > 1 the rendezvous has
+    rendezvous_timeout_s (default timeout_s): node 0 says which ranks are missing while it waits and, past it,
+    ends the run with a WorkerRefusal (exit 1) naming them; another node first waits that long for node 0's
+    store to answer (the ranks' own store and init timeouts then exceed it by RENDEZVOUS_GRACE_S). fn and its results
     must be picklable (define fn at module level); tensors in results come back by value. Ranks fork from a
     server process that has imported PRELOAD (MOE_START_METHOD=spawn: fresh interpreters), each with this
     process's environment as it is at the call. Returns the results of this node's ranks.
@@ -356,6 +437,10 @@ def run_processes(
         run_timeout_s = timeout_s + 60.0  # interpreter start-up counts too
     local = world_size // nnodes
     ranks = range(node_rank * local, (node_rank + 1) * local)
+    rendezvous_timeout_s = timeout_s if rendezvous_timeout_s is None else rendezvous_timeout_s
+    rank_timeout_s = timeout_s if nnodes == 1 else max(timeout_s, rendezvous_timeout_s + RENDEZVOUS_GRACE_S)
+    if node_rank > 0:
+        _reach_node0(master_addr, master_port, rendezvous_timeout_s)
     store = (dist.TCPStore(master_addr, master_port, is_master=True, timeout=timedelta(seconds=timeout_s),
                            wait_for_workers=False) if node_rank == 0 else None)
     master = (master_addr, store.port if store is not None else master_port)
@@ -369,20 +454,22 @@ def run_processes(
     results = ctx.Queue()
     procs = {
         r: ctx.Process(target=_worker, daemon=True,
-                       args=(r, r - ranks.start, world_size, master, backend, threads, timeout_s, prefixes[r],
+                       args=(r, r - ranks.start, world_size, master, backend, threads, rank_timeout_s, prefixes[r],
                              os.getpid(), _LauncherStdio(), dict(os.environ), fn, args, results))
         for r in ranks
     }
     logs = _LogStreams(prefixes) if log_dir is not None else None
     outputs: dict[int, Any] = {}
     failure: str | None = "interrupted"
-    refusal = False
+    refusal: int | None = None
     try:
         for p in procs.values():
             p.start()
         with _forwarding(procs, (signal.SIGTERM,)):
             last_words = (lambda rank: on_death(store, rank)) if on_death is not None and store is not None else None
-            failure, refusal = _collect(procs, results, outputs, run_timeout_s, logs, last_words, verdict_exit)
+            watch = (_Rendezvous(store, world_size, nnodes, f"{master_addr}:{master[1]}", rendezvous_timeout_s)
+                     if nnodes > 1 and store is not None else None)
+            failure, refusal = _collect(procs, results, outputs, run_timeout_s, logs, last_words, verdict_exit, watch)
     finally:
         for p in procs.values():
             if failure is not None and p.is_alive():
@@ -395,5 +482,5 @@ def run_processes(
             logs.close()
         del store
     if failure is not None:
-        raise (WorkerRefusal if refusal else WorkerError)(failure)
+        raise WorkerError(failure) if refusal is None else WorkerRefusal(failure, refusal)
     return [outputs[r] for r in ranks]

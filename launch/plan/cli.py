@@ -6,11 +6,11 @@ import argparse
 import json
 import math
 import re
-import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
 from launch.config.run import RunConfig, load_config
+from launch.errors import cli
 from launch.plan.calibrate import render as render_checks
 from launch.plan.calibrate import fitted_constants, to_dicts, validate
 from launch.plan.efficiency import ATTENTION_SUSTAINED_CLOCK, MOE_HANDLING, PRECISIONS, SLOT_SECONDS, SUSTAINED_CLOCK
@@ -197,14 +197,11 @@ def _figure(value: float) -> str:
     return f"{value:,.0f}" if value == int(value) or abs(value) >= 1 else f"{value:.3f}"
 
 
+@cli("moe-plan: error")
 def main(argv: list[str] | None = None) -> int:
     """Entry point of moe-plan."""
     args = parser().parse_args(argv)
-    try:
-        result = run(args)
-    except ValueError as error:
-        print(f"moe-plan: error: {error}", file=sys.stderr)
-        return 2
+    result = run(args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
         print(f"wrote {args.json}")

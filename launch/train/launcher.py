@@ -279,7 +279,7 @@ def _spawn(cfg: RunConfig, launch: Launch, backend: str, threads: int, trainer: 
                 timeout_s=COLLECTIVE_TIMEOUT_S, run_timeout_s=math.inf, nnodes=launch.nnodes,
                 node_rank=launch.node_rank, master_addr=launch.master_addr, master_port=launch.master_port,
                 log_dir=logs / f"restart{attempt}" if attempt else logs, on_death=on_rank_death,
-                verdict_exit=WATCHDOG_EXIT)
+                verdict_exit=WATCHDOG_EXIT, rendezvous_timeout_s=cfg.ops.rendezvous_timeout_s)
             return results[0] if launch.node_rank == 0 else []
         except WorkerError as error:
             if attempt == cfg.ops.max_restarts:

@@ -12,6 +12,7 @@ data.sources and of the corpus the run directory holds prepared.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from launch.checkpoint.hf.load import check_init_from
 from launch.config.run import RunConfig, load_config
-from launch.data.feed import corpus_files, corpus_key
+from launch.data.feed import READ_CHARS, corpus_files, corpus_key, text_pieces
 from launch.data.shards import Prepared, read_manifest
 from launch.data.tokenizer import load_tokenizer
 from launch.parallel.device import check_device
@@ -48,11 +49,14 @@ def _check_optimizer(cfg: RunConfig) -> None:
 
 def _check_corpus(cfg: RunConfig, verify: bool) -> None:
     """The corpus's files hold at least one micro-batch of training tokens (one byte is one token); with verify,
-    the run directory's prepared copy of this corpus (if any) is intact."""
+    every file is UTF-8 text (read through) and the run directory's prepared copy of this corpus (if any) is
+    intact."""
     files = corpus_files(cfg.data.corpus)
     unreadable = [str(f) for f in files if not os.access(f, os.R_OK)]
     if unreadable:
         raise ValueError(f"data.corpus = {cfg.data.corpus!r}: cannot read {', '.join(unreadable[:3])}")
+    for file in files if verify else ():
+        collections.deque(text_pieces(file, READ_CHARS, "data.corpus file"), maxlen=0)
     tokens = min(sum(f.stat().st_size + 1 for f in files), cfg.data.max_bytes)
     needed = cfg.train.micro_batch_size * (cfg.train.seq_len + 1)
     if tokens * (1 - cfg.data.eval_fraction) < needed:

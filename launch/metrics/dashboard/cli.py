@@ -7,8 +7,10 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from launch.errors import cli
+from launch.files import check_writable
 from launch.metrics.dashboard.page import build_html, view_ids
-from launch.metrics.dashboard.runs import RunError, load_run
+from launch.metrics.dashboard.runs import load_run
 
 
 def load_runs(run_dirs: list[str]) -> list:
@@ -28,6 +30,7 @@ def export_png(html_file: Path, out_dir: Path, views: list[str], workers: int = 
                                                      height=560 if view == "curves" else 480), views))
 
 
+@cli("moe-dashboard")
 def main(argv: list[str] | None = None) -> int:
     """Write (or serve) the dashboard of the given runs; exit 2 with a message on unusable input."""
     parser = argparse.ArgumentParser(prog="moe-dashboard", description=__doc__)
@@ -42,19 +45,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.refresh <= 0:
         parser.error(f"--refresh = {args.refresh} must be > 0")
-    try:
-        if args.serve:
-            from launch.metrics.dashboard.serve import serve
-
-            return serve(args.run_dirs, args.port, args.refresh, load_runs)
-        runs = load_runs(args.run_dirs)
-    except RunError as error:
-        print(f"moe-dashboard: {error}", file=sys.stderr)
-        return 2
-    except OSError as error:
-        print(f"moe-dashboard: cannot serve on port {args.port}: {error}", file=sys.stderr)
-        return 2
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port {args.port}: allowed 0 (any free port) to 65535")
     out = Path(args.out)
+    if not args.serve:
+        check_writable(out, "--out")
+    if args.serve:
+        from launch.metrics.dashboard.serve import serve
+
+        try:
+            return serve(args.run_dirs, args.port, args.refresh, load_runs)
+        except OSError as error:
+            raise ValueError(f"cannot serve on port {args.port} (--port): {error.strerror or error}") from None
+    runs = load_runs(args.run_dirs)
     out.write_text(build_html(runs))
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): " +
           "; ".join(f"{r.name}: {r.records} records" for r in runs))
