@@ -20,7 +20,7 @@ from torch import Tensor
 
 from dispatch import rehearsal_rule
 from dispatch.channel import HopTransport, Steps, run_steps
-from dispatch.routes import Hop, HopRoute, make_hop, plan_sends
+from dispatch.routes import Hop, HopRoute, make_hop, plan_padded_sends, plan_sends
 from dispatch.segment import ordered_sum
 
 
@@ -56,7 +56,12 @@ class Route:
 
     def arrived_rows(self) -> list[int]:
         """Rows of each chunk that arrived here after the last hop."""
-        return [sum(hops[-1].recv_splits) for hops in self.chunks]
+        return [hops[-1].arrived_rows for hops in self.chunks]
+
+
+def take_rows(rows: Tensor, index: Tensor) -> Tensor:
+    """rows.index_select(0, index); rows with none (a rank without tokens) give zero rows, as padding."""
+    return rows.index_select(0, index) if rows.shape[0] else rows.new_zeros((index.numel(), *rows.shape[1:]))
 
 
 def pack_meta(weights: Tensor, indices: Tensor) -> Tensor:
@@ -218,6 +223,27 @@ def dispatch_steps(x: Tensor, weights: Tensor, indices: Tensor, stages: list[Hop
     return (codec.decode(wire, x) if codec else wire), recv_weights
 
 
+def padded_dispatch_steps(x: Tensor, weights: Tensor, indices: Tensor, stage: HopRoute, channel: HopTransport,
+                          codec: Codec | None, route: Route, bound: int) -> Steps:
+    """dispatch_steps over one hop (flat) with a padded exchange: bound rows to every peer, equal blocks both ways,
+    so no count is traded and nothing is read to the host; padding rows arrive with expert ids -1 (no pair).
+    Yields the exchange while in flight; returns ((rows that arrived here, their fp32 weights), overflow: a 0-dim
+    bool, true when rows past the bound were not sent: the caller reruns the step exactly)."""
+    wire = codec.encode(x.detach()) if codec else x.detach()
+    meta = pack_meta(weights, indices)
+    copies = min(indices.shape[1], len(stage.peers))
+    filled, overflow, hop = plan_padded_sends(indices, stage, channel.topology.world_size, bound, copies)
+    padding = pack_meta(weights.new_zeros(1, indices.shape[1]), indices.new_full((1, indices.shape[1]), -1))
+    sent_meta = torch.where(filled.unsqueeze(1), take_rows(meta, hop.send_row), padding)
+    rows = channel.start_exchange(take_rows(wire, hop.send_row), None, None, "dispatch")
+    metas = channel.start_exchange(sent_meta, None, None, "dispatch", "meta")
+    yield rows
+    route.chunks = [[hop]]
+    wire, meta = rows.wait(), metas.wait()
+    recv_weights, route.ids = unpack_meta(meta)
+    return ((codec.decode(wire, x) if codec else wire), recv_weights), overflow
+
+
 def scatter_steps(rows: Tensor, route: Route, channels: list[HopTransport], kind: str) -> Steps:
     """Move rows along the hops a dispatch took, chunk by chunk as it did (no counts to trade); yields each
     exchange while it is in flight; returns the rows that arrived, in route's order."""
@@ -225,8 +251,7 @@ def scatter_steps(rows: Tensor, route: Route, channels: list[HopTransport], kind
 
     def move(c: int, h: int, part: Tensor) -> Steps:
         hop = route.chunks[c][h]
-        pending = channels[h].start_exchange(part.index_select(0, hop.send_row), hop.send_splits, hop.recv_splits,
-                                             kind)
+        pending = channels[h].start_exchange(take_rows(part, hop.send_row), hop.send_splits, hop.recv_splits, kind)
         yield pending
         return pending.wait()
 

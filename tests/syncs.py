@@ -87,7 +87,7 @@ class SyncDetector(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = str(func.overloadpacket)
-        if not self._inside and self._is_read(name, args, kwargs):
+        if not self._inside and self._is_read(name if name != "aten.repeat_interleave" else str(func), args, kwargs):
             self.record(name)
         return func(*args, **kwargs)
 
@@ -97,8 +97,9 @@ class SyncDetector(TorchDispatchMode):
             return False
         if name in SYNC_OPS:
             return True
-        if name == "aten.repeat_interleave":
-            return kwargs.get("output_size") is None and (len(args) < 4 or args[3] is None)
+        if name.startswith("aten.repeat_interleave"):  # tensor repeats without output_size: sized by the data
+            tensor_repeats = name.endswith((".Tensor", ".self_Tensor"))
+            return tensor_repeats and kwargs.get("output_size") is None and (len(args) < 4 or args[3] is None)
         if name in MASK_OPS:
             return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None)
         if name in ("aten._to_copy", "aten.copy_"):
