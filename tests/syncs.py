@@ -15,15 +15,18 @@ synchronising CUDA call the wrappers cannot see raises as well.
 
 `with SyncDetector() as reads: ...` records every read (kind and the first project frame that made it) in
 reads.reads; SyncDetector(strict=True) raises HostRead at the first one, with the stack of the read.
+step_reads() watches a training run (launch.train.loop.train) step by step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import traceback
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -148,3 +151,49 @@ class SyncDetector(TorchDispatchMode):
             torch.cuda.set_sync_debug_mode(self._cuda_mode)
             self._cuda_mode = None
         return super().__exit__(*exc)
+
+
+@dataclass
+class StepReads:
+    """One forward + backward of a training step (a step, or each attempt of a step rerun after an overflow)."""
+
+    reads: list[Read] = field(default_factory=list)  # host reads during the forward and backward
+    copies: int = 0  # device-to-host copies of the step's statistics (launch.parallel.device.to_host calls)
+
+
+@contextlib.contextmanager
+def step_reads() -> Iterator[list[StepReads]]:
+    """While active, each forward and backward of the trainer's steps (launch.train.loop's forward_backward) runs
+    under a SyncDetector, and each launch.train.step.to_host call after it (the step's statistics) counts as a copy
+    of that attempt, but for the per-rank metrics' gather (gather_rank_rows: every train.rank_metrics_every steps,
+    excepted) and the held-out evaluation; yields the list of StepReads, one appended per forward and backward."""
+    from launch.train import loop, step  # the trainer, imported only where a test watches it
+
+    attempts: list[StepReads] = []
+    excepted = [0]
+    to_host, forward_backward = step.to_host, loop.forward_backward
+
+    def watched(*args, **kwargs):
+        with SyncDetector() as detector:
+            out = forward_backward(*args, **kwargs)
+        attempts.append(StepReads(detector.reads))
+        return out
+
+    def copy(tensor):
+        if not excepted[0] and attempts:
+            attempts[-1].copies += 1
+        return to_host(tensor)
+
+    def excepting(original: Callable) -> Callable:
+        def run(*args, **kwargs):
+            excepted[0] += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                excepted[0] -= 1
+        return run
+
+    with mock.patch.object(loop, "forward_backward", watched), mock.patch.object(step, "to_host", copy), \
+            mock.patch.object(step, "gather_rank_rows", excepting(step.gather_rank_rows)), \
+            mock.patch.object(loop, "evaluate", excepting(loop.evaluate)):
+        yield attempts
