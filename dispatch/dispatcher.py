@@ -84,15 +84,15 @@ class EPDispatcher:
     (hierarchical only) pipelines the hops in that many chunks of the tokens (dispatch.transport);
     results are bitwise equal for any chunks.
 
-    exchange "exact" reads each exchange's sizes to the host (counts traded, then list splits). "padded" (flat only)
-    sends a fixed number of rows to every peer and gives its experts a fixed number of rows (padded_bounds: from the
-    tokens per call, top-k, the EP size and headroom), so a dispatch, its combine and both backwards read nothing to
-    the host and issue the same operators on the same shapes for any routing. The bounds follow from tokens, the
-    most tokens an EP rank dispatches per call (None: each call's own count, which every EP rank must then share, as
-    a training step's micro-batches do). Rows past a bound are not sent: the
-    dispatch raises `overflow` (a device flag, kept until take_overflow) and its results are not the layer's; the
-    caller reruns the step on the exact path and may widen the bounds (grow). Capacity-factor routing is unchanged:
-    its dropped slots are -1 before the dispatch.
+    exchange "exact" reads each exchange's sizes to the host (counts traded, then list splits). "padded" (flat, or
+    hierarchical with hops and one chunk) sends a fixed number of rows to every peer of each hop and gives its
+    experts a fixed number of rows (padded_bounds: from the tokens per call, top-k, the EP size and headroom), so a
+    dispatch, its combine and both backwards read nothing to the host and issue the same operators on the same
+    shapes for any routing. The bounds follow from tokens, the most tokens an EP rank dispatches per call (None:
+    each call's own count, which every EP rank must then share, as a training step's micro-batches do). Rows past a
+    bound are not sent: the dispatch raises `overflow` (a device flag, kept until take_overflow) and its results are
+    not the layer's; the caller reruns the step on the exact path and may widen the bounds (grow). Capacity-factor
+    routing is unchanged: its dropped slots are -1 before the dispatch.
     """
 
     def __init__(self, num_experts: int, group: dist.ProcessGroup | None = None, gpus_per_node: int | None = None,
@@ -102,9 +102,10 @@ class EPDispatcher:
         check_choice("backend", backend, DispatchBackend)
         check_choice("payload", payload, Payload)
         check_choice("exchange", exchange, Exchange)
-        if exchange == "padded" and backend != "flat":
-            raise ValueError(f"exchange = 'padded' runs the flat dispatch only so far, got backend = {backend!r}; "
-                             f"allowed with it: 'flat'")
+        if exchange == "padded" and (chunks > 1 or (backend == "hierarchical" and hops is None)):
+            raise ValueError(f"exchange = 'padded' sends equal blocks on groups of exactly each hop's peers: the "
+                             f"hierarchical dispatch needs hops (HopGroups) and chunks = 1 (got chunks = {chunks}, "
+                             f"hops {'given' if hops else 'None'})")
         if not headroom > 0:
             raise ValueError(f"headroom = {headroom!r} must be a number > 0 (the padded bounds' factor over a balanced "
                              f"routing's rows)")
@@ -131,13 +132,24 @@ class EPDispatcher:
         self.exchange, self.headroom, self.tokens = exchange, float(headroom), tokens
         self._overflow: Tensor | None = None  # [] int64 on the device: 1 when a dispatch since take_overflow left rows out
 
-    def padded_bounds(self, tokens: int, top_k: int) -> tuple[int, int]:
-        """(rows sent to each peer, rows handed to this rank's experts) of a padded dispatch of tokens tokens: headroom
-        times a balanced routing's (each token to min(k, R) ranks, k pairs per token arriving per rank), capped at
-        what no routing exceeds (every token to one peer; k pairs of every row that arrives)."""
-        per_peer = min(tokens, math.ceil(self.headroom * tokens * min(top_k, self.world_size) / self.world_size))
-        arrived = self.world_size * per_peer
-        return per_peer, min(arrived * min(top_k, self.experts_per_rank), math.ceil(self.headroom * tokens * top_k))
+    def padded_bounds(self, tokens: int, top_k: int) -> tuple[list[int], int]:
+        """(per hop the rows sent to each of its peers, rows handed to this rank's experts) of a padded dispatch of
+        tokens tokens: headroom times a balanced routing's, capped at what no routing exceeds. A hop of P peers takes
+        each row to min(k, P) of them, P / min(k, P) rows in for one sent to a peer; its rows in are the tokens (first
+        hop) or what the hop before brought (balanced: tokens x the copies of the hops before); k pairs per token
+        arrive at a rank."""
+        bounds, rows_in, expected = [], tokens, tokens
+        for stage in self._stages_of_shape():
+            peers, copies = len(stage.peers), min(top_k, len(stage.peers))
+            bound = min(rows_in, math.ceil(self.headroom * expected * copies / peers))
+            bounds.append(bound)
+            rows_in, expected = peers * bound, expected * copies
+        pairs = min(rows_in * min(top_k, self.experts_per_rank), math.ceil(self.headroom * tokens * top_k))
+        return bounds, pairs
+
+    def _stages_of_shape(self) -> list:
+        """This rank's hops (their peers; routes_for on meta: no values needed)."""
+        return routes_for(self.backend, self.topology, self.num_experts, self.rank, torch.device("meta"))
 
     def grow(self) -> None:
         """Double the padded bounds' headroom (after an overflow), for the dispatches after this call."""
@@ -213,9 +225,9 @@ class EPDispatcher:
         if self.exchange == "padded":
             if self.tokens is not None and x.shape[0] > self.tokens:
                 raise ValueError(f"{x.shape[0]} tokens to dispatch, more than the padded bounds' tokens = {self.tokens}")
-            per_peer, expert_rows = self.padded_bounds(self.tokens or x.shape[0], indices.shape[1])
-            arrived, overflow = yield from padded_dispatch_steps(x, weights, indices, stages[0], self.channels[0],
-                                                                 self.codec, route, per_peer)
+            bounds, expert_rows = self.padded_bounds(self.tokens or x.shape[0], indices.shape[1])
+            arrived, overflow = yield from padded_dispatch_steps(x, weights, indices, stages, self.channels,
+                                                                 self.codec, route, bounds)
         else:
             arrived = yield from dispatch_steps(x, weights, indices, stages, self.channels, self.codec, route,
                                                 self.chunks, plan.sends if plan else None)

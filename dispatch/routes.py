@@ -85,17 +85,18 @@ def make_hop(send_row: Tensor, send_splits: list[int], recv_splits: list[int], n
 
 def plan_padded_sends(ids: Tensor, stage: HopRoute, world_size: int, bound: int, max_copies: int
                       ) -> tuple[Tensor, Tensor, Hop]:
-    """A padded hop of the rows with expert ids [n, k]: bound rows to every rank (peers' first rows for it, in row
-    order, then padding), sized by the shape only, nothing read to the host. Returns (filled [R * bound] bool: which
-    sent rows carry a row, overflow: a 0-dim bool, true when some rank has more than bound rows, which are then not
-    sent, the Hop)."""
-    member = destinations(ids, stage, world_size)
-    rows = member.shape[0]
-    position = member.long().cumsum(0) - 1  # [n, R] each row's place among the rows going to that rank
+    """A padded hop of the rows with expert ids [n, k] (-1: none): bound rows to each of the stage's peers, in peer
+    order (each peer's rows in row order, then padding), sized by the shape only, nothing read to the host. Returns
+    (filled [peers * bound] bool: which sent rows carry a row, overflow: a 0-dim bool, true when some peer has more
+    than bound rows, which are then not sent, the Hop)."""
+    peers = torch.tensor(stage.peers, device=ids.device)
+    member = destinations(ids, stage, world_size).index_select(1, peers)  # [n, peers]
+    rows, width = member.shape
+    position = member.long().cumsum(0) - 1  # [n, peers] each row's place among the rows going to that peer
     fits = member & (position < bound)
-    cell = torch.where(fits, torch.arange(world_size, device=ids.device) * bound + position, world_size * bound)
-    table = torch.full((world_size * bound + 1,), rows, dtype=torch.int64, device=ids.device)
-    table.index_put_((cell.reshape(-1),), torch.arange(rows, device=ids.device).unsqueeze(1).expand(rows, world_size).reshape(-1))
+    cell = torch.where(fits, torch.arange(width, device=ids.device) * bound + position, width * bound)
+    table = torch.full((width * bound + 1,), rows, dtype=torch.int64, device=ids.device)
+    table.index_put_((cell.reshape(-1),), torch.arange(rows, device=ids.device).unsqueeze(1).expand(rows, width).reshape(-1))
     send_row = table[:-1]  # the last cell takes every (row, rank) not sent (discarded)
     filled = send_row < rows
     back = static_plan(send_row, rows, max_copies)  # a row's copies come back in ascending rank, as segment_plan's

@@ -223,23 +223,29 @@ def dispatch_steps(x: Tensor, weights: Tensor, indices: Tensor, stages: list[Hop
     return (codec.decode(wire, x) if codec else wire), recv_weights
 
 
-def padded_dispatch_steps(x: Tensor, weights: Tensor, indices: Tensor, stage: HopRoute, channel: HopTransport,
-                          codec: Codec | None, route: Route, bound: int) -> Steps:
-    """dispatch_steps over one hop (flat) with a padded exchange: bound rows to every peer, equal blocks both ways,
-    so no count is traded and nothing is read to the host; padding rows arrive with expert ids -1 (no pair).
-    Yields the exchange while in flight; returns ((rows that arrived here, their fp32 weights), overflow: a 0-dim
-    bool, true when rows past the bound were not sent: the caller reruns the step exactly)."""
+def padded_dispatch_steps(x: Tensor, weights: Tensor, indices: Tensor, stages: list[HopRoute],
+                          channels: list[HopTransport], codec: Codec | None, route: Route, bounds: list[int]) -> Steps:
+    """dispatch_steps (one chunk) with padded exchanges: on hop h bounds[h] rows to every peer, equal blocks both
+    ways, so no count is traded and nothing is read to the host; padding rows travel with expert ids -1 (no
+    destination on a later hop, no pair on arrival). Yields each exchange while in flight; returns ((rows that arrived
+    here, their fp32 weights), overflow: a 0-dim bool, true when a hop left rows past its bound unsent: the caller
+    reruns the step exactly)."""
     wire = codec.encode(x.detach()) if codec else x.detach()
     meta = pack_meta(weights, indices)
-    copies = min(indices.shape[1], len(stage.peers))
-    filled, overflow, hop = plan_padded_sends(indices, stage, channel.topology.world_size, bound, copies)
-    padding = pack_meta(weights.new_zeros(1, indices.shape[1]), indices.new_full((1, indices.shape[1]), -1))
-    sent_meta = torch.where(filled.unsqueeze(1), take_rows(meta, hop.send_row), padding)
-    rows = channel.start_exchange(take_rows(wire, hop.send_row), None, None, "dispatch")
-    metas = channel.start_exchange(sent_meta, None, None, "dispatch", "meta")
-    yield rows
-    route.chunks = [[hop]]
-    wire, meta = rows.wait(), metas.wait()
+    k = indices.shape[1]
+    padding = pack_meta(weights.new_zeros(1, k), indices.new_full((1, k), -1))
+    hops, overflow = [], None
+    for stage, channel, bound in zip(stages, channels, bounds):
+        filled, over, hop = plan_padded_sends(unpack_meta(meta)[1], stage, channel.topology.world_size, bound,
+                                              min(k, len(stage.peers)))
+        sent_meta = torch.where(filled.unsqueeze(1), take_rows(meta, hop.send_row), padding)
+        rows = channel.start_exchange(take_rows(wire, hop.send_row), None, None, "dispatch")
+        metas = channel.start_exchange(sent_meta, None, None, "dispatch", "meta")
+        yield rows
+        wire, meta = rows.wait(), metas.wait()
+        hops.append(hop)
+        overflow = over if overflow is None else overflow | over
+    route.chunks = [hops]
     recv_weights, route.ids = unpack_meta(meta)
     return ((codec.decode(wire, x) if codec else wire), recv_weights), overflow
 

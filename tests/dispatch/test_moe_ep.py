@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dispatch import EPDispatcher
+from dispatch import EPDispatcher, make_hop_groups, make_topology
 from launch.parallel.spawn import run_processes
 from moe.config import ModelConfig
 from moe.layer import MoELayer
@@ -21,7 +21,8 @@ pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
 WORLD = 4
 TOKENS = (6, 0, 19, 11)  # rank 1 has no tokens of its own
 VARIANTS = [("flat", None), ("hierarchical", None), ("hierarchical", 1.0)]  # (backend, capacity_factor)
-PADDED = [("flat", None), ("flat", 1.0)]  # the padded exchange's variants (issue 48), beside the exact path
+PADDED = [("flat", None), ("flat", 1.0), ("hierarchical", None), ("hierarchical", 1.0)]  # the padded exchange's
+# variants (issue 48), beside the exact path; hierarchical on hop groups (2 nodes of 2 ranks)
 
 
 def _config(backend: str, capacity_factor: float | None) -> ModelConfig:
@@ -58,10 +59,12 @@ def _padded(rank: int, world_size: int) -> dict:
     device, on the rank whose expert took every token."""
     results = {}
     tokens = max(TOKENS)  # the padded bounds' tokens per call: every rank's at most
+    hops = make_hop_groups(dist.group.WORLD, make_topology(WORLD, 2), grad=False)
     for backend, capacity in PADDED:
         cfg = _config(backend, capacity)
-        _, exact = _layers(cfg, backend, torch.float64)
-        _, padded = _layers(cfg, backend, torch.float64, exchange="padded", tokens=tokens)
+        options = {"hops": hops} if backend == "hierarchical" else {}
+        _, exact = _layers(cfg, backend, torch.float64, **options)
+        _, padded = _layers(cfg, backend, torch.float64, exchange="padded", tokens=tokens, **options)
         x, grad_out = _tokens(rank, torch.float64)
         runs = {}
         for name, layer in (("exact", exact), ("padded", padded)):
@@ -82,7 +85,7 @@ def _padded(rank: int, world_size: int) -> dict:
                 out.sum().backward()
             sequences.append(recorder.calls)
         results[backend, capacity, "sequences"] = sequences
-        _, tiny = _layers(cfg, backend, torch.float64, exchange="padded", tokens=tokens, headroom=0.05)
+        _, tiny = _layers(cfg, backend, torch.float64, exchange="padded", tokens=tokens, headroom=0.05, **options)
         with torch.no_grad():
             tiny.router.expert_bias[0] = 1e3  # every token's first choice: expert 0, on EP rank 0
         tiny(x)

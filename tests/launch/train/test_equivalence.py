@@ -55,7 +55,9 @@ LAYOUTS = {
                                                "dispatch_backend": "hierarchical", "gpus_per_node": 1},
     # issue 48: the padded exchange; headroom 0.5 overflows the first steps' bounds (rerun exactly, bounds doubled)
     "dp2 ep2 flat padded": {"dp": 2, "ep": 2, "dispatch_exchange": "padded", "dispatch_headroom": 0.5},
-    "pp2 dp2 ep2 dualpipev padded": {"pp": 2, "dp": 2, "ep": 2, "schedule": "dualpipev", "dispatch_exchange": "padded"},
+    "pp2 dp2 ep2 dualpipev hierarchical padded": {"pp": 2, "dp": 2, "ep": 2, "schedule": "dualpipev",
+                                                  "dispatch_backend": "hierarchical", "gpus_per_node": 1,
+                                                  "dispatch_exchange": "padded"},
     "tp2 sp": {"tp": 2, "sequence_parallel": True},
     "dp2 tp2 ep2": {"dp": 2, "tp": 2, "ep": 2},
     "pp2 tp2 dualpipev sp": {"pp": 2, "tp": 2, "schedule": "dualpipev", "sequence_parallel": True},
