@@ -175,9 +175,10 @@ def gather_step_stats(stages: list[Stage], cfg: RunConfig, mesh: Mesh, lm_part: 
 
 
 @contextlib.contextmanager
-def exact_exchanges(stages: list[Stage]) -> Iterator[None]:
+def exact_exchanges(stages: list[Stage], grow: bool = True) -> Iterator[None]:
     """Inside: every padded EP dispatcher of stages runs the exact path (the rerun of a step whose padded exchange
-    overflowed); after: padded again, with bounds doubled for the steps after it (EPDispatcher.grow)."""
+    overflowed, or the held-out evaluation, which has no rerun); after: padded again, with grow the bounds doubled
+    for the steps after it (EPDispatcher.grow)."""
     padded = [layer.dispatcher for stage in stages for layer in stage.moe_layers().values()
               if getattr(layer.dispatcher, "exchange", "exact") == "padded"]
     for dispatcher in padded:
@@ -187,7 +188,8 @@ def exact_exchanges(stages: list[Stage]) -> Iterator[None]:
     finally:
         for dispatcher in padded:
             dispatcher.exchange = "padded"
-            dispatcher.grow()
+            if grow:
+                dispatcher.grow()
 
 
 
@@ -268,13 +270,15 @@ def step_metrics(step: int, cfg: RunConfig, stats: dict, scalars: dict, tokens: 
 def evaluate(stages: list[Stage], runtime: PipelineRuntime | None, batches: DataFeed, cfg: RunConfig,
              eos: int | None = None) -> float:
     """Mean LM loss over the first held-out micro-batches (train.eval_batches, rounded up to fill
-    every DP rank's pipeline steps), the same ones every time; eos: document masking (forward_backward)."""
+    every DP rank's pipeline steps), the same ones every time; eos: document masking (forward_backward). Padded EP
+    exchanges run exact here (an evaluation step may read to the host)."""
     unit = cfg.parallel.dp * (cfg.chunks_per_step if runtime is not None else 1)
     count = -(-cfg.train.eval_batches // unit) * unit
     held_out = batches.held_out(count)  # this DP rank's share; raises when the held-out rows are too few
     for stage in stages:
         stage.eval()
-    total, _ = forward_backward(stages, runtime, held_out, cfg.chunks_per_step, 1 / count, eos=eos)
+    with exact_exchanges(stages, grow=False):  # its loss is read at once: no overflow to rerun after
+        total, _ = forward_backward(stages, runtime, held_out, cfg.chunks_per_step, 1 / count, eos=eos)
     for stage in stages:
         stage.train()
         stage.reset_tallies()
