@@ -51,7 +51,8 @@ class HopTransport(Protocol):
 
     start_exchange sends send_splits[p] leading rows of rows to each EP rank p (rows grouped by
     destination, in EP-rank order; zero for ranks outside the hop) and receives recv_splits[p] rows
-    from each, grouped by source; start_counts trades rows of host counts ([EP rank][column]) with the
+    from each, grouped by source (both None: equal blocks to and from every peer, a padded exchange's
+    fixed sizes); start_counts trades rows of host counts ([EP rank][column]) with the
     hop's peers. Both are asynchronous (a Pending) and are issued in the same order on every peer.
     `meter` counts the bytes handed to the transport per peer and hop; `name` is the hop ("ep",
     "node", "rail"); `topology` and `rank` place this EP rank.
@@ -63,7 +64,7 @@ class HopTransport(Protocol):
     topology: Topology
     meter: TrafficMeter
 
-    def start_exchange(self, rows: Tensor, send_splits: list[int], recv_splits: list[int], kind: str,
+    def start_exchange(self, rows: Tensor, send_splits: list[int] | None, recv_splits: list[int] | None, kind: str,
                        part: str = "payload") -> Pending: ...  # noqa: D102
 
     def start_counts(self, counts: list[list[int]], kind: str, device: torch.device) -> Pending: ...  # noqa: D102
@@ -100,18 +101,31 @@ class Channel:
             raise RuntimeError(f"rows planned for ranks {stray} outside the {self.name} hop's peers {self.peers}")
         return [splits[p] for p in self.members]
 
-    def start_exchange(self, rows: Tensor, send_splits: list[int], recv_splits: list[int], kind: str,
+    def start_exchange(self, rows: Tensor, send_splits: list[int] | None, recv_splits: list[int] | None, kind: str,
                        part: str = "payload") -> Pending:
-        """Start sending send_splits[p] leading rows to each peer p and receiving recv_splits[p] from each."""
+        """Start sending send_splits[p] leading rows to each peer p and receiving recv_splits[p] from each; None for
+        both: equal blocks of rows to and from each member of the group (a padded exchange: sizes from the shape,
+        nothing read to the host)."""
         rows = rows.contiguous()
         row_bytes = rows.element_size() * math.prod(rows.shape[1:])
+        if send_splits is None:
+            block = rows.shape[0] // len(self.members)
+            if rows.shape[0] != block * len(self.members) or self.members != self.peers or recv_splits is not None:
+                raise ValueError(f"an equal-split exchange on the {self.name} hop sends one block per peer to a group "
+                                 f"of exactly its peers: got {rows.shape[0]} rows for members {self.members}, "
+                                 f"peers {self.peers}")
+            send_splits = [block if p in self.peers else 0 for p in range(self.topology.world_size)]
         for peer in self.peers:
             if peer != self.rank and send_splits[peer]:
                 self.meter.add(kind, not self.topology.same_node(self.rank, peer), part,
                                send_splits[peer] * row_bytes, peer, self.name)
-        out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
-        work = dist.all_to_all_single(out, rows, self._own(recv_splits), self._own(send_splits), group=self.group,
-                                      async_op=True)
+        if recv_splits is None:
+            out = torch.empty_like(rows)
+            work = dist.all_to_all_single(out, rows, group=self.group, async_op=True)
+        else:
+            out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
+            work = dist.all_to_all_single(out, rows, self._own(recv_splits), self._own(send_splits),
+                                          group=self.group, async_op=True)
         return Pending(work, lambda: out, keep=rows)
 
     def exchange(self, rows: Tensor, send_splits: list[int], recv_splits: list[int], kind: str,

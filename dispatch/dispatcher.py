@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -15,15 +16,18 @@ from dispatch.choices import check_choice
 from dispatch.fp8 import decode_fp8, encode_fp8, split_fp8
 from dispatch.hopgroups import HopGroups, check_hop_group
 from dispatch.layout import check_num_experts, check_routing, expert_owner, lookup
-from dispatch.permute import Permutation, make_permutation, permute, unpermute
+from dispatch.permute import Permutation, make_padded_permutation, make_permutation, permute, unpermute
 from dispatch.routes import routes_for
 from dispatch.topology import DispatchBackend, make_topology
 from dispatch.traffic import Traffic, TrafficMeter
-from dispatch.transport import Codec, CombineRows, DispatchRows, Route, dispatch_steps, gather_steps
+from dispatch.transport import (Codec, CombineRows, DispatchRows, Route, dispatch_steps, gather_steps,
+                                padded_dispatch_steps)
 from kernels import FP8Rows
 
 Payload = Literal["bf16", "fp8"]  # how dispatched rows travel: in their own dtype, or e4m3 with 1x128 scales
 PAYLOADS = get_args(Payload)
+Exchange = Literal["exact", "padded"]  # exchange sizes read to the host, or fixed bounds with a device-side overflow
+EXCHANGES = get_args(Exchange)
 
 FP8_CODEC = Codec(encode_fp8, lambda wire, like: decode_fp8(wire, like.shape[1], like.dtype))
 FP8_WIRE_CODEC = Codec(encode_fp8, lambda wire, like: wire)  # rows stay e4m3 + scales on arrival (fp8_rows)
@@ -79,13 +83,32 @@ class EPDispatcher:
     the ranks outside the hop (every hop still trades counts with its peers only). chunks > 1
     (hierarchical only) pipelines the hops in that many chunks of the tokens (dispatch.transport);
     results are bitwise equal for any chunks.
+
+    exchange "exact" reads each exchange's sizes to the host (counts traded, then list splits). "padded" (flat, or
+    hierarchical with hops and one chunk) sends a fixed number of rows to every peer of each hop and gives its
+    experts a fixed number of rows (padded_bounds: from the tokens per call, top-k, the EP size and headroom), so a
+    dispatch, its combine and both backwards read nothing to the host and issue the same operators on the same
+    shapes for any routing. The bounds follow from tokens, the most tokens an EP rank dispatches per call (None:
+    each call's own count, which every EP rank must then share, as a training step's micro-batches do). Rows past a
+    bound are not sent: the dispatch raises `overflow` (a device flag, kept until take_overflow) and its results are
+    not the layer's; the caller reruns the step on the exact path and may widen the bounds (grow). Capacity-factor
+    routing is unchanged: its dropped slots are -1 before the dispatch.
     """
 
     def __init__(self, num_experts: int, group: dist.ProcessGroup | None = None, gpus_per_node: int | None = None,
                  backend: str = "flat", payload: str = "bf16", grad_group: dist.ProcessGroup | None = None,
-                 hops: HopGroups | None = None, chunks: int = 1, fp8_rows: bool = False) -> None:
+                 hops: HopGroups | None = None, chunks: int = 1, fp8_rows: bool = False, exchange: str = "exact",
+                 headroom: float = 2.0, tokens: int | None = None) -> None:
         check_choice("backend", backend, DispatchBackend)
         check_choice("payload", payload, Payload)
+        check_choice("exchange", exchange, Exchange)
+        if exchange == "padded" and (chunks > 1 or (backend == "hierarchical" and hops is None)):
+            raise ValueError(f"exchange = 'padded' sends equal blocks on groups of exactly each hop's peers: the "
+                             f"hierarchical dispatch needs hops (HopGroups) and chunks = 1 (got chunks = {chunks}, "
+                             f"hops {'given' if hops else 'None'})")
+        if not headroom > 0:
+            raise ValueError(f"headroom = {headroom!r} must be a number > 0 (the padded bounds' factor over a balanced "
+                             f"routing's rows)")
         if not isinstance(chunks, int) or chunks < 1 or (chunks > 1 and backend != "hierarchical"):
             raise ValueError(f"chunks = {chunks!r} must be an integer >= 1, and 1 unless backend = 'hierarchical' "
                              f"(got backend = {backend!r}): chunks pipeline the two hierarchical hops")
@@ -106,6 +129,45 @@ class EPDispatcher:
         self.fp8_rows = fp8_rows
         self.codec = (FP8_WIRE_CODEC if fp8_rows else FP8_CODEC) if payload == "fp8" else None
         self._device: torch.device | None = None
+        self.exchange, self.headroom, self.tokens = exchange, float(headroom), tokens
+        self._overflow: Tensor | None = None  # [] int64 on the device: 1 when a dispatch since take_overflow left rows out
+
+    def padded_bounds(self, tokens: int, top_k: int) -> tuple[list[int], int]:
+        """(per hop the rows sent to each of its peers, rows handed to this rank's experts) of a padded dispatch of
+        tokens tokens: headroom times a balanced routing's, capped at what no routing exceeds. A hop of P peers takes
+        each row to min(k, P) of them, P / min(k, P) rows in for one sent to a peer; its rows in are the tokens (first
+        hop) or what the hop before brought (balanced: tokens x the copies of the hops before); k pairs per token
+        arrive at a rank."""
+        bounds, rows_in, expected = [], tokens, tokens
+        for stage in self._stages_of_shape():
+            peers, copies = len(stage.peers), min(top_k, len(stage.peers))
+            bound = min(rows_in, math.ceil(self.headroom * expected * copies / peers))
+            bounds.append(bound)
+            rows_in, expected = peers * bound, expected * copies
+        pairs = min(rows_in * min(top_k, self.experts_per_rank), math.ceil(self.headroom * tokens * top_k))
+        return bounds, pairs
+
+    def _stages_of_shape(self) -> list:
+        """This rank's hops (their peers; routes_for on meta: no values needed)."""
+        return routes_for(self.backend, self.topology, self.num_experts, self.rank, torch.device("meta"))
+
+    def grow(self) -> None:
+        """Double the padded bounds' headroom (after an overflow), for the dispatches after this call."""
+        self.headroom *= 2
+
+    def take_overflow(self, device: torch.device) -> Tensor:
+        """[] int64 on device: 1 when a padded dispatch overflowed since the last call, else 0; restarts the flag. No
+        host read: the caller sends it with the step's statistics."""
+        if self._overflow is None:
+            return torch.zeros((), dtype=torch.int64, device=device)
+        flag = self._overflow.clone()
+        self._overflow.zero_()
+        return flag
+
+    def _flag(self, *overflows: Tensor) -> None:
+        """Raise the overflow flag where one of overflows is set (in place: the same operators every call)."""
+        for overflow in overflows:
+            self._overflow.bitwise_or_(overflow.long())
 
     def _transports(self, hops: HopGroups | None) -> tuple[list[HopTransport], list[HopTransport]]:
         """Per hop, the transports of forward and of gradient exchanges (the same ones without a grad_group)."""
@@ -145,6 +207,7 @@ class EPDispatcher:
             local = torch.arange(self.num_experts, device=device) - self.rank * self.experts_per_rank
             self._local_expert = torch.where(owner == self.rank, local, -1)
             self._stages = routes_for(self.backend, self.topology, self.num_experts, self.rank, device)
+            self._overflow = torch.zeros((), dtype=torch.int64, device=device)
             self._device = device
         return self._stages, self._local_expert
 
@@ -159,14 +222,26 @@ class EPDispatcher:
         if x.is_meta:  # a rehearsal: the counts the routing would give come from the rule (dispatch.rehearsal_rule)
             plan = rehearsal_rule.plan_dispatch(x.shape[0], indices.shape[1], self.num_experts, self.topology,
                                                 self.rank, self.backend, rehearsal_rule.capacity_of(indices))
-        arrived = yield from dispatch_steps(x, weights, indices, stages, self.channels, self.codec, route, self.chunks,
-                                            plan.sends if plan else None)
+        if self.exchange == "padded":
+            if self.tokens is not None and x.shape[0] > self.tokens:
+                raise ValueError(f"{x.shape[0]} tokens to dispatch, more than the padded bounds' tokens = {self.tokens}")
+            bounds, expert_rows = self.padded_bounds(self.tokens or x.shape[0], indices.shape[1])
+            arrived, overflow = yield from padded_dispatch_steps(x, weights, indices, stages, self.channels,
+                                                                 self.codec, route, bounds)
+        else:
+            arrived = yield from dispatch_steps(x, weights, indices, stages, self.channels, self.codec, route,
+                                                self.chunks, plan.sends if plan else None)
         wire = arrived[0]
         if self.fp8_rows:  # autograd sees a zero-stride stand-in of the dequantised rows (never read)
             arrived = (x.new_zeros(()).expand(wire.shape[0], x.shape[1]), arrived[1])
         rows, recv_weights = DispatchRows.apply(x, weights, arrived, route, self.grad_channels)
-        perm = make_permutation(lookup(route.ids, local_expert), self.experts_per_rank,
-                                plan.expert_rows if plan else None)
+        if self.exchange == "padded":
+            perm, too_many = make_padded_permutation(lookup(route.ids, local_expert), self.experts_per_rank,
+                                                     expert_rows)
+            self._flag(overflow, too_many)
+        else:
+            perm = make_permutation(lookup(route.ids, local_expert), self.experts_per_rank,
+                                    plan.expert_rows if plan else None)
         info = RecvInfo(perm.counts, rows.shape[0])
         out = permute(rows, perm)
         if self.fp8_rows:

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from dispatch.layout import count_ids
-from dispatch.segment import SegmentPlan, ordered_sum, pass_sizes, segment_plan
+from dispatch.segment import SegmentPlan, ordered_sum, pass_sizes, segment_plan, static_plan
 
 
 @dataclass
@@ -19,6 +19,7 @@ class Permutation:
     slot: Tensor    # [P] routing slot (0..k-1) it stands for
     counts: Tensor  # [G] int64 permuted rows per group, in row order
     inverse: SegmentPlan
+    valid: Tensor | None = None  # [P] bool, padded permutations only: the rows standing for a pair (the rest pad)
 
 
 def make_permutation(groups: Tensor, num_groups: int, counts: list[int] | None = None) -> Permutation:
@@ -43,6 +44,24 @@ def make_permutation(groups: Tensor, num_groups: int, counts: list[int] | None =
     row = order // slots
     counts = count_ids(flat, num_groups)
     return Permutation(row, order % slots, counts, segment_plan(row, rows, slots, sizes))  # a row has <= k pairs
+
+
+def make_padded_permutation(groups: Tensor, num_groups: int, bound: int) -> tuple[Permutation, Tensor]:
+    """make_permutation sized by the shape only (a padded exchange's): bound rows, the pairs first, grouped as
+    make_permutation groups them, then padding rows (valid False, in no group's count; summed into no row). Reads
+    nothing to the host. Returns (permutation, overflow: a 0-dim bool, true when there are more than bound pairs;
+    those past the bound are left out and the counts end at bound)."""
+    rows, slots = groups.shape
+    flat = groups.reshape(-1)
+    key = torch.where(flat >= 0, flat, num_groups)
+    order = torch.argsort(key, stable=True).narrow(0, 0, min(bound, flat.numel()))
+    valid = key.index_select(0, order) < num_groups
+    counts = count_ids(flat, num_groups)
+    ends = torch.cumsum(counts, 0).clamp(max=order.numel())
+    row = order // slots
+    inverse = static_plan(torch.where(valid, row, rows), rows, slots)  # a row has <= k pairs
+    return (Permutation(row, order % slots, ends - torch.cat([ends.new_zeros(1), ends[:-1]]), inverse, valid),
+            counts.sum() > order.numel())
 
 
 class _Permute(torch.autograd.Function):
@@ -82,7 +101,8 @@ class _Unpermute(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             shape, dtype = ctx.weights_like
             grad_weights = pair_weight.new_zeros(shape)
-            grad_weights[perm.row, perm.slot] = (g * y).sum(1)
+            products = (g * y).sum(1)  # a padded permutation's padding rows stand for no pair: nothing to add
+            grad_weights[perm.row, perm.slot] = products if perm.valid is None else products.where(perm.valid, 0)
             grad_weights = grad_weights.to(dtype)
         if not ctx.needs_input_grad[0]:
             return None, grad_weights, None, None

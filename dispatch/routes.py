@@ -9,7 +9,7 @@ from torch import Tensor
 
 from dispatch.choices import check_choice
 from dispatch.layout import expert_owner, lookup, membership
-from dispatch.segment import SegmentPlan, pass_sizes, segment_plan
+from dispatch.segment import SegmentPlan, pass_sizes, segment_plan, static_plan
 from dispatch.topology import DispatchBackend, Topology
 
 
@@ -24,12 +24,20 @@ class HopRoute:
 
 @dataclass
 class Hop:
-    """What one rank sent in a stage: row send_row[i] went out in rank order; reverse info for combine."""
+    """What one rank sent in a stage: row send_row[i] went out in rank order; reverse info for combine.
 
-    send_row: Tensor        # [S] row index (before the hop) of each sent row, grouped by destination
-    send_splits: list[int]  # [R] rows sent to each rank
-    recv_splits: list[int]  # [R] rows received from each rank
-    back: SegmentPlan       # sums rows returned over send_row into the rows before the hop
+    A padded hop (splits None) sent equal blocks of rows to every peer: block p's filled rows first, then
+    padding (send_row 0, which back assigns to no row)."""
+
+    send_row: Tensor               # [S] row index (before the hop) of each sent row, grouped by destination
+    send_splits: list[int] | None  # [R] rows sent to each rank (None: equal blocks, padded)
+    recv_splits: list[int] | None  # [R] rows received from each rank (None: equal blocks, padded)
+    back: SegmentPlan              # sums rows returned over send_row into the rows before the hop
+
+    @property
+    def arrived_rows(self) -> int:
+        """Rows this hop brought here."""
+        return self.send_row.numel() if self.recv_splits is None else sum(self.recv_splits)
 
 
 def routes_for(backend: str, topology: Topology, num_experts: int, rank: int,
@@ -73,3 +81,24 @@ def make_hop(send_row: Tensor, send_splits: list[int], recv_splits: list[int], n
     """A hop record with the reverse summation plan combine needs; a row is sent at most max_copies times (sizes:
     the plan's pass sizes, from plan_sends)."""
     return Hop(send_row, send_splits, recv_splits, segment_plan(send_row, num_rows, max_copies, sizes))
+
+
+def plan_padded_sends(ids: Tensor, stage: HopRoute, world_size: int, bound: int, max_copies: int
+                      ) -> tuple[Tensor, Tensor, Hop]:
+    """A padded hop of the rows with expert ids [n, k] (-1: none): bound rows to each of the stage's peers, in peer
+    order (each peer's rows in row order, then padding), sized by the shape only, nothing read to the host. Returns
+    (filled [peers * bound] bool: which sent rows carry a row, overflow: a 0-dim bool, true when some peer has more
+    than bound rows, which are then not sent, the Hop)."""
+    peers = torch.tensor(stage.peers, device=ids.device)
+    member = destinations(ids, stage, world_size).index_select(1, peers)  # [n, peers]
+    rows, width = member.shape
+    position = member.long().cumsum(0) - 1  # [n, peers] each row's place among the rows going to that peer
+    fits = member & (position < bound)
+    cell = torch.where(fits, torch.arange(width, device=ids.device) * bound + position, width * bound)
+    table = torch.full((width * bound + 1,), rows, dtype=torch.int64, device=ids.device)
+    table.index_put_((cell.reshape(-1),), torch.arange(rows, device=ids.device).unsqueeze(1).expand(rows, width).reshape(-1))
+    send_row = table[:-1]  # the last cell takes every (row, rank) not sent (discarded)
+    filled = send_row < rows
+    back = static_plan(send_row, rows, max_copies)  # a row's copies come back in ascending rank, as segment_plan's
+    overflow = (member & ~fits).any()
+    return filled, overflow, Hop(torch.where(filled, send_row, 0), None, None, back)

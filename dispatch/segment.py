@@ -31,6 +31,7 @@ class SegmentPlan:
     target: Tensor      # [P] int64 their target rows (distinct, ascending within a pass)
     offsets: list[int]  # [max_slots + 1] where each pass starts, then P
     num_targets: int
+    spare: int = 0      # 1 in a static plan: target row num_targets takes the values of no target (discarded)
 
     @property
     def max_slots(self) -> int:
@@ -70,6 +71,29 @@ def segment_plan(target: Tensor, num_targets: int, max_slots: int, sizes: list[i
     return SegmentPlan(order[by_slot], ordered[by_slot], offsets, num_targets)
 
 
+def static_plan(target: Tensor, num_targets: int, max_slots: int) -> SegmentPlan:
+    """Plan over values with target rows target [P] in [0, num_targets], where num_targets marks a value of no target
+    (a padded exchange's empty slot), at most max_slots values per target: its passes have fixed sizes (pass j holds
+    one entry per target, pointing at the target's j-th value or at none), so neither building it nor summing by it
+    reads anything to the host, for any routing. Sums add each target's values in ascending index, as segment_plan's.
+    A target with more than max_slots values must not occur (the caller's bound: its values past the bound are not
+    summed)."""
+    device, num_values = target.device, target.numel()
+    max_slots = max_slots if num_values else 0  # no values: no pass (and none to point at)
+    order = torch.argsort(target, stable=True)  # values by target, ascending index within one
+    ordered = target[order]
+    slot = torch.arange(num_values, device=device) - torch.searchsorted(ordered, ordered)  # rank within its target
+    width = num_targets + 1  # a column for the values of no target, and for those past the bound
+    cell = torch.where((ordered < num_targets) & (slot < max_slots), slot * width + ordered, max_slots * width)
+    table = torch.full((max_slots * width + 1,), num_values, dtype=torch.int64, device=device)
+    table.index_put_((cell,), order)  # distinct cells for the values summed; the rest share the discarded last one
+    source = table[:-1].view(max_slots, width)[:, :num_targets].reshape(-1)
+    empty = source == num_values
+    targets = torch.arange(num_targets, device=device).repeat(max_slots)
+    offsets = [num_targets * j for j in range(max_slots + 1)]
+    return SegmentPlan(torch.where(empty, 0, source), torch.where(empty, num_targets, targets), offsets, num_targets, 1)
+
+
 def ordered_sum(values: Tensor, plan: SegmentPlan, weights: Tensor | None = None, dtype: torch.dtype | None = None,
                 out_dtype: torch.dtype | None = None) -> Tensor:
     """[num_targets, ...]: out[t] = sum over i with target t of weights[i] * values[i], in ascending i.
@@ -84,7 +108,7 @@ def ordered_sum(values: Tensor, plan: SegmentPlan, weights: Tensor | None = None
     dtype = dtype or torch.promote_types(values.dtype, torch.float32)
     out_dtype = out_dtype or dtype
     rest = values.shape[1:]
-    acc = values.new_zeros((plan.num_targets, *rest), dtype=dtype)
+    acc = values.new_zeros((plan.num_targets + plan.spare, *rest), dtype=dtype)
     block = max(1, BLOCK_ELEMENTS // max(1, math.prod(rest)))
     rows = min(plan.pass_span(0)[1], block) if plan.max_slots else 0  # the first pass is the largest
     out = None if out_dtype == dtype else values.new_empty((plan.num_targets, *rest), dtype=out_dtype)
@@ -102,4 +126,5 @@ def ordered_sum(values: Tensor, plan: SegmentPlan, weights: Tensor | None = None
             if weights is not None:
                 part.mul_(weights.index_select(0, source).view(-1, *[1] * len(rest)))
             acc.index_add_(0, plan.target.narrow(0, first, rows), part)
+    acc = acc.narrow(0, 0, plan.num_targets)
     return acc if out is None else out.copy_(acc)

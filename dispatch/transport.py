@@ -20,7 +20,7 @@ from torch import Tensor
 
 from dispatch import rehearsal_rule
 from dispatch.channel import HopTransport, Steps, run_steps
-from dispatch.routes import Hop, HopRoute, make_hop, plan_sends
+from dispatch.routes import Hop, HopRoute, make_hop, plan_padded_sends, plan_sends
 from dispatch.segment import ordered_sum
 
 
@@ -56,7 +56,12 @@ class Route:
 
     def arrived_rows(self) -> list[int]:
         """Rows of each chunk that arrived here after the last hop."""
-        return [sum(hops[-1].recv_splits) for hops in self.chunks]
+        return [hops[-1].arrived_rows for hops in self.chunks]
+
+
+def take_rows(rows: Tensor, index: Tensor) -> Tensor:
+    """rows.index_select(0, index); rows with none (a rank without tokens) give zero rows, as padding."""
+    return rows.index_select(0, index) if rows.shape[0] else rows.new_zeros((index.numel(), *rows.shape[1:]))
 
 
 def pack_meta(weights: Tensor, indices: Tensor) -> Tensor:
@@ -218,6 +223,33 @@ def dispatch_steps(x: Tensor, weights: Tensor, indices: Tensor, stages: list[Hop
     return (codec.decode(wire, x) if codec else wire), recv_weights
 
 
+def padded_dispatch_steps(x: Tensor, weights: Tensor, indices: Tensor, stages: list[HopRoute],
+                          channels: list[HopTransport], codec: Codec | None, route: Route, bounds: list[int]) -> Steps:
+    """dispatch_steps (one chunk) with padded exchanges: on hop h bounds[h] rows to every peer, equal blocks both
+    ways, so no count is traded and nothing is read to the host; padding rows travel with expert ids -1 (no
+    destination on a later hop, no pair on arrival). Yields each exchange while in flight; returns ((rows that arrived
+    here, their fp32 weights), overflow: a 0-dim bool, true when a hop left rows past its bound unsent: the caller
+    reruns the step exactly)."""
+    wire = codec.encode(x.detach()) if codec else x.detach()
+    meta = pack_meta(weights, indices)
+    k = indices.shape[1]
+    padding = pack_meta(weights.new_zeros(1, k), indices.new_full((1, k), -1))
+    hops, overflow = [], None
+    for stage, channel, bound in zip(stages, channels, bounds):
+        filled, over, hop = plan_padded_sends(unpack_meta(meta)[1], stage, channel.topology.world_size, bound,
+                                              min(k, len(stage.peers)))
+        sent_meta = torch.where(filled.unsqueeze(1), take_rows(meta, hop.send_row), padding)
+        rows = channel.start_exchange(take_rows(wire, hop.send_row), None, None, "dispatch")
+        metas = channel.start_exchange(sent_meta, None, None, "dispatch", "meta")
+        yield rows
+        wire, meta = rows.wait(), metas.wait()
+        hops.append(hop)
+        overflow = over if overflow is None else overflow | over
+    route.chunks = [hops]
+    recv_weights, route.ids = unpack_meta(meta)
+    return ((codec.decode(wire, x) if codec else wire), recv_weights), overflow
+
+
 def scatter_steps(rows: Tensor, route: Route, channels: list[HopTransport], kind: str) -> Steps:
     """Move rows along the hops a dispatch took, chunk by chunk as it did (no counts to trade); yields each
     exchange while it is in flight; returns the rows that arrived, in route's order."""
@@ -225,8 +257,7 @@ def scatter_steps(rows: Tensor, route: Route, channels: list[HopTransport], kind
 
     def move(c: int, h: int, part: Tensor) -> Steps:
         hop = route.chunks[c][h]
-        pending = channels[h].start_exchange(part.index_select(0, hop.send_row), hop.send_splits, hop.recv_splits,
-                                             kind)
+        pending = channels[h].start_exchange(take_rows(part, hop.send_row), hop.send_splits, hop.recv_splits, kind)
         yield pending
         return pending.wait()
 

@@ -1,8 +1,7 @@
-"""Plain-torch references of the FP8 grouped GEMMs: dequantise, then one fp32 matmul per group."""
+"""Plain-torch references of the grouped GEMMs (FP8: dequantise, then fp32 products), with the group offsets kept on
+the device: rows are matched to groups there, so no reference reads offsets to the host."""
 
 from __future__ import annotations
-
-from itertools import accumulate
 
 import torch
 from torch import Tensor
@@ -18,36 +17,46 @@ def balanced_split(total: int, parts: int) -> list[int]:
     return [base + (i < extra) for i in range(parts)]
 
 
-def group_bounds(offs: Tensor, rows: int | None = None) -> list[tuple[int, int]]:
-    """(start, end) row range of every group from the cumulative ends `offs`; meta offs hold no values,
-    so there the `rows` rows split evenly over the groups (the rehearsal rule, dispatch.rehearsal_rule)."""
-    if offs.is_meta:
-        if rows is None:
-            raise ValueError("group_bounds of meta offs needs the row count (rows=)")
-        ends = list(accumulate(balanced_split(rows, offs.numel())))
-    else:
-        ends = offs.tolist()
-    return list(zip([0] + ends[:-1], ends))
+def row_groups(offs: Tensor, rows: int) -> Tensor:
+    """[rows] int64: the group of each row from the cumulative group ends offs [G] (rows from offs[-1] on: G, in no
+    group), computed on offs' device: no host read."""
+    return torch.searchsorted(offs, torch.arange(rows, device=offs.device, dtype=offs.dtype), right=True)
 
 
-def _grouped_matmul(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
-    out = a.new_empty(a.shape[0], b.shape[1])
-    for g, (start, end) in enumerate(group_bounds(offs, a.shape[0])):
-        out[start:end] = a[start:end] @ b[g].t()
+def grouped_rows_matmul(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    """out[rows of g] = a[rows of g] @ b[g].t() for a [M, K], b [G, N, K], offs the cumulative group ends on the
+    device; rows past offs[-1] (padding) are zero.
+
+    Shapes are fixed by a and b, never by offs' values, so nothing is read to the host (the reference of every dtype
+    torch._grouped_mm does not take, and graph-capturable): per group one product of all M rows, kept where the row is
+    the group's; G times the FLOPs of the groups' own rows. Each row's value may differ from a product of its
+    group's rows alone by the BLAS kernel's choice for the other row count (within rounding)."""
+    group = row_groups(offs, a.shape[0]).unsqueeze(1)
+    out = a.new_zeros(a.shape[0], b.shape[1])
+    for g in range(b.shape[0]):  # the groups held here: a bound from the shape, not the data
+        torch.where(group == g, a @ b[g].t(), out, out=out)
     return out
+
+
+def grouped_rows_wgrad(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    """dw[g] = a[rows of g].t() @ b[rows of g] for a [M, N], b [M, K] -> [G, N, K] (G = offs.numel()); rows past
+    offs[-1] add nothing. No host read (see grouped_rows_matmul): per group a product over all M rows with the
+    other groups' rows of a zeroed, which adds exact zeros: equal, bit for bit, to the product of the group's rows."""
+    group = row_groups(offs, a.shape[0]).unsqueeze(1)
+    return torch.stack([torch.where(group == g, a, 0).t() @ b for g in range(offs.numel())])
 
 
 def fp8_grouped_gemm_ref(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, offs: Tensor,
                          out_dtype: torch.dtype) -> Tensor:
     """out[rows of g] = deq(a)[rows of g] @ deq(b[g]).T for a [M, K] (1x128 tiles), b [G, N, K] (blocks)."""
-    return _grouped_matmul(dequantize_activation(a, a_scale), dequantize_weight(b, b_scale), offs).to(out_dtype)
+    return grouped_rows_matmul(dequantize_activation(a, a_scale), dequantize_weight(b, b_scale), offs).to(out_dtype)
 
 
 def fp8_grouped_gemm_dgrad_ref(dy: Tensor, dy_scale: Tensor, w: Tensor, w_scale: Tensor, offs: Tensor,
                                out_dtype: torch.dtype) -> Tensor:
     """dx[rows of g] = deq(dy)[rows of g] @ deq(w[g]) for dy [M, N] (1x128 tiles), w [G, N, K] (blocks)."""
     w_t = dequantize_weight(w, w_scale).transpose(1, 2)
-    return _grouped_matmul(dequantize_activation(dy, dy_scale), w_t, offs).to(out_dtype)
+    return grouped_rows_matmul(dequantize_activation(dy, dy_scale), w_t, offs).to(out_dtype)
 
 
 def fp8_grouped_gemm_wgrad_ref(a_t: Tensor, a_t_scale: Tensor, b_t: Tensor, b_t_scale: Tensor,
@@ -55,7 +64,4 @@ def fp8_grouped_gemm_wgrad_ref(a_t: Tensor, a_t_scale: Tensor, b_t: Tensor, b_t_
     """dw[g] = deq(a)[rows of g].T @ deq(b)[rows of g] in fp32 from two k-grouped operands -> [G, N, K]."""
     a = dequantize_kgrouped(a_t, a_t_scale, offs)
     b = dequantize_kgrouped(b_t, b_t_scale, offs)
-    dw = a.new_zeros(offs.numel(), a.shape[1], b.shape[1])
-    for g, (start, end) in enumerate(group_bounds(offs)):
-        dw[g] = a[start:end].t() @ b[start:end]
-    return dw
+    return grouped_rows_wgrad(a, b, offs)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.grouped_ref import group_bounds
+from kernels.grouped_ref import grouped_rows_matmul, grouped_rows_wgrad
 from kernels.wgrad_defer import weight_grad_or_defer
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16)
@@ -27,14 +27,11 @@ def _native_ok(*tensors: Tensor) -> bool:
 
 
 def grouped_matmul(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
-    """out[rows of g] = x[rows of g] @ w[g].T for x [M, K], w [G, N, K]; no autograd of its own."""
+    """out[rows of g] = x[rows of g] @ w[g].T for x [M, K], w [G, N, K]; rows past offs[-1] (padding: zero in the
+    reference, not written by torch._grouped_mm) are no group's. offs stay on the device. No autograd of its own."""
     if _native_ok(x, w):
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
-    out = x.new_empty(x.shape[0], w.shape[1])
-    # the reference for what torch._grouped_mm cannot take (fp64, odd widths): group_bounds reads offs to the host
-    for g, (start, end) in enumerate(group_bounds(offs, x.shape[0])):
-        out[start:end] = x[start:end] @ w[g].T
-    return out
+    return grouped_rows_matmul(x, w, offs)  # what torch._grouped_mm cannot take (fp64, odd widths): offs stay put
 
 
 def grouped_weight_grad(dy: Tensor, x: Tensor, offs: Tensor) -> Tensor:
@@ -44,10 +41,7 @@ def grouped_weight_grad(dy: Tensor, x: Tensor, offs: Tensor) -> Tensor:
         if pad:
             x, dy = F.pad(x, (0, 0, 0, pad)), F.pad(dy, (0, 0, 0, pad))
         return torch._grouped_mm(dy.t(), x, offs=offs)
-    dw = x.new_zeros(offs.numel(), dy.shape[1], x.shape[1])
-    for g, (start, end) in enumerate(group_bounds(offs, x.shape[0])):  # the reference (see grouped_matmul)
-        dw[g] = dy[start:end].T @ x[start:end]
-    return dw
+    return grouped_rows_wgrad(dy, x, offs)
 
 
 class GroupedLinearFunction(torch.autograd.Function):

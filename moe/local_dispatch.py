@@ -9,6 +9,7 @@ from torch import Tensor
 
 from dispatch import rehearsal_rule
 from dispatch.layout import count_ids
+from dispatch.permute import Permutation, make_padded_permutation, permute, unpermute
 
 
 @dataclass
@@ -25,6 +26,8 @@ class LocalHandle:
     token_of_row: Tensor   # [N] source token of each dispatched row
     weight_of_row: Tensor  # [N] combine weight of each dispatched row
     num_tokens: int
+    perm: Permutation | None = None  # with dropped slots: every slot a row, the dropped ones padding (unpermute)
+    weights: Tensor | None = None    # [T, k] the routing weights, for perm
 
 
 class LocalDispatcher:
@@ -42,13 +45,13 @@ class LocalDispatcher:
             slots = rehearsal_rule.expert_slots(*indices.shape, self.num_experts, rehearsal_rule.capacity_of(indices))
             order = torch.argsort(flat, stable=True)[:sum(slots)]
             counts = flat.new_empty(self.num_experts)
-        else:
+        elif self.dropless:  # as many rows as slots: sized without reading anything back
             counts = count_ids(flat, self.num_experts)
-            if self.dropless:  # as many rows as slots: sized without reading anything back
-                order = torch.argsort(flat, stable=True)
-            else:
-                kept = torch.nonzero(flat >= 0).squeeze(1)  # host sync: the number of kept slots sizes the rows
-                order = kept[torch.argsort(flat[kept], stable=True)]
+            order = torch.argsort(flat, stable=True)
+        else:  # every slot a row, the kept ones grouped by expert first, the dropped ones padding: nothing read back
+            perm, _ = make_padded_permutation(indices, self.num_experts, indices.numel())  # the bound holds every slot
+            handle = LocalHandle(perm.row, weights[perm.row, perm.slot], x.shape[0], perm, weights)
+            return permute(x, perm), LocalRecvInfo(perm.counts), handle
         token_of_row = order // indices.shape[1]
         handle = LocalHandle(token_of_row, weights.reshape(-1)[order], x.shape[0])
         return x[token_of_row], LocalRecvInfo(counts), handle
@@ -60,6 +63,8 @@ class LocalDispatcher:
     def combine(self, y: Tensor, handle: LocalHandle, weighted: bool = True) -> Tensor:
         """out[t] = sum over t's rows of weight * y[row], accumulated in at least fp32; weighted=False: the plain
         sum (the experts applied the weights, row_weights), which keeps nothing of y for backward."""
+        if handle.perm is not None:  # padding rows (dropped slots) are summed into no token
+            return unpermute(y, handle.perm, handle.weights if weighted else None, y.dtype)
         weight = handle.weight_of_row if weighted else None
         return _Combine.apply(y, weight, handle.token_of_row, handle.num_tokens).to(y.dtype)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 from dispatch.choices import allowed_values, check_choice
-from dispatch.dispatcher import Payload
+from dispatch.dispatcher import Exchange, Payload
 from dispatch.topology import DispatchBackend
 from launch.parallel.device import CommBackend, Device
 from launch.parallel.mesh import ONE_NODE, Layout
@@ -230,6 +230,19 @@ class ParallelSettings:
     channels); combine always travels in the activations' dtype."""
     dispatch_chunks: int = 1
     """Chunks of tokens the hierarchical dispatch pipelines its two hops in (> 1 only with "hierarchical")."""
+    dispatch_exchange: Exchange = "exact"
+    """How the expert dispatch sizes its exchanges: "exact" reads each exchange's row counts to the host (traded
+    between the EP ranks, then handed to the all-to-all as lists); "padded" sends a fixed number of rows to every EP
+    peer and hands the experts a fixed number of rows, bounds derived from the tokens per micro-batch, model.top_k,
+    parallel.ep and parallel.dispatch_headroom, so no MoE layer reads the device in forward or backward and every
+    step issues the same shapes. A step whose routing exceeds a bound is rerun on the exact path (no token lost, the
+    same math) and the bounds doubled for later steps; the metric `dispatch_reruns` counts them. "padded" runs with
+    parallel.dispatch_chunks = 1 so far."""
+    dispatch_headroom: float = 2.0
+    """With parallel.dispatch_exchange = "padded": the bounds' factor over a balanced routing's rows (> 0). Larger:
+    fewer reruns, more padding moved and held. Flat: rows per EP peer min(T, ceil(h x T x min(k, ep) / ep)), expert
+    rows per rank ceil(h x T x k) (T tokens per micro-batch and rank, k = model.top_k); hierarchical: each hop's
+    bound likewise from the rows a balanced routing brings it (dispatch.EPDispatcher.padded_bounds)."""
     comm_backend: CommBackend = "auto"
     """Backend of the process groups: "auto" is NCCL on CUDA ranks and gloo on CPU ones; "gloo" or "nccl" force
     one."""
@@ -243,6 +256,13 @@ class ParallelSettings:
         check_choice("parallel.schedule", self.schedule, Schedule)
         check_choice("parallel.dispatch_backend", self.dispatch_backend, DispatchBackend)
         check_choice("parallel.dispatch_payload", self.dispatch_payload, Payload)
+        check_choice("parallel.dispatch_exchange", self.dispatch_exchange, Exchange)
+        if isinstance(self.dispatch_headroom, bool) or not isinstance(self.dispatch_headroom, (int, float)) \
+                or not self.dispatch_headroom > 0:
+            raise ValueError(f"parallel.dispatch_headroom = {self.dispatch_headroom!r} must be a number > 0")
+        if self.dispatch_exchange == "padded" and self.dispatch_chunks > 1:
+            raise ValueError(f"parallel.dispatch_exchange = 'padded' runs one chunk so far, got parallel.dispatch_chunks "
+                             f"= {self.dispatch_chunks}; allowed with 'padded': 1 (or dispatch_exchange = 'exact')")
         check_choice("parallel.comm_backend", self.comm_backend, CommBackend)
         if self.dispatch_chunks > 1 and self.dispatch_backend != "hierarchical":
             raise ValueError(f"parallel.dispatch_chunks = {self.dispatch_chunks} pipelines the two hops of "

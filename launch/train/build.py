@@ -56,7 +56,8 @@ def build_model(cfg: RunConfig, mesh: Mesh, device: torch.device) -> tuple[list[
                     cfg.model.num_experts, group=mesh.ep, grad_group=mesh.ep_grad,
                     gpus_per_node=mesh.layout.ep_gpus_per_node(), backend=par.dispatch_backend,
                     payload=par.dispatch_payload, hops=mesh.hops, chunks=par.dispatch_chunks,
-                    fp8_rows=par.dispatch_payload == "fp8" and cfg.model.expert_precision == "fp8"))
+                    fp8_rows=par.dispatch_payload == "fp8" and cfg.model.expert_precision == "fp8",
+                    exchange=par.dispatch_exchange, headroom=par.dispatch_headroom))
     materialize(stages, cfg.model, cfg.train.seed, device)
     for stage in stages:
         stage.reset_tallies()  # the routing tallies live on device too

@@ -31,8 +31,8 @@ from launch.parallel.mesh import Mesh
 from launch.parallel.stages import Stage
 from launch.train.build import build_model, build_optimizer, sum_tp_partial_grads
 from launch.train.rundir import METRICS, rewind_metrics, run_identity
-from launch.train.step import (document_eos, evaluate, forward_backward, gather_step_stats, step_metrics,
-                               update_expert_bias)
+from launch.train.step import (document_eos, evaluate, exact_exchanges, forward_backward, gather_step_stats,
+                               step_metrics, update_expert_bias)
 from optim.lr_schedule import warmup_cosine
 from pipeline import PipelineRuntime
 
@@ -121,7 +121,7 @@ def _loop(cfg: RunConfig, mesh: Mesh, stages: list[Stage], runtime: PipelineRunt
     settings, optimizer, scheduler, batches = cfg.train, state.optimizer, state.scheduler, state.data
     lead = mesh.rank == 0
     guard = state.guard
-    skipped = 0
+    skipped = reruns = 0
     metrics = Path(metrics_out) if metrics_out else Path(settings.run_dir) / METRICS
     if lead and start > 0:
         rewind_metrics(metrics, start)
@@ -135,21 +135,30 @@ def _loop(cfg: RunConfig, mesh: Mesh, stages: list[Stage], runtime: PipelineRunt
     step, saved = start, start
     while step < settings.steps:
         began = time.perf_counter()
-        phases.enter("forward/backward", step, long=step == start)
-        optimizer.zero_grad(set_to_none=False)  # fp32 grads accumulate into ZeRO-1's flat buffer: no second copy
         micro = batches.next_step()
-        lm_part, busy = forward_backward(stages, runtime, micro, cfg.chunks_per_step,
-                                         guard.loss_scale(step, 1 / settings.grad_accum_steps),
-                                         optimizer if cfg.parallel.overlap_grad_reduce else None, eos)
-        phases.enter("grad sync", step)
-        sum_tp_partial_grads(stages, mesh, optimizer)
-        compute_s = time.perf_counter() - began
-        grad_norm = optimizer.clip_grad_norm_(settings.grad_clip, group=mesh.world)
-        lr = scheduler.get_last_lr()[0]
-        phases.enter("step stats", step)
         per_rank = (step + 1) % settings.rank_metrics_every == 0 or step + 1 == settings.steps
-        stats = gather_step_stats(stages, cfg, mesh, lm_part, grad_norm,
-                                  1 - busy / compute_s if runtime is not None else 0.0, preemption.requested, per_rank)
+
+        def attempt() -> tuple[torch.Tensor, dict]:
+            """The step's forward, backward, grad sync, clip and statistics: (grad norm, stats)."""
+            phases.enter("forward/backward", step, long=step == start)
+            optimizer.zero_grad(set_to_none=False)  # fp32 grads accumulate into ZeRO-1's flat buffer: no second copy
+            lm_part, busy = forward_backward(stages, runtime, micro, cfg.chunks_per_step,
+                                             guard.loss_scale(step, 1 / settings.grad_accum_steps),
+                                             optimizer if cfg.parallel.overlap_grad_reduce else None, eos)
+            phases.enter("grad sync", step)
+            sum_tp_partial_grads(stages, mesh, optimizer)
+            compute_s = time.perf_counter() - began
+            grad_norm = optimizer.clip_grad_norm_(settings.grad_clip, group=mesh.world)
+            phases.enter("step stats", step)
+            return grad_norm, gather_step_stats(stages, cfg, mesh, lm_part, grad_norm,
+                                                1 - busy / compute_s if runtime is not None else 0.0,
+                                                preemption.requested, per_rank)
+        grad_norm, stats = attempt()
+        if stats["overflow"]:  # a padded exchange left rows out (on some rank): the step again, exactly
+            reruns += 1
+            with exact_exchanges(stages):
+                grad_norm, stats = attempt()
+        lr = scheduler.get_last_lr()[0]
         status = guard.verdict(step, stats["loss"], stats["grad_norm"])
         phases.enter("optimizer", step)
         if status == "ok":
@@ -160,8 +169,8 @@ def _loop(cfg: RunConfig, mesh: Mesh, stages: list[Stage], runtime: PipelineRunt
             skipped += 1
         elapsed = time.perf_counter() - began
         record = step_metrics(step, cfg, stats, {"grad_norm": stats["grad_norm"], "lr": lr, "step_status": status,
-                                                 "skipped_steps": skipped}, global_tokens, elapsed,
-                              lm_part.device)
+                                                 "skipped_steps": skipped, "dispatch_reruns": reruns},
+                              global_tokens, elapsed, grad_norm.device)
         record.update({key: stats[key] for key in ("traffic_bytes", "traffic", "ranks") if key in stats})
         if status == "spike" and cfg.ops.spike_policy == "rollback" and checkpointer:
             phases.enter("load", step, long=True)

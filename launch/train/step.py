@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import resource
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -125,7 +126,8 @@ def gather_step_stats(stages: list[Stage], cfg: RunConfig, mesh: Mesh, lm_part: 
     to stop (MTP blocks' MoE layers are rows after the model's: ModelConfig.num_routed_layers); none of
     it grows with the world. "loads_on_device" keeps the global loads on the device for the bias update.
     per_rank (every train.rank_metrics_every steps): also each rank's traffic, peak memory and idle share,
-    gathered to rank 0 (launch.train.step.gather_rank_rows)."""
+    gathered to rank 0 (launch.train.step.gather_rank_rows). "overflow": whether a padded exchange (parallel.dispatch_exchange)
+    left rows out on any rank, its flags riding the same all-reduce and copy (the caller reruns the step exactly)."""
     device = lm_part.device
     by_kind, peers = traffic_table(stages, mesh)
     first_moe, layers, experts = cfg.model.first_k_dense, cfg.model.num_routed_layers, cfg.model.num_experts
@@ -133,8 +135,11 @@ def gather_step_stats(stages: list[Stage], cfg: RunConfig, mesh: Mesh, lm_part: 
     loads = torch.zeros(layers, experts, dtype=torch.float64, device=device)
     biases = torch.zeros(layers, experts, dtype=torch.float64, device=device)
     extra = torch.zeros(layers, 3 + len(LOSS_KINDS), dtype=torch.float64, device=device)  # dropped, aux, holders, losses
+    overflow = torch.zeros(1, dtype=torch.float64, device=device)  # padded exchanges that left rows out
     for stage in stages:
         for i, layer in stage.moe_layers().items():
+            if hasattr(layer.dispatcher, "take_overflow"):
+                overflow += layer.dispatcher.take_overflow(device)
             tally, row = stage.tallies[i], i - first_moe
             loads[row] += tally.tokens_per_expert
             biases[row] += layer.router.expert_bias.detach()
@@ -147,11 +152,12 @@ def gather_step_stats(stages: list[Stage], cfg: RunConfig, mesh: Mesh, lm_part: 
         stage.reset_tallies()  # and the EP traffic counters, read above
     # host numbers to the device for the all-reduce (a blocking copy: the step's compute is done by now)
     host_tables = [*peers.ravel().tolist(), float(stop)]
-    parts = [lm_part.view(1), loads, biases, extra, mtp, torch.tensor(host_tables, dtype=torch.float64, device=device)]
+    parts = [lm_part.view(1), loads, biases, extra, mtp, overflow,
+             torch.tensor(host_tables, dtype=torch.float64, device=device)]
     flat = torch.cat([p.flatten() for p in parts])
     dist.all_reduce(flat)
     host = to_host(torch.cat([flat, grad_norm.detach().view(1).double()]))  # the step's one device-to-host copy
-    _, loads_h, biases_h, extra_h, mtp_h, tables, norm = (chunk.view_as(p) for chunk, p in zip(
+    _, loads_h, biases_h, extra_h, mtp_h, overflow_h, tables, norm = (chunk.view_as(p) for chunk, p in zip(
         host.split([p.numel() for p in parts] + [1]), parts + [grad_norm.view(1)]))
     tp, ep = cfg.parallel.tp, mesh.layout.ep
     shards = tp * cfg.parallel.cp  # the router losses are the same on every TP and CP rank of a sequence
@@ -162,9 +168,28 @@ def gather_step_stats(stages: list[Stage], cfg: RunConfig, mesh: Mesh, lm_part: 
     return {"loss": lm + aux + mtp_term, "lm_loss": lm, "mtp_losses": mtp_losses, "loads": [row.long() for row in loads_h], "dropped": extra_h[:, 0],
             "aux_loss": aux, "biases": biases_h / extra_h[:, 2:3].clamp(min=1),
             "losses": [dict(zip(LOSS_KINDS, row.tolist())) for row in extra_h[:, 3:]], "grad_norm": float(norm[0]),
-            "stop": bool(tables[-1] > 0), "loads_on_device": flat[1:1 + loads.numel()].view_as(loads),
+            "stop": bool(tables[-1] > 0), "overflow": bool(overflow_h[0] > 0), "loads_on_device": flat[1:1 + loads.numel()].view_as(loads),
             **traffic_metrics(tables[:-1].view(ep, ep).long().tolist(), mesh.layout.ep_gpus_per_node() if ep > 1 else 0),
             **ranks}
+
+
+
+@contextlib.contextmanager
+def exact_exchanges(stages: list[Stage], grow: bool = True) -> Iterator[None]:
+    """Inside: every padded EP dispatcher of stages runs the exact path (the rerun of a step whose padded exchange
+    overflowed, or the held-out evaluation, which has no rerun); after: padded again, with grow the bounds doubled
+    for the steps after it (EPDispatcher.grow)."""
+    padded = [layer.dispatcher for stage in stages for layer in stage.moe_layers().values()
+              if getattr(layer.dispatcher, "exchange", "exact") == "padded"]
+    for dispatcher in padded:
+        dispatcher.exchange = "exact"
+    try:
+        yield
+    finally:
+        for dispatcher in padded:
+            dispatcher.exchange = "padded"
+            if grow:
+                dispatcher.grow()
 
 
 
@@ -245,13 +270,15 @@ def step_metrics(step: int, cfg: RunConfig, stats: dict, scalars: dict, tokens: 
 def evaluate(stages: list[Stage], runtime: PipelineRuntime | None, batches: DataFeed, cfg: RunConfig,
              eos: int | None = None) -> float:
     """Mean LM loss over the first held-out micro-batches (train.eval_batches, rounded up to fill
-    every DP rank's pipeline steps), the same ones every time; eos: document masking (forward_backward)."""
+    every DP rank's pipeline steps), the same ones every time; eos: document masking (forward_backward). Padded EP
+    exchanges run exact here (an evaluation step may read to the host)."""
     unit = cfg.parallel.dp * (cfg.chunks_per_step if runtime is not None else 1)
     count = -(-cfg.train.eval_batches // unit) * unit
     held_out = batches.held_out(count)  # this DP rank's share; raises when the held-out rows are too few
     for stage in stages:
         stage.eval()
-    total, _ = forward_backward(stages, runtime, held_out, cfg.chunks_per_step, 1 / count, eos=eos)
+    with exact_exchanges(stages, grow=False):  # its loss is read at once: no overflow to rerun after
+        total, _ = forward_backward(stages, runtime, held_out, cfg.chunks_per_step, 1 / count, eos=eos)
     for stage in stages:
         stage.train()
         stage.reset_tallies()

@@ -7,18 +7,22 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from dispatch import EPDispatcher
+from dispatch import EPDispatcher, make_hop_groups, make_topology
 from launch.parallel.spawn import run_processes
 from moe.config import ModelConfig
 from moe.layer import MoELayer
 from tests.dispatch.cases import calc_diff
+from tests.syncs import SyncDetector
 
 pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
 
 WORLD = 4
 TOKENS = (6, 0, 19, 11)  # rank 1 has no tokens of its own
 VARIANTS = [("flat", None), ("hierarchical", None), ("hierarchical", 1.0)]  # (backend, capacity_factor)
+PADDED = [("flat", None), ("flat", 1.0), ("hierarchical", None), ("hierarchical", 1.0)]  # the padded exchange's
+# variants (issue 48), beside the exact path; hierarchical on hop groups (2 nodes of 2 ranks)
 
 
 def _config(backend: str, capacity_factor: float | None) -> ModelConfig:
@@ -26,12 +30,67 @@ def _config(backend: str, capacity_factor: float | None) -> ModelConfig:
                        capacity_factor=capacity_factor)
 
 
-def _layers(cfg: ModelConfig, backend: str, dtype: torch.dtype) -> tuple[MoELayer, MoELayer]:
+def _layers(cfg: ModelConfig, backend: str, dtype: torch.dtype, **options) -> tuple[MoELayer, MoELayer]:
     torch.manual_seed(0)
     full = MoELayer(cfg).to(dtype)
     ep = copy.deepcopy(full)
-    ep.to_expert_parallel(EPDispatcher(cfg.num_experts, group=dist.group.WORLD, gpus_per_node=2, backend=backend))
+    ep.to_expert_parallel(EPDispatcher(cfg.num_experts, group=dist.group.WORLD, gpus_per_node=2, backend=backend,
+                                       **options))
     return full, ep
+
+
+class ShapeRecorder(TorchDispatchMode):
+    """The (operator, argument shapes) sequence issued while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, tuple]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        shapes = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args)
+        self.calls.append((str(func), shapes))
+        return func(*args, **(kwargs or {}))
+
+
+def _padded(rank: int, world_size: int) -> dict:
+    """Per PADDED variant, float64: the padded layer's forward + backward under the sync detector (its reads, output
+    and grads beside the exact path's on the same layer), the operator sequence of two forward + backward passes with
+    different routings, and a forced overflow (headroom 0.05, every token routed to expert 0): flagged on the
+    device, on the rank whose expert took every token."""
+    results = {}
+    tokens = max(TOKENS)  # the padded bounds' tokens per call: every rank's at most
+    hops = make_hop_groups(dist.group.WORLD, make_topology(WORLD, 2), grad=False)
+    for backend, capacity in PADDED:
+        cfg = _config(backend, capacity)
+        options = {"hops": hops} if backend == "hierarchical" else {}
+        _, exact = _layers(cfg, backend, torch.float64, **options)
+        _, padded = _layers(cfg, backend, torch.float64, exchange="padded", tokens=tokens, **options)
+        x, grad_out = _tokens(rank, torch.float64)
+        runs = {}
+        for name, layer in (("exact", exact), ("padded", padded)):
+            x_in = x.clone().requires_grad_()
+            with SyncDetector() as detector:
+                out, _ = layer(x_in)
+                (out * grad_out).sum().backward()
+            runs[name] = {"out": out.detach(), "x": x_in.grad, **{n: p.grad.clone() for n, p in layer.named_parameters()},
+                          "reads": detector.kinds()}
+        results[backend, capacity, "runs"] = runs
+        results[backend, capacity, "overflow"] = int(padded.dispatcher.take_overflow(x.device))
+        sequences = []
+        for seed in (1, 2):
+            gen = torch.Generator().manual_seed(100 * seed + rank)
+            x_seq = torch.randn(tokens, 32, generator=gen, dtype=torch.float64, requires_grad=True)
+            with ShapeRecorder() as recorder:
+                out, _ = padded(x_seq)
+                out.sum().backward()
+            sequences.append(recorder.calls)
+        results[backend, capacity, "sequences"] = sequences
+        _, tiny = _layers(cfg, backend, torch.float64, exchange="padded", tokens=tokens, headroom=0.05, **options)
+        with torch.no_grad():
+            tiny.router.expert_bias[0] = 1e3  # every token's first choice: expert 0, on EP rank 0
+        tiny(x)
+        results[backend, capacity, "forced"] = int(tiny.dispatcher.take_overflow(x.device))
+    return results
 
 
 def _tokens(rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,9 +127,13 @@ def _compare(rank: int, world_size: int) -> dict:
     return results
 
 
+def _both(rank: int, world_size: int) -> dict:
+    return _compare(rank, world_size) | _padded(rank, world_size)
+
+
 @pytest.fixture(scope="module")
 def results():
-    return run_processes(_compare, WORLD, timeout_s=240)
+    return run_processes(_both, WORLD, timeout_s=240)
 
 
 @pytest.mark.parametrize("backend, capacity", VARIANTS)
@@ -95,3 +158,34 @@ def test_ep_layer_gradients_match_in_float64(results, backend, capacity):
             else:
                 assert torch.equal(got, want), (rank, name)
         assert grads["experts.w_down"][1].abs().sum() > 0  # every rank's experts got tokens from others
+
+
+@pytest.mark.parametrize("backend, capacity", PADDED)
+def test_padded_exchange_reads_nothing_and_equals_the_exact_path(results, backend, capacity):
+    """Issue 48: the padded dispatch, experts and combine, forward and backward, read nothing to the host on any rank
+    (the exact path's reads are listed beside), and give the exact path's output and grads (float64, 1e-12)."""
+    for rank, res in enumerate(results):
+        runs = res[backend, capacity, "runs"]
+        assert runs["padded"]["reads"] == [], (rank, runs["padded"]["reads"])
+        assert len(runs["exact"]["reads"]) > 0  # the detector sees the exact path's counts and list splits
+        assert res[backend, capacity, "overflow"] == 0
+        for name, want in runs["exact"].items():
+            if name == "reads":
+                continue
+            got = runs["padded"][name]
+            assert got.shape == want.shape, name
+            scale = want.abs().max().item() if want.numel() else 0.0
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12 * scale)
+
+
+@pytest.mark.parametrize("backend, capacity", PADDED)
+def test_padded_exchange_issues_the_same_operators_on_the_same_shapes_for_any_routing(results, backend, capacity):
+    for rank, res in enumerate(results):
+        first, second = res[backend, capacity, "sequences"]
+        assert len(first) > 100 and first == second, rank
+
+
+@pytest.mark.parametrize("backend, capacity", PADDED)
+def test_forced_overflow_is_flagged_on_every_rank_that_left_rows_out(results, backend, capacity):
+    assert results[0][backend, capacity, "forced"] == 1  # rank 0 holds expert 0: more pairs than its bound
+    assert all(res[backend, capacity, "forced"] in (0, 1) for res in results)

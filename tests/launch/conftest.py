@@ -14,6 +14,7 @@ from launch.train.loop import train
 from tests.launch.checkpoint.test_checkpoint import config
 from tests.launch.train.test_equivalence import (CUT, ROUTING, STEPS, corpus_of, cut_raw, drop_text, raw_config,
                                                  routed_corpus)
+from tests.syncs import step_reads
 
 
 @pytest.fixture(scope="session")
@@ -56,8 +57,12 @@ def reference(corpus, documents, drop_corpus, tmp_path_factory):
             run_dir = tmp_path_factory.mktemp("ref")
             text = routed_corpus(ROUTING[name], corpus_of(document_mask, corpus, documents), drop_corpus)
             raw = raw_config(str(run_dir), text, {}, ROUTING[name], attention, mtp_depth, document_mask)
-            out[key] = (train(build_config(raw), progress=False), consolidate(run_dir / "checkpoint"))
+            with step_reads() as steps:
+                records = train(build_config(raw), progress=False)
+            run.reads[key] = [([(r.kind, r.where) for r in s.reads], s.copies) for s in steps]
+            out[key] = (records, consolidate(run_dir / "checkpoint"))
         return out[key]
+    run.reads = {}  # key -> per forward and backward: (host reads (kind, where), statistics copies), tests/syncs.py
     return run
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from moe.grouped_mm import group_offsets, grouped_linear
+from tests.syncs import SyncDetector
 
 
 def loop_reference(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -63,3 +64,27 @@ def test_grouped_linear_gradcheck_float64():
     w = torch.randn(3, 6, 4, dtype=torch.float64, generator=gen, requires_grad=True)
     offs = group_offsets(torch.tensor(counts))
     assert torch.autograd.gradcheck(lambda a, b: grouped_linear(a, b, offs), (x, w))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_grouped_linear_reads_nothing_to_the_host_and_ignores_padding_rows(dtype):
+    """Every dtype's grouped path takes its offsets on the device (issue 48): forward and backward read nothing (the
+    sync detector, strict), and rows past the last group (a padded exchange's) give zero rows and no weight grad.
+    float32 at widths torch._grouped_mm does not take (not multiples of 16) runs the same reference."""
+    gen = torch.Generator().manual_seed(2)
+    counts, pad = [3, 0, 4], 5
+    x = torch.randn(sum(counts) + pad, 12, generator=gen).to(dtype).requires_grad_()
+    w = torch.randn(3, 10, 12, generator=gen).to(dtype).requires_grad_()
+    dy = torch.randn(sum(counts) + pad, 10, generator=gen).to(dtype)
+    offs = group_offsets(torch.tensor(counts))
+    with SyncDetector(strict=True):
+        out = grouped_linear(x, w, offs)
+        out.backward(dy)
+    x_ref, w_ref = x.detach()[:-pad].double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = loop_reference(x_ref, w_ref, counts)
+    ref.backward(dy[:-pad].double())
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(out[:-pad].double(), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(x.grad[:-pad].double(), x_ref.grad, atol=tol, rtol=tol)
+    torch.testing.assert_close(w.grad.double(), w_ref.grad, atol=tol, rtol=tol)
+    assert torch.all(out[-pad:] == 0) and torch.all(x.grad[-pad:] == 0)

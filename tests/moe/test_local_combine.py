@@ -1,5 +1,6 @@
 """The single-process combine keeps each expert output in its own dtype for backward (no fp32 copy), and its
-grads are autograd's of the plain fp32 product; a dropless dispatch sizes its rows without a host sync."""
+grads are autograd's of the plain fp32 product; dispatches size their rows without a host sync, a dropping one
+padding its dropped slots."""
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ def test_combine_saves_expert_outputs_in_their_dtype_and_gives_autograds_grads()
     torch.manual_seed(0)
     x = torch.randn(8, 16).bfloat16()
     indices, weights = torch.randint(0, 4, (8, 2)), torch.rand(8, 2, requires_grad=True)
-    local = LocalDispatcher(4)
+    local = LocalDispatcher(4, dropless=True)
     rows, _, handle = local.dispatch(x, indices, weights)
     y = (rows * 2).requires_grad_()
     saved = []
@@ -29,18 +30,28 @@ def test_combine_saves_expert_outputs_in_their_dtype_and_gives_autograds_grads()
     assert torch.equal(handle.weight_of_row.grad, w_ref.grad)
 
 
-def test_a_dropless_dispatch_reads_nothing_back_and_sorts_as_the_counted_one():
-    """Fake tensors have no values: an op whose output size depends on them (nonzero) raises; the dropless
-    dispatch runs through, so it never waits on the device for a count. On real values both agree."""
+def test_dispatches_read_nothing_back_and_a_dropping_one_pads_its_dropped_slots():
+    """Fake tensors have no values: an op whose output size depends on them (nonzero) would raise; both dispatches run
+    through, so neither waits on the device for a count (issue 48: the dropping one no longer reads its kept slots).
+    On real values the dropping one's rows are the kept slots grouped by expert, then one padding row per dropped slot,
+    which its combine leaves out."""
     torch.manual_seed(0)
     x, indices, weights = torch.randn(16, 8), torch.randint(0, 4, (16, 2)), torch.rand(16, 2)
-    counted, dropless = LocalDispatcher(4), LocalDispatcher(4, dropless=True)
+    indices[::3, 1] = -1
+    weights = weights.masked_fill(indices < 0, 0.0)
+    dropping, dropless = LocalDispatcher(4), LocalDispatcher(4, dropless=True)
     with FakeTensorMode() as mode:
         fake = [mode.from_tensor(t) for t in (x, indices, weights)]
-        rows, info, _ = dropless.dispatch(*fake)
-        assert rows.shape == (32, 8) and info.tokens_per_local_expert.shape == (4,)
-        with pytest.raises((DynamicOutputShapeException, DataDependentOutputException)):
-            counted.dispatch(*fake)
-    (a, info_a, ha), (b, info_b, hb) = counted.dispatch(x, indices, weights), dropless.dispatch(x, indices, weights)
-    assert torch.equal(a, b) and torch.equal(info_a.tokens_per_local_expert, info_b.tokens_per_local_expert)
-    assert torch.equal(ha.token_of_row, hb.token_of_row) and torch.equal(ha.weight_of_row, hb.weight_of_row)
+        for local in (dropping, dropless):
+            rows, info, _ = local.dispatch(*fake)
+            assert rows.shape == (32, 8) and info.tokens_per_local_expert.shape == (4,)
+    rows, info, handle = dropping.dispatch(x, indices, weights)
+    flat = indices.reshape(-1)
+    kept = torch.arange(32)[flat >= 0]
+    order = kept[torch.argsort(flat[kept], stable=True)]
+    assert torch.equal(info.tokens_per_local_expert, torch.bincount(flat[kept], minlength=4))
+    assert torch.equal(rows[:len(order)], x[order // 2])
+    assert torch.equal(dropping.row_weights(handle)[:len(order)], weights.reshape(-1)[order])
+    y = torch.randn(32, 8)
+    want = torch.zeros(16, 8).index_add(0, order // 2, y[:len(order)] * weights.reshape(-1)[order].unsqueeze(1))
+    assert torch.equal(dropping.combine(y, handle), want)

@@ -34,6 +34,7 @@ from launch.train.build import build_model
 from launch.train.loop import train
 from moe.router import TopKRouter
 from tests.spawns import from_shared_spawn
+from tests.syncs import step_reads
 
 pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
 
@@ -52,6 +53,11 @@ LAYOUTS = {
                                              "dispatch_chunks": 3},
     "pp2 dp2 ep2 dualpipev, EP across nodes": {"pp": 2, "dp": 2, "ep": 2, "schedule": "dualpipev",
                                                "dispatch_backend": "hierarchical", "gpus_per_node": 1},
+    # issue 48: the padded exchange; headroom 0.5 overflows the first steps' bounds (rerun exactly, bounds doubled)
+    "dp2 ep2 flat padded": {"dp": 2, "ep": 2, "dispatch_exchange": "padded", "dispatch_headroom": 0.5},
+    "pp2 dp2 ep2 dualpipev hierarchical padded": {"pp": 2, "dp": 2, "ep": 2, "schedule": "dualpipev",
+                                                  "dispatch_backend": "hierarchical", "gpus_per_node": 1,
+                                                  "dispatch_exchange": "padded"},
     "tp2 sp": {"tp": 2, "sequence_parallel": True},
     "dp2 tp2 ep2": {"dp": 2, "tp": 2, "ep": 2},
     "pp2 tp2 dualpipev sp": {"pp": 2, "tp": 2, "schedule": "dualpipev", "sequence_parallel": True},
@@ -241,8 +247,10 @@ def spawned(corpus, documents, drop_corpus, tmp_path_factory):
         def spawn() -> list[tuple[dict, list[dict], list[torch.Tensor | None]]]:
             results = run_processes(_train_with_embedding, worlds[key], [raws[k] for k in keys], timeout_s=600,
                                     run_timeout_s=SPAWN_S)
+            run.reads.update((k, [rank[i][2] for rank in results]) for i, k in enumerate(keys))
             return [(raws[k], results[0][i][0], [rank[i][1] for rank in results]) for i, k in enumerate(keys)]
         return from_shared_spawn(out, key, keys, spawn)
+    run.reads = {}  # run key -> per rank, per forward and backward: (host reads (kind, where), stats copies)
     return run
 
 
@@ -253,6 +261,44 @@ def test_layout_equals_single_process(layout, spawned, reference):
     for name in routings(parallel):
         raw, records, _ = spawned(("layout", layout, name))
         check_equal_runs(records, raw, reference(name), parallel, name)
+
+
+def sync_free(parallel: dict) -> bool:
+    """Whether a layout's steps read nothing to the host in forward and backward (issue 48): no expert parallelism,
+    or its padded exchange (the exact one reads its exchange sizes)."""
+    return parallel.get("ep", 1) == 1 or parallel.get("dispatch_exchange") == "padded"
+
+
+@pytest.mark.timeout(SPAWN_S + 120)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_steps_read_nothing_in_forward_and_backward_and_copy_their_statistics_once(layout, spawned, reference):
+    """Issue 48, seen by the sync detector inside the spawned ranks (and around the single process): a sync-free
+    layout's forward and backward read nothing to the host on any rank, dropless or dropping, and every attempt of a
+    step copies to the host once, its statistics (per-rank metrics apart); the exact exchange's reads are listed."""
+    parallel = LAYOUTS[layout]
+    for name in routings(parallel):
+        _, records, _ = spawned(("layout", layout, name))
+        reruns = records[-1].get("dispatch_reruns", 0)  # attempts on the exact exchange after an overflow
+        for rank, attempts in enumerate(spawned.reads["layout", layout, name]):
+            assert len(attempts) == STEPS + reruns and all(copies == 1 for _, copies in attempts), (name, rank)
+            free = [got for got, _ in attempts if not got]
+            assert len(free) == (STEPS if sync_free(parallel) else 0), (name, rank, attempts[0][0][:5])
+        reference(name)
+        assert [(got, copies) for got, copies in reference.reads[name, "gqa", 0, False]] == [([], 1)] * STEPS
+
+
+@pytest.mark.timeout(SPAWN_S + 120)
+@pytest.mark.parametrize("routing", list(ROUTING))
+def test_padded_exchange_equals_the_exact_one_and_reruns_overflowed_steps(routing, spawned):
+    """The padded flat exchange trains as the exact one (float64, losses to 1e-12 relative): its first steps overflow
+    the bounds of headroom 0.5 and rerun on the exact path (counted), its later ones run padded with grown bounds."""
+    _, padded, _ = spawned(("layout", "dp2 ep2 flat padded", routing))
+    _, exact, _ = spawned(("layout", "dp2 ep2 flat", routing))
+    reruns = [r["dispatch_reruns"] for r in padded]
+    assert 0 < reruns[-1] < STEPS and all(r["dispatch_reruns"] == 0 for r in exact), reruns
+    for got, want in zip(padded, exact):
+        for key in ("loss", "lm_loss", "aux_loss"):
+            assert got[key] == pytest.approx(want[key], rel=1e-12), (got["step"], key)
 
 
 @pytest.mark.timeout(SPAWN_S + 120)
@@ -285,16 +331,22 @@ def release_groups(records: list[dict]) -> list[dict]:
     return records
 
 
-def _train_with_embedding(rank: int, world: int, raws: list[dict]) -> list[tuple[list[dict], torch.Tensor | None]]:
-    """Each run's records and this rank's final embedding (None where no stage holds it)."""
-    held = []
+def _train_with_embedding(rank: int, world: int, raws: list[dict]) -> list[tuple[list[dict], torch.Tensor | None,
+                                                                               list[tuple[list, int]]]]:
+    """Each run's records, this rank's final embedding (None where no stage holds it), and per forward and backward
+    its host reads (kind, where) and the copies of its statistics (tests/syncs.py step_reads)."""
+    held, runs = [], []
 
     def build(*args, **kwargs):
         out = build_model(*args, **kwargs)
         held.append(next((s.embed.weight for s in out[0] if s.embed is not None), None))
         return out
     with mock.patch("launch.train.loop.build_model", build):  # where train() looks it up
-        return [(release_groups(train(build_config(raw), progress=False)), held[-1]) for raw in raws]
+        for raw in raws:
+            with step_reads() as steps:
+                records = release_groups(train(build_config(raw), progress=False))
+            runs.append((records, held[-1], [([(r.kind, r.where) for r in s.reads], s.copies) for s in steps]))
+    return runs
 
 
 @pytest.mark.timeout(SPAWN_S + 120)

@@ -23,6 +23,7 @@ from optim.shard import ShardedParams
 from optim.zero import ZeroOptimizer
 from tests.launch.train.test_equivalence import (SPAWN_S, STEPS, check_equal_runs, check_resumed_runs, raw_config,
                                            release_groups, reshard, routed_corpus)
+from tests.syncs import step_reads
 
 pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
 
@@ -33,8 +34,10 @@ RUNS = {2: {"zero2 dp2 ep2 capacity 1.0": ({"dp": 2, "ep": 2}, {"zero_stage": 2}
             "zero2 offload dp2 ep2 capacity 1.0": ({"dp": 2, "ep": 2}, {"zero_stage": 2, "offload": "optimizer"}, 1.0),
             "zero2 pp2 dualpipev, 2 pipeline steps per step": ({"pp": 2, "schedule": "dualpipev", "num_chunks": 4},
                                                                {"zero_stage": 2}, None)},
-        4: {"zero3 pp2 dp2 ep2 dualpipev, B/W split": ({"pp": 2, "dp": 2, "ep": 2, "schedule": "dualpipev",
-                                                         "overlap_fb_pairs": False}, {"zero_stage": 3}, None)}}
+        # its EP exchange padded (issue 48): ZeRO-3's gathers and reductions read nothing to the host either
+        4: {"zero3 pp2 dp2 ep2 dualpipev, B/W split, padded exchange": (
+            {"pp": 2, "dp": 2, "ep": 2, "schedule": "dualpipev", "overlap_fb_pairs": False,
+             "dispatch_exchange": "padded"}, {"zero_stage": 3}, None)}}
 ROUTING_NAME = {None: "dropless", 1.0: "capacity 1.0"}
 
 
@@ -46,7 +49,8 @@ def zero_raw(path, corpus: str, parallel: dict, optim: dict, capacity: float | N
 def _train_counting(rank: int, world: int, raws: list[dict]) -> list[tuple[list[dict], list[int], list[int]]]:
     """Each run's records, the bucket reductions started per zero_grad-to-zero_grad step divided by the buckets
     this rank's optimizer holds, the full-grad bytes ZeRO-2 held after each step's optimizer update, and then the
-    (groups of ZeRO-3-sharded params, the bytes of their full params held)."""
+    (groups of ZeRO-3-sharded params, the bytes of their full params held), and per forward and backward its host
+    reads and statistics copies (tests/syncs.py step_reads)."""
     out = []
     for raw in raws:
         launches: list[int] = []
@@ -73,10 +77,12 @@ def _train_counting(rank: int, world: int, raws: list[dict]) -> list[tuple[list[
         ShardedParams.launch, ZeroOptimizer.zero_grad = counted_launch, counted_zero_grad
         ZeroOptimizer.step = measured_step
         try:
-            records = release_groups(train(build_config(raw), progress=False))
+            with step_reads() as attempts:
+                records = release_groups(train(build_config(raw), progress=False))
         finally:
             ShardedParams.launch, ZeroOptimizer.zero_grad, ZeroOptimizer.step = launch, zero_grad, step
-        out.append((records, [n / b for n, b in zip(launches, buckets)], held, params))
+        reads = [(len(a.reads), a.copies) for a in attempts]
+        out.append((records, [n / b for n, b in zip(launches, buckets)], held, params, reads))
     return out
 
 
@@ -84,7 +90,8 @@ def _train_counting(rank: int, world: int, raws: list[dict]) -> list[tuple[list[
 def test_zero2_layouts_equal_single_process(world, corpus, drop_corpus, reference, tmp_path):
     """Losses and params as one process; under ZeRO-2/3 each backward (micro-batch, or pipeline step) reduces every
     bucket once and no full grad buffer is held after the update, under ZeRO-3 no full dense param either (ZeRO-1,
-    offloaded here: one reduction per step, full grads kept)."""
+    offloaded here: one reduction per step, full grads kept); with a padded EP exchange no forward or backward reads
+    the device and each step copies its statistics once."""
     runs = RUNS[world]
     raws = [zero_raw(tmp_path / name.replace(" ", "_").replace(",", ""), routed_corpus(spec[2], corpus, drop_corpus),
                      *spec) for name, spec in runs.items()]
@@ -96,7 +103,9 @@ def test_zero2_layouts_equal_single_process(world, corpus, drop_corpus, referenc
         backwards = micro // parallel.get("num_chunks", micro) if "pp" in parallel else micro  # pipeline steps
         stage = raw["optim"].get("zero_stage", 1)
         for rank in range(world):
-            _, launches, held, params = results[rank][i]
+            _, launches, held, params, reads = results[rank][i]
+            if parallel.get("dispatch_exchange") == "padded":
+                assert reads == [(0, 1)] * STEPS, (name, rank, reads)
             assert all((n == 0) == (stage >= 2) for n in held), (name, rank, held)  # ZeRO-1 keeps its full grads
             assert all((groups > 0) == (stage == 3) and nbytes == 0 for groups, nbytes in params), (name, rank, params)
             assert launches == [backwards if stage >= 2 else 1] * STEPS, (name, rank, launches)
