@@ -30,6 +30,8 @@ class MoEStats:
     tokens_per_expert: Tensor  # [E] slots kept per expert (this rank's tokens)
     dropped: Tensor
     losses: dict[str, Tensor]
+    recv_rows: Tensor | None = None  # 0-d int64: rows this rank's experts received in this call (EP: from every peer)
+    balanced_rows: int = 0           # rows each EP rank would receive under perfect balance: routed tokens x top-k
 
 
 def build_router(cfg: ModelConfig) -> TopKRouter:
@@ -102,7 +104,8 @@ class MoELayer(nn.Module):
         out = yield from _steps(self.dispatcher, "combine", y, handle, not fold)
         if shared is not None:
             out = out + shared
-        stats = MoEStats(route.aux_loss, route.tokens_per_expert, route.dropped, route.losses)
+        stats = MoEStats(route.aux_loss, route.tokens_per_expert, route.dropped, route.losses,
+                         recv_info.tokens_per_local_expert.sum(), flat.shape[0] * self.router.top_k)
         return out.view_as(x), stats
 
     @property
