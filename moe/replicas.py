@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from dispatch.layout import count_ids
@@ -94,12 +95,13 @@ def rank_loads(layout: SlotLayout, placement: list[int], loads: np.ndarray) -> n
     return out
 
 
-def place(layout: SlotLayout, loads: np.ndarray) -> list[int]:
+def place(layout: SlotLayout, loads: np.ndarray, node_size: int = 0) -> list[int]:
     """A placement of the spare slots for loads [E] (rows per logical expert over a window), deterministic (the same
     on every rank given the same loads): while a spare slot is free, take the busiest rank and, among the experts
     it holds a copy of, the one with the largest per-copy share that a copy on the least loaded rank with a free
     slot (and no copy of it yet) would relieve; stop when no such copy lowers the busiest of the ranks it touches.
-    Owners stay where they are."""
+    Owners stay where they are. node_size > 0 (EP ranks per node, node-limited routing over several nodes): a
+    replica only on its owner's node, so a token reaches no node its group-limited routing did not choose."""
     loads = np.asarray(loads, dtype=np.float64)
     placement = default_placement(layout)
     free = {r: list(range(layout.spares)) for r in range(layout.ep)}
@@ -114,7 +116,8 @@ def place(layout: SlotLayout, loads: np.ndarray) -> list[int]:
         best = None
         for e in sorted((e for e in range(layout.num_experts) if busiest in holders[e]),
                         key=lambda e: (-loads[e] / count[e], e)):
-            open_ranks = [r for r in range(layout.ep) if free[r] and r not in holders[e]]
+            open_ranks = [r for r in range(layout.ep) if free[r] and r not in holders[e]
+                          and (not node_size or r // node_size == layout.owner(e) // node_size)]
             if not open_ranks:
                 continue
             target = min(open_ranks, key=lambda r: (load[r], r))
@@ -152,3 +155,99 @@ def physical_indices(indices: Tensor, copies: Tensor, slots: Tensor, source_rank
     position[order] = torch.arange(flat.numel(), device=flat.device) - starts[expert[order]]
     copy = (position + source_rank) % copies[expert]
     return torch.where(flat >= 0, slots[expert, copy], -1).view_as(indices)
+
+
+class ExpertReplicas:
+    """One MoE layer's spare slots on this EP rank: the placement (a list, the same on every rank; its tensor form is
+    the layer's `replica_placement` buffer, which checkpoints keep), its device tables, the replicas' weights (leaf
+    tensors that take grads but are no parameters: the optimizer and the checkpoint see the owners only), and the
+    two exchanges over the EP group: refresh (owners' weights to their replicas, after each optimizer step and each
+    placement) and fold_grads (replicas' grads summed into their owners', before the grad reduction)."""
+
+    def __init__(self, layout: SlotLayout, rank: int, group: dist.ProcessGroup | None, node_size: int = 0) -> None:
+        self.layout, self.rank, self.group = layout, rank, group
+        self.node_size = node_size  # EP ranks per node whose replicas must stay on their owner's node; 0: anywhere
+        self.placement = default_placement(layout)
+        self.tables: tuple[Tensor, Tensor] | None = None
+        self.weights: list[Tensor] = []  # the replicas of w_gate_up [spares, 2F, H] and w_down [spares, H, F]
+
+    def attach(self, owned: list[Tensor]) -> None:
+        """Make the replicas' weights beside the owned weights (same dtype and device; zero until refresh)."""
+        self.weights = [w.new_zeros(self.layout.spares, *w.shape[1:]).requires_grad_(w.requires_grad) for w in owned]
+        self.tables = slot_tables(self.layout, self.placement, owned[0].device)
+
+    def set_placement(self, placement: list[int]) -> None:
+        """Use placement from now on (the device tables follow)."""
+        self.placement = list(placement)
+        self.tables = slot_tables(self.layout, self.placement, self.weights[0].device)
+
+    def place(self, loads: np.ndarray) -> list[int]:
+        """The placement for window loads [E] (place), replicas kept on their owner's node when node_size says so."""
+        return place(self.layout, loads, self.node_size)
+
+    def route(self, indices: Tensor) -> Tensor:
+        """Routed logical experts [T, k] -> physical slots (physical_indices), on the device."""
+        return physical_indices(indices, *self.tables, self.rank)
+
+    def _pairs(self) -> list[tuple[int, int, int]]:
+        """(replica holder, spare index, expert) of every used spare slot whose owner or holder is this rank, in
+        (holder, spare index) order: the order both exchanges pack rows in."""
+        out = []
+        for spare, expert in enumerate(self.placement):
+            holder = spare // self.layout.spares
+            if expert >= 0 and self.rank in (holder, self.layout.owner(expert)):
+                out.append((holder, spare % self.layout.spares, expert))
+        return out
+
+    def _splits(self, pairs: list[tuple[int, int, int]], sending_owned: bool) -> tuple[list[int], list[int]]:
+        """Rows this rank sends to and receives from each EP rank: owners send (refresh) or receive (fold)."""
+        to_holders = [sum(1 for h, _, e in pairs if h == r and self.layout.owner(e) == self.rank)
+                      for r in range(self.layout.ep)]
+        from_owners = [sum(1 for h, _, e in pairs if h == self.rank and self.layout.owner(e) == r)
+                       for r in range(self.layout.ep)]
+        return (to_holders, from_owners) if sending_owned else (from_owners, to_holders)
+
+    @torch.no_grad()
+    def refresh(self, owned: list[Tensor]) -> None:
+        """Copy every owner's weights (owned: this rank's w_gate_up, w_down) into their replicas on every rank."""
+        if owned[0].is_meta:  # a rehearsal: no values to copy
+            return
+        pairs = self._pairs()
+        send, recv = self._splits(pairs, sending_owned=True)
+        flat = torch.cat([w.flatten(1) for w in owned], dim=1)
+        rows = [flat[e % self.layout.owned] for h, _, e in sorted(pairs) if self.layout.owner(e) == self.rank]
+        out = flat.new_empty(sum(recv), flat.shape[1])
+        _exchange(out, rows, flat, recv, send, self.group)
+        mine = [i for h, i, e in sorted(pairs, key=lambda p: (self.layout.owner(p[2]), p[1])) if h == self.rank]
+        for weight, part in zip(self.weights, out.split([w[0].numel() for w in owned], dim=1)):
+            weight.zero_()
+            if mine:
+                weight[mine] = part.view(len(mine), *weight.shape[1:])
+
+    @torch.no_grad()
+    def fold_grads(self, owned_grads: list[Tensor]) -> None:
+        """Add every replica's grad (accumulated since the last fold) into its owner's grad (owned_grads: this rank's
+        grads of w_gate_up and w_down, as the optimizer holds them); the replicas' grads are cleared."""
+        grads = [w.grad if w.grad is not None else torch.zeros_like(w) for w in self.weights]
+        for w in self.weights:
+            w.grad = None
+        if owned_grads[0].is_meta:
+            return
+        pairs = self._pairs()
+        send, recv = self._splits(pairs, sending_owned=False)
+        flat = torch.cat([g.flatten(1) for g in grads], dim=1).to(owned_grads[0].dtype)
+        rows = [flat[i] for h, i, e in sorted(pairs, key=lambda p: (self.layout.owner(p[2]), p[1]))
+                if h == self.rank]
+        out = flat.new_empty(sum(recv), flat.shape[1])
+        _exchange(out, rows, flat, recv, send, self.group)
+        local = torch.tensor([e % self.layout.owned for h, _, e in sorted(pairs) if self.layout.owner(e) == self.rank],
+                             dtype=torch.int64, device=out.device)
+        for grad, part in zip(owned_grads, out.split([g[0].numel() for g in owned_grads], dim=1)):
+            grad.index_add_(0, local, part.reshape(len(local), *grad.shape[1:]))
+
+
+def _exchange(out: Tensor, rows: list[Tensor], like: Tensor, out_splits: list[int], in_splits: list[int],
+              group: dist.ProcessGroup | None) -> None:
+    """all_to_all_single of rows (packed by destination rank) into out (packed by source rank), sizes host-known."""
+    send = torch.stack(rows) if rows else like.new_empty(0, like.shape[1])
+    dist.all_to_all_single(out, send, out_splits, in_splits, group=group)

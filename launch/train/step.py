@@ -192,6 +192,30 @@ def position_rows(received: Tensor, holders: Tensor, copies: int) -> tuple[np.nd
 
 
 
+class ReplicaWindow:
+    """The loads [moe layers, E] summed over the steps since the last placement of the redundant experts
+    (parallel.redundant_experts; host numbers every rank holds alike, from the step's stats copy); at the end of
+    every parallel.rebalance_every steps each layer places its spare slots from them (MoELayer.replace_replicas)."""
+
+    def __init__(self, stages: list[Stage], cfg: RunConfig) -> None:
+        self.every, self.first = cfg.parallel.rebalance_every, cfg.model.first_k_dense
+        self.layers = {i: layer for stage in stages for i, layer in stage.moe_layers().items()
+                       if layer.replicas is not None}
+        self.loads: np.ndarray | None = None
+
+    def add(self, step: int, loads: list[Tensor]) -> None:
+        """Count step's loads; after every rebalance_every-th step, place and start a new window."""
+        if not self.layers:
+            return
+        counts = torch.stack(loads).numpy().astype(np.float64)
+        self.loads = counts if self.loads is None else self.loads + counts
+        if (step + 1) % self.every == 0:
+            for i, layer in sorted(self.layers.items()):
+                layer.replace_replicas(self.loads[i - self.first])
+            self.loads = None
+
+
+
 def update_expert_bias(stages: list[Stage], cfg: RunConfig, loads: Tensor) -> None:
     """Aux-loss-free balancing of this rank's MoE layers from their global loads [moe layers, E] (on device)."""
     if cfg.model.bias_update_rate:

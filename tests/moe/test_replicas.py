@@ -118,3 +118,12 @@ def test_placement_is_deterministic_and_refuses_too_many_spares():
     assert place(layout, loads) == place(layout, loads.copy())
     with pytest.raises(ValueError, match="parallel.redundant_experts"):
         check_slots(16, 4, 5)
+
+
+def test_node_limited_routing_keeps_replicas_on_their_owners_node():
+    layout = check_slots(16, 4, 2)  # EP4 on 2 nodes of 2 ranks: one expert group per node
+    placement = place(layout, np.arange(16, 0, -1) ** 3, node_size=2)
+    assert any(e >= 0 for e in placement)
+    for spare, expert in enumerate(placement):
+        if expert >= 0:
+            assert (spare // layout.spares) // 2 == layout.owner(expert) // 2, placement
