@@ -43,9 +43,9 @@ def best_max_over_mean(spares: int, loads: np.ndarray) -> float:
     loads = np.asarray(loads, dtype=np.float64)
     nx = E * EP
     n = 2 * nx + nx * EP + 1
-    x = lambda e, r: e * EP + r  # noqa: E731
-    z = lambda e, m: nx + e * EP + m - 1  # noqa: E731
-    w = lambda e, r, m: 2 * nx + (e * EP + r) * EP + m - 1  # noqa: E731
+    x = lambda e, r: e * EP + r
+    z = lambda e, m: nx + e * EP + m - 1
+    w = lambda e, r, m: 2 * nx + (e * EP + r) * EP + m - 1
     t = n - 1
     rows, low, high = [], [], []
 
