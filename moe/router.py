@@ -88,7 +88,10 @@ class TopKRouter(nn.Module):
         logits = promoted_linear(x, self.weight, dtype)
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
         choice = self._limit_groups(scores.detach() + self.expert_bias)
-        indices = self._balanced(x.shape[0], x.device) if self.force_balance else choice.topk(self.top_k, dim=-1).indices
+        if self.force_balance:
+            indices = self._balanced(x.shape[0], x.device)
+        else:
+            indices = choice.topk(self.top_k, dim=-1).indices
         weights = scores.gather(1, indices)
         if self.norm_topk:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
