@@ -142,6 +142,14 @@ class GroupedExperts(nn.Module):
         self.recompute = "none"
         self.spares: list[Tensor] = []  # redundant experts' weights after the owned ones (moe.replicas), no params
 
+    def hold_spares(self, spares: list[Tensor]) -> None:
+        """Use spares (the redundant experts' copies of w_gate_up and w_down, moe.replicas) after the owned experts,
+        held as non-persistent buffers: no parameters (the optimizer sees the owners only), not in the state dict
+        (checkpoints hold owners only), but model state to a memory tracker (the rehearsal)."""
+        self.spares = list(spares)
+        for name, spare in zip(("spare_w_gate_up", "spare_w_down"), self.spares):
+            self.register_buffer(name, spare, persistent=False)
+
     @property
     def num_experts(self) -> int:
         """Number of experts held here (owned ones; the redundant copies in spares come after them)."""

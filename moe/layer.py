@@ -94,7 +94,7 @@ class MoELayer(nn.Module):
         owned = [self.experts.w_gate_up, self.experts.w_down]
         if self.replicas.tables is None or self.replicas.weights[0].device != owned[0].device:
             self.replicas.attach(owned)
-            self.experts.spares = self.replicas.weights
+            self.experts.hold_spares(self.replicas.weights)
         self.replicas.set_placement(self.replica_placement.tolist() if not owned[0].is_meta
                                     else self.replicas.placement)
         self.replicas.refresh(owned)
