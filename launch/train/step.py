@@ -195,7 +195,10 @@ def position_rows(received: Tensor, holders: Tensor, copies: int) -> tuple[np.nd
 class ReplicaWindow:
     """The loads [moe layers, E] summed over the steps since the last placement of the redundant experts
     (parallel.redundant_experts; host numbers every rank holds alike, from the step's stats copy); at the end of
-    every parallel.rebalance_every steps each layer places its spare slots from them (MoELayer.replace_replicas)."""
+    every parallel.rebalance_every steps each layer places its spare slots from them (MoELayer.replace_replicas).
+    The window is not checkpointed: a run resumed from a step inside a window places at that window's end from the
+    steps since the resume only (checkpoints right after a placement resume bitwise; another placement changes the
+    numbers by rounding only)."""
 
     def __init__(self, stages: list[Stage], cfg: RunConfig) -> None:
         self.every, self.first = cfg.parallel.rebalance_every, cfg.model.first_k_dense
