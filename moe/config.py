@@ -120,6 +120,10 @@ class ModelConfig:
     up); the rest are dropped (drop_policy). None (leave the key out): dropless, every slot kept."""
     drop_policy: DropPolicy = "probs"
     """Which slots an expert over capacity keeps: "probs" the highest-scored, "position" the earliest tokens."""
+    force_balance: bool = False
+    """For measuring only (as Megatron-Core's --moe-router-force-load-balancing): token t's k slots go to experts
+    (t x k + j) mod num_experts, a perfectly balanced routing, with their scores as weights; what a run with it
+    gains over the real router is what balance would recover. false: the router chooses."""
     norm_topk: bool = True
     """Divide each token's top_k weights by their sum (DeepSeek-V3: true)."""
     route_scale: float = 1.0

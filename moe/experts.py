@@ -141,19 +141,35 @@ class GroupedExperts(nn.Module):
         self.w_gate_up = nn.Parameter(torch.randn(num_experts, 2 * ffn_size, hidden_size) * init_std)
         self.w_down = nn.Parameter(torch.randn(num_experts, hidden_size, ffn_size) * (out_std or init_std))
         self.recompute = "none"
+        self.spares: list[Tensor] = []  # redundant experts' weights after the owned ones (moe.replicas), no params
+
+    def hold_spares(self, spares: list[Tensor]) -> None:
+        """Use spares (the redundant experts' copies of w_gate_up and w_down, moe.replicas) after the owned experts,
+        held as non-persistent buffers: no parameters (the optimizer sees the owners only), not in the state dict
+        (checkpoints hold owners only), but model state to a memory tracker (the rehearsal)."""
+        self.spares = list(spares)
+        for name, spare in zip(("spare_w_gate_up", "spare_w_down"), self.spares):
+            self.register_buffer(name, spare, persistent=False)
 
     @property
     def num_experts(self) -> int:
-        """Number of experts held here."""
+        """Number of experts held here (owned ones; the redundant copies in spares come after them)."""
         return self.w_gate_up.shape[0]
+
+    def _weights(self) -> tuple[Tensor, Tensor]:
+        """w_gate_up and w_down, followed by the redundant experts' copies when this rank holds spare slots."""
+        if not self.spares:
+            return self.w_gate_up, self.w_down
+        return torch.cat([self.w_gate_up, self.spares[0]]), torch.cat([self.w_down, self.spares[1]])
 
     def forward(self, x: Tensor | FP8Rows, tokens_per_expert: Tensor, row_weight: Tensor | None = None) -> Tensor:
         """x [N, H] rows contiguous per expert (counts in tokens_per_expert [E]) -> [N, H]; fp8 experts also
         take FP8Rows (an fp8 dispatch's e4m3 rows), which the first GEMM uses as they are. row_weight [N]: each
         row's routing weight, folded in before the down projection (out = down(w * silu(gate) * up))."""
-        if tokens_per_expert.numel() != self.num_experts:
+        slots = self.num_experts + (len(self.spares[0]) if self.spares else 0)
+        if tokens_per_expert.numel() != slots:
             raise ValueError(f"tokens_per_expert has {tokens_per_expert.numel()} entries, "
-                             f"expected one per expert ({self.num_experts})")
+                             f"expected one per expert slot ({slots})")
         dtype = x.dtype if isinstance(x, Tensor) else x.rows.dtype
         if not isinstance(x, Tensor) and self.precision != "fp8":
             raise ValueError(f"e4m3 rows (FP8Rows) need expert_precision = 'fp8', got {self.precision!r}")
@@ -169,8 +185,9 @@ class GroupedExperts(nn.Module):
         fp8 = self.precision == "fp8"
         if fp8 and self.activation_cache == "fp8" and isinstance(x, Tensor):
             x = FP8Rows(*quantize_fp8(x.detach()), x)  # the tiles the first GEMM makes of x, kept in x's place
-        w_down = self.w_down.to(dtype)
-        return swiglu_down(linear(x, self.w_gate_up.to(dtype), offs), lambda p: linear(p, w_down, offs),
+        w_gate_up, w_down = self._weights()
+        w_down = w_down.to(dtype)
+        return swiglu_down(linear(x, w_gate_up.to(dtype), offs), lambda p: linear(p, w_down, offs),
                            self.recompute == "selective", self.activation_cache, row_weight, fp8)
 
 

@@ -21,6 +21,7 @@ from moe.config import ModelConfig
 
 ONES = ("norm.weight",)
 ZEROS = ("router.expert_bias",)
+NONE = ("replica_placement",)  # redundant experts' placement (moe.replicas): every spare slot empty (-1)
 RESIDUAL_OUT = ("attn.out.weight", "ffn.down.weight", "shared.down.weight", "experts.w_down")
 INPUT_SIDE = ("embed.weight", "attn.qkv.weight", "attn.q.weight", "attn.q_a.weight", "attn.q_b.weight",
               "attn.kv_a.weight", "attn.kv_b.weight", "gate_up.weight", "router.weight", "experts.w_gate_up",
@@ -28,7 +29,10 @@ INPUT_SIDE = ("embed.weight", "attn.qkv.weight", "attn.q.weight", "attn.q_a.weig
 
 
 def init_rule(cfg: ModelConfig, name: str) -> tuple[str, float]:
-    """("normal", std), ("ones", 1) or ("zeros", 0) for the single-process tensor name (no expert suffix)."""
+    """("normal", std), ("ones", 1), ("zeros", 0) or ("full", -1) for the single-process tensor name (no expert
+    suffix)."""
+    if name.endswith(NONE):
+        return "full", -1.0
     if name.endswith(ONES):
         return "ones", 1.0
     if name.endswith(ZEROS):
@@ -56,5 +60,7 @@ def initial_value(cfg: ModelConfig, name: str, key: str, shape: tuple[int, ...],
         return torch.ones(shape, device=device)
     if kind == "zeros":
         return torch.zeros(shape, device=device)
+    if kind == "full":
+        return torch.full(shape, std, device=device)
     generator = torch.Generator(device=device).manual_seed(tensor_seed(seed, key))
     return torch.randn(shape, generator=generator, device=device).mul_(std)

@@ -16,6 +16,7 @@ from moe.config import ModelConfig
 from moe.experts import GroupedExperts, SwiGLU
 from moe.local_dispatch import LocalDispatcher
 from moe.recompute import Rebuild
+from moe.replicas import ExpertReplicas
 from moe.router import TopKRouter
 
 if TYPE_CHECKING:
@@ -30,6 +31,8 @@ class MoEStats:
     tokens_per_expert: Tensor  # [E] slots kept per expert (this rank's tokens)
     dropped: Tensor
     losses: dict[str, Tensor]
+    recv_rows: Tensor | None = None  # 0-d int64: rows this rank's experts received in this call (EP: from every peer)
+    balanced_rows: int = 0           # rows each EP rank would receive under perfect balance: routed tokens x top-k
 
 
 def build_router(cfg: ModelConfig) -> TopKRouter:
@@ -40,7 +43,7 @@ def build_router(cfg: ModelConfig) -> TopKRouter:
                       norm_topk=cfg.norm_topk, route_scale=cfg.route_scale,
                       aux_loss_coeff=cfg.aux_loss_coeff, seq_aux_loss_coeff=cfg.seq_aux_loss_coeff,
                       z_loss_coeff=cfg.z_loss_coeff, bias_update_rate=cfg.bias_update_rate,
-                      init_std=cfg.init_std)
+                      init_std=cfg.init_std, force_balance=cfg.force_balance)
 
 
 class MoELayer(nn.Module):
@@ -59,12 +62,17 @@ class MoELayer(nn.Module):
                        if cfg.num_shared_experts else None)
         if self.shared is not None:
             self.shared.activation_cache = cfg.activation_cache
+        self.replicas: ExpertReplicas | None = None  # redundant experts (to_expert_parallel)
 
     @torch.no_grad()
-    def to_expert_parallel(self, dispatcher: EPDispatcher) -> None:
-        """Route through an expert-parallel dispatcher and keep only its rank's contiguous expert block."""
-        count = dispatcher.experts_per_rank
-        if self.experts.num_experts != dispatcher.num_experts:
+    def to_expert_parallel(self, dispatcher: EPDispatcher, replicas: ExpertReplicas | None = None) -> None:
+        """Route through an expert-parallel dispatcher and keep only its rank's contiguous expert block. replicas
+        (parallel.redundant_experts): the dispatcher moves rows to physical slots (replicas.layout: each rank's
+        owned experts then its spare slots), which the routed logical experts are mapped to before dispatch; the
+        router and its losses stay on the logical experts."""
+        logical = replicas.layout.num_slots if replicas is not None else self.experts.num_experts
+        count = replicas.layout.owned if replicas is not None else dispatcher.experts_per_rank
+        if self.experts.num_experts != self.router.num_experts or logical != dispatcher.num_experts:
             raise ValueError(f"the layer holds {self.experts.num_experts} experts, the dispatcher expects "
                              f"{dispatcher.num_experts}: call to_expert_parallel once, on the full layer")
         if getattr(dispatcher, "fp8_rows", False) and self.experts.precision != "fp8":
@@ -78,6 +86,28 @@ class MoELayer(nn.Module):
             weight = getattr(self.experts, name)
             setattr(self.experts, name, nn.Parameter(weight[block].clone(), requires_grad=weight.requires_grad))
         self.dispatcher = dispatcher
+        self.replicas = replicas
+        if replicas is not None:
+            self.register_buffer("replica_placement", torch.tensor(replicas.placement, dtype=torch.int64,
+                                                                   device=self.experts.w_gate_up.device))
+
+    def attach_replicas(self) -> None:
+        """Make the redundant experts' weights beside the (materialised) owned ones and use the placement in the
+        replica_placement buffer (a checkpoint's after a load), refreshed from the owners."""
+        owned = [self.experts.w_gate_up, self.experts.w_down]
+        if self.replicas.tables is None or self.replicas.weights[0].device != owned[0].device:
+            self.replicas.attach(owned)
+            self.experts.hold_spares(self.replicas.weights)
+        self.replicas.set_placement(self.replica_placement.tolist() if not owned[0].is_meta
+                                    else self.replicas.placement)
+        self.replicas.refresh(owned)
+
+    def replace_replicas(self, loads) -> None:
+        """Place the spare slots for window loads [E] (the same on every rank) and refresh them from the owners."""
+        placement = self.replicas.place(loads)
+        self.replica_placement.copy_(torch.tensor(placement, dtype=torch.int64))
+        self.replicas.set_placement(placement)
+        self.replicas.refresh([self.experts.w_gate_up, self.experts.w_down])
 
     @property
     def concurrent_backward(self) -> bool:
@@ -95,7 +125,8 @@ class MoELayer(nn.Module):
         with saved or nullcontext():
             route = self.router(flat, seq_len)
         mark("dispatch", EXCHANGE)
-        dispatching = _steps(self.dispatcher, "dispatch", flat, route.indices, route.weights)
+        indices = route.indices if self.replicas is None else self.replicas.route(route.indices)
+        dispatching = _steps(self.dispatcher, "dispatch", flat, indices, route.weights)
         (recv_x, recv_info, handle), shared = yield from _at_first_pause(dispatching, self._shared, flat, saved)
         mark("experts", EXCHANGE)
         fold = self.fold_weights
@@ -107,7 +138,8 @@ class MoELayer(nn.Module):
         out = yield from combining
         if shared is not None:
             out = out + shared
-        stats = MoEStats(route.aux_loss, route.tokens_per_expert, route.dropped, route.losses)
+        stats = MoEStats(route.aux_loss, route.tokens_per_expert, route.dropped, route.losses,
+                         recv_info.tokens_per_local_expert.sum(), flat.shape[0] * self.router.top_k)
         return out.view_as(x), stats
 
     @property

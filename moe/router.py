@@ -60,7 +60,7 @@ class TopKRouter(nn.Module):
                  num_groups: int = 1, topk_groups: int = 1, capacity_factor: float | None = None,
                  drop_policy: str = "probs", norm_topk: bool = True, route_scale: float = 1.0,
                  aux_loss_coeff: float = 0.0, seq_aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
-                 bias_update_rate: float = 0.0, init_std: float = 0.02) -> None:
+                 bias_update_rate: float = 0.0, init_std: float = 0.02, force_balance: bool = False) -> None:
         super().__init__()
         check_router_settings(num_experts, top_k, score_func, num_groups, topk_groups,
                               capacity_factor, drop_policy)
@@ -70,6 +70,7 @@ class TopKRouter(nn.Module):
         self.norm_topk, self.route_scale = norm_topk, route_scale
         self.aux_loss_coeff, self.seq_aux_loss_coeff = aux_loss_coeff, seq_aux_loss_coeff
         self.z_loss_coeff, self.bias_update_rate = z_loss_coeff, bias_update_rate
+        self.force_balance = force_balance  # model.force_balance: round-robin slots, for measuring
         self.weight = nn.Parameter(torch.randn(num_experts, hidden_size) * init_std)
         self.register_buffer("expert_bias", torch.zeros(num_experts))
 
@@ -87,7 +88,10 @@ class TopKRouter(nn.Module):
         logits = promoted_linear(x, self.weight, dtype)
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
         choice = self._limit_groups(scores.detach() + self.expert_bias)
-        indices = choice.topk(self.top_k, dim=-1).indices
+        if self.force_balance:
+            indices = self._balanced(x.shape[0], x.device)
+        else:
+            indices = choice.topk(self.top_k, dim=-1).indices
         weights = scores.gather(1, indices)
         if self.norm_topk:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -103,6 +107,11 @@ class TopKRouter(nn.Module):
         else:
             tokens_per_expert = count_ids(indices, self.num_experts)  # dropped slots are -1 by now
         return RoutingResult(indices, weights, aux_loss, tokens_per_expert, (~kept).sum(), losses)
+
+    def _balanced(self, tokens: int, device: torch.device) -> Tensor:
+        """[tokens, k] forced-balance routing (model.force_balance): slot j of token t to expert (t k + j) mod E."""
+        slots = torch.arange(tokens * self.top_k, device=device).view(tokens, self.top_k)
+        return slots % self.num_experts
 
     def _coefficients(self) -> list[tuple[str, float]]:
         return [("load_balance", self.aux_loss_coeff), ("seq_balance", self.seq_aux_loss_coeff),

@@ -21,6 +21,7 @@ SUITES = {
     "data": "launch.bench.data",
     "layer": "launch.bench.layer",
     "compare": "launch.bench.compare",
+    "imbalance": "launch.bench.imbalance",
 }
 
 

@@ -10,6 +10,7 @@ from launch.config.ops import OpsSettings
 from launch.config.sections import ENDS_TOGETHER, DataSettings, OptimSettings, ParallelSettings, TrainSettings
 from launch.parallel.mesh import Layout
 from moe.config import ModelConfig
+from moe.replicas import check_slots
 from moe.tp import check_tp_shapes
 from pipeline.schedules import min_chunks
 
@@ -31,6 +32,7 @@ def check_sections(model: ModelConfig, train: TrainSettings, data: DataSettings,
     _check_fp8_sizes(model, par)
     _check_padded_exchange(model, par)
     _check_node_limited_routing(model, par.layout(model))
+    _check_redundant_experts(model, par)
 
 
 def _check_seq_len(model: ModelConfig, train: TrainSettings) -> None:
@@ -171,3 +173,20 @@ def _check_node_limited_routing(model: ModelConfig, layout: Layout) -> None:
         raise ValueError(f"model.num_groups = {model.num_groups} with model.topk_groups = {model.topk_groups}: the EP "
                          f"group spans {nodes} nodes, so node-limited routing needs each expert group inside one "
                          f"node: num_groups must be a multiple of {nodes} (e.g. {nodes}, one group per node)")
+
+
+def _check_redundant_experts(model: ModelConfig, par: ParallelSettings) -> None:
+    """Spare expert slots: at most the experts per EP rank, over an EP group, with dropless routing (capacity is
+    counted per logical expert by the router but per physical slot by the rehearsal's rule: the semantics would
+    differ)."""
+    if not par.redundant_experts:
+        return
+    check_slots(model.num_experts, par.ep, par.redundant_experts)
+    if par.ep == 1:
+        raise ValueError(f"parallel.redundant_experts = {par.redundant_experts} needs parallel.ep > 1 (spare slots "
+                         f"hold copies on other EP ranks); allowed with ep = 1: 0")
+    if model.capacity_factor is not None:
+        raise ValueError(f"parallel.redundant_experts = {par.redundant_experts} with model.capacity_factor = "
+                         f"{model.capacity_factor}: capacity dropping is per logical expert in the router but per "
+                         f"physical slot in the rehearsal's dispatch rule, so the semantics would change; allowed: "
+                         f"dropless routing (leave model.capacity_factor out) or parallel.redundant_experts = 0")

@@ -246,13 +246,23 @@ class ParallelSettings:
     comm_backend: CommBackend = "auto"
     """Backend of the process groups: "auto" is NCCL on CUDA ranks and gloo on CPU ones; "gloo" or "nccl" force
     one."""
+    redundant_experts: int = 0
+    """Spare expert slots per EP rank (0 to the experts per EP rank, model.num_experts / parallel.ep; > 0 needs
+    parallel.ep > 1 and dropless routing): each holds a copy of a hot expert, placed every
+    parallel.rebalance_every steps from the loads of the last window (moe.replicas), so a skewed routing's rows
+    are split over the copies; owners never move (one optimizer state per expert, checkpoints hold owners and
+    the placement). 0: no spare slots."""
+    rebalance_every: int = 100
+    """Steps between placements of the redundant experts (>= 1): each one reads the loads all-reduced over those
+    steps (unit: optimizer steps)."""
 
     def __post_init__(self) -> None:
         for name in ("pp", "dp", "tp", "ep", "cp", "chunks_per_weight_grad", "dispatch_chunks"):
             check_positive(f"parallel.{name}", getattr(self, name))
         check_choice("parallel.cp_method", self.cp_method, CpMethod)
-        for name in ("gpus_per_node", "num_chunks"):
+        for name in ("gpus_per_node", "num_chunks", "redundant_experts"):
             check_positive(f"parallel.{name}", getattr(self, name), minimum=0)
+        check_positive("parallel.rebalance_every", self.rebalance_every)
         check_choice("parallel.schedule", self.schedule, Schedule)
         check_choice("parallel.dispatch_backend", self.dispatch_backend, DispatchBackend)
         check_choice("parallel.dispatch_payload", self.dispatch_payload, Payload)

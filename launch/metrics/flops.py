@@ -122,6 +122,11 @@ def flops_by_precision(cfg: ModelConfig, seq_len: int, causal: bool = True) -> t
     return total - fp8, fp8
 
 
+def expert_row_flops(cfg: ModelConfig) -> float:
+    """Training FLOPs of one routed row through one expert (SwiGLU's three GEMMs: forward, dgrad and wgrad)."""
+    return 3.0 * 2.0 * 3 * cfg.hidden_size * cfg.expert_ffn_size
+
+
 def model_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
     """Training FLOPs per token, the MFU numerator: 3 x (the layers' forward FLOPs + the LM head's)."""
     return 3.0 * (sum(f.total for f in model_layer_flops(cfg, seq_len, causal)) + head_flops(cfg))

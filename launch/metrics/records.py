@@ -163,14 +163,38 @@ def throughput_metrics(tokens: int, seconds: float, flops_per_token: float, peak
             "mfu": rate * flops_per_token / peak_flops if peak_flops else None}
 
 
-def rank_metrics(peak_memory_bytes: Sequence[int], pipeline_idle_fraction: Sequence[float] | None = None) -> dict:
-    """The "ranks" section: each rank's peak memory and the fraction of the step its pipeline waited."""
-    section: dict[str, list] = {"peak_memory_bytes": np.asarray(peak_memory_bytes, dtype=np.int64).tolist()}
+def rank_metrics(peak_memory_bytes: Sequence[int], pipeline_idle_fraction: Sequence[float] | None = None,
+                 expert_rows: np.ndarray | None = None) -> dict:
+    """The "ranks" section: each rank's peak memory, the fraction of the step its pipeline waited and the rows
+    its experts received per MoE layer (expert_rows [ranks, layers], 0 for the layers a rank does not hold)."""
+    section: dict = {"peak_memory_bytes": np.asarray(peak_memory_bytes, dtype=np.int64).tolist()}
     if pipeline_idle_fraction is not None:
         if len(pipeline_idle_fraction) != len(peak_memory_bytes):
             raise ValueError(f"{len(pipeline_idle_fraction)} idle fractions for {len(peak_memory_bytes)} ranks")
         section["pipeline_idle_fraction"] = np.round(np.asarray(pipeline_idle_fraction, dtype=np.float64), 4).tolist()
+    if expert_rows is not None:
+        if len(expert_rows) != len(peak_memory_bytes):
+            raise ValueError(f"{len(expert_rows)} expert-row tables for {len(peak_memory_bytes)} ranks")
+        section["expert_rows"] = encode_array(np.rint(expert_rows).astype(np.int64))
     return {"ranks": section}
+
+
+def straggler_metrics(rows: np.ndarray, peak: np.ndarray, row_flops: float, flops_per_rank: float) -> dict:
+    """The "stragglers" section: rows [layers, ep] each EP position's experts received this step (averaged over
+    the EP group's copies), peak [layers] the busiest rank's largest rows over the balanced share in one exchange
+    of the step (launch.train.step.position_rows), and the straggler share: the rows the busiest position
+    received beyond the mean, at row_flops each, over the step's model FLOPs per rank (flops_per_rank), i.e. the
+    time the busiest rank's experts take beyond the mean priced at the step's own achieved FLOP rate. The share
+    counts each layer's busiest position over the whole step (exact when one position is the busiest in every
+    exchange); peak keeps each exchange's own straggler."""
+    rows = np.asarray(rows, dtype=np.float64)
+    excess = float((rows.max(axis=1) - rows.mean(axis=1)).sum()) if rows.size else 0.0
+    return {"stragglers": {
+        "ep": rows.shape[1] if rows.ndim == 2 else 0,
+        "busiest_over_mean": np.round(np.asarray(peak, dtype=np.float64), 4).tolist(),
+        "rows": encode_array(np.rint(rows).astype(np.int64)),
+        "share": round(excess * row_flops / flops_per_rank, 6) if flops_per_rank > 0 else None,
+    }}
 
 
 def step_record(step: int, *sections: dict) -> dict:

@@ -72,19 +72,26 @@ class AuxLossGrad(torch.autograd.Function):
 class LayerTally:
     """One MoE layer's routing statistics summed over the micro-batches of a step (this rank's tokens), on
     the stage's device; aux_loss and losses are each call's values times its loss scale (their share of the
-    step's loss). They reach the host once per step, in the trainer's stats all-reduce."""
+    step's loss). They reach the host once per step, in the trainer's stats all-reduce.
+
+    rows and peak measure the straggler of each all-to-all: the rows this rank's experts received, summed over
+    the step's calls, and the largest ratio of one call's rows to the balanced share (MoEStats.balanced_rows), a
+    running max on the device (each exchange waits on its own busiest rank: a sum over calls would hide it)."""
 
     tokens_per_expert: Tensor  # [E] int64
     dropped: Tensor            # 0-d int64
     aux_loss: Tensor           # 0-d float64
     losses: Tensor             # [len(LOSS_KINDS)] float64
+    rows: Tensor               # 0-d float64: rows received by this rank's experts
+    peak: Tensor               # 0-d float64: max over calls of rows received / balanced rows
 
     @classmethod
     def zeros(cls, num_experts: int, device: torch.device) -> LayerTally:
         """An empty tally on device."""
+        scalar = torch.zeros((), dtype=torch.float64, device=device)
         return cls(torch.zeros(num_experts, dtype=torch.long, device=device),
-                   torch.zeros((), dtype=torch.long, device=device), torch.zeros((), dtype=torch.float64, device=device),
-                   torch.zeros(len(LOSS_KINDS), dtype=torch.float64, device=device))
+                   torch.zeros((), dtype=torch.long, device=device), scalar.clone(),
+                   torch.zeros(len(LOSS_KINDS), dtype=torch.float64, device=device), scalar.clone(), scalar.clone())
 
     def add(self, stats: MoEStats, scale: float) -> None:
         """Count one call's statistics (no host sync: device tensors added in place)."""
@@ -94,6 +101,10 @@ class LayerTally:
         for k, kind in enumerate(LOSS_KINDS):
             if kind in stats.losses:
                 self.losses[k] += stats.losses[kind].detach().double() * scale
+        if stats.recv_rows is not None and stats.balanced_rows:
+            rows = stats.recv_rows.detach().double()
+            self.rows += rows
+            torch.maximum(self.peak, rows / stats.balanced_rows, out=self.peak)
 
 
 class Stage(nn.Module):

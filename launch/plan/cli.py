@@ -16,7 +16,8 @@ from launch.plan.calibrate import fitted_constants, to_dicts, validate
 from launch.plan.efficiency import ATTENTION_SUSTAINED_CLOCK, MOE_HANDLING, PRECISIONS, SLOT_SECONDS, SUSTAINED_CLOCK
 from launch.plan.memory import KERNELS, RECOMPUTE
 from launch.plan.measure import compare, cpu_machine, measure
-from launch.plan.planner import COMM_SM_SHARE, PAIR_HIDDEN, Machine, Options, make_plan
+from launch.plan.imbalance import measured_imbalance, parse_zipf, zipf_imbalance
+from launch.plan.planner import COMM_SM_SHARE, PAIR_HIDDEN, Machine, Options, chunk_tokens, make_plan
 from launch.plan.presets import GPU, GPUS, RECIPES, gpu_preset
 from launch.plan.report import known_error, render, table, to_dict
 from launch.plan.search import describe, search
@@ -79,6 +80,13 @@ def parser() -> argparse.ArgumentParser:
                         f"could cover (default {PAIR_HIDDEN:g}: Megatron-Core's, fitted to the model zoo's A/B, "
                         "--validate; 1: all)")
     p.add_argument("--overlap-dp", action="store_true", help="the DP grad reduce runs behind the step's last backward")
+    skew = p.add_mutually_exclusive_group()
+    skew.add_argument("--loads", metavar="RUN_DIR", help="price each MoE layer at its busiest EP rank as a run measured "
+                      "it: the mean busiest-over-mean rows of RUN_DIR/metrics.jsonl's 'stragglers' records (same EP "
+                      "size and model; default: forced balance, as every published run)")
+    skew.add_argument("--imbalance", metavar="zipf:S", help="price each MoE layer at its busiest EP rank under a "
+                      "synthetic skew: expert i drawn with probability ~ i^-S (top-k without replacement, one "
+                      "exchange's tokens, default placement; the config's redundant experts placed for it)")
     p.add_argument("--sample-tokens", type=int, default=1024, help="tokens per EP rank routed for the traffic")
     p.add_argument("--kernels", choices=KERNELS,
                    help="activation bytes of this project's ops or of fused kernels (DeepSeek-V3's); default: what "
@@ -144,7 +152,7 @@ def run(args: argparse.Namespace) -> dict:
     config = load_config(args.config, args.set + ([f'train.recompute="{args.recompute}"'] if args.recompute else []))
     par = config.parallel
     options = Options(config.train.recompute, args.kernels, args.recipe, args.sample_tokens, args.linears,
-                      args.virtual_stages, args.paired_1f1b, args.overlap_dp)
+                      args.virtual_stages, args.paired_1f1b, args.overlap_dp, imbalance_of(args, config))
     if args.search:
         if not args.gpus or args.gpus < 1:
             raise ValueError("--search needs --gpus N (N >= 1)")
@@ -173,6 +181,20 @@ def run(args: argparse.Namespace) -> dict:
     plan = make_plan(config, machine, options)
     print(render(plan))
     return to_dict(plan)
+
+
+def imbalance_of(args: argparse.Namespace, config: RunConfig) -> tuple[float, ...]:
+    """Per routed MoE layer, the busiest EP rank's rows over the balanced share that --loads or --imbalance give
+    (launch.plan.imbalance); () without either: forced balance."""
+    if args.loads is None and args.imbalance is None:
+        return ()
+    flag = "--loads" if args.loads is not None else "--imbalance"
+    if args.search:
+        raise ValueError(f"{flag} with --search: a skew's busiest rank depends on the EP size and tokens of each "
+                         f"layout; plan one layout at a time")
+    if args.loads is not None:
+        return measured_imbalance(args.loads, config)
+    return zipf_imbalance(config, parse_zipf(args.imbalance), chunk_tokens(config) // config.parallel.tp)
 
 
 def run_measured(args: argparse.Namespace, config: RunConfig, options: Options) -> dict:

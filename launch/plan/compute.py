@@ -66,8 +66,9 @@ def _swiglu(model: GemmModel, m: float, h: int, ffn: float, precision: str, grou
 
 
 def layer_seconds(model: GemmModel, cfg: ModelConfig, attention: AttentionShape, index: int, seq_len: int,
-                  tokens: int, tp: int, ep: int, precisions: Precisions) -> Seconds:
-    """Seconds of one chunk of `tokens` tokens through layer `index` on one TP rank (see the module doc)."""
+                  tokens: int, tp: int, ep: int, precisions: Precisions, busiest: float = 1.0) -> Seconds:
+    """Seconds of one chunk of `tokens` tokens through layer `index` on one TP rank (see the module doc); an MoE
+    layer's routed experts at the busiest EP rank's rows (busiest: its rows over the balanced share)."""
     h = cfg.hidden_size
     out = _linear(model, tokens, attention.sharded / h / tp, h, precisions.dense)
     out += _linear(model, tokens / tp, attention.replicated / h, h, precisions.dense)
@@ -75,20 +76,21 @@ def layer_seconds(model: GemmModel, cfg: ModelConfig, attention: AttentionShape,
     out += Seconds(core, 2 * core, 0.0)
     if index < cfg.first_k_dense:
         return out + _swiglu(model, tokens, h, cfg.dense_ffn_size / tp, precisions.dense)
-    return out + moe_block_seconds(model, cfg, tokens, tp, ep, precisions)
+    return out + moe_block_seconds(model, cfg, tokens, tp, ep, precisions, busiest)
 
 
 def moe_block_seconds(model: GemmModel, cfg: ModelConfig, tokens: int, tp: int, ep: int,
-                      precisions: Precisions) -> Seconds:
+                      precisions: Precisions, busiest: float = 1.0) -> Seconds:
     """Seconds of one chunk through an MoE layer's MoE block on one TP rank: shared experts, router, the routed
-    experts' grouped GEMMs and the routed slots' handling (see the module doc)."""
+    experts' grouped GEMMs and the routed slots' handling (see the module doc). The grouped GEMMs run the rows of
+    the busiest EP rank, `busiest` times the balanced share (launch.plan.imbalance; 1: forced balance)."""
     h = cfg.hidden_size
     out = Seconds()
     if cfg.num_shared_experts:
         out += _swiglu(model, tokens, h, cfg.num_shared_experts * cfg.expert_ffn_size / tp, precisions.dense)
     out += _linear(model, tokens / tp, cfg.num_experts, h, "bf16")
     local = cfg.num_experts // ep
-    rows = tokens / tp * cfg.top_k / local  # per local expert, balanced
+    rows = tokens / tp * cfg.top_k / local * busiest  # per local expert of the busiest rank
     handling = model.routed_slots(tokens / tp * cfg.top_k) / 2  # the slots' routing and permutation, each way
     return out + _swiglu(model, rows, h, cfg.expert_ffn_size, precisions.expert, local) + Seconds(handling, handling)
 
@@ -123,11 +125,13 @@ def head_seconds(model: GemmModel, cfg: ModelConfig, tokens: int, tp: int) -> Se
 
 
 def mtp_seconds(model: GemmModel, cfg: ModelConfig, attention: AttentionShape, seq_len: int, tokens: int, tp: int,
-                ep: int, sequence_parallel: bool, itemsize: int, precisions: Precisions) -> Seconds:
+                ep: int, sequence_parallel: bool, itemsize: int, precisions: Precisions,
+                busiest: float = 1.0) -> Seconds:
     """The MTP depths (moe.mtp) of one chunk on the last stage: each one's eh_proj ([2 hidden] -> hidden), a block
-    of the model's MoE kind with its memory-bound ops, and the shared LM head."""
+    of the model's MoE kind with its memory-bound ops (its routed experts at `busiest`, layer_seconds), and the
+    shared LM head."""
     index = cfg.num_layers if cfg.num_moe_layers else 0
-    depth = (layer_seconds(model, cfg, attention, index, seq_len, tokens, tp, ep, precisions)
+    depth = (layer_seconds(model, cfg, attention, index, seq_len, tokens, tp, ep, precisions, busiest)
              + elementwise_seconds(model, cfg, attention, index, tokens, tp, sequence_parallel, itemsize, precisions)
              + _linear(model, tokens, cfg.hidden_size, 2 * cfg.hidden_size, precisions.dense)
              + head_seconds(model, cfg, tokens, tp))

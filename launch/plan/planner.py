@@ -77,6 +77,9 @@ class Options:
     virtual_stages: int = 1      # interleaved 1F1B: model chunks per rank (Megatron's VPP), shrinking the bubble
     paired: bool = False         # 1F1B whose steady-state F, B neighbours run as overlapped pairs (EP A2A overlap)
     dp_overlap: bool = False     # DP grad reduce runs behind the step's last backward (Megatron --overlap-grad-reduce)
+    # per routed MoE layer (model.num_routed_layers), the busiest EP rank's rows over the balanced share in one
+    # exchange (launch.plan.imbalance: --loads, --imbalance); empty: forced balance, every layer at 1
+    imbalance: tuple[float, ...] = ()
 
 
 @dataclass
@@ -231,11 +234,13 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
     tokens = chunk_tokens(config)
     acts = ActivationModel(cfg, params.attention, itemsize, par.tp, par.sequence_parallel, options.recompute,
                            options.kernels, par.cp, par.cp_method)
-    stage_bytes = [acts.stage(layers[s], s == num_stages - 1, tokens) for s in range(num_stages)]
     schedule = make_schedule(config)
     layout = _layout(config)
     moe_layers = [sum(i >= cfg.first_k_dense for i in span) for span in layers]
     moe_layers[-1] += cfg.mtp_depth if cfg.num_moe_layers else 0  # the MTP depths' blocks, on the last stage
+    spare_numel, copied = replica_numels(config)
+    stage_bytes = [acts.stage(layers[s], s == num_stages - 1, tokens) + moe_layers[s] * copied * itemsize
+                   for s in range(num_stages)]
     ep = (ep_stats(cfg, par.ep, gpn, tokens // par.tp, par.dispatch_backend, par.dispatch_payload, dtype,
                    options.sample_tokens) if timed and cfg.num_layers > cfg.first_k_dense else None)
     ep_layer = total(ep.layer) if ep else Traffic()
@@ -255,7 +260,8 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
     peaks = (schedule_peaks(schedule, stage_bytes, kernels, deferred) if schedule
              else [stage_bytes[0]])
     # recompute full, moe or layer: the same schedule with each backward's rerun segments held beside the rest
-    backward = [acts.backward_stage(layers[s], s == num_stages - 1, tokens) for s in range(num_stages)]
+    backward = [acts.backward_stage(layers[s], s == num_stages - 1, tokens) + moe_layers[s] * copied * itemsize
+                for s in range(num_stages)]
     reruns = (schedule_peaks(schedule, stage_bytes, kernels, deferred, backward) if schedule
               else [backward[0]])
     act_bytes = tokens * cfg.hidden_size * itemsize / (par.tp if par.sequence_parallel else 1)
@@ -270,6 +276,8 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
         for numel, group, stage in parts:
             part = zero_model_states(numel, group, stage, recipe)
             states += offloaded(part, numel, group, recipe) if config.optim.offload == "optimizer" else part
+        spares = spare_numel * sum(moe_layers[s] for s in held)  # redundant experts' weights: no optimizer state
+        states += ModelStates(spares * recipe.param, 0.0, 0.0)
         transient = reruns[rank] - peaks[rank]
         workspace = max(backward_workspace(cfg, layers[s], s == 0, s == num_stages - 1, par.ep, par.tp, itemsize,
                                            tokens) for s in held)
@@ -279,7 +287,10 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
         if timed:
             plan.bytes = _rank_bytes(config, layout, rank, held, moe_layers, layers, ep_layer, act_bytes, grad_sync,
                                      itemsize, recipe, gpn, options.recompute == "layer")
-            syncs.append(rates.link_seconds(plan.bytes["dp"].intra_node, plan.bytes["dp"].inter_node))
+            replicas = replica_bytes(config, gpn, spares * itemsize)
+            plan.bytes["ep"] = plan.bytes["ep"] + replicas
+            syncs.append(rates.link_seconds(plan.bytes["dp"].intra_node + replicas.intra_node,
+                                            plan.bytes["dp"].inter_node + replicas.inter_node))
             in_step = _gathers(config, layout, rank, held) if config.optim.zero_stage == 3 else 0
             gathers = in_step * ring_bytes(dense, dense_group, recipe.param)
             prefetched.append(gathers / (rates.inter_bps if dense_inter else rates.intra_bps))
@@ -316,6 +327,41 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
                 steps, list(idles), offload)
 
 
+def replica_numels(config: RunConfig) -> tuple[int, int]:
+    """(elements of one MoE layer's redundant experts on an EP rank, of the expert weights one chunk through that
+    layer keeps): parallel.redundant_experts spare copies of w_gate_up and w_down (moe.replicas), and, with
+    spares, the owned and spare weights the grouped GEMMs run on, concatenated per call and saved for backward
+    (moe.experts.GroupedExperts); (0, 0) without spares."""
+    cfg, spares = config.model, config.parallel.redundant_experts
+    if not spares or config.parallel.ep == 1:
+        return 0, 0
+    per_expert = 3 * cfg.hidden_size * cfg.expert_ffn_size
+    return spares * per_expert, (cfg.num_experts // config.parallel.ep + spares) * per_expert
+
+
+def replica_bytes(config: RunConfig, gpus_per_node: int, nbytes: float) -> Traffic:
+    """Bytes one rank sends per optimizer step for its redundant experts (nbytes: their weights on the rank): the
+    owners' weights into their replicas after the step and the replicas' grads back into the owners before it, as
+    much each way on average; across nodes in the share of EP peers on other nodes, unless node-limited routing
+    keeps replicas on their owner's node (launch.train.build.replica_set)."""
+    cfg, ep = config.model, config.parallel.ep
+    node = min(gpus_per_node, ep)
+    limited = cfg.topk_groups < cfg.num_groups
+    inter = 0.0 if ep <= node or limited else (ep - node) / (ep - 1)
+    out = Traffic()
+    out.add(False, "payload", round(2 * nbytes * (1 - inter)))
+    out.add(True, "payload", round(2 * nbytes * inter))
+    return out
+
+
+def busiest(options: Options, rows: list[int]) -> float:
+    """The mean busiest-over-balanced factor of routed MoE layers `rows` (their index among
+    model.num_routed_layers; 1 under forced balance or for no rows)."""
+    if not options.imbalance or not rows:
+        return 1.0
+    return sum(options.imbalance[r] for r in rows) / len(rows)
+
+
 def _check_options(config: RunConfig, options: Options) -> None:
     """Planner options that only apply to some layouts: a clear error naming the option otherwise."""
     schedule = config.parallel.schedule
@@ -329,6 +375,10 @@ def _check_options(config: RunConfig, options: Options) -> None:
     if options.paired and schedule not in ("1f1b", "none"):
         raise ValueError(f"paired 1F1B applies to parallel.schedule = '1f1b' or 'none' (one stage: consecutive "
                          f"micro-batches paired) only (this config: {schedule!r})")
+    routed = config.model.num_routed_layers
+    if options.imbalance and (len(options.imbalance) != routed or not all(f > 0 for f in options.imbalance)):
+        raise ValueError(f"imbalance: {len(options.imbalance)} factors for {routed} routed MoE layers, each must be "
+                         f"> 0 (the busiest EP rank's rows over the balanced share)")
     if options.linears is not None and options.linears not in PRECISIONS:
         raise ValueError(f"linear precision {options.linears!r} is not allowed; choose one of "
                          f"{', '.join(PRECISIONS)}")
@@ -403,7 +453,10 @@ def _stage_cost(config: RunConfig, params: ModelParams, layers: range, has_head:
     gemms, rates = machine.gemms, machine.rates()
     precisions = Precisions.of(cfg, options.linears)
     itemsize = getattr(torch, train.dtype).itemsize
-    layers_cost = sum((layer_seconds(gemms, cfg, params.attention, i, train.seq_len, tokens, par.tp, par.ep, precisions)
+    first = cfg.first_k_dense
+    mtp_rows = list(range(cfg.num_moe_layers, cfg.num_routed_layers)) if has_head else []
+    layers_cost = sum((layer_seconds(gemms, cfg, params.attention, i, train.seq_len, tokens, par.tp, par.ep, precisions,
+                                     busiest(options, [i - first] if i >= first else []))
                        + elementwise_seconds(gemms, cfg, params.attention, i, tokens, par.tp, par.sequence_parallel,
                                              itemsize, precisions)
                        for i in layers), Seconds())
@@ -411,9 +464,11 @@ def _stage_cost(config: RunConfig, params: ModelParams, layers: range, has_head:
     mtp = Seconds()
     if has_head:
         mtp = mtp_seconds(gemms, cfg, params.attention, train.seq_len, tokens, par.tp, par.ep, par.sequence_parallel,
-                          itemsize, precisions)
+                          itemsize, precisions, busiest(options, mtp_rows))
         cost += head_seconds(gemms, cfg, tokens, par.tp) + mtp
     ep_f = ep_b = 0.0
+    # each exchange waits on its busiest rank: the balanced bytes times its factor (launch.plan.imbalance)
+    skew = busiest(options, [i - first for i in layers if i >= first] + mtp_rows)
     if ep is not None and moe_layers:
         # an FP8 dispatch moves no faster than a BF16 one: its rows cross at BF16 cost (why: docs/planner.md)
         slow = 2 / FP8_CACHED if par.dispatch_payload == "fp8" else 1.0
@@ -421,10 +476,11 @@ def _stage_cost(config: RunConfig, params: ModelParams, layers: range, has_head:
         backward = ep.layer["dispatch_backward"] + ep.layer["combine_backward"]
         # exchanges per hop: dispatch sends counts then rows, combine rows; backward one each way
         hops = 2 if par.dispatch_backend == "hierarchical" and 1 < ep.nodes < ep.ep else 1
-        ep_f = moe_layers * (rates.link_seconds(slow * dispatch.intra_node + combine.intra_node,
-                                                slow * dispatch.inter_node + combine.inter_node)
+        ep_f = moe_layers * (skew * rates.link_seconds(slow * dispatch.intra_node + combine.intra_node,
+                                                       slow * dispatch.inter_node + combine.inter_node)
                              + 3 * hops * rates.exchange_s)
-        ep_b = moe_layers * (rates.link_seconds(backward.intra_node, backward.inter_node) + 2 * hops * rates.exchange_s)
+        ep_b = moe_layers * (skew * rates.link_seconds(backward.intra_node, backward.inter_node)
+                             + 2 * hops * rates.exchange_s)
     tp = 0.0  # each way
     if par.tp > 1:
         ar = 2 * ring_bytes(tokens * cfg.hidden_size, par.tp, itemsize)
@@ -438,7 +494,7 @@ def _stage_cost(config: RunConfig, params: ModelParams, layers: range, has_head:
     elif options.recompute == "selective":
         recompute = _selective_recompute(config, params, len(layers), gemms, precisions.dense)
     elif options.recompute == "moe":  # Megatron-Core's: each MoE block's forward and exchanges again before its B
-        recompute = moe_layers * moe_block_seconds(gemms, cfg, tokens, par.tp, par.ep, precisions).f
+        recompute = moe_layers * moe_block_seconds(gemms, cfg, tokens, par.tp, par.ep, precisions, skew).f
         ep_b, rerun_slots = ep_b + ep_f, slots / 2
     elif options.recompute == "layer":  # each block's whole forward again (MTP's too), exchanges and collectives
         recompute = layers_cost.f + mtp.f  # mtp: zero off the last stage

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed._tools import mod_tracker
-from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
@@ -76,6 +76,21 @@ class StepMemTracker(MemTracker):
         for dev, snap in self._curr_mem_snap.items():
             if self._peak_mem.get(dev, 0) < snap["Total"]:
                 self._peak_mem[dev], self._peak_mem_snap[dev] = snap["Total"], dict(snap)
+
+    def _track_module_params_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool = True
+                                         ) -> tuple[int, int]:
+        """MemTracker's, plus the grads of buffers that take grads (the redundant experts' copies, moe.replicas):
+        gradients, as their owners' are (the hooks go where MemTracker removes its own on exit)."""
+        def grad_hook(grad: torch.Tensor) -> None:
+            self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+        out = super()._track_module_params_and_buffers(module, install_grad_hooks)
+        for buffer in module.buffers():
+            if buffer.requires_grad and install_grad_hooks and buffer not in self._param_to_grad_hook_handles:
+                self._param_to_grad_hook_handles[buffer] = (
+                    buffer.register_hook(grad_hook),
+                    buffer.register_post_accumulate_grad_hook(lambda tensor: grad_hook(tensor.grad)))
+        return out
 
     def _peak_by_kind(self) -> dict[str, int]:
         """The peak snapshot's bytes by MemTracker kind, summed over devices."""

@@ -101,7 +101,8 @@ def to_dict(plan: Plan) -> dict:
         "activation_variants_gb": [{"sequence_parallel": sp, "recompute": m, "peak_gb": gb}
                                    for sp, m, gb in activation_variants(plan)],
         "ep": None if ep is None else {**{k: v for k, v in asdict(ep).items() if k != "layer"},
-                                       "layer_bytes": {k: v.as_dict() for k, v in ep.layer.items()}},
+                                       "layer_bytes": {k: v.as_dict() for k, v in ep.layer.items()},
+                                       "busiest_over_mean": list(plan.options.imbalance) or None},
         "time": {"stage_costs": [asdict(c) for c in plan.stage_costs], "p2p_s": plan.p2p_seconds,
                  "pipeline_makespan_s": plan.makespan, "idle_fraction": plan.idle_fraction,
                  "dp_sync_s": plan.dp_sync_seconds, "step_s": plan.step_seconds,
@@ -160,7 +161,11 @@ def render(plan: Plan) -> str:
                   f"one MoE layer, one micro-batch, one rank ({par.dispatch_backend}, {par.dispatch_payload} payload), "
                   f"bytes sent:",
                   table(["kind", "intra-node", "inter-node"],
-                        [[k, si(v.intra_node), si(v.inter_node)] for k, v in ep.layer.items()])]
+                        [[k, si(v.intra_node), si(v.inter_node)] for k, v in ep.layer.items()]),
+                  "routing: " + (f"busiest EP rank's rows over the balanced share per MoE layer "
+                                 f"{', '.join(f'{f:.3f}' for f in plan.options.imbalance)} (its expert GEMMs and "
+                                 "exchanges priced there)" if plan.options.imbalance else
+                                 "forced balance (every EP rank the mean rows; --loads or --imbalance price a skew)")]
     parts += ["", "bytes sent per GPU per optimizer step:",
               table(["pp rank", *[f"{k} {side}" for k in BYTE_KINDS for side in ("intra", "inter")],
                      "all intra", "all inter"],

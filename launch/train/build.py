@@ -18,6 +18,7 @@ from launch.parallel.stages import Stage, build_stages
 from launch.train.materialize import materialize
 from moe.cp import CPRegion
 from moe.model import MoETransformer
+from moe.replicas import ExpertReplicas, SlotLayout, check_slots
 from moe.tp import tp_replicated_params
 from optim import ZeroOptimizer
 from pipeline import AFAB, ZB1P, DualPipe, DualPipeV, OneFOneB, PipelineRuntime, build
@@ -49,24 +50,59 @@ def build_model(cfg: RunConfig, mesh: Mesh, device: torch.device) -> tuple[list[
     if par.cp > 1:
         model.to_context_parallel(CPRegion(mesh.cp, par.cp_method, mesh.cp_grad), mesh.sequence, mesh.sequence_grad)
     stages = build_stages(model, cfg.train.seq_len, par.num_stages, stage_ids(cfg, mesh.pp_rank))
+    slots = check_slots(cfg.model.num_experts, par.ep, par.redundant_experts)
     if par.ep > 1:
         for stage in stages:
             for layer in stage.moe_layers().values():
                 layer.to_expert_parallel(EPDispatcher(
-                    cfg.model.num_experts, group=mesh.ep, grad_group=mesh.ep_grad,
+                    slots.num_slots, group=mesh.ep, grad_group=mesh.ep_grad,
                     gpus_per_node=mesh.layout.ep_gpus_per_node(), backend=par.dispatch_backend,
                     payload=par.dispatch_payload, hops=mesh.hops, chunks=par.dispatch_chunks,
                     fp8_rows=par.dispatch_payload == "fp8" and cfg.model.expert_precision == "fp8",
-                    exchange=par.dispatch_exchange, headroom=par.dispatch_headroom))
+                    exchange=par.dispatch_exchange, headroom=par.dispatch_headroom),
+                    replica_set(cfg, mesh, slots))
     materialize(stages, cfg.model, cfg.train.seed, device)
     for stage in stages:
         stage.reset_tallies()  # the routing tallies live on device too
+    refresh_replicas(stages)
     if par.pp == 1:
         return stages, None
     runtime = RUNTIMES[par.schedule](stages, process_group=mesh.pipeline, split_bw=par.defer_weight_grads,
                                      overlap=par.overlap_fb_pairs, merge_w=par.chunks_per_weight_grad)
     runtime.fix_boundary(boundary_meta(cfg))
     return stages, runtime
+
+
+
+def replica_set(cfg: RunConfig, mesh: Mesh, slots: SlotLayout) -> ExpertReplicas | None:
+    """One MoE layer's redundant experts on this rank (parallel.redundant_experts; None without): with node-limited
+    routing (model.topk_groups < num_groups) over an EP group spanning nodes, replicas stay on their owner's node."""
+    if not slots.spares:
+        return None
+    limited = cfg.model.topk_groups < cfg.model.num_groups and mesh.layout.ep_nodes() > 1
+    return ExpertReplicas(slots, dist.get_rank(mesh.ep), mesh.ep, mesh.layout.ep_gpus_per_node() if limited else 0)
+
+
+
+def refresh_replicas(stages: list[Stage]) -> None:
+    """Every MoE layer with redundant experts: its spare slots take the placement in its replica_placement buffer
+    (a checkpoint's after a load) and their owners' weights (MoELayer.attach_replicas); call after materialising,
+    after each optimizer step and after loading a checkpoint, on every rank in the same order."""
+    for stage in stages:
+        for layer in stage.moe_layers().values():
+            if layer.replicas is not None:
+                layer.attach_replicas()
+
+
+
+def fold_replica_grads(stages: list[Stage], optimizer: ZeroOptimizer) -> None:
+    """Sum each redundant expert's grad into its owner's (as ZeRO holds it, before the reduction over expert-DP:
+    the expert groups then reduce after the backward, build_optimizer), so one optimizer state per expert sees
+    every row's gradient."""
+    for stage in stages:
+        for layer in stage.moe_layers().values():
+            if layer.replicas is not None:
+                layer.replicas.fold_grads(optimizer.local_grads([layer.experts.w_gate_up, layer.experts.w_down]))
 
 
 
@@ -128,7 +164,9 @@ def build_optimizer(stages: list[Stage], cfg: RunConfig, mesh: Mesh) -> ZeroOpti
                     "grad_divisor": 1, "norm_weight": 1 / mesh.layout.tp if replicated else 1.0}
             for module, part in (_by_owner(stage, params) if zero3 and not expert else [(None, params)]):
                 if part:
-                    groups.append({"params": part, **base, "overlap": not any(id(p) in partial for p in part),
+                    folded = expert and cfg.parallel.redundant_experts > 0  # fold_replica_grads first
+                    groups.append({"params": part, **base,
+                                   "overlap": not (folded or any(id(p) in partial for p in part)),
                                    **({"module": module} if module is not None else {})})
     groups += [{"params": [p], "weight_decay": cfg.train.weight_decay, "process_group": mesh.embed_replicas,
                 "grad_divisor": 1} for p in copies.values()]

@@ -29,10 +29,11 @@ from launch.metrics.records import JsonlWriter, TensorBoardWriter
 from launch.parallel.device import rank_device
 from launch.parallel.mesh import Mesh
 from launch.parallel.stages import Stage
-from launch.train.build import build_model, build_optimizer, sum_tp_partial_grads
+from launch.train.build import (build_model, build_optimizer, fold_replica_grads, refresh_replicas,
+                                sum_tp_partial_grads)
 from launch.train.rundir import METRICS, rewind_metrics, run_identity
-from launch.train.step import (document_eos, evaluate, exact_exchanges, forward_backward, gather_step_stats,
-                               step_metrics, update_expert_bias)
+from launch.train.step import (ReplicaWindow, document_eos, evaluate, exact_exchanges, forward_backward,
+                               gather_step_stats, step_metrics, update_expert_bias)
 from optim.lr_schedule import warmup_cosine
 from pipeline import PipelineRuntime
 
@@ -105,6 +106,7 @@ def _train(cfg: RunConfig, metrics_out: str | Path | None, resume: bool, require
                                                   enabled=not rehearsal) as phases:
         phases.enter("load", long=True)
         start = checkpointer.load(state, resume_data, required=require_checkpoint) if resume and checkpointer else 0
+        refresh_replicas(stages)  # a checkpoint's placement, the owners' loaded weights
         records = _loop(cfg, mesh, stages, runtime, state, checkpointer, eval_batches, start, metrics_out,
                         progress, preemption, phases)
     if checkpointer is not None:
@@ -133,6 +135,7 @@ def _loop(cfg: RunConfig, mesh: Mesh, stages: list[Stage], runtime: PipelineRunt
     eos = document_eos(cfg)
     bar = tqdm(total=settings.steps, initial=start, disable=not (progress and lead), desc="train", unit="step")
     step, saved = start, start
+    window = ReplicaWindow(stages, cfg)
     while step < settings.steps:
         began = time.perf_counter()
         micro = batches.next_step()
@@ -146,6 +149,7 @@ def _loop(cfg: RunConfig, mesh: Mesh, stages: list[Stage], runtime: PipelineRunt
                                              guard.loss_scale(step, 1 / settings.grad_accum_steps),
                                              optimizer if cfg.parallel.overlap_grad_reduce else None, eos)
             phases.enter("grad sync", step)
+            fold_replica_grads(stages, optimizer)
             sum_tp_partial_grads(stages, mesh, optimizer)
             compute_s = time.perf_counter() - began
             grad_norm = optimizer.clip_grad_norm_(settings.grad_clip, group=mesh.world)
@@ -165,6 +169,8 @@ def _loop(cfg: RunConfig, mesh: Mesh, stages: list[Stage], runtime: PipelineRunt
             optimizer.step()
             scheduler.step()
             update_expert_bias(stages, cfg, stats["loads_on_device"])
+            window.add(step, stats["loads"])  # every rebalance_every steps: a new placement of the spare slots
+            refresh_replicas(stages)  # the owners' updated weights into their replicas
         else:
             skipped += 1
         elapsed = time.perf_counter() - began
@@ -175,6 +181,7 @@ def _loop(cfg: RunConfig, mesh: Mesh, stages: list[Stage], runtime: PipelineRunt
         if status == "spike" and cfg.ops.spike_policy == "rollback" and checkpointer:
             phases.enter("load", step, long=True)
             back = checkpointer.load(state, restore_data=False)  # 0: no checkpoint yet, the spike is only skipped
+            refresh_replicas(stages)
             if back:
                 saved = record["rolled_back_to"] = back
         last = step + 1 == settings.steps

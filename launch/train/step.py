@@ -18,8 +18,9 @@ from dispatch.progress import ACTION, mark
 from launch.config.run import RunConfig
 from launch.data.feed import DataFeed, MicroBatch
 from launch.data.tokenizer import load_tokenizer
+from launch.metrics.flops import expert_row_flops
 from launch.metrics.records import (expert_load_summary, mfu_peak, model_flops_per_token, moe_layer_metrics,
-                                    rank_metrics, step_record, throughput_metrics, traffic_metrics)
+                                    rank_metrics, step_record, straggler_metrics, throughput_metrics, traffic_metrics)
 from launch.parallel.device import to_host
 from launch.parallel.mesh import Mesh
 from launch.parallel.stages import LOSS_KINDS, Stage
@@ -136,11 +137,17 @@ def gather_step_stats(stages: list[Stage], cfg: RunConfig, mesh: Mesh, lm_part: 
     biases = torch.zeros(layers, experts, dtype=torch.float64, device=device)
     extra = torch.zeros(layers, 3 + len(LOSS_KINDS), dtype=torch.float64, device=device)  # dropped, aux, holders, losses
     overflow = torch.zeros(1, dtype=torch.float64, device=device)  # padded exchanges that left rows out
+    ep, position = mesh.layout.ep, dist.get_rank(mesh.ep)
+    received = torch.zeros(2, layers, ep, dtype=torch.float64, device=device)  # rows, peak ratio by EP position
+    mine = torch.zeros(layers, dtype=torch.float64, device=device)  # this rank's rows, for the per-rank table
     for stage in stages:
         for i, layer in stage.moe_layers().items():
             if hasattr(layer.dispatcher, "take_overflow"):
                 overflow += layer.dispatcher.take_overflow(device)
             tally, row = stage.tallies[i], i - first_moe
+            received[0, row, position] += tally.rows
+            received[1, row, position] += tally.peak
+            mine[row] += tally.rows
             loads[row] += tally.tokens_per_expert
             biases[row] += layer.router.expert_bias.detach()
             extra[row, 0] += tally.dropped
@@ -152,23 +159,25 @@ def gather_step_stats(stages: list[Stage], cfg: RunConfig, mesh: Mesh, lm_part: 
         stage.reset_tallies()  # and the EP traffic counters, read above
     # host numbers to the device for the all-reduce (a blocking copy: the step's compute is done by now)
     host_tables = [*peers.ravel().tolist(), float(stop)]
-    parts = [lm_part.view(1), loads, biases, extra, mtp, overflow,
+    parts = [lm_part.view(1), loads, biases, extra, mtp, overflow, received,
              torch.tensor(host_tables, dtype=torch.float64, device=device)]
     flat = torch.cat([p.flatten() for p in parts])
     dist.all_reduce(flat)
     host = to_host(torch.cat([flat, grad_norm.detach().view(1).double()]))  # the step's one device-to-host copy
-    _, loads_h, biases_h, extra_h, mtp_h, overflow_h, tables, norm = (chunk.view_as(p) for chunk, p in zip(
+    _, loads_h, biases_h, extra_h, mtp_h, overflow_h, received_h, tables, norm = (chunk.view_as(p) for chunk, p in zip(
         host.split([p.numel() for p in parts] + [1]), parts + [grad_norm.view(1)]))
-    tp, ep = cfg.parallel.tp, mesh.layout.ep
+    tp = cfg.parallel.tp
     shards = tp * cfg.parallel.cp  # the router losses are the same on every TP and CP rank of a sequence
     extra_h[:, 1], extra_h[:, 3:] = extra_h[:, 1] / shards, extra_h[:, 3:] / shards
-    ranks = gather_rank_rows(np.concatenate([by_kind.ravel(), rank_row(device, idle)]), device) if per_rank else {}
+    ranks = gather_rank_rows(np.concatenate([by_kind.ravel(), rank_row(device, idle)]), device, mine) if per_rank else {}
     lm, aux, mtp_losses = float(host[0]) / tp, float(extra_h[:, 1].sum()), (mtp_h / tp).tolist()
     mtp_term = cfg.model.mtp_loss_coeff / cfg.model.mtp_depth * sum(mtp_losses) if mtp_losses else 0.0
     return {"loss": lm + aux + mtp_term, "lm_loss": lm, "mtp_losses": mtp_losses, "loads": [row.long() for row in loads_h], "dropped": extra_h[:, 0],
             "aux_loss": aux, "biases": biases_h / extra_h[:, 2:3].clamp(min=1),
             "losses": [dict(zip(LOSS_KINDS, row.tolist())) for row in extra_h[:, 3:]], "grad_norm": float(norm[0]),
-            "stop": bool(tables[-1] > 0), "overflow": bool(overflow_h[0] > 0), "loads_on_device": flat[1:1 + loads.numel()].view_as(loads),
+            "stop": bool(tables[-1] > 0), "overflow": bool(overflow_h[0] > 0),
+            "loads_on_device": flat[1:1 + loads.numel()].view_as(loads),
+            "received": position_rows(received_h, extra_h[:, 2], mesh.layout.stage_ranks // ep),
             **traffic_metrics(tables[:-1].view(ep, ep).long().tolist(), mesh.layout.ep_gpus_per_node() if ep > 1 else 0),
             **ranks}
 
@@ -190,6 +199,47 @@ def exact_exchanges(stages: list[Stage], grow: bool = True) -> Iterator[None]:
             dispatcher.exchange = "padded"
             if grow:
                 dispatcher.grow()
+
+
+def position_rows(received: Tensor, holders: Tensor, copies: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rows [layers, ep], peak [layers]) from the stats all-reduce's received table [2, layers, ep] (rows and
+    peak ratio added at each rank's EP position) and each layer's holders (ranks holding it): rows each EP
+    position's experts received over the step, averaged over the copies of the EP group (expert data parallel,
+    TP/CP ranks: copies per position; DualPipe's twins see disjoint micro-batches and add up), and the busiest
+    position's largest ratio of one exchange's rows to the balanced share (max over positions of each position's
+    running max over the step's exchanges, those two maxima commute), averaged over every holder of the position."""
+    ep = received.shape[-1]
+    per_position = (holders / ep).clamp(min=1).view(-1, 1).numpy()
+    rows = received[0].numpy() / copies
+    peak = (received[1].numpy() / per_position).max(axis=1)
+    return rows, peak
+
+
+
+class ReplicaWindow:
+    """The loads [moe layers, E] summed over the steps since the last placement of the redundant experts
+    (parallel.redundant_experts; host numbers every rank holds alike, from the step's stats copy); at the end of
+    every parallel.rebalance_every steps each layer places its spare slots from them (MoELayer.replace_replicas).
+    The window is not checkpointed: a run resumed from a step inside a window places at that window's end from the
+    steps since the resume only (checkpoints right after a placement resume bitwise; another placement changes the
+    numbers by rounding only)."""
+
+    def __init__(self, stages: list[Stage], cfg: RunConfig) -> None:
+        self.every, self.first = cfg.parallel.rebalance_every, cfg.model.first_k_dense
+        self.layers = {i: layer for stage in stages for i, layer in stage.moe_layers().items()
+                       if layer.replicas is not None}
+        self.loads: np.ndarray | None = None
+
+    def add(self, step: int, loads: list[Tensor]) -> None:
+        """Count step's loads; after every rebalance_every-th step, place and start a new window."""
+        if not self.layers:
+            return
+        counts = torch.stack(loads).numpy().astype(np.float64)
+        self.loads = counts if self.loads is None else self.loads + counts
+        if (step + 1) % self.every == 0:
+            for i, layer in sorted(self.layers.items()):
+                layer.replace_replicas(self.loads[i - self.first])
+            self.loads = None
 
 
 
@@ -234,35 +284,40 @@ def traffic_table(stages: list[Stage], mesh: Mesh) -> tuple[np.ndarray, np.ndarr
 
 
 
-def gather_rank_rows(row: np.ndarray, device: torch.device) -> dict:
-    """Every rank's row (traffic by kind, peak memory, idle share) gathered to rank 0 (O(1) bytes per other rank):
-    there, the "traffic_bytes" and "ranks" metrics sections; elsewhere nothing."""
-    mine = torch.tensor(row.tolist(), dtype=torch.float64, device=device)
+def gather_rank_rows(row: np.ndarray, device: torch.device, expert_rows: Tensor) -> dict:
+    """Every rank's row (traffic by kind, peak memory, idle share, and the rows its experts received per MoE layer,
+    expert_rows [layers] on the device) gathered to rank 0 (O(layers) bytes per other rank): there, the
+    "traffic_bytes" and "ranks" metrics sections; elsewhere nothing."""
+    mine = torch.cat([torch.tensor(row.tolist(), dtype=torch.float64, device=device), expert_rows])
     lead = dist.get_rank() == 0
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())] if lead else None
     dist.gather(mine, rows, dst=0)
     if not lead:
         return {}
     table = to_host(torch.stack(rows))  # rank 0's copy of the gathered rows, on the rank-metrics steps only
+    table, received = table[:, :len(row)], table[:, len(row):]
     by_kind = table[:, :-2].view(len(table), len(TRAFFIC_KINDS), len(TRAFFIC_FIELDS))
     return {"traffic_bytes": {kind: by_kind[:, k].long().tolist() for k, kind in enumerate(TRAFFIC_KINDS)},
-            **rank_metrics(table[:, -2].long().tolist(), table[:, -1].tolist())}
+            **rank_metrics(table[:, -2].long().tolist(), table[:, -1].tolist(), received.numpy())}
 
 
 
 def step_metrics(step: int, cfg: RunConfig, stats: dict, scalars: dict, tokens: int, seconds: float,
                  device: torch.device) -> dict:
     """The step's metrics record (launch/metrics/dashboard/SCHEMA.md): scalars, throughput and MFU (against the peaks of
-    the precisions the GEMMs run in on this rank's GPU: launch.metrics.records.mfu_peak), the "moe" section."""
+    the precisions the GEMMs run in on this rank's GPU: launch.metrics.records.mfu_peak), the "moe" and "stragglers" sections."""
     peak = mfu_peak(cfg.model, cfg.train.seq_len, device, cfg.train.peak_tflops_per_gpu)
     mtp = {f"mtp_loss_{k}": loss for k, loss in enumerate(stats["mtp_losses"], start=1)}
+    flops_per_token = model_flops_per_token(cfg.model, cfg.train.seq_len)
     return step_record(step, {"loss": stats["loss"], "lm_loss": stats["lm_loss"], **mtp,
                               "aux_loss": stats["aux_loss"], "dropped_tokens": int(stats["dropped"].sum())},
-                       scalars, throughput_metrics(tokens, seconds, model_flops_per_token(cfg.model, cfg.train.seq_len),
+                       scalars, throughput_metrics(tokens, seconds, flops_per_token,
                                                    peak * cfg.parallel.world_size if peak else None),
                        expert_load_summary(stats["loads"]),
                        moe_layer_metrics(stats["loads"], stats["biases"].numpy(), stats["dropped"].long().tolist(),
-                                         stats["losses"]))
+                                         stats["losses"]),
+                       straggler_metrics(*stats["received"], expert_row_flops(cfg.model),
+                                         tokens * flops_per_token / cfg.parallel.world_size))
 
 
 

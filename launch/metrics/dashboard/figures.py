@@ -76,6 +76,36 @@ def imbalance_figure(run: Run) -> dict:
     return as_dict(figure)
 
 
+def stragglers_figure(run: Run) -> dict:
+    """Rows each EP rank's experts received over their layer's mean (heatmap over steps, one row per MoE layer
+    and EP rank), the busiest rank's largest share of one exchange per layer, and the straggler share of the step."""
+    if run.position_rows is None:
+        return empty_figure(f"{run.name}: stragglers", "no per-rank expert rows in this run's metrics")
+    figure = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.06, row_heights=[0.6, 0.2, 0.2],
+                           subplot_titles=("rows per EP rank / layer mean (y: MoE layer . EP rank)",
+                                           "busiest rank / mean, worst exchange (per layer)",
+                                           "straggler share of the step"))
+    steps, values = run.position_rows.series()  # [bins, layers, ep]
+    bins, layers, ep = values.shape
+    labels = [f"{layer}.{rank}" for layer in range(layers) for rank in range(ep)]
+    top = max(float(np.nanmax(values, initial=1.0)), 1.5)
+    figure.add_trace(go.Heatmap(z=values.reshape(bins, layers * ep).T.astype(np.float32), x=steps.astype(np.float32),
+                                y=labels, colorscale="Reds", zmin=0.0, zmax=top, colorbar={"len": 0.55, "y": 0.72},
+                                hovertemplate="step %{x:.0f}<br>layer.rank %{y}<br>%{z:.3f}<extra></extra>"),
+                     row=1, col=1)
+    if "busiest_over_mean" in run.layers:
+        steps_b, busiest = run.layers["busiest_over_mean"].series()
+        for layer in range(busiest.shape[1]):
+            figure.add_trace(go.Scatter(x=steps_b.astype(np.float32), y=busiest[:, layer].astype(np.float32),
+                                        mode="lines", name=f"layer {layer}"), row=2, col=1)
+    if "straggler_share" in run.scalars:
+        steps_s, share = run.scalars["straggler_share"].series()
+        figure.add_trace(go.Scatter(x=steps_s.astype(np.float32), y=share.astype(np.float32), mode="lines",
+                                    name="straggler share", line={"color": "black"}), row=3, col=1)
+    figure.update_layout(**BASE_LAYOUT, title=f"{run.name}: routing stragglers", height=620, showlegend=False)
+    return as_dict(figure)
+
+
 def balance_figure(run: Run) -> dict:
     """Balance losses by kind (mean over layers, unweighted) and dropped slots (sum over layers) over steps."""
     dropped = run.layers.get("dropped") or run.scalars.get("dropped_tokens")

@@ -9,11 +9,11 @@ from importlib import resources
 from plotly.offline import get_plotlyjs
 
 from launch.metrics.dashboard.figures import (balance_figure, curves_figure, imbalance_figure, layer_arrays, ranks_figure,
-                                      traffic_figure)
+                                      stragglers_figure, traffic_figure)
 from launch.metrics.dashboard.runs import Run
 
-PER_RUN_VIEWS = (("imbalance", imbalance_figure), ("balance", balance_figure), ("traffic", traffic_figure),
-                 ("ranks", ranks_figure))
+PER_RUN_VIEWS = (("imbalance", imbalance_figure), ("balance", balance_figure), ("stragglers", stragglers_figure),
+                 ("traffic", traffic_figure), ("ranks", ranks_figure))
 LAYER_VIEWS = ("load", "bias")
 
 ERROR_TRAP = """
@@ -95,6 +95,7 @@ def build_html(runs: list[Run], live_seconds: float = 0, version: str = "") -> s
 {_section("Expert load over steps (selected layer)", "load", runs)}
 {_section("Expert-bias trajectories (selected layer)", "bias", runs)}
 {_section("Balance losses and dropped slots", "balance", runs)}
+{_section("Routing stragglers: rows per EP rank and layer, straggler share", "stragglers", runs)}
 {_section("Dispatch traffic", "traffic", runs)}
 {_section("Per rank: peak memory and pipeline idle", "ranks", runs)}
 <script type="application/json" id="dashboard-data">{data}</script>

@@ -13,8 +13,10 @@ import numpy as np
 from launch.metrics.records import SCHEMA_VERSION, decode_array
 
 METRICS_FILE = "metrics.jsonl"
-SCALARS = ("loss", "lm_loss", "aux_loss", "eval_lm_loss", "grad_norm", "lr", "tokens_per_s", "mfu", "dropped_tokens")
+SCALARS = ("loss", "lm_loss", "aux_loss", "eval_lm_loss", "grad_norm", "lr", "tokens_per_s", "mfu", "dropped_tokens",
+           "straggler_share")
 LAYER_FIGURES = ("max_over_mean", "min_over_mean", "cv", "dead", "entropy", "dropped")
+"""Per-layer lists of the "moe" section the dashboard bins (the "stragglers" section adds busiest_over_mean)."""
 SCHEMA_ONE_KEYS = {"max_over_mean": "expert_load_max_over_mean", "min_over_mean": "expert_load_min_over_mean",
                    "dead": "dead_experts", "entropy": "expert_load_entropy"}
 
@@ -70,6 +72,7 @@ class Run:
     rank_bytes: np.ndarray | None = None
     node_bytes: np.ndarray | None = None
     ranks: dict[str, np.ndarray] = field(default_factory=dict)
+    position_rows: Bins | None = None  # [layers, ep] rows each EP position received over their layer's mean
 
 
 def metrics_path(run_dir: str | Path) -> Path:
@@ -172,6 +175,14 @@ def add_record(run: Run, record: dict) -> None:
     rank_bytes = _matrix(traffic["rank_bytes"]).astype(np.int64) if "rank_bytes" in traffic else None
     total = 0 if rank_bytes is None else rank_bytes.sum()
     node_bytes = np.asarray(traffic.get("node_bytes", [[total]]), dtype=np.int64)
+    stragglers = record.get("stragglers") if isinstance(record.get("stragglers"), dict) else {}
+    position_rows = _matrix(stragglers["rows"]) if "rows" in stragglers else None
+    busiest = stragglers.get("busiest_over_mean")
+    if isinstance(busiest, list) and busiest:
+        layers["busiest_over_mean"] = _numbers(busiest)
+    share = stragglers.get("share")
+    if isinstance(share, (int, float)) and not isinstance(share, bool) and math.isfinite(share):
+        scalars["straggler_share"] = share
 
     schema = record.get("schema", 1)
     run.schemas.add(schema if isinstance(schema, int) else 0)
@@ -193,6 +204,10 @@ def add_record(run: Run, record: dict) -> None:
         if run.bias is None:
             run.bias = Bins(first, _width(first, last, run.bias_bytes // (bias.size * 4)))
         run.bias.add(step, bias)
+    if position_rows is not None:
+        if run.position_rows is None:
+            run.position_rows = Bins(first, _width(first, last, run.heat_bytes // (position_rows.size * 4)))
+        run.position_rows.add(step, position_rows / np.maximum(position_rows.mean(axis=1, keepdims=True), 1e-12))
     if rank_bytes is not None:
         _add_traffic(run, rank_bytes, node_bytes)
     if isinstance(record.get("ranks"), dict):

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from launch.metrics.records import JsonlWriter, moe_layer_metrics, rank_metrics, step_record, traffic_metrics
+from launch.metrics.records import (JsonlWriter, moe_layer_metrics, rank_metrics, step_record, straggler_metrics,
+                                    traffic_metrics)
 
 
 @dataclass
@@ -51,6 +52,7 @@ def synthetic_records(shape: SyntheticShape, seed: int = 0, every: int = 1) -> I
         push = np.sign(loads - loads.mean(axis=1, keepdims=True))
         bias -= shape.bias_rate * min(every, 10) * (push - push.mean(axis=1, keepdims=True))  # zero-mean updates
         progress = step / max(shape.steps - 1, 1)
+        rows = loads.reshape(layers, shape.ep, -1).sum(axis=2)  # rows each EP rank's contiguous expert block gets
         losses = [{"seq_balance": float(1.0 + (share[i] ** 2).sum() * 0.1)} for i in range(layers)]
         yield step_record(
             step,
@@ -60,6 +62,8 @@ def synthetic_records(shape: SyntheticShape, seed: int = 0, every: int = 1) -> I
              "tokens_per_s": 3.5e6 * (1 + 0.02 * rng.normal()), "mfu": 0.39 * (1 + 0.02 * rng.normal())},
             moe_layer_metrics(loads, bias, [0] * layers, losses),
             traffic_metrics((traffic_base * (1 + 0.1 * rng.random())).astype(np.int64), shape.gpus_per_node),
+            straggler_metrics(rows, rows.max(axis=1) / rows.mean(axis=1) * 1.1, 18.0 * 7168 * 2048,  # 18 h F a row
+                              shape.tokens_per_step * 6 * 37e9 / shape.world),  # 6 FLOPs per active parameter
             rank_metrics(memory.astype(np.int64), rng.random(shape.world) * 0.1))
 
 

@@ -85,6 +85,8 @@ TINY = {  # the smallest run of every timed suite
            "--quiet"],
     "data": ["--mbytes", "0.1", "--steps", "2", "--seq-len", "32", "--dp", "2", "--quiet"],
     "layer": ["--ep", "1", "--rounds", "1", "--repeats", "2", "--warmup", "0", "--peers", "", "--quiet"],
+    "imbalance": ["--ranks", "2", "--experts", "4", "--tokens", "16", "--hidden", "8", "--ffn", "8", "--spares", "0",
+                  "1", "--steps", "2", "--warmup", "0", "--quiet"],
 }
 UNTIMED = {"compare"}  # reads other suites' files
 # the train suite's config ({tmp} is the test's tmp_path): the 1-process default on short sequences and little text

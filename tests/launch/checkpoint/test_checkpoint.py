@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,6 +34,8 @@ PP2_DP2 = {"pp": 2, "dp": 2, "schedule": "dualpipev"}
 PP2_V = {"pp": 2, "schedule": "dualpipev"}
 PP2_DUALPIPE = {"pp": 2, "schedule": "dualpipe"}
 DP2_EP2 = {"dp": 2, "ep": 2}
+# redundant experts re-placed after steps 2 and 5: the cut at HALF = 3 follows a re-placement (an empty load window)
+DP2_EP2_SPARE = {**DP2_EP2, "redundant_experts": 1, "rebalance_every": HALF}
 
 
 def config(run_dir, corpus: str, parallel: dict, steps: int = STEPS, every: int = 0, **ops) -> dict:
@@ -63,15 +66,21 @@ def assert_same_model(got: dict, want: dict) -> None:
 
 
 def test_reshard_between_layouts_continues_the_single_process_run(corpus, saved_reference, tmp_path):
-    """pp2 x ep2 (4 ranks) -> 1 process; pp2 dp2 -> pp2 dp2 ep2 (4 ranks); 1 process -> dp2 ep2 (2 ranks)."""
+    """pp2 x ep2 (4 ranks) -> 1 process; pp2 dp2 -> pp2 dp2 ep2 (4 ranks); 1 process -> dp2 ep2 (2 ranks). In the
+    dp2 ep2 spawn also: dp2 ep2 with redundant experts cut at HALF (right after a re-placement) and resumed equals
+    its uninterrupted run bit for bit: losses, params and the placement in the final checkpoint."""
     want, ref_dir = saved_reference
     a, b, c = tmp_path / "pp2ep2", tmp_path / "pp2dp2", tmp_path / "one"
+    cut, whole = tmp_path / "spare_cut", tmp_path / "spare_whole"
     saved_a, saved_b, resumed_b = run_processes(_runs, 4, [
         (config(a, corpus, PP2_EP2, steps=HALF), False), (config(b, corpus, PP2_DP2, steps=HALF), False),
         (config(b, corpus, PP2_EP2), True)], timeout_s=300)[0]
     resumed_a = train(build_config(config(a, corpus, {})), resume=True, progress=False)
     train(build_config(config(c, corpus, {}, steps=HALF)), progress=False)
-    resumed_c = run_processes(_runs, 2, [(config(c, corpus, DP2_EP2), True)], timeout_s=300)[0][0]
+    resumed_c, saved_d, resumed_d, whole_d = run_processes(_runs, 2, [
+        (config(c, corpus, DP2_EP2), True), (config(cut, corpus, DP2_EP2_SPARE, steps=HALF), False),
+        (config(cut, corpus, DP2_EP2_SPARE), True), (config(whole, corpus, DP2_EP2_SPARE), False)], timeout_s=300)[0]
+    check_bitwise_resume(saved_d + resumed_d, whole_d, cut, whole)
     assert_continues(saved_a + resumed_a, want, 0)
     assert_continues(saved_b + resumed_b, want, 0)
     assert_continues(resumed_c, want, HALF)
@@ -79,6 +88,19 @@ def test_reshard_between_layouts_continues_the_single_process_run(corpus, saved_
     for run in (a, b, c):
         assert [s for s, _ in published(run / "checkpoint")] == [STEPS, HALF]
         assert_same_model(consolidate(run / "checkpoint"), final)
+
+
+def check_bitwise_resume(resumed: list[dict], whole: list[dict], resumed_dir: Path, whole_dir: Path) -> None:
+    """A run cut and resumed in its own layout equals its uninterrupted run exactly: every step's losses and
+    grad norm, the final checkpoint's tensors (redundant experts' placements included, each using a spare slot)."""
+    assert [r["step"] for r in resumed] == [r["step"] for r in whole] == list(range(STEPS))
+    for got, ref in zip(resumed, whole):
+        assert [got[k] for k in ("loss", "lm_loss", "aux_loss", "grad_norm")] == [
+            ref[k] for k in ("loss", "lm_loss", "aux_loss", "grad_norm")], got["step"]
+    got, ref = consolidate(resumed_dir / "checkpoint"), consolidate(whole_dir / "checkpoint")
+    assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
+    placements = [ref[k] for k in ref if k.endswith(".replica_placement")]
+    assert placements and any((p >= 0).any() for p in placements)
 
 
 def test_reshard_through_plain_dualpipe_continues_the_single_process_run(corpus, saved_reference, tmp_path):

@@ -1,5 +1,6 @@
 """Config validation: every bad value stops the program early with the field named."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -95,3 +96,14 @@ def test_cli_rejects_bad_config_before_any_work(tmp_path):
     assert result.returncode == 2
     assert "top_k = 99" in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("parallel", "model", "key"), [
+    ({"dp": 2, "ep": 2, "redundant_experts": 5}, {}, "parallel.redundant_experts"),  # 4 experts per rank
+    ({"dp": 2, "ep": 2, "redundant_experts": 1, "rebalance_every": 0}, {}, "parallel.rebalance_every"),
+    ({"dp": 2, "ep": 2, "redundant_experts": 1}, {"capacity_factor": 1.0}, "model.capacity_factor"),
+    ({"dp": 2, "redundant_experts": 1}, {}, "parallel.ep > 1"),
+])
+def test_redundant_experts_refuse_bad_input_naming_the_key(parallel, model, key):
+    with pytest.raises(ValueError, match=re.escape(key)):
+        build_config({"model": {"num_experts": 8, **model}, "train": {"grad_accum_steps": 2}, "parallel": parallel})

@@ -78,7 +78,8 @@ def render(html_file: Path) -> tuple[str, dict, list[str]]:
     return status.group(1) if status else "missing", charts.found, problems
 
 
-CHART_IDS = ["curves"] + [f"{view}-{run}" for view in ("imbalance", "load", "bias", "balance", "traffic", "ranks")
+CHART_IDS = ["curves"] + [f"{view}-{run}" for view in ("imbalance", "load", "bias", "balance", "stragglers", "traffic",
+                                                        "ranks")
                           for run in (0, 1)]
 
 
@@ -117,7 +118,9 @@ def test_two_runs_render_every_chart_without_console_output(run_dirs, tmp_path):
         assert charts[f"bias-{index}"]["scatter"] == (moe["num_experts"] if "bias" in moe else 0)
         ep_ranks = traffic["rank_bytes"]["shape"][0] if "rank_bytes" in traffic else 0
         assert charts[f"traffic-{index}"]["heatmap"] == (2 if ep_ranks > 1 else 0)  # node and rank matrices
-        assert charts[f"ranks-{index}"]["bars"] == len(last.get("ranks", {}))
+        assert charts[f"ranks-{index}"]["bars"] == len([k for k in last.get("ranks", {}) if k != "expert_rows"])
+        assert charts[f"stragglers-{index}"]["heatmap"] == 1  # the rank x layer rows over steps
+        assert charts[f"stragglers-{index}"]["scatter"] == len(last["stragglers"]["busiest_over_mean"]) + 1
     assert charts["load-1"]["heatmap"] and charts["traffic-1"]["heatmap"] and charts["ranks-1"]["bars"] == 2
     artifacts = Path(os.environ.get("MOE_TEST_ARTIFACTS", tmp_path))
     shot = screenshot(page.resolve().as_uri(), artifacts / "dashboard-two-runs.png", width=1400, height=2600)

@@ -44,8 +44,8 @@ def train_one_step_recording_routes(rank: int, world_size: int, run_dir: str, la
         records = train(cfg, progress=False)
     finally:
         MoETransformer.__init__ = build
-    return {"records": records, "routes": {i: np.concatenate(r) for i, r in routes.items()},
-            "experts": cfg.model.num_experts}
+    return {"records": records, "routes": {i: np.concatenate(r) for i, r in routes.items()}, "calls": routes,
+            "experts": cfg.model.num_experts, "ep": cfg.parallel.ep, "top_k": cfg.model.top_k}
 
 
 def check_record_against_routes(record: dict, routes: list[dict[int, np.ndarray]], experts: int) -> None:
@@ -66,18 +66,46 @@ def check_record_against_routes(record: dict, routes: list[dict[int, np.ndarray]
     assert record["dropped_tokens"] == sum(moe["dropped"])
 
 
+def check_stragglers_against_routes(record: dict, results: list[dict]) -> None:
+    """The "stragglers" section (and the per-rank table where present) against rows counted from every rank's
+    routing indices, exchange by exchange: the ranks holding a layer form its EP group (one copy per position
+    here), in rank order; the n-th call of a layer on each of them is one all-to-all."""
+    experts, ep, k = results[0]["experts"], results[0]["ep"], results[0]["top_k"]
+    section = record["stragglers"]
+    rows = decode_array(section["rows"])
+    assert section["ep"] == ep and rows.shape == (len(record["moe"]["dead"]), ep)
+    table = decode_array(record["ranks"]["expert_rows"]) if "expert_rows" in record.get("ranks", {}) else None
+    excess = 0.0
+    for layer in range(rows.shape[0]):
+        holders = [r for r, result in enumerate(results) if layer in result["calls"]]
+        assert len(holders) == ep
+        calls = [results[r]["calls"][layer] for r in holders]
+        per_call = np.array([[sum(int(((c >= 0) & (c // (experts // ep) == j)).sum()) for c in exchange)
+                              for j in range(ep)] for exchange in zip(*calls)])
+        balanced = np.array([[c.shape[0] * k] for c in calls[0]])
+        assert rows[layer].tolist() == per_call.sum(0).tolist(), layer
+        assert section["busiest_over_mean"][layer] == pytest.approx((per_call / balanced).max(), abs=1e-4)
+        excess += per_call.sum(0).max() - per_call.sum(0).mean()
+        if table is not None:
+            assert [table[r, layer] for r in holders] == per_call.sum(0).tolist()
+            assert all(table[r, layer] == 0 for r in range(len(results)) if r not in holders)
+    assert section["share"] > 0 if excess else section["share"] == 0
+
+
 def test_single_process_record_matches_the_routing_indices(tmp_path):
     torch.manual_seed(0)
     layout = ["parallel.pp=1", "parallel.dp=1", "parallel.ep=1", "parallel.schedule=none",
               "parallel.gpus_per_node=0", "parallel.dispatch_backend=flat"]
     result = train_one_step_recording_routes(0, 1, str(tmp_path), layout)
     check_record_against_routes(result["records"][0], [result["routes"]], result["experts"])
+    check_stragglers_against_routes(result["records"][0], [result])
 
 
 def test_four_process_ep_record_matches_every_ranks_routing_indices(tmp_path):
     results = run_processes(train_one_step_recording_routes, 4, str(tmp_path), [], timeout_s=300)
     record = results[0]["records"][0]
     check_record_against_routes(record, [r["routes"] for r in results], results[0]["experts"])
+    check_stragglers_against_routes(record, results)
     assert len(record["ranks"]["peak_memory_bytes"]) == 4 and all(m > 0 for m in record["ranks"]["peak_memory_bytes"])
     traffic = record["traffic"]
     assert decode_array(traffic["rank_bytes"]).shape == (2, 2) and traffic["inter_node_bytes"] > 0

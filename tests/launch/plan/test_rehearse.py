@@ -138,3 +138,18 @@ def test_a_ranks_step_stats_do_not_grow_with_the_world():
                        if group == world and k in ("allreduce_", "gather_")}
     assert set(sent) == {4, 64}
     assert sent[4] == sent[64] and sent[4]["gather_"][0] == 1
+
+
+
+def test_redundant_experts_rehearse_with_their_weights_as_planned():
+    """parallel.redundant_experts = 1 (EP2 in one node, so replicas may go anywhere): the spare expert weights are
+    model state (non-persistent buffers), counted in params as moe-plan counts them (one expert's weights for each
+    of the rank's 2 MoE layers: 15.7% of its params, so a plan without them misses by far more than the 1%); grads
+    and optimizer state as without spares; activations, with the owned and spare weights each chunk's grouped GEMMs
+    keep, within the tiny rehearsal's 10%. (On meta the loads read as zeros: no spare is placed, so the refresh and
+    grad fold move nothing here; moe-plan prices them.)"""
+    spare = rehearse(load_config(TINY, ["parallel.gpus_per_node=2", "parallel.redundant_experts=1"]))
+    assert spare.rank == 2
+    for category in ("params", "grads", "optimizer"):
+        assert spare.peak[category] == pytest.approx(spare.planned[category], rel=0.01), category
+    assert spare.peak["activations"] == pytest.approx(spare.planned["activations"], rel=0.1)

@@ -7,7 +7,9 @@ calc_diff < 1e-12. The capacity runs read a corpus on which no two routed tokens
 (drop_text), so that every drop is decided by a margin far above rounding (test_capacity_runs_drop_by_clear_margins)
 and not by a layout's, or a CPU kernel's, summation order. MLA attention is checked dropless in pipeline, TP and CP
 layouts, and CP x TP with GQA and MLA (test_batched_layouts_equal_single_process); every run of one world size is
-trained in one spawn.
+trained in one spawn. Redundant experts (parallel.redundant_experts, re-placed after steps 1 and 3) ride the
+dropless dp2 ep2 flat run and DualPipeV x dp2 x ep2 with hierarchical dispatch under full recompute: both equal one
+process, as the runs without them do, and their checkpoints hold a placement that uses a spare slot.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from tests.syncs import step_reads
 pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
 
 STEPS = 5
+# redundant experts (moe.replicas): a spare slot per EP rank, placed after steps 1 and 3 and used by steps 2 to 4
+REDUNDANT = {"redundant_experts": 1, "rebalance_every": 2}
 CUT = 3  # the resharding runs' cut
 LAYOUTS = {
     "pp2 dualpipev": {"pp": 2, "schedule": "dualpipev"},
@@ -66,7 +70,12 @@ LAYOUTS = {
     "pp2 dualpipev cp2": {"pp": 2, "cp": 2, "schedule": "dualpipev"},
 }
 # Layouts trained only beside others of their world size (test_batched_layouts_equal_single_process), dropless
-BATCHED = {"cp2 tp2 ep4 sp": {"cp": 2, "tp": 2, "ep": 4, "sequence_parallel": True}}
+BATCHED = {"cp2 tp2 ep4 sp": {"cp": 2, "tp": 2, "ep": 4, "sequence_parallel": True},
+           "pp2 dp2 ep2 dualpipev hierarchical, redundant experts": {
+               "pp": 2, "dp": 2, "ep": 2, "schedule": "dualpipev", "dispatch_backend": "hierarchical",
+               "gpus_per_node": 2, **REDUNDANT}}
+# The dropless runs of these layouts also hold redundant experts (REDUNDANT, which change no math): no run of its own
+DROPLESS_REDUNDANT = ("dp2 ep2 flat",)
 ROUTING = {"dropless": None, "capacity 1.0": 1.0}
 ATTENTION = {"gqa": {}, "mla": {"attention": "mla", "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
                                 "qk_rope_head_dim": 4, "v_head_dim": 8}}
@@ -80,7 +89,7 @@ SPAWNS = {2: [(name, "mla", False, "none") for name in ("pp2 dualpipev", "pp2 1f
              ("pp2 tp2 dualpipev sp", "mla", True, "none")]
           # train.recompute under DualPipeV's B/W split and EP's async dispatch (ZeRO-1 over dp2 too)
           + [("pp2 dp2 ep2 dualpipev, EP across nodes", "mla", False, "selective"),
-             ("pp2 dp2 ep2 dualpipev, EP across nodes", "gqa", False, "full")]}
+             ("pp2 dp2 ep2 dualpipev hierarchical, redundant experts", "gqa", False, "full")]}
 MTP_LAYOUTS = {"pp2 1f1b": LAYOUTS["pp2 1f1b"], "pp2 dp2 ep2 dualpipev": {"pp": 2, "dp": 2, "ep": 2, "schedule": "dualpipev"},
                "dp2 tp2 sp": {"dp": 2, "tp": 2, "sequence_parallel": True}}
 MTP_SPAWNS = {2: ["pp2 1f1b"], 4: ["pp2 dp2 ep2 dualpipev", "dp2 tp2 sp"]}  # MLA + MTP depth 1, dropless
@@ -222,7 +231,9 @@ def spawned_raws(corpus: str, documents: str, drop_corpus: str, root) -> dict[tu
     """Every spawned run of the equivalence tests, by key: ("layout", name, routing) for each routing a layout must
     reproduce, ("batched", name, attention, document mask, recompute) and ("mtp", name) -> its raw config."""
     layouts = LAYOUTS | BATCHED
-    keyed = [(("layout", name, routing), (routed_corpus(capacity, corpus, drop_corpus), parallel, capacity))
+    keyed = [(("layout", name, routing), (routed_corpus(capacity, corpus, drop_corpus),
+                                          parallel | (REDUNDANT if capacity is None and name in DROPLESS_REDUNDANT
+                                                      else {}), capacity))
              for name, parallel in LAYOUTS.items() for routing, capacity in routings(parallel).items()]
     keyed += [(("batched", name, attention, masked, recompute),
                (corpus_of(masked, corpus, documents), layouts[name], None, attention, 0, masked, recompute))
@@ -385,9 +396,13 @@ def check_equal_runs(records: list[dict], raw: dict, reference: tuple[list[dict]
             check_traffic_matrix(got)
     if raw["model"].get("capacity_factor") is not None:
         assert sum(r["dropped_tokens"] for r in records) > 0
-    if parallel.get("dispatch_backend") == "hierarchical":
-        check_node_limit(records, raw)
+    spares = raw["parallel"].get("redundant_experts")
+    if parallel.get("dispatch_backend") == "hierarchical" and not spares:
+        check_node_limit(records, raw)  # (the redundant layout's EP group is one node: no inter-node bytes)
     state = consolidate(f"{raw['train']['run_dir']}/checkpoint")
+    placements = {key: state.pop(key) for key in list(state) if key.endswith(".replica_placement")}
+    if spares:  # the checkpoint holds owners and the placement; some spare slot is used
+        assert placements and any((p >= 0).any() for p in placements.values()), placements
     assert set(state) == set(want_state)
     for key, want in want_state.items():
         if want.is_floating_point() and want.abs().sum() > 0:
