@@ -111,6 +111,23 @@ def raw_config(run_dir: str, corpus: str, parallel: dict, capacity_factor: float
             "parallel": parallel}
 
 
+RECIPE_LAYOUT = "pp2 dp2 ep2 dualpipev, EP across nodes"  # trained with DeepSeek-V3's FP8 recipe too
+RECIPE = {"model": {"linear_precision": "fp8", "expert_precision": "fp8", "activation_cache": "fp8"},
+          "train": {"dtype": "float32", "recompute": "selective"}, "optim": {"moment_dtype": "bfloat16"}}
+
+
+def recipe_raw(run_dir: str, corpus: str, parallel: dict, seed: int = 0) -> dict:
+    """raw_config (GQA, dropless) with every key of DeepSeek-V3's FP8 training recipe on (issue 46), in float32
+    weights (test_fp8_recipe's reason), from train.seed; under EP the dispatched rows travel in FP8 too."""
+    raw = raw_config(run_dir, corpus, parallel, None)
+    for section, keys in RECIPE.items():
+        raw[section] = {**raw.get(section, {}), **keys}
+    raw["train"]["seed"] = seed
+    if parallel.get("ep", 1) > 1:
+        raw["parallel"] = {**parallel, "dispatch_payload": "fp8"}
+    return raw
+
+
 def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
     x, y = x.double(), y.double()
     return (1 - 2 * (x * y).sum() / (x * x + y * y).sum()).item()
