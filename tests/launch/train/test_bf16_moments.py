@@ -1,7 +1,29 @@
 """BF16 AdamW moments (optim.moment_dtype = "bfloat16") against FP32 moments on configs/tiny-1proc.toml shrunk to run
-fast (SMALL: byte tokens, 2 x 2 sequences of 64 tokens per step), the same seed: the same initial weights and batches.
+fast (SMALL: byte tokens, 2 x 2 sequences of 64 tokens per step), from the same seed: the same initial weights and
+batches (issue 46: "BF16 moments against FP32 moments over a 200-step run").
 
-(module doc: derivation and measurement to come)
+Derivation. A stored moment is its fp32 update rounded once to bfloat16 (8 significant bits, round to nearest:
+relative error <= u = 2^-8, tests/optim/test_moments.py). Each step's rounding error decays with the moment: for
+m = beta1 m + (1 - beta1) g the accumulated relative error is e_t = beta1 e_(t-1) + r_t, |r_t| <= u, so |e| <= u / (1 - beta1)
+= 10 u (3.9%) at worst, and for independent roundings (uniform, sd u / sqrt 3) sd(e) = u / sqrt(3 (1 - beta1^2)) = 1.32 u
+(0.52%); for v (beta2 = 0.95) 20 u (7.8%) and 1.85 u (0.72%), halved by the square root. Each element's update
+lr m / (sqrt v + eps) is therefore off by ~0.6% (sd), 7.8% at the very worst, with no first-order bias: round to
+nearest is unbiased, and the second-order bias of 1 / sqrt(v (1 + e)) is 3/8 sd(e)^2 ~ 2e-5, a systematic
+step-size change far below anything a loss can show (a 2e-5 change of the learning rate). So bf16 moments are
+predicted to train like fp32 moments, not better or worse: what separates the two runs is that their trajectories
+part. Over the first steps (warm-up, train.warmup_steps = 20) they track to <= 2e-3 (measured below); once the
+learning rate is up any perturbation grows ~2x per step (tests/launch/train/test_fp8_training.py), so by step ~20 the
+bf16 run is one more draw of the run's chaos, as far from the fp32 run as the fp32 run is from itself under another
+ATEN_CPU_CAPABILITY (a 1e-7 perturbation). The bound on |last-50-step mean lm loss, bf16 / fp32 - 1| is that chaos
+floor (the largest gap between same-dtype runs across dispatches) plus the systematic part (~2e-5): BOUND_200.
+
+Measured (200 steps, seeds 0-4 x ATEN_CPU_CAPABILITY = native, default, avx2; MEASURED_200.
+
+The suite test (seconds, not 200 steps) checks what the derivation rests on, exactly: the trainer's bf16 moments
+(optim.shard widens them, torch's AdamW updates them and the fp32 masters in fp32, they are rounded once) give bit for
+bit the fp32 run whose moments a step hook rounds to bfloat16 after every step, over STEPS steps: the same losses
+and the same final weights. Any second rounding (of a moment or of the update) breaks the equality at its first
+step; measured: equal under every dispatch (PLANTED).
 """
 
 from __future__ import annotations

@@ -8,6 +8,10 @@ calc_diff < 1e-12. The capacity runs read a corpus on which no two routed tokens
 and not by a layout's, or a CPU kernel's, summation order. MLA attention is checked dropless in pipeline, TP and CP
 layouts, and CP x TP with GQA and MLA (test_batched_layouts_equal_single_process); every run of one world size is
 trained in one spawn.
+
+DeepSeek-V3's FP8 recipe (issue 46) is not exact arithmetic, so its layout run is compared within derived and
+measured bounds instead (test_fp8_recipe_layout_tracks_single_process, where the figures are): RECIPE_LAYOUT
+(pp2 DualPipeV x dp2 x ep2 across nodes, FP8 dispatch payload) in float32, in the world-4 spawn.
 """
 
 from __future__ import annotations
@@ -114,6 +118,10 @@ def raw_config(run_dir: str, corpus: str, parallel: dict, capacity_factor: float
 RECIPE_LAYOUT = "pp2 dp2 ep2 dualpipev, EP across nodes"  # trained with DeepSeek-V3's FP8 recipe too
 RECIPE = {"model": {"linear_precision": "fp8", "expert_precision": "fp8", "activation_cache": "fp8"},
           "train": {"dtype": "float32", "recompute": "selective"}, "optim": {"moment_dtype": "bfloat16"}}
+
+
+FIRST_GAP = 1e-6  # PLACEHOLDER
+RECIPE_GAP = 3e-3  # PLACEHOLDER
 
 
 def recipe_raw(run_dir: str, corpus: str, parallel: dict, seed: int = 0) -> dict:
@@ -231,7 +239,8 @@ def test_capacity_runs_drop_by_clear_margins(drop_corpus, tmp_path):
 
 def spawned_raws(corpus: str, documents: str, drop_corpus: str, root) -> dict[tuple, dict]:
     """Every spawned run of the equivalence tests, by key: ("layout", name, routing) for each routing a layout must
-    reproduce, ("batched", name, attention, document mask, recompute) and ("mtp", name) -> its raw config."""
+    reproduce, ("batched", name, attention, document mask, recompute), ("mtp", name) and ("recipe", RECIPE_LAYOUT)
+    -> its raw config."""
     layouts = LAYOUTS | BATCHED
     keyed = [(("layout", name, routing), (routed_corpus(capacity, corpus, drop_corpus), parallel, capacity))
              for name, parallel in LAYOUTS.items() for routing, capacity in routings(parallel).items()]
@@ -240,8 +249,14 @@ def spawned_raws(corpus: str, documents: str, drop_corpus: str, root) -> dict[tu
               for runs in SPAWNS.values() for name, attention, masked, recompute in runs]
     keyed += [(("mtp", name), (corpus, MTP_LAYOUTS[name], None, "mla", 1))
               for names in MTP_SPAWNS.values() for name in names]
-    return {key: raw_config(str(root / "_".join(map(str, key)).replace(" ", "_").replace(",", "")), *args)
-            for key, args in keyed}
+    raws = {key: raw_config(run_dir(root, key), *args) for key, args in keyed}
+    return raws | {("recipe", RECIPE_LAYOUT): recipe_raw(run_dir(root, ("recipe", RECIPE_LAYOUT)), corpus,
+                                                         LAYOUTS[RECIPE_LAYOUT])}
+
+
+def run_dir(root: Path, key: tuple) -> str:
+    """A spawned run's directory, named by its key."""
+    return str(root / "_".join(map(str, key)).replace(" ", "_").replace(",", ""))
 
 
 @pytest.fixture(scope="module")
@@ -330,6 +345,18 @@ def test_mla_mtp_layouts_equal_single_process(world, spawned, reference):
             assert got["mtp_loss_1"] == pytest.approx(ref["mtp_loss_1"], rel=1e-10), (name, got["step"])
         if name == "pp2 1f1b":  # rank 1's copy of the embedding equals rank 0's
             assert torch.equal(embeddings[0], embeddings[1])
+
+
+@pytest.mark.timeout(SPAWN_S + 120)
+def test_fp8_recipe_layout_tracks_single_process(spawned, corpus, tmp_path):
+    """DeepSeek-V3's FP8 recipe (recipe_raw: FP8 linears and experts, FP8-cached SwiGLUs, selective recompute, BF16
+    moments, FP8 dispatch payload) on RECIPE_LAYOUT, trained in the world-4 spawn, against one process with the same
+    recipe: step 0's loss (one forward of the same weights) within FIRST_GAP, every step's within RECIPE_GAP."""
+    raw, records, _ = spawned(("recipe", RECIPE_LAYOUT))
+    assert raw["parallel"]["dispatch_payload"] == "fp8" and raw["optim"]["moment_dtype"] == "bfloat16"
+    one = train(build_config(recipe_raw(str(tmp_path), corpus, {})), progress=False)
+    gaps = [abs(got["lm_loss"] - want["lm_loss"]) / want["lm_loss"] for got, want in zip(records, one, strict=True)]
+    assert len(gaps) == STEPS and gaps[0] <= FIRST_GAP and max(gaps) <= RECIPE_GAP, gaps
 
 
 def check_equal_runs(records: list[dict], raw: dict, reference: tuple[list[dict], dict], parallel: dict,
