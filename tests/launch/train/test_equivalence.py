@@ -120,8 +120,8 @@ RECIPE = {"model": {"linear_precision": "fp8", "expert_precision": "fp8", "activ
           "train": {"dtype": "float32", "recompute": "selective"}, "optim": {"moment_dtype": "bfloat16"}}
 
 
-FIRST_GAP = 1e-6  # PLACEHOLDER
-RECIPE_GAP = 3e-3  # PLACEHOLDER
+FIRST_GAP = 1e-6  # relative, test_fp8_recipe_layout_tracks_single_process's step 0: loss and grad norm
+RECIPE_GAP = 7e-3  # relative, its every step's loss
 
 
 def recipe_raw(run_dir: str, corpus: str, parallel: dict, seed: int = 0) -> dict:
@@ -351,12 +351,32 @@ def test_mla_mtp_layouts_equal_single_process(world, spawned, reference):
 def test_fp8_recipe_layout_tracks_single_process(spawned, corpus, tmp_path):
     """DeepSeek-V3's FP8 recipe (recipe_raw: FP8 linears and experts, FP8-cached SwiGLUs, selective recompute, BF16
     moments, FP8 dispatch payload) on RECIPE_LAYOUT, trained in the world-4 spawn, against one process with the same
-    recipe: step 0's loss (one forward of the same weights) within FIRST_GAP, every step's within RECIPE_GAP."""
+    recipe and seed: step 0's loss and grad norm (one forward and backward of the same weights on the same batch)
+    within FIRST_GAP, every step's loss within RECIPE_GAP (relative).
+
+    Derived. Step 0 computes the same products in another order (DP halves summed, EP rows gathered from two ranks,
+    DualPipeV's deferred wgrads merged over chunks): fp32 reordering moves a value by ~2^-22 relative, and it moves an
+    e4m3 rounding only where the value sits that close to a rounding midpoint (e4m3 steps are 2^-4..2^-3 relative):
+    ~2^-19 of the ~1e5 elements quantised per pass, each flip moving one product term by one e4m3 step; the loss and
+    the grad norm move by ~1e-7, so FIRST_GAP = 1e-6. From step 1 on, AdamW normalises each element's update (the first
+    one is lr x sign(g)), so elements whose gradient the layout's roundings move across zero take full steps of the
+    other sign: the two runs are two FP8-rounded versions of the same exact run, each as far from it as the recipe is
+    from plain training, so |layout - one| <= 2 x |recipe - plain| on this model (measured per seed over 5 steps:
+    1.38e-2, 6.33e-3, 5.00e-3, 3.64e-3, RVP4, a ceiling of 7.3e-3 at the least).
+    Measured (seeds 0-4 x ATEN_CPU_CAPABILITY = native, default, avx2; 2-core Intel Xeon with AVX-512, torch 2.13
+    CPU, 2026-11-28): step 0 loss MEAS0, grad norm MEASGN; largest step gap MEASMAX (step 1: MEAS1).
+    RECIPE_GAP = 7e-3: under the least per-seed ceiling, BOUNDX the largest gap.
+    Planted bugs caught: FP8 dispatch rows sent with 6% stale scales (dispatch.fp8.encode_fp8): step 0 loss 6.4e-6;
+    DualPipeV's deferred FP8 wgrads from 6% stale input scales (kernels.linear._merged_wgrad): WGRADPLANT; the layout
+    without the recipe (a plain layout equals plain one process to ~1e-7): step 0 loss 8.9e-5 from the recipe's."""
     raw, records, _ = spawned(("recipe", RECIPE_LAYOUT))
     assert raw["parallel"]["dispatch_payload"] == "fp8" and raw["optim"]["moment_dtype"] == "bfloat16"
     one = train(build_config(recipe_raw(str(tmp_path), corpus, {})), progress=False)
-    gaps = [abs(got["lm_loss"] - want["lm_loss"]) / want["lm_loss"] for got, want in zip(records, one, strict=True)]
-    assert len(gaps) == STEPS and gaps[0] <= FIRST_GAP and max(gaps) <= RECIPE_GAP, gaps
+    gaps = {key: [abs(got[key] - want[key]) / want[key] for got, want in zip(records, one, strict=True)]
+            for key in ("lm_loss", "grad_norm")}
+    assert len(gaps["lm_loss"]) == STEPS, gaps
+    assert gaps["lm_loss"][0] <= FIRST_GAP and gaps["grad_norm"][0] <= FIRST_GAP, gaps  # one forward and backward
+    assert max(gaps["lm_loss"]) <= RECIPE_GAP, gaps
 
 
 def check_equal_runs(records: list[dict], raw: dict, reference: tuple[list[dict], dict], parallel: dict,
