@@ -272,10 +272,20 @@ class ActivationModel:
         vocab = self.cfg.padded_vocab_size / self.tp
         return self._norm() + vocab * (4 if self._project else self.itemsize + 4)
 
+    def mtp_depth(self) -> float:
+        """One MTP depth (moe.mtp.MTPDepth) per token: the enorm's input (the embedding; the hnorm's is the main
+        model's last residual, which its final norm keeps), eh_proj's input [2H] (an FP8 linear's e4m3 tiles under
+        fused-fp8, else in the run's dtype), its MoE block (layer) and its own head_norm, LM head and cross-entropy
+        (head)."""
+        width = 2 * self.cfg.hidden_size
+        eh_input = self._tiles(width) if self._fp8 else width * self.itemsize
+        return self._hidden(1) + eh_input + self.layer(self.cfg.num_experts > 0) + self.head()
+
     def stage(self, layers: range, has_head: bool, tokens: int) -> float:
-        """Bytes one chunk of `tokens` tokens keeps through a stage holding `layers` (and the head)."""
+        """Bytes one chunk of `tokens` tokens keeps through a stage holding `layers` (and the head, with the MTP
+        depths after it)."""
         per_token = sum(self.layer(i >= self.cfg.first_k_dense) for i in layers)
-        per_token += self.head() if has_head else 0.0
+        per_token += self.head() + self.cfg.mtp_depth * self.mtp_depth() if has_head else 0.0
         return per_token * tokens
 
     def backward_stage(self, layers: range, has_head: bool, tokens: int) -> float:

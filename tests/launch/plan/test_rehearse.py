@@ -59,6 +59,9 @@ def test_v3_shaped_rehearsal_at_world_256_runs_on_meta():
     result = rehearse(build_config({**V3_SHAPED, "model": {**V3_SHAPED["model"], "mtp_depth": 1}}), rank=0)
     assert result.world_size == 256
     assert result.peak["params"] == pytest.approx(result.planned["params"], rel=0.01)
+    # the plan counts the MTP depth's activations on the last stage (1.315 of the plan without them; 1.096 with,
+    # this toy's fixed overheads being 1.171 of its plan without MTP)
+    assert result.peak["activations"] == pytest.approx(result.planned["activations"], rel=0.15)
     assert set(_calls(result, "alltoall_base_")) == {8}  # EP64's hops: rail (8 nodes) and node (8 ranks) groups
     assert 256 in _calls(result, "allreduce_")
 
