@@ -144,3 +144,14 @@ def test_seq_loss_needs_seq_len_dividing_tokens():
     router = make_router(seq_aux_loss_coeff=0.001)
     with pytest.raises(ValueError, match="seq_len"):
         router(tokens(30), seq_len=16)
+
+
+def test_forced_balance_gives_every_expert_the_same_rows_and_each_token_distinct_experts():
+    # model.force_balance (as Megatron-Core's --moe-router-force-load-balancing): what balance would recover
+    router = TopKRouter(8, 3, 16, force_balance=True)
+    x = torch.randn(40, 16, requires_grad=True)
+    route = router(x)
+    assert torch.equal(route.tokens_per_expert, torch.full((8,), 40 * 3 // 8))
+    assert all(len(set(row)) == 3 for row in route.indices.tolist())
+    route.weights.sum().backward()  # the weights are still the router's scores of those experts: the gate trains
+    assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
