@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -53,16 +54,30 @@ class Read:
 
 
 def _where() -> str:
-    """The innermost frame of the project (outside this file and outside torch) on the current stack."""
-    for frame in reversed(traceback.extract_stack()):
-        path = os.path.abspath(frame.filename)
+    """The innermost frame of the project (outside this file and outside torch) on the current stack (walked
+    without reading source lines: a watched step reads hundreds of times on the exact exchange)."""
+    for frame, lineno in traceback.walk_stack(sys._getframe(1)):
+        path = os.path.abspath(frame.f_code.co_filename)
         if path.startswith(ROOT) and path != _HERE:
-            return f"{os.path.relpath(path, ROOT)}:{frame.lineno} in {frame.name}"
+            return f"{os.path.relpath(path, ROOT)}:{lineno} in {frame.f_code.co_name}"
     return "?"
 
 
 def _has_values(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and not value.is_meta
+
+
+_UNSEEN = object()
+_SUSPECTS: dict[Any, str | None] = {}  # operator overload -> its name if it can read the host (_suspect), else None
+
+
+def _suspect(func) -> str | None:
+    """The name _is_read classifies an operator overload by, or None for the operators that never read the host (most
+    of them: the watched steps skip those at the cost of a dict lookup)."""
+    name = str(func.overloadpacket)
+    if name == "aten.repeat_interleave":
+        return str(func)
+    return name if name in SYNC_OPS or name in MASK_OPS or name in ("aten._to_copy", "aten.copy_") else None
 
 
 class SyncDetector(TorchDispatchMode):
@@ -89,9 +104,11 @@ class SyncDetector(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = str(func.overloadpacket)
-        if not self._inside and self._is_read(name if name != "aten.repeat_interleave" else str(func), args, kwargs):
-            self.record(name)
+        name = _SUSPECTS.get(func, _UNSEEN)
+        if name is _UNSEEN:  # first sight of this overload: is it ever a read?
+            name = _SUSPECTS[func] = _suspect(func)
+        if name is not None and not self._inside and self._is_read(name, args, kwargs):
+            self.record(str(func.overloadpacket))
         return func(*args, **kwargs)
 
     @staticmethod

@@ -9,6 +9,7 @@ test_equivalence's drop corpus, which leaves no drop to rounding).
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -77,7 +78,8 @@ def _train_counting(rank: int, world: int, raws: list[dict]) -> list[tuple[list[
         ShardedParams.launch, ZeroOptimizer.zero_grad = counted_launch, counted_zero_grad
         ZeroOptimizer.step = measured_step
         try:
-            with step_reads() as attempts:
+            watched = raw["parallel"].get("dispatch_exchange") == "padded"  # the runs whose reads are checked
+            with step_reads() if watched else contextlib.nullcontext([]) as attempts:
                 records = release_groups(train(build_config(raw), progress=False))
         finally:
             ShardedParams.launch, ZeroOptimizer.zero_grad, ZeroOptimizer.step = launch, zero_grad, step
