@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -95,10 +94,10 @@ def _cached_swiglu_down(gate_up: Tensor, down: Callable[[Tensor | FP8Rows], Tens
     with Rebuild() as rebuild:
         if not fp8_down:
             return down(rebuild.drop(h, product))
-        width = h.shape[-1]  # the thunks hold no tensor of the graph: h itself would live as long as they do
-        tiles = functools.cache(lambda: quantize_fp8(product().reshape(-1, width)))  # one rebuild for both
+        width = h.shape[-1]  # the thunk holds no tensor of the graph: h itself would live as long as it does
         q, scale = quantize_fp8(h.detach().reshape(-1, width))  # the tiles the FP8 linear would make of h
-        return down(FP8Rows(rebuild.drop(q, lambda: tiles()[0]), rebuild.drop(scale, lambda: tiles()[1]), h))
+        q, scale = rebuild.drop_tiles(q, scale, lambda: quantize_fp8(product().reshape(-1, width)))
+        return down(FP8Rows(q, scale, h))
 
 
 def swiglu_down(gate_up: Tensor, down: Callable[[Tensor | FP8Rows], Tensor], selective: bool, cache: str = "native",

@@ -49,19 +49,12 @@ def fp8_norm_output(rebuild: Rebuild | None, norm: Callable[[Tensor], Tensor], x
     out = norm_output(rebuild, norm, x)
     q, scale = quantize_activation(out.detach().reshape(-1, out.shape[-1]))
     if rebuild is not None:
-        kept, scales = x.detach(), []
+        kept = x.detach()
 
         def tiles() -> tuple[Tensor, Tensor]:
             normed = norm(kept)
             return quantize_activation(normed.reshape(-1, normed.shape[-1]))
-
-        def q_again() -> Tensor:  # the consumer unpacks q, then scale: one rebuild serves both
-            q_new, scale_new = tiles()
-            scales.append(scale_new)
-            return q_new
-
-        rebuild.drop(q, q_again)
-        rebuild.drop(scale, lambda: scales.pop() if scales else tiles()[1])
+        rebuild.drop_tiles(q, scale, tiles)
     return FP8Rows(q, scale, out)
 
 

@@ -54,6 +54,17 @@ class Rebuild:
         self._drops[_storage_id(t)] = (t, thunk)
         return t
 
+    def drop_tiles(self, q: Tensor, scale: Tensor, make: Callable[[], tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+        """drop() for a pair of e4m3 tiles and their scales that make() rebuilds together: the consumer that unpacks
+        q, then scale, pays one make(); the rebuilt scale waits for its unpack only (no tensor held longer)."""
+        waiting: list[Tensor] = []
+
+        def q_again() -> Tensor:
+            q_new, scale_new = make()
+            waiting.append(scale_new)
+            return q_new
+        return self.drop(q, q_again), self.drop(scale, lambda: waiting.pop() if waiting else make()[1])
+
     def __enter__(self) -> Rebuild:
         # torch applies only the innermost hooks: this region's pass what they keep to the ones active outside it.
         # Every saved tensor keeps both hooks alive: the pack hook reaches this Rebuild (and the tensors it holds)
