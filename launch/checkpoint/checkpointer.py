@@ -4,8 +4,8 @@ Format. A checkpoint is one folder RUN_DIR/checkpoint/stepNNNNNNNN written by DC
 single-process key and full shape, experts one key each ("model/blocks.3.ffn.experts.w_down.5" is expert 5
 of layer 3 wherever it lived): model/KEY (params and buffers), optim/KEY/KIND (optimizer state: AdamW's
 exp_avg, exp_avg_sq in optim.moment_dtype, step; master only where it is not the param itself, e.g. bf16 params;
-ema, the weight EMA, when optim.ema_decay keeps one), data/, sched/,
-meta/, guard/ (the spike guard's history), rng/rankNNNNN. A tensor is stored as rectangles (DCP chunks),
+ema, the weight EMA, when optim.ema_decay keeps one), data/, sched/, meta/, guard/ (the spike guard's history),
+window/ (the redundant experts' load window), rng/rankNNNNN. A tensor is stored as rectangles (DCP chunks),
 each written by the one rank that holds it: ZeRO-1 hands out, per param, the runs of its flattened
 elements its shard holds (ZeroOptimizer.pieces: views, no gather); launch.parallel.placement maps a run to at
 most 2 * ndim - 1 rectangles of the keys (a TP shard's rows split where they jump, e.g. fused qkv; an expert block split per
@@ -81,6 +81,13 @@ class TrainState:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     data: object  # launch.data.feed.DataFeed (state_dict / load_state_dict of its integer position; it refuses others)
     guard: StepGuard | None = None
+    window: object | None = None  # launch.train.step.ReplicaWindow: the redundant experts' load window
+
+    def small_states(self) -> dict[str, object]:
+        """The small stateful parts saved under their own prefix (state_dict / load_state_dict of whole tensors,
+        the same on every rank): guard/ (the spike guard's history), window/ (the redundant experts' load window).
+        A checkpoint without a part's keys restores that part to its state as it is."""
+        return {name: part for name, part in (("guard", self.guard), ("window", self.window)) if part is not None}
 
     @functools.cached_property
     def places(self) -> dict[str, Placement]:
@@ -117,8 +124,8 @@ class TrainState:
         flat["sched/last_epoch"] = torch.tensor(self.scheduler.last_epoch)
         flat["meta/step"] = torch.tensor(step)
         flat["meta/config"] = config
-        if self.guard is not None:
-            flat.update({f"guard/{k}": v for k, v in self.guard.state_dict().items()})
+        for prefix, part in self.small_states().items():
+            flat.update({f"{prefix}/{k}": v for k, v in part.state_dict().items()})
         flat[f"rng/rank{dist.get_rank():05d}"] = torch.get_rng_state()
         return flat
 
@@ -157,8 +164,8 @@ class TrainState:
         for key in keys:
             if key in saved:
                 wanted[key] = torch.empty(saved[key].size, dtype=saved[key].properties.dtype)
-        if self.guard is not None:
-            wanted.update({f"guard/{k}": v for k, v in self.guard.state_dict().items() if f"guard/{k}" in saved})
+        for prefix, part in self.small_states().items():
+            wanted.update({f"{prefix}/{k}": v for k, v in part.state_dict().items() if f"{prefix}/{k}" in saved})
         for key, value in wanted.items():
             meta = saved.get(key)
             if key.startswith(("model/", "optim/")) and (not isinstance(meta, TensorStorageMetadata)
@@ -186,8 +193,8 @@ class TrainState:
         self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
         if restore_data:
             self.data.load_state_dict({key[5:]: int(value) for key, value in wanted.items() if key.startswith("data/")})
-        if self.guard is not None:
-            self.guard.load_state_dict({k: wanted.get(f"guard/{k}", v) for k, v in self.guard.state_dict().items()})
+        for prefix, part in self.small_states().items():
+            part.load_state_dict({k: wanted.get(f"{prefix}/{k}", v) for k, v in part.state_dict().items()})
         rng = wanted.get(f"rng/rank{dist.get_rank():05d}")
         if rng is not None:
             torch.set_rng_state(rng)

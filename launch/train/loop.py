@@ -101,7 +101,7 @@ def _train(cfg: RunConfig, metrics_out: str | Path | None, resume: bool, require
     checkpointer = None if rehearsal else Checkpointer(checkpoint_dir(cfg), cfg.ops.keep_checkpoints,
                                                        cfg.ops.async_checkpoint,
                                                        run_identity(settings.run_dir) if lead else None)
-    state = TrainState(stages, optimizer, scheduler, batches, StepGuard(cfg.ops))
+    state = TrainState(stages, optimizer, scheduler, batches, StepGuard(cfg.ops), ReplicaWindow(stages, cfg))
     with Preemption() as preemption, run_watchdog(cfg.ops, settings.run_dir, mesh.rank, mesh.layout.world_size,
                                                   enabled=not rehearsal) as phases:
         phases.enter("load", long=True)
@@ -135,7 +135,7 @@ def _loop(cfg: RunConfig, mesh: Mesh, stages: list[Stage], runtime: PipelineRunt
     eos = document_eos(cfg)
     bar = tqdm(total=settings.steps, initial=start, disable=not (progress and lead), desc="train", unit="step")
     step, saved = start, start
-    window = ReplicaWindow(stages, cfg)
+    window = state.window
     while step < settings.steps:
         began = time.perf_counter()
         micro = batches.next_step()

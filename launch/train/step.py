@@ -220,15 +220,27 @@ class ReplicaWindow:
     """The loads [moe layers, E] summed over the steps since the last placement of the redundant experts
     (parallel.redundant_experts; host numbers every rank holds alike, from the step's stats copy); at the end of
     every parallel.rebalance_every steps each layer places its spare slots from them (MoELayer.replace_replicas).
-    The window is not checkpointed: a run resumed from a step inside a window places at that window's end from the
-    steps since the resume only (checkpoints right after a placement resume bitwise; another placement changes the
-    numbers by rounding only)."""
+    Checkpoints keep the window (state_dict: window/loads, [routed layers, E] float64, the same on every rank), so a
+    run resumed inside a window places at its end as the uninterrupted run does; a checkpoint without it (saved
+    before the window was kept) resumes with an empty window."""
 
     def __init__(self, stages: list[Stage], cfg: RunConfig) -> None:
         self.every, self.first = cfg.parallel.rebalance_every, cfg.model.first_k_dense
         self.layers = {i: layer for stage in stages for i, layer in stage.moe_layers().items()
                        if layer.replicas is not None}
+        self.shape = (cfg.model.num_routed_layers, cfg.model.num_experts)
         self.loads: np.ndarray | None = None
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The window's loads so far (zeros after a placement); nothing without redundant experts."""
+        if not self.layers:
+            return {}
+        return {"loads": torch.from_numpy(self.loads.copy() if self.loads is not None else np.zeros(self.shape))}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Continue the window a checkpoint saved (state_dict's keys)."""
+        if "loads" in state:
+            self.loads = state["loads"].numpy().astype(np.float64)
 
     def add(self, step: int, loads: list[Tensor]) -> None:
         """Count step's loads; after every rebalance_every-th step, place and start a new window."""

@@ -34,8 +34,9 @@ PP2_DP2 = {"pp": 2, "dp": 2, "schedule": "dualpipev"}
 PP2_V = {"pp": 2, "schedule": "dualpipev"}
 PP2_DUALPIPE = {"pp": 2, "schedule": "dualpipe"}
 DP2_EP2 = {"dp": 2, "ep": 2}
-# redundant experts re-placed after steps 2 and 5: the cut at HALF = 3 follows a re-placement (an empty load window)
-DP2_EP2_SPARE = {**DP2_EP2, "redundant_experts": 1, "rebalance_every": HALF}
+# redundant experts re-placed after steps 1, 3 and 5: the cut at HALF = 3 falls inside a load window (steps 2-3), which
+# the checkpoint must carry for the resumed run to place after step 3 as the uninterrupted one does
+DP2_EP2_SPARE = {**DP2_EP2, "redundant_experts": 1, "rebalance_every": 2}
 
 
 def config(run_dir, corpus: str, parallel: dict, steps: int = STEPS, every: int = 0, **ops) -> dict:
@@ -67,7 +68,7 @@ def assert_same_model(got: dict, want: dict) -> None:
 
 def test_reshard_between_layouts_continues_the_single_process_run(corpus, saved_reference, tmp_path):
     """pp2 x ep2 (4 ranks) -> 1 process; pp2 dp2 -> pp2 dp2 ep2 (4 ranks); 1 process -> dp2 ep2 (2 ranks). In the
-    dp2 ep2 spawn also: dp2 ep2 with redundant experts cut at HALF (right after a re-placement) and resumed equals
+    dp2 ep2 spawn also: dp2 ep2 with redundant experts cut at HALF (inside a load window) and resumed equals
     its uninterrupted run bit for bit: losses, params and the placement in the final checkpoint."""
     want, ref_dir = saved_reference
     a, b, c = tmp_path / "pp2ep2", tmp_path / "pp2dp2", tmp_path / "one"
