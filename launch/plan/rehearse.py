@@ -552,10 +552,10 @@ def render_phases(result: Rehearsal) -> list[str]:
     clock = "CUDA events" if result.device == "cuda" else "the host clock (perf_counter)"
     lines = [f"phases of the step, timed by {clock}; moe-plan's compute-only seconds for the same actions on "
              f"{result.planned_for}",
-             f"{'phase':<34}{'count':>6}{'measured ms':>13}{'moe-plan ms':>13}{'ratio':>8}"]
+             f"{'phase':<34}{'count':>6}{'measured ms':>13}{'moe-plan ms':>13}{'ratio':>11}"]
     for p in result.phases:
-        plan = f"{p.planned * 1e3:>13.2f}" if p.planned is not None else f"{'-':>13}"
-        ratio = f"{p.seconds / p.planned:>8.3f}" if p.planned else f"{'-':>8}"
+        plan = f"{p.planned * 1e3:>13.3f}" if p.planned is not None else f"{'-':>13}"
+        ratio = f"{p.seconds / p.planned:>11.3f}" if p.planned else f"{'-':>11}"
         lines.append(f"{p.name:<34}{p.count:>6}{p.seconds * 1e3:>13.2f}{plan}{ratio}")
     compute = result.measured_compute
     lines.append(f"communication is not measured (the fake process group moves no data); moe-plan's for these "
