@@ -455,6 +455,8 @@ def rehearse(cfg: RunConfig, rank: int | None = None, device: torch.device | str
     if device.type not in DEVICES:
         raise ValueError(f"--device {device.type}: allowed {', '.join(DEVICES)}")
     real = device.type != "meta"
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device cuda: torch {torch.__version__} sees no CUDA GPU here; allowed: meta, cpu")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if real:

@@ -163,6 +163,13 @@ def test_an_out_of_memory_names_the_op_and_the_trackers_bytes_and_exits_1(monkey
     assert "the memory tracker held" in err and "Parameter" in err and "Traceback" not in err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the rehearsal would run")
+def test_a_cuda_rehearsal_without_cuda_exits_2_naming_why(capsys):
+    assert main(["--config", str(TINY), "--rehearse", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "--device cuda: torch" in err and "sees no CUDA GPU here; allowed: meta, cpu" in err
+
+
 def test_micro_batches_belong_to_a_real_device(capsys):
     with pytest.raises(SystemExit):
         main(["--config", str(TINY), "--rehearse", "--micro-batches", "2"])
