@@ -296,9 +296,11 @@ def dry_run(rows: list[Row]) -> list[dict[str, Any]]:
             for r in rows]
 
 
-def run_rows(args: argparse.Namespace, rows: list[Row]) -> list[dict[str, Any]]:
-    """Measure each row; a row that fails says why (the others still run); its wall time beside its budget."""
-    out = []
+def run_rows(args: argparse.Namespace, rows: list[Row], done: Callable[[list[dict[str, Any]]], None] | None = None
+             ) -> list[dict[str, Any]]:
+    """Measure each row; a row that fails says why (the others still run); its wall time beside its budget.
+    done(rows so far) after each row (the JSON written as the run goes: a run cut short keeps its rows)."""
+    out: list[dict[str, Any]] = []
     for row in rows:
         print(f"[moe-bench gpu] {row.name} (budget {row.budget_s:g} s): {row.runs}", file=sys.stderr, flush=True)
         began = time.perf_counter()
@@ -313,9 +315,12 @@ def run_rows(args: argparse.Namespace, rows: list[Row]) -> list[dict[str, Any]]:
         out.append({"row": row.name, "budget_s": row.budget_s, "wall_s": wall, "status": status, "runs": row.runs,
                     "peer": row.peer, "smi_after": nvidia_smi(), **got})
         torch.cuda.empty_cache()
+        if done is not None:
+            done(out)
     return out
 
 
+METRICS = {"ours_ms": LOWER, "peer_ms": LOWER, "step_ms": LOWER, "tokens_per_s": HIGHER}
 SUMMARY = [("row", "row", ""), ("status", "status", ""), ("wall s", "wall_s", ".0f"), ("budget s", "budget_s", ".0f"),
            ("ours ms", "ours_ms", ".2f"), ("peer ms", "peer_ms", ".2f"), ("peer/ours", "vs_peer", ".2f"),
            ("tokens/s", "tokens_per_s", ".0f"), ("MFU", "mfu", ".1%"), ("plan tokens/s", "plan_tokens_per_s", ".0f"),
@@ -433,9 +438,13 @@ def main(argv: list[str] | None = None) -> int:
                  "checkpointing: the config's train.recompute (none in configs/gpu-1x.toml), none for the peers")
     head = header("gpu", argv, notes)
     print(header_line(head))
-    results = run_rows(args, rows)
-    doc = {"header": head, "key": ["row"], "metrics": {"ours_ms": LOWER, "peer_ms": LOWER, "step_ms": LOWER,
-                                                        "tokens_per_s": HIGHER}, "rows": results}
+    doc: dict[str, Any] = {"header": head, "key": ["row"], "metrics": METRICS, "rows": []}
+
+    def partial(rows_so_far: list[dict[str, Any]]) -> None:
+        if args.json:
+            write_json(args.json, head, rows_so_far, doc["key"], METRICS)
+
+    results = doc["rows"] = run_rows(args, rows, partial)
     print(table(results, SUMMARY, left=2))
     if args.json:
         print("\n".join(write_outputs(doc, args.json)))

@@ -109,3 +109,23 @@ def test_torchtitans_moe_computes_our_layers_output_from_the_same_weights_and_to
         assert relative_error(ours(x)[0], expected, checked) < 1e-5
         assert relative_error(forward(x), expected, checked) < TORCHTITAN_BOUND
     assert info["local_experts"] == 8
+
+
+def test_rows_run_in_turn_a_failing_row_says_why_and_each_row_is_kept_as_it_ends(monkeypatch):
+    """run_rows with stand-in rows (no GPU needed): the JSON is rewritten after every row, so a run cut short keeps
+    the rows it finished; a row that raises reports the error and the next still runs; over budget is said."""
+    monkeypatch.setattr(gpu, "nvidia_smi", lambda: None)
+    ticks = iter([0.0, 1.0, 1.0, 1.5, 1.5, 1.5])
+    monkeypatch.setattr(gpu.time, "perf_counter", lambda: next(ticks))
+
+    def fails(args, row):
+        raise RuntimeError("CUDA error: an illegal memory access\nmore")
+
+    rows = [gpu.Row("a", 0.5, "A", "-", lambda args, row: {"ours_ms": 1.0}),
+            gpu.Row("b", 9.0, "B", "-", fails), gpu.Row("c", 9.0, "C", "-", lambda args, row: {"status": "not yet"})]
+    seen = []
+    out = gpu.run_rows(None, rows, lambda so_far: seen.append([r["row"] for r in so_far]))
+    assert seen == [["a"], ["a", "b"], ["a", "b", "c"]]
+    assert [r["status"] for r in out] == ["ok, over budget (1 s > 0.5 s)",
+                                         "error: RuntimeError: CUDA error: an illegal memory access", "not yet"]
+    assert out[0]["ours_ms"] == 1.0 and out[1]["wall_s"] == 0.5
