@@ -32,6 +32,13 @@ an EP group of R ranks (L = E/R consecutive experts per rank, N nodes of G = R/N
 7. A dispatch pipelined in C chunks sends each peer, in each hop, balanced_split(rows, C) of the rows
    rule 4 gives that hop (chunk_counts): the chunks add up to the unchunked dispatch.
 
+8. A real-device rehearsal (tensors with values, collectives still fake) routes by the rule too (forcing):
+   slot j of token t takes position p = (t k + j) mod E of a round-robin over the experts, and position p
+   is expert L * r + p // R of rank r = (q mod N) * G + q // N, q = p mod R: a token's consecutive slots
+   go to consecutive q, so to min(k, R) distinct ranks spread over min(k, N) nodes (rules 2 and 3), and
+   each expert takes T*k/E slots (rule 1's counts exactly when E divides T*k; otherwise its remainder
+   lands on other experts, as many of them).
+
 The router marks its meta indices with the capacity it applied (mark_capacity); a dispatcher reads
 it back (capacity_of). Unmarked indices count as dropless.
 
@@ -44,20 +51,23 @@ upper bound on the hierarchical inter-node hop (V3, T = 4096: 7 remote node copi
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from dispatch.choices import check_choice
 from dispatch.topology import DispatchBackend, Topology
 from kernels.grouped_ref import balanced_split
 
-__all__ = ["DispatchPlan", "balanced_split", "capacity_of", "chunk_counts", "expert_slots", "mark_capacity",
-           "node_rows", "pass_offsets", "plan_dispatch", "rank_rows", "received_counts"]
+__all__ = ["DispatchPlan", "assignment", "balanced_split", "capacity_of", "chunk_counts", "expert_slots", "forced",
+           "forcing", "mark_capacity", "node_rows", "pass_offsets", "plan_dispatch", "rank_rows", "received_counts"]
 
 _CAPACITY_ATTR = "_rehearsal_capacity"
+_forcing: list[Topology] = []  # the EP topology routing follows while a real-device rehearsal runs (rule 8)
 
 
 def expert_slots(tokens: int, top_k: int, num_experts: int, capacity: int | None = None) -> list[int]:
@@ -142,3 +152,27 @@ def mark_capacity(indices: Tensor, capacity: int | None) -> Tensor:
 def capacity_of(indices: Tensor) -> int | None:
     """The capacity mark_capacity recorded on indices (None when unmarked: dropless)."""
     return getattr(indices, _CAPACITY_ATTR, None)
+
+
+def assignment(tokens: int, top_k: int, num_experts: int, topology: Topology, device: torch.device) -> Tensor:
+    """Rule 8: [tokens, top_k] expert ids (int64, on device) routing by the rule over topology's EP ranks."""
+    ranks, per_node, nodes = topology.world_size, topology.gpus_per_node, topology.num_nodes
+    position = torch.arange(tokens * top_k, device=device) % num_experts
+    q = position % ranks
+    rank = (q % nodes) * per_node + q // nodes
+    return (rank * (num_experts // ranks) + position // ranks).view(tokens, top_k)
+
+
+@contextmanager
+def forcing(topology: Topology) -> Iterator[None]:
+    """Routers route by rule 8 over topology (the EP group's) while the block runs (a real-device rehearsal)."""
+    _forcing.append(topology)
+    try:
+        yield
+    finally:
+        _forcing.pop()
+
+
+def forced() -> Topology | None:
+    """The EP topology routing is forced onto (forcing), or None."""
+    return _forcing[-1] if _forcing else None

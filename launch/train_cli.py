@@ -56,6 +56,13 @@ def main(argv: list[str] | None = None, trainer: Trainer | None = None) -> int:
                              "the fake process group: memory by category beside moe-plan's, every collective")
     parser.add_argument("--rank", type=int, help="with --rehearse: the rank to rehearse (default: the first rank of "
                                                  "the pipeline rank moe-plan gives the largest peak)")
+    parser.add_argument("--device", choices=("meta", "cpu", "cuda"), help="with --rehearse: where the rank runs "
+                        "(default meta; cpu or cuda: its stages materialised there, the step run for real, each "
+                        "phase timed beside moe-plan's prediction)")
+    parser.add_argument("--micro-batches", type=int, help="with --rehearse --device cpu|cuda: micro-batches of the "
+                        "rank's step (default: 4, or the fewest the schedule takes)")
+    parser.add_argument("--json", metavar="FILE", help="with --rehearse: also write the report as JSON (moe-plan "
+                                                       "--measure-gpu reads it)")
     nodes = parser.add_argument_group("several nodes (moe-train's own spawn; torchrun, mpiexec and srun bring their own)")
     nodes.add_argument("--nnodes", type=int, help="nodes taking part (default 1, or SLURM_NNODES)")
     nodes.add_argument("--node-rank", type=int, help="this node's index in [0, nnodes) (default 0, or SLURM_NODEID)")
@@ -75,8 +82,11 @@ def main(argv: list[str] | None = None, trainer: Trainer | None = None) -> int:
     except ValueError as error:
         raise ValueError(f"invalid config: {error}") from None
     if args.rehearse:
-        from launch.plan.rehearse import rehearse, render  # here only: it imports torch's tracing stack (~1 s a start)
-        print(render(rehearse(cfg, args.rank)))
+        from launch.plan.rehearse import rehearse, render, write_json  # here only: torch's tracing stack (~1 s)
+        result = rehearse(cfg, args.rank, args.device or "meta", args.micro_batches)
+        print(render(result))
+        if args.json:
+            write_json(result, args.json)
         return 0
     if args.metrics_out is not None:
         check_writable(args.metrics_out, "--metrics-out", make_folder=True)
@@ -106,8 +116,15 @@ def _refuse_idle_flags(parser: argparse.ArgumentParser, args: argparse.Namespace
     """Flags that would do nothing, or contradict each other, end with parser.error (exit 2) naming them."""
     resume = [flag for flag, given in (("--resume", args.resume), ("--resume-if-possible", args.resume_if_possible))
               if given]
-    if args.rank is not None and not args.rehearse:
-        parser.error(f"--rank {args.rank} chooses the rank of a rehearsal: allowed only with --rehearse")
+    for flag, given, does in (("--rank", args.rank, "chooses the rank"), ("--json", args.json, "writes the report"),
+                              ("--device", args.device, "chooses the device"),
+                              ("--micro-batches", args.micro_batches, "sets the step")):
+        if given is not None and not args.rehearse:
+            parser.error(f"{flag} {given} {does} of a rehearsal: allowed only with --rehearse")
+    if args.micro_batches is not None and args.device in (None, "meta"):
+        parser.error(f"--micro-batches {args.micro_batches} sets a real device's step: give --device cpu or cuda")
+    if args.json is not None:
+        check_writable(args.json, "--json", make_folder=True)
     if len(resume) == 2:
         parser.error("--resume and --resume-if-possible: give one")
     if args.start_over and resume:

@@ -136,6 +136,7 @@ class MoELayer(nn.Module):
         combining = _steps(self.dispatcher, "combine", y, handle, not fold)
         del y  # combine lets go of the expert rows once it has pre-reduced them (unless it keeps them for backward)
         out = yield from combining
+        mark("combined", EXCHANGE)
         if shared is not None:
             out = out + shared
         stats = MoEStats(route.aux_loss, route.tokens_per_expert, route.dropped, route.losses,

@@ -90,6 +90,8 @@ class TopKRouter(nn.Module):
         choice = self._limit_groups(scores.detach() + self.expert_bias)
         if self.force_balance:
             indices = self._balanced(x.shape[0], x.device)
+        elif (topology := rehearsal_rule.forced()) is not None:  # a real-device rehearsal: the rule's routing
+            indices = rehearsal_rule.assignment(x.shape[0], self.top_k, self.num_experts, topology, x.device)
         else:
             indices = choice.topk(self.top_k, dim=-1).indices
         weights = scores.gather(1, indices)

@@ -299,7 +299,7 @@ class PipelineRuntime(nn.Module):
     def _forward_backward(self, act: Action) -> None:
         bwd = act.backward
         if (self.overlap and all(getattr(self.module[p], "concurrent_backward", False) for p in (act.phase, bwd.phase))
-                and self._device().type != "meta"):  # a meta rehearsal has no compute to overlap: one thread
+                and not self._channel.fake):  # a rehearsal (fake group): one thread, which its dispatch modes see
             self._forward_beside_backward(act)
             return
         t0 = time.perf_counter()

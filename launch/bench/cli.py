@@ -22,6 +22,7 @@ SUITES = {
     "layer": "launch.bench.layer",
     "compare": "launch.bench.compare",
     "imbalance": "launch.bench.imbalance",
+    "gpu": "launch.bench.gpu",
 }
 
 

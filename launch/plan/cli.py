@@ -15,6 +15,7 @@ from launch.plan.calibrate import render as render_checks
 from launch.plan.calibrate import fitted_constants, to_dicts, validate
 from launch.plan.efficiency import ATTENTION_SUSTAINED_CLOCK, MOE_HANDLING, PRECISIONS, SLOT_SECONDS, SUSTAINED_CLOCK
 from launch.plan.memory import KERNELS, RECOMPUTE
+from launch.plan.measure_gpu import measure_gpu
 from launch.plan.measure import compare, cpu_machine, measure
 from launch.plan.imbalance import measured_imbalance, parse_zipf, zipf_imbalance
 from launch.plan.planner import COMM_SM_SHARE, PAIR_HIDDEN, Machine, Options, chunk_tokens, make_plan
@@ -97,6 +98,9 @@ def parser() -> argparse.ArgumentParser:
                    "idle: median after the first)")
     p.add_argument("--top", type=int, default=10, help="search: layouts to print")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="config override")
+    p.add_argument("--measure-gpu", metavar="RESULTS", help="print moe-plan's per-phase compute times and memory "
+                   "beside a GPU's (a `moe-bench gpu --json` result or a `moe-train --rehearse --device cuda --json` "
+                   "report) as ratios; with CONFIG (the rehearsed one) re-planned by this moe-plan")
     p.add_argument("--json", help="write every figure here")
     return p
 
@@ -147,8 +151,10 @@ def run(args: argparse.Namespace) -> dict:
         constants = fitted_constants(checks)
         print(render_checks(checks, constants))
         return {"runs": to_dicts(checks), "constants": constants}
+    if args.measure_gpu:
+        return measure_gpu(args.measure_gpu, load_config(args.config, args.set) if args.config else None)
     if args.config is None:
-        raise ValueError("give a CONFIG to plan (or --validate)")
+        raise ValueError("give a CONFIG to plan (or --validate, or --measure-gpu)")
     config = load_config(args.config, args.set + ([f'train.recompute="{args.recompute}"'] if args.recompute else []))
     par = config.parallel
     options = Options(config.train.recompute, args.kernels, args.recipe, args.sample_tokens, args.linears,

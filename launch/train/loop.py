@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from dispatch.progress import ACTION, mark
 from launch.checkpoint.checkpointer import Checkpointer, TrainState
 from launch.config.run import RunConfig
 from launch.data.feed import DataFeed
@@ -60,7 +61,7 @@ def checkpoint_dir(cfg: RunConfig) -> Path:
 
 def train(cfg: RunConfig, metrics_out: str | Path | None = None, resume: bool = False,
           progress: bool = True, device: torch.device | None = None, require_checkpoint: bool = True,
-          resume_data: bool = True) -> list[dict]:
+          resume_data: bool = True, feed: DataFeed | None = None, checkpoints: bool = True) -> list[dict]:
     """Train cfg's model on cfg's corpus with cfg's layout; returns the metric records on rank 0 ([] elsewhere).
 
     resume: continue from the newest valid checkpoint in RUN_DIR/checkpoint (the metrics file is rewound to its
@@ -69,19 +70,23 @@ def train(cfg: RunConfig, metrics_out: str | Path | None = None, resume: bool = 
     (the data changed: launch.train.rundir.check_resume).
 
     device: where this rank computes; default train.device's choice (launch.parallel.device: cuda:LOCAL_RANK or
-    the CPU). A rehearsal (launch.plan.rehearse) hands in `meta` under a fake process group: the step runs
-    without storage, checkpoints and the step-progress watchdog are skipped (it says so).
+    the CPU). A rehearsal (launch.plan.rehearse) runs under a fake process group, on `meta` (the step runs without
+    storage) or on a real device: checkpoints and the step-progress watchdog are skipped (it says so).
+    feed: the micro-batches to train on (default: a DataFeed of cfg's data; a real-device rehearsal and a benchmark
+    hand in random tokens). checkpoints=False: none is saved, not even after the last step (a benchmark's run).
     """
     device = device or rank_device(cfg.train.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     with process_group(device):
-        return _train(cfg, metrics_out, resume, require_checkpoint, resume_data, progress, device)
+        return _train(cfg, metrics_out, resume, require_checkpoint, resume_data, progress, device, feed,
+                      checkpoints)
 
 
 
 def _train(cfg: RunConfig, metrics_out: str | Path | None, resume: bool, require_checkpoint: bool, resume_data: bool,
-           progress: bool, device: torch.device) -> list[dict]:
+           progress: bool, device: torch.device, feed: DataFeed | None = None, checkpoints: bool = True
+           ) -> list[dict]:
     settings = cfg.train
     mesh = Mesh(cfg.layout)
     lead = mesh.rank == 0
@@ -91,16 +96,16 @@ def _train(cfg: RunConfig, metrics_out: str | Path | None, resume: bool, require
     optimizer = build_optimizer(stages, cfg, mesh)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: warmup_cosine(s, settings.warmup_steps, settings.steps, settings.min_lr_ratio))
-    batches = DataFeed(cfg, mesh.dp_rank, device)
+    batches = feed or DataFeed(cfg, mesh.dp_rank, device)
     eval_batches = (DataFeed(cfg, mesh.dp_rank, device, "eval")
                     if cfg.data.has_held_out and settings.eval_batches else None)
-    rehearsal = device.type == "meta"
+    rehearsal = device.type == "meta" or dist.get_backend() == "fake"
     if rehearsal:
-        print("rehearsal on the meta device: checkpoints (DCP writes real storage) and the step-progress watchdog "
-              "(the rendezvous store of every rank) are skipped", flush=True)
-    checkpointer = None if rehearsal else Checkpointer(checkpoint_dir(cfg), cfg.ops.keep_checkpoints,
-                                                       cfg.ops.async_checkpoint,
-                                                       run_identity(settings.run_dir) if lead else None)
+        print(f"rehearsal on the {device.type} device: checkpoints (DCP writes real storage) and the step-progress "
+              "watchdog (the rendezvous store of every rank) are skipped", flush=True)
+    checkpointer = None if rehearsal or not checkpoints else Checkpointer(
+        checkpoint_dir(cfg), cfg.ops.keep_checkpoints, cfg.ops.async_checkpoint,
+        run_identity(settings.run_dir) if lead else None)
     state = TrainState(stages, optimizer, scheduler, batches, StepGuard(cfg.ops), ReplicaWindow(stages, cfg))
     with Preemption() as preemption, run_watchdog(cfg.ops, settings.run_dir, mesh.rank, mesh.layout.world_size,
                                                   enabled=not rehearsal) as phases:
@@ -148,6 +153,7 @@ def _loop(cfg: RunConfig, mesh: Mesh, stages: list[Stage], runtime: PipelineRunt
             lm_part, busy = forward_backward(stages, runtime, micro, cfg.chunks_per_step,
                                              guard.loss_scale(step, 1 / settings.grad_accum_steps),
                                              optimizer if cfg.parallel.overlap_grad_reduce else None, eos)
+            mark("grad sync", ACTION)  # the micro-batches' end (a rehearsal's phase clock, launch.plan.phases)
             phases.enter("grad sync", step)
             fold_replica_grads(stages, optimizer)
             sum_tp_partial_grads(stages, mesh, optimizer)

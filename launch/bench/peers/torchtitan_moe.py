@@ -1,6 +1,7 @@
 """torchtitan's MoE module (torchtitan.models.common.moe.MoE) at the spec's shape, timed by fwdbwd.
 
-Run by `moe-bench layer` with torchtitan's own interpreter (imports torch, torchtitan and fwdbwd only).
+Run by `moe-bench layer` with torchtitan's own interpreter (imports torch, torchtitan and fwdbwd only); `moe-bench
+gpu` imports build() into its own process (one GPU: world 1), where torchtitan is installed beside this project.
 Routing as ours: softmax scores, top-k, weights renormalised over the k, dropless, no balance loss or
 expert bias. torchtitan's grouped experts compute in bf16 whatever the input dtype. EP > 1 runs its
 all-to-all token dispatcher over gloo: parallel dims on the cpu device type, the partial-DTensor SPMD backend.
@@ -13,8 +14,6 @@ from importlib import metadata
 from typing import Any
 
 import torch
-
-from fwdbwd import peer_main
 
 
 def load(module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
@@ -65,4 +64,6 @@ def build(spec: dict[str, Any], rank: int, world: int, weights: dict[str, torch.
 
 
 if __name__ == "__main__":
+    from fwdbwd import peer_main  # a sibling script when run as one
+
     raise SystemExit(peer_main(build, "torchtitan"))

@@ -88,7 +88,7 @@ TINY = {  # the smallest run of every timed suite
     "imbalance": ["--ranks", "2", "--experts", "4", "--tokens", "16", "--hidden", "8", "--ffn", "8", "--spares", "0",
                   "1", "--steps", "2", "--warmup", "0", "--quiet"],
 }
-UNTIMED = {"compare"}  # reads other suites' files
+UNTIMED = {"compare", "gpu"}  # compare reads other suites' files; gpu needs CUDA (its CPU checks: test_bench_gpu.py)
 # the train suite's config ({tmp} is the test's tmp_path): the 1-process default on short sequences and little text
 TRAIN_CONFIG = f'base = "{CONFIGS / "tiny-1proc.toml"}"\n[train]\nseq_len = 32\n[data]\nmax_bytes = 20000\n'
 

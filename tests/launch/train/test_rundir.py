@@ -320,6 +320,8 @@ def test_rewind_keeps_the_old_file_until_the_new_one_is_whole(tmp_path, monkeypa
 
 @pytest.mark.parametrize("flags, expected", [
     (["--rank", "1"], "--rank 1 chooses the rank of a rehearsal: allowed only with --rehearse"),
+    (["--device", "cpu"], "--device cpu chooses the device of a rehearsal: allowed only with --rehearse"),
+    (["--rehearse", "--micro-batches", "2"], "--micro-batches 2 sets a real device's step: give --device cpu or cuda"),
     (["--resume", "--start-over"], "--start-over begins a new run, --resume continues the old one"),
     (["--resume", "--resume-if-possible"], "--resume and --resume-if-possible: give one"),
     (["--allow-data-change"], "--allow-data-change applies to a resume"),

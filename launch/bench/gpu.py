@@ -1,0 +1,455 @@
+"""`moe-bench gpu`: one GPU measured in one command under a stated time budget per row, each row beside its peer.
+
+Rows (--only picks some; --dry-run lists them with their shapes and budgets and needs no CUDA):
+  machine      the GPU, its driver and clocks (nvidia-smi, read again after every timed row), torch/triton/CUDA
+  kernels      moe-bench kernels' FP8 grouped GEMM table at the FP8 GEMM issue's shapes, both torch peers beside
+  moe-layer    our MoELayer's forward + backward at a DeepSeek-V3 slice beside torchtitan's MoE module, same weights
+               and tokens, in rounds (launch.bench.harness: the contenders alternate)
+  trainer-*    the trainer on configs/gpu-1x.toml (launch.train.loop.train, random tokens, no checkpoint): eager, the
+               FP8 recipe, and graphed rows (which say "not yet" until train.cuda_graphs exists); torchtitan's own
+               trainer as its peer, or why it cannot run
+  v3-rank      the real-device rehearsal of DeepSeek-V3's rank (launch.plan.rehearse: memory by category and each
+               phase's time beside moe-plan's), where the card holds moe-plan's peak for it
+Without CUDA a real run exits 2 naming why. --json writes the rows (with the common header), a markdown table
+beside it (.md) and a plot (.html, and .png where a headless Chromium is found); --docs RESULT.json writes the
+docs GPU page from such a result. --peers DIR installs the wheels in DIR (offline) before anything runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import importlib.util
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from launch.bench import kernels
+from launch.bench.harness import fields, ratio_fields, rounds
+from launch.bench.layer import model_config, our_weights
+from launch.bench.peers.fwdbwd import decided_tokens, fwd_bwd
+from launch.bench.report import HIGHER, LOWER, header, header_line, machine, table, versions, write_json
+from launch.config.run import RunConfig, load_config
+from launch.config.sections import TrainSettings
+from launch.plan.planner import Machine, Options, make_plan
+from launch.plan.presets import gpu_preset, preset_for_device
+from launch.plan.rehearse import RandomFeed, planned_memory, rehearse
+from moe.layer import MoELayer
+
+ROOT = Path(__file__).resolve().parents[2]
+GPU_1X = ROOT / "configs" / "gpu-1x.toml"
+DEEPSEEK_V3 = ROOT / "configs" / "deepseek-v3.toml"
+V3_SLICE = {"hidden": 7168, "ffn": 2048, "experts": 8, "top_k": 8, "batch": 1, "seq": 4096}
+KERNEL_CASES = ((8, (4096, 512)), (4, (8192,)), (32, (512, 128)))  # (groups, rows per group): the issue's set
+KERNEL_SHAPES = "7168x4096,2048x7168"  # K x N: forward N 4096 K 7168, and N 7168 K 2048
+FP8_RECIPE = ["model.expert_precision='fp8'", "model.linear_precision='fp8'", "model.activation_cache='fp8'"]
+TRAINER_STEPS = (2, 5)  # (warm-up, timed) steps of a trainer row
+LAYER_ROUNDS = (3, 10)  # (warm-up, timed) rounds of the MoE-layer row
+BF16_TOLERANCE = 5e-2  # launch.bench.layer's bound for experts computing in bf16 (both contenders here)
+TORCHTITAN_TRAINER = ("torchtitan 0.3.0's language models take block-causal flex/varlen attention masks from its own "
+                      "dataloader and train through its own trainer (torchdata, datasets, wandb and more: not carried "
+                      "to an offline GPU node); its MoE module runs beside ours in the moe-layer row")
+
+
+class NoCuda(ValueError):
+    """A real run without a CUDA GPU (exit 2, launch.errors)."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of the suite: its budget, what it runs (shapes), its peer, and the function measuring it."""
+
+    name: str
+    budget_s: float
+    runs: str
+    peer: str
+    measure: Callable[[argparse.Namespace, Row], dict[str, Any]]
+    ready: Callable[[], str | None] = lambda: None  # why the row cannot run (yet) on any GPU, or None
+
+
+def _gpu_name() -> str:
+    return torch.cuda.get_device_name(torch.cuda.current_device())
+
+
+def nvidia_smi() -> dict[str, str] | None:
+    """The GPU's clocks, power and temperature now (None without nvidia-smi)."""
+    query = "clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu,driver_version"
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout.splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None
+    return dict(zip(("sm_mhz", "max_sm_mhz", "mem_mhz", "power_w", "temperature_c", "driver"),
+                    (v.strip() for v in out.split(","))))
+
+
+def machine_row(args: argparse.Namespace, row: Row) -> dict[str, Any]:
+    """The GPU, driver, clocks and versions."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return {"gpu": props.name, "memory_gib": props.total_memory / 2 ** 30, "sms": props.multi_processor_count,
+            "capability": f"{props.major}.{props.minor}", "smi": nvidia_smi(), "versions": versions(),
+            "cuda": torch.version.cuda, "host": machine()}
+
+
+def kernels_row(args: argparse.Namespace, row: Row) -> dict[str, Any]:
+    """launch.bench.kernels.gpu_rows at each case of KERNEL_CASES until the row's budget is spent."""
+    began, out, skipped = time.perf_counter(), [], []
+    for groups, per_group in KERNEL_CASES:
+        case = f"{groups} groups x {'/'.join(map(str, per_group))} rows"
+        if time.perf_counter() - began > row.budget_s:
+            skipped.append(case)
+            continue
+        opts = kernels.parse_args(["--shapes", KERNEL_SHAPES, "--groups", str(groups), "--rows",
+                                   ",".join(map(str, per_group)), "--warmup", "3", "--repeats", "10", "--quiet"])
+        out += kernels.gpu_rows(opts)
+    return {"kernels": out, "skipped": skipped, "min_calc_diff_ok": all(r["calc_diff"] < 1e-3 for r in out)}
+
+
+def _layer_inputs(spec: dict[str, Any], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(spec["seed"] + 1000)
+    shape = (spec["batch"], spec["seq"], spec["hidden"])
+    return tuple(torch.randn(shape, generator=gen).to(device, torch.bfloat16) for _ in range(2))
+
+
+def torchtitan_moe(spec: dict[str, Any], weights: dict[str, torch.Tensor], device: torch.device):
+    """(torchtitan's MoE holding weights on device, its forward) or raises ImportError when it is not installed."""
+    from launch.bench.peers.torchtitan_moe import build
+
+    module, forward, _ = build({**spec, "dtype": "bfloat16"}, 0, 1, weights)
+    return module.to(device), forward
+
+
+def _event_step(step: Callable[[], None]) -> Callable[[], float]:
+    """step timed by CUDA events: its device seconds."""
+    def timed() -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    return timed
+
+
+def layer_flops(spec: dict[str, Any]) -> float:
+    """Forward + backward FLOPs of the routed experts (3 x forward; gate|up and down GEMMs per routed slot)."""
+    tokens = spec["batch"] * spec["seq"]
+    return 3 * 2 * tokens * spec["top_k"] * 3 * spec["hidden"] * spec["ffn"]
+
+
+def layer_row(args: argparse.Namespace, row: Row) -> dict[str, Any]:
+    """Ours and torchtitan's MoE forward + backward in rounds, outputs compared first."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    spec = {**V3_SLICE, "seed": 0}
+    torch.manual_seed(spec["seed"])
+    with torch.device(device):
+        ours = MoELayer(model_config(spec))
+    weights = our_weights(ours)
+    ours = ours.to(torch.bfloat16)
+    x, dy = _layer_inputs(spec, device)
+    contenders = {"ours": (ours, lambda t: ours(t)[0])}
+    peer_status = "ok"
+    try:
+        contenders["torchtitan"] = torchtitan_moe(spec, weights, device)
+    except ImportError as err:
+        peer_status = f"not installed: {err} (moe-bench gpu --peers DIR installs its wheels)"
+    with torch.no_grad():
+        outputs = {name: forward(x).float() for name, (_, forward) in contenders.items()}
+        logits = x.double().flatten(0, 1) @ weights["router"].to(device).double().T
+        checked = decided_tokens(logits, spec["top_k"], torch.bfloat16).to(device)
+    result: dict[str, Any] = {"shape": spec, "tflops_counted": "routed experts only, 3 x forward",
+                              "peer_status": peer_status}
+    if "torchtitan" in outputs:
+        diff = outputs["torchtitan"].flatten(0, 1) - outputs["ours"].flatten(0, 1)
+        result["rel_diff"] = (diff[checked].abs().max() / outputs["ours"].abs().max()).item()
+        if result["rel_diff"] > BF16_TOLERANCE:
+            result["status"] = f"OUTPUT DIFFERS from ours (> {BF16_TOLERANCE:g}): torchtitan's MoE"
+    del outputs
+    steps = {name: _event_step(fwd_bwd(module, forward, x, dy)) for name, (module, forward) in contenders.items()}
+    timed = rounds(steps, *LAYER_ROUNDS, rotate=True)
+    mine = timed["ours"]["time"]
+    result.update(fields("ours_ms", mine), ours_tflops=layer_flops(spec) / mine.median / 1e12)
+    if "torchtitan" in timed:
+        theirs = timed["torchtitan"]["time"]
+        result.update(fields("peer_ms", theirs), ratio_fields("vs_peer", theirs / mine),
+                      peer_tflops=layer_flops(spec) / theirs.median / 1e12)
+    return result
+
+
+def trainer_available(overrides: list[str]) -> str | None:
+    """Why a trainer row cannot run yet (a config key it needs is missing), or None."""
+    if any(o.startswith("train.cuda_graphs") for o in overrides) and "cuda_graphs" not in {
+            f.name for f in dataclasses.fields(TrainSettings)}:
+        return "not yet: train.cuda_graphs missing (the sync-free issue lands it)"
+    return None
+
+
+def trainer_config(overrides: list[str], run_dir: str) -> RunConfig:
+    """configs/gpu-1x.toml with overrides, for TRAINER_STEPS steps, every step's per-rank figures."""
+    steps = sum(TRAINER_STEPS)
+    return load_config(GPU_1X, [*overrides, f"train.steps={steps}", "train.rank_metrics_every=1",
+                                "train.eval_batches=0", f"train.run_dir={run_dir!r}", "train.device='cuda'"])
+
+
+def plan_figures(cfg: RunConfig) -> dict[str, float]:
+    """moe-plan's step, peak memory, tokens/s and MFU for cfg on this GPU (the H100's preset without one)."""
+    gpu = preset_for_device(_gpu_name()) if torch.cuda.is_available() else None
+    plan = make_plan(cfg, Machine(gpu or gpu_preset("h100"), 1), Options(cfg.train.recompute))
+    return {"plan_gpu": plan.machine.gpu.name, "plan_step_ms": plan.step_seconds * 1e3,
+            "plan_peak_gib": plan.peak_memory / 2 ** 30, "plan_tokens_per_s": plan.tokens_per_second,
+            "plan_mfu": plan.mfu}
+
+
+def trainer_row(overrides: list[str]) -> Callable[[argparse.Namespace, Row], dict[str, Any]]:
+    """A trainer row training configs/gpu-1x.toml with overrides."""
+    def measure(args: argparse.Namespace, row: Row) -> dict[str, Any]:
+        from launch.train.loop import train
+
+        missing = trainer_available(overrides)
+        if missing:
+            return {"status": missing}
+        device = torch.device("cuda", torch.cuda.current_device())
+        with tempfile.TemporaryDirectory(prefix="moe-bench-gpu-") as run_dir:
+            cfg = trainer_config(overrides, run_dir)
+            torch.cuda.reset_peak_memory_stats(device)
+            records = train(cfg, progress=False, device=device, feed=RandomFeed(cfg, device), checkpoints=False)
+        timed = records[TRAINER_STEPS[0]:]
+        tokens = cfg.train.grad_accum_steps * cfg.train.micro_batch_size * cfg.train.seq_len
+        steps = [tokens / r["tokens_per_s"] for r in timed]
+        return {"tokens_per_s": tokens / statistics.median(steps), "step_ms": 1e3 * statistics.median(steps),
+                "step_ms_spread": (max(steps) - min(steps)) / statistics.median(steps), "repeats": len(steps),
+                "mfu": statistics.median(r["mfu"] for r in timed) if timed[0]["mfu"] is not None else None,
+                "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2 ** 30,
+                "last_loss": records[-1]["lm_loss"], "overrides": overrides, **plan_figures(cfg)}
+    return measure
+
+
+def torchtitan_trainer_row(args: argparse.Namespace, row: Row) -> dict[str, Any]:
+    """torchtitan's own trainer on the same model: why it does not run here."""
+    return {"status": f"not run: {TORCHTITAN_TRAINER}"}
+
+
+def v3_rank_row(args: argparse.Namespace, row: Row) -> dict[str, Any]:
+    """DeepSeek-V3's largest rank rehearsed on this GPU, where moe-plan's peak for it fits the card."""
+    cfg = load_config(DEEPSEEK_V3)
+    device = torch.device("cuda", torch.cuda.current_device())
+    need = max(sum(rank.values()) for rank in planned_memory(cfg)[0])
+    have = torch.cuda.get_device_properties(device).total_memory
+    if need > have:
+        return {"status": f"does not fit: moe-plan's peak for the rank is {need / 2 ** 30:.1f} GiB, the card holds "
+                          f"{have / 2 ** 30:.1f} GiB (an H100 waits for the FP8 recipe to bring it <= 70 GiB)"}
+    return {"rehearsal": rehearse(cfg, device=device).to_dict()}
+
+
+def _peer_installed() -> str | None:
+    return None if importlib.util.find_spec("torchtitan") else "runs ours only: torchtitan not installed (--peers DIR)"
+
+
+ROWS = [
+    Row("machine", 5, "GPU, driver, clocks (nvidia-smi), torch/triton/CUDA versions", "-", machine_row),
+    Row("kernels", 120, f"FP8 grouped GEMM forward/dgrad/wgrad, KxN {KERNEL_SHAPES}, (groups, rows per group) "
+        + ", ".join(f"{g} x {'/'.join(map(str, r))}" for g, r in KERNEL_CASES),
+        "torch._grouped_mm bf16, torch._scaled_grouped_mm fp8 rowwise", kernels_row),
+    Row("moe-layer", 30, "MoELayer forward+backward, hidden {hidden}, {experts} experts of {ffn}, top-{top_k}, "
+        "{seq} tokens, bf16".format(**V3_SLICE), "torchtitan MoE (GroupedExperts, bf16)", layer_row, _peer_installed),
+    Row("trainer-eager", 40, f"configs/gpu-1x.toml, eager, bf16, {TRAINER_STEPS[0]}+{TRAINER_STEPS[1]} steps",
+        "torchtitan trainer (row trainer-torchtitan)", trainer_row([])),
+    Row("trainer-fp8", 40, "configs/gpu-1x.toml, eager, DeepSeek-V3's FP8 recipe", "-", trainer_row(FP8_RECIPE)),
+    *(Row(name, 40, f"configs/gpu-1x.toml, {what}CUDA graphs", "-", trainer_row(overrides),
+          lambda overrides=overrides: trainer_available(overrides))
+      for name, what, overrides in (("trainer-graphed", "", ["train.cuda_graphs=true"]),
+                                    ("trainer-fp8-graphed", "FP8 recipe, ", [*FP8_RECIPE, "train.cuda_graphs=true"]))),
+    Row("trainer-torchtitan", 40, "torchtitan's trainer, Qwen3-30B-A3B's layers as configs/gpu-1x.toml", "-",
+        torchtitan_trainer_row, lambda: f"not run: {TORCHTITAN_TRAINER}"),
+    Row("v3-rank", 120, "configs/deepseek-v3.toml, the rank moe-plan gives the largest peak, on this GPU under the "
+        "fake process group (moe-train --rehearse --device cuda)", "moe-plan's memory and compute prediction",
+        v3_rank_row),
+]
+ROW_NAMES = [r.name for r in ROWS]
+
+
+def install_peers(folder: str) -> str:
+    """pip install every wheel in folder, offline, without dependencies; what pip said (its last line)."""
+    wheels = sorted(Path(folder).glob("*.whl"))
+    if not wheels:
+        raise ValueError(f"--peers {folder}: no .whl files there (make them elsewhere with `pip download NAME "
+                         f"--no-deps -d {folder}`)")
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--find-links",
+                           folder, *map(str, wheels)], capture_output=True, text=True)
+    importlib.invalidate_caches()
+    tail = (done.stderr.strip().splitlines() or ["installed"])[-1]
+    return f"{len(wheels)} wheels from {folder}: " + ("installed" if done.returncode == 0 else f"pip failed: {tail}")
+
+
+def dry_run(rows: list[Row]) -> list[dict[str, Any]]:
+    """Every chosen row with its shapes, peer and budget (no CUDA needed)."""
+    return [{"row": r.name, "budget_s": r.budget_s, "runs": r.runs, "peer": r.peer, "status": r.ready() or "runs"}
+            for r in rows]
+
+
+def run_rows(args: argparse.Namespace, rows: list[Row], done: Callable[[list[dict[str, Any]]], None] | None = None
+             ) -> list[dict[str, Any]]:
+    """Measure each row; a row that fails says why (the others still run); its wall time beside its budget.
+    done(rows so far) after each row (the JSON written as the run goes: a run cut short keeps its rows)."""
+    out: list[dict[str, Any]] = []
+    for row in rows:
+        print(f"[moe-bench gpu] {row.name} (budget {row.budget_s:g} s): {row.runs}", file=sys.stderr, flush=True)
+        began = time.perf_counter()
+        try:
+            got = row.measure(args, row)
+        except Exception as err:  # noqa: BLE001 - a failing row reports its error; the suite goes on
+            got = {"status": f"error: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"}
+        wall = time.perf_counter() - began
+        status = got.pop("status", "ok")
+        if status == "ok" and wall > row.budget_s:
+            status = f"ok, over budget ({wall:.0f} s > {row.budget_s:g} s)"
+        out.append({"row": row.name, "budget_s": row.budget_s, "wall_s": wall, "status": status, "runs": row.runs,
+                    "peer": row.peer, "smi_after": nvidia_smi(), **got})
+        torch.cuda.empty_cache()
+        if done is not None:
+            done(out)
+    return out
+
+
+METRICS = {"ours_ms": LOWER, "peer_ms": LOWER, "step_ms": LOWER, "tokens_per_s": HIGHER}
+SUMMARY = [("row", "row", ""), ("status", "status", ""), ("wall s", "wall_s", ".0f"), ("budget s", "budget_s", ".0f"),
+           ("ours ms", "ours_ms", ".2f"), ("peer ms", "peer_ms", ".2f"), ("peer/ours", "vs_peer", ".2f"),
+           ("tokens/s", "tokens_per_s", ".0f"), ("MFU", "mfu", ".1%"), ("plan tokens/s", "plan_tokens_per_s", ".0f"),
+           ("peak GiB", "peak_memory_gib", ".1f"), ("plan GiB", "plan_peak_gib", ".1f")]
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """The result as a markdown page: machine and date, the summary table, the kernel table, the V3 rank."""
+    head, rows = doc["header"], doc["rows"]
+    gpu = ", ".join(head["machine"]["gpus"]) or "no GPU"
+    lines = [f"# GPU results: {gpu}", "",
+             f"Generated from `{head['command']}` run on {head['time_utc']} ({head['machine']['cpu']}; driver "
+             f"{head['machine']['gpu_driver']}; torch {head['versions']['torch']}, "
+             f"triton {head['versions']['triton']}, "
+             f"CUDA {head['machine']['cuda']}; commit {head['git_commit']}).", ""]
+    lines += [f"- {note}" for note in head["notes"]] + [""]
+    lines += ["| " + " | ".join(title for title, _, _ in SUMMARY) + " |", "|" + "---|" * len(SUMMARY)]
+    for r in rows:
+        lines.append("| " + " | ".join("-" if r.get(k) is None else format(r[k], f) for _, k, f in SUMMARY) + " |")
+    lines += ["", "Each row runs: " + "; ".join(f"**{r['row']}** {r['runs']} (peer: {r['peer']})" for r in rows), ""]
+    for r in rows:
+        if r.get("kernels"):
+            lines += ["## Kernels", "", "| op | shape | TFLOPS | peer | peer TFLOPS | ratio | calc_diff |",
+                      "|---|---|---|---|---|---|---|"]
+            lines += [f"| {k['op']} | {kernels._shape_text(k['shape'])} | {_num(k['tflops'])} | {k['peer']} | "
+                      f"{_num(k['peer_tflops'])} | {_num(k.get('ratio'), '.2f')} | {k['calc_diff']:.1e} |"
+                      for k in r["kernels"]] + [""]
+        if r.get("rehearsal"):
+            report = r["rehearsal"]
+            lines += ["## DeepSeek-V3 rank", "", f"rank {report['rank']} of {report['world_size']}, "
+                      f"{report['micro_batches']} micro-batches; moe-plan for {report['planned_for']}", "",
+                      "| phase | count | measured ms | moe-plan ms |", "|---|---|---|---|"]
+            lines += [f"| {p['name']} | {p['count']} | {p['seconds'] * 1e3:.2f} | "
+                      f"{_num(None if p['planned'] is None else p['planned'] * 1e3, '.2f')} |"
+                      for p in report["phases"]]
+            lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def _num(value: float | None, spec: str = ".0f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def plot(doc: dict[str, Any], base: Path) -> str:
+    """A bar chart of the timed rows (ours beside the peer) and the kernels' TFLOPS; where it went, or why not."""
+    try:
+        import plotly.graph_objects as go
+        from plotly.subplots import make_subplots
+
+        from launch.bench.plot import write_figure
+    except ImportError as err:
+        return f"no plot ({err})"
+    fig = make_subplots(rows=2, cols=1, subplot_titles=("kernels: TFLOPS", "rows: ms (lower is better)"))
+    cases = [k for r in doc["rows"] for k in r.get("kernels", []) if k["peer"] == kernels.PEERS[0]]
+    names = [f"{k['op']} {kernels._shape_text(k['shape'])}" for k in cases]
+    fig.add_trace(go.Bar(name="ours", x=names, y=[k["tflops"] for k in cases]), row=1, col=1)
+    for peer in kernels.PEERS:
+        fig.add_trace(go.Bar(name=peer, x=names, y=[k["peer_tflops"] for r in doc["rows"]
+                                                    for k in r.get("kernels", []) if k["peer"] == peer]), row=1, col=1)
+    timed = [r for r in doc["rows"] if r.get("ours_ms") is not None or r.get("step_ms") is not None]
+    fig.add_trace(go.Bar(name="ours (rows)", x=[r["row"] for r in timed],
+                         y=[r.get("ours_ms", r.get("step_ms")) for r in timed]), row=2, col=1)
+    fig.add_trace(go.Bar(name="peer (rows)", x=[r["row"] for r in timed], y=[r.get("peer_ms") for r in timed]),
+                  row=2, col=1)
+    fig.update_layout(barmode="group", height=900, width=1200, title=f"moe-bench gpu, {doc['header']['time_utc']}")
+    html, png, why = write_figure(fig, base)
+    return f"plot: {html}" + (f", {png}" if png else f" ({why})")
+
+
+def write_outputs(doc: dict[str, Any], json_path: str) -> list[str]:
+    """The JSON, the markdown beside it and the plot; the paths written."""
+    path = Path(json_path)
+    write_json(path, doc["header"], doc["rows"], doc["key"], doc["metrics"])
+    path.with_suffix(".md").write_text(markdown(doc))
+    return [str(path), str(path.with_suffix(".md")), plot(doc, path.with_name(path.stem + "-plot"))]
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The suite's options."""
+    p = argparse.ArgumentParser(prog="moe-bench gpu", description=__doc__.splitlines()[0])
+    p.add_argument("--only", action="append", choices=ROW_NAMES, metavar="ROW",
+                   help=f"run only this row (repeatable): {', '.join(ROW_NAMES)}")
+    p.add_argument("--dry-run", action="store_true", help="list the rows with their shapes and budgets; no CUDA")
+    p.add_argument("--peers", metavar="DIR", help="pip install DIR/*.whl offline (no index, no dependencies) first")
+    p.add_argument("--json", metavar="OUT", help="write the rows as JSON, OUT's .md and a plot beside it")
+    p.add_argument("--docs", metavar="RESULT", help="write the docs GPU page from a result JSON and exit")
+    p.add_argument("--docs-out", default=str(ROOT / "docs" / "gpu-results.md"), help="where --docs writes")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dry run, docs page, or the rows on this GPU."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.docs:
+        from launch.bench.report import read_json
+
+        Path(args.docs_out).write_text(markdown(read_json(args.docs)))
+        print(f"wrote {args.docs_out} from {args.docs}")
+        return 0
+    rows = [r for r in ROWS if not args.only or r.name in args.only]
+    if args.dry_run:
+        for r in dry_run(rows):
+            print(f"{r['row']:<20} budget {r['budget_s']:>4.0f} s  {r['runs']}\n{'':<20} peer: {r['peer']}; "
+                  f"{r['status']}")
+        print(f"total budget {sum(r.budget_s for r in rows):.0f} s" + (f"; would install the wheels in {args.peers}"
+                                                                      if args.peers else ""))
+        return 0
+    if not torch.cuda.is_available():
+        raise NoCuda(f"moe-bench gpu needs a CUDA GPU: torch {torch.__version__} sees none "
+                     f"(torch.cuda.is_available() is False); --dry-run lists the rows without one")
+    notes = [install_peers(args.peers)] if args.peers else []
+    notes.append("MFU: model FLOPs per token (launch.metrics.flops, causal attention) x tokens/s over the GPU's dense "
+                 "peak; the same formula for every row. torch.compile: off for ours and the peers; activation "
+                 "checkpointing: the config's train.recompute (none in configs/gpu-1x.toml), none for the peers")
+    head = header("gpu", argv, notes)
+    print(header_line(head))
+    doc: dict[str, Any] = {"header": head, "key": ["row"], "metrics": METRICS, "rows": []}
+
+    def partial(rows_so_far: list[dict[str, Any]]) -> None:
+        if args.json:
+            write_json(args.json, head, rows_so_far, doc["key"], METRICS)
+
+    results = doc["rows"] = run_rows(args, rows, partial)
+    print(table(results, SUMMARY, left=2))
+    if args.json:
+        print("\n".join(write_outputs(doc, args.json)))
+    return 0 if all(not r["status"].startswith(("error", "OUTPUT")) for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,131 @@
+"""moe-bench gpu on a machine without a GPU: the dry run lists every row with its shapes and budget, a real run exits
+2 naming why, configs/gpu-1x.toml parses and fits one 80 GB GPU by moe-plan, the docs page comes from a result, and
+torchtitan's MoE module (the moe-layer row's peer) computes our layer's output from the same weights and tokens."""
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from launch.bench import gpu
+from launch.bench.cli import main as moe_bench
+from launch.bench.layer import load_weights, model_config, our_weights
+from launch.bench.peers.fwdbwd import decided_tokens, inputs, relative_error
+from launch.bench.report import versions
+from launch.config.run import load_config
+from launch.plan.cli import main as moe_plan
+from launch.plan.planner import Machine, make_plan
+from launch.plan.presets import gpu_preset
+from moe.layer import MoELayer
+
+BF16_U = 2.0 ** -8  # bf16's unit roundoff (8 significant bits)
+# torchtitan's experts round x, w1, w3, w2 to bf16 and round each GEMM's output and the SwiGLU product to bf16:
+# 7 roundings along the expert path, each at most u relative to its operand's scale, reaching the output's scale
+TORCHTITAN_BOUND = 7 * BF16_U
+
+
+def test_dry_run_lists_every_row_with_its_shapes_and_budget(capsys):
+    assert gpu.main(["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    for row in gpu.ROWS:
+        assert f"{row.name:<20} budget {row.budget_s:>4.0f} s  {row.runs}" in out
+    assert "hidden 7168, 8 experts of 2048, top-8, 4096 tokens, bf16" in out  # the V3 slice of the moe-layer row
+    assert "trainer-graphed" in out and "not yet: train.cuda_graphs missing" in out
+    budgets = {row.name: row.budget_s for row in gpu.ROWS}
+    assert budgets["kernels"] <= 120 and budgets["v3-rank"] <= 120
+    assert all(budget <= 60 for name, budget in budgets.items() if name.startswith("trainer-"))
+    assert sum(budgets.values()) < 8 * 60 and f"total budget {sum(budgets.values()):.0f} s" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the suite would run")
+def test_a_real_run_without_cuda_exits_2_naming_why(capsys):
+    assert moe_bench(["gpu", "--only", "machine"]) == 2
+    err = capsys.readouterr().err
+    assert "moe-bench gpu needs a CUDA GPU" in err and "--dry-run" in err and "Traceback" not in err
+
+
+def test_gpu_1x_is_qwen3_30b_a3bs_layer_and_fits_one_80gb_gpu_by_moe_plan():
+    cfg = load_config(gpu.GPU_1X)
+    m = cfg.model
+    assert (m.hidden_size, m.num_experts, m.expert_ffn_size, m.top_k, m.num_heads, m.num_kv_heads, m.head_dim) == (
+        2048, 128, 768, 8, 32, 4, 128)
+    assert 4 <= m.num_layers <= 8 and (cfg.train.seq_len, cfg.train.dtype, cfg.parallel.world_size) == (
+        4096, "bfloat16", 1)
+    for preset in ("h100", "h200"):
+        plan = make_plan(cfg, Machine(gpu_preset(preset), 1))
+        assert plan.peak_memory <= 80e9 and plan.fits, preset
+
+
+def test_the_docs_page_and_moe_plans_ratios_come_from_a_result(tmp_path, capsys):
+    rows = [{"row": "moe-layer", "status": "ok", "wall_s": 20.0, "budget_s": 30, "runs": "MoELayer", "peer": "tt",
+             "ours_ms": 10.0, "peer_ms": 12.0, "vs_peer": 1.2},
+            {"row": "trainer-eager", "status": "ok", "wall_s": 35.0, "budget_s": 40, "runs": "gpu-1x", "peer": "-",
+             "tokens_per_s": 20000.0, "step_ms": 204.8, "mfu": 0.31, "peak_memory_gib": 61.0, "plan_step_ms": 180.0,
+             "plan_peak_gib": 58.0, "plan_tokens_per_s": 22755.0},
+            {"row": "trainer-graphed", "status": "not yet: train.cuda_graphs missing", "wall_s": 0.0, "budget_s": 40,
+             "runs": "gpu-1x", "peer": "-"}]
+    result = tmp_path / "gpu.json"
+    head = {"suite": "gpu", "time_utc": "2026-11-28T17:00:00+00:00", "command": "moe-bench gpu --json gpu.json",
+            "machine": {"cpu": "a CPU", "gpus": [], "gpu_driver": None, "cuda": None}, "versions": versions(),
+            "git_commit": "0" * 40, "notes": ["a note"]}
+    result.write_text(json.dumps({"header": head, "key": ["row"], "metrics": {}, "rows": rows}))
+    page = tmp_path / "gpu-results.md"
+    assert gpu.main(["--docs", str(result), "--docs-out", str(page)]) == 0
+    text = page.read_text()
+    assert text.startswith("# GPU results: no GPU") and head["time_utc"] in text and head["machine"]["cpu"] in text
+    assert "| trainer-eager | ok | 35 | 40 | - | - | - | 20000 | 31.0% | 22755 | 61.0 | 58.0 |" in text
+    assert "| trainer-graphed | not yet: train.cuda_graphs missing |" in text
+    capsys.readouterr()
+    assert moe_plan(["--measure-gpu", str(result)]) == 0
+    out = capsys.readouterr().out
+    assert "trainer-eager: step ms" in out and "1.138" in out and "trainer-eager: peak GiB" in out  # 204.8 / 180
+
+
+def test_peers_folder_without_wheels_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="no .whl files there"):
+        gpu.install_peers(str(tmp_path))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
+                    reason="torchtitan is not installed (an optional peer: pip install --no-deps torchtitan "
+                           "spmd_types tyro docstring_parser typeguard)")
+def test_torchtitans_moe_computes_our_layers_output_from_the_same_weights_and_tokens(seed=0):
+    """The moe-layer row's peer at a tiny shape on the CPU: torchtitan's MoE built by the adapter from our weights
+    gives our float64 layer's output within bf16's bound (its experts compute in bf16), and ours within fp32's."""
+    from launch.bench.peers.torchtitan_moe import build
+
+    spec = {"hidden": 64, "ffn": 32, "experts": 8, "top_k": 2, "batch": 2, "seq": 16, "seed": seed,
+            "dtype": "float32"}
+    torch.manual_seed(seed)
+    ours = MoELayer(model_config(spec))
+    weights = our_weights(ours)
+    reference = load_weights(MoELayer(model_config(spec)).double(), weights)
+    _, forward, info = build(spec, 0, 1, weights)
+    x = inputs(spec, 0)[0]
+    with torch.no_grad():
+        expected = reference(x.double())[0]
+        checked = decided_tokens(x.double() @ weights["router"].double().T, spec["top_k"], torch.float32)
+        assert relative_error(ours(x)[0], expected, checked) < 1e-5
+        assert relative_error(forward(x), expected, checked) < TORCHTITAN_BOUND
+    assert info["local_experts"] == 8
+
+
+def test_rows_run_in_turn_a_failing_row_says_why_and_each_row_is_kept_as_it_ends(monkeypatch):
+    """run_rows with stand-in rows (no GPU needed): the JSON is rewritten after every row, so a run cut short keeps
+    the rows it finished; a row that raises reports the error and the next still runs; over budget is said."""
+    monkeypatch.setattr(gpu, "nvidia_smi", lambda: None)
+    ticks = iter([0.0, 1.0, 1.0, 1.5, 1.5, 1.5])
+    monkeypatch.setattr(gpu.time, "perf_counter", lambda: next(ticks))
+
+    def fails(args, row):
+        raise RuntimeError("CUDA error: an illegal memory access\nmore")
+
+    rows = [gpu.Row("a", 0.5, "A", "-", lambda args, row: {"ours_ms": 1.0}),
+            gpu.Row("b", 9.0, "B", "-", fails), gpu.Row("c", 9.0, "C", "-", lambda args, row: {"status": "not yet"})]
+    seen = []
+    out = gpu.run_rows(None, rows, lambda so_far: seen.append([r["row"] for r in so_far]))
+    assert seen == [["a"], ["a", "b"], ["a", "b", "c"]]
+    assert [r["status"] for r in out] == ["ok, over budget (1 s > 0.5 s)",
+                                         "error: RuntimeError: CUDA error: an illegal memory access", "not yet"]
+    assert out[0]["ours_ms"] == 1.0 and out[1]["wall_s"] == 0.5
