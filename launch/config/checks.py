@@ -30,7 +30,6 @@ def check_sections(model: ModelConfig, train: TrainSettings, data: DataSettings,
     _check_document_mask(data, model, par)
     _check_optim(optim, par)
     _check_fp8_sizes(model, par)
-    _check_padded_exchange(model, par)
     _check_node_limited_routing(model, par.layout(model))
     _check_redundant_experts(model, par)
 
@@ -155,14 +154,6 @@ def _check_fp8_sizes(model: ModelConfig, par: ParallelSettings) -> None:
                              f"{par.dispatch_payload!r} and model.expert_precision = {model.expert_precision!r} "
                              f"(FP8 rows are read {FP8_ALIGN} bytes at a time; allowed e.g. {low or FP8_ALIGN}, "
                              f"{low + FP8_ALIGN}, or 'bf16' / 'native')")
-
-
-def _check_padded_exchange(model: ModelConfig, par: ParallelSettings) -> None:
-    """The padded exchange hands the experts padding rows past the last group, which the FP8 grouped GEMMs do not
-    take yet (their k-grouped operands tile every row)."""
-    if par.dispatch_exchange == "padded" and par.ep > 1 and model.expert_precision == "fp8":
-        raise ValueError("parallel.dispatch_exchange = 'padded' does not run with model.expert_precision = 'fp8' yet "
-                         "(the FP8 grouped GEMMs take no padding rows); allowed with FP8 experts: 'exact'")
 
 
 def _check_node_limited_routing(model: ModelConfig, layout: Layout) -> None:

@@ -236,13 +236,14 @@ class ParallelSettings:
     peer and hands the experts a fixed number of rows, bounds derived from the tokens per micro-batch, model.top_k,
     parallel.ep and parallel.dispatch_headroom, so no MoE layer reads the device in forward or backward and every
     step issues the same shapes. A step whose routing exceeds a bound is rerun on the exact path (no token lost, the
-    same math) and the bounds doubled for later steps; the metric `dispatch_reruns` counts them. "padded" runs with
-    parallel.dispatch_chunks = 1 so far."""
+    same math) and the bounds doubled for later steps; the metric `dispatch_reruns` counts them. With
+    parallel.dispatch_chunks > 1 every chunk has the same bounds, from its share of the tokens."""
     dispatch_headroom: float = 2.0
     """With parallel.dispatch_exchange = "padded": the bounds' factor over a balanced routing's rows (> 0). Larger:
     fewer reruns, more padding moved and held. Flat: rows per EP peer min(T, ceil(h x T x min(k, ep) / ep)), expert
     rows per rank ceil(h x T x k) (T tokens per micro-batch and rank, k = model.top_k); hierarchical: each hop's
-    bound likewise from the rows a balanced routing brings it (dispatch.EPDispatcher.padded_bounds)."""
+    bound likewise from the rows a balanced routing brings it, per chunk of ceil(T / parallel.dispatch_chunks) tokens
+    (dispatch.EPDispatcher.padded_bounds)."""
     comm_backend: CommBackend = "auto"
     """Backend of the process groups: "auto" is NCCL on CUDA ranks and gloo on CPU ones; "gloo" or "nccl" force
     one."""
@@ -270,9 +271,6 @@ class ParallelSettings:
         if isinstance(self.dispatch_headroom, bool) or not isinstance(self.dispatch_headroom, (int, float)) \
                 or not self.dispatch_headroom > 0:
             raise ValueError(f"parallel.dispatch_headroom = {self.dispatch_headroom!r} must be a number > 0")
-        if self.dispatch_exchange == "padded" and self.dispatch_chunks > 1:
-            raise ValueError(f"parallel.dispatch_exchange = 'padded' runs one chunk so far, got parallel.dispatch_chunks "
-                             f"= {self.dispatch_chunks}; allowed with 'padded': 1 (or dispatch_exchange = 'exact')")
         check_choice("parallel.comm_backend", self.comm_backend, CommBackend)
         if self.dispatch_chunks > 1 and self.dispatch_backend != "hierarchical":
             raise ValueError(f"parallel.dispatch_chunks = {self.dispatch_chunks} pipelines the two hops of "
