@@ -32,6 +32,7 @@ def check_sections(model: ModelConfig, train: TrainSettings, data: DataSettings,
     _check_fp8_sizes(model, par)
     _check_node_limited_routing(model, par.layout(model))
     _check_redundant_experts(model, par)
+    _check_cuda_graphs(train, par)
 
 
 def _check_seq_len(model: ModelConfig, train: TrainSettings) -> None:
@@ -181,3 +182,13 @@ def _check_redundant_experts(model: ModelConfig, par: ParallelSettings) -> None:
                          f"{model.capacity_factor}: capacity dropping is per logical expert in the router but per "
                          f"physical slot in the rehearsal's dispatch rule, so the semantics would change; allowed: "
                          f"dropless routing (leave model.capacity_factor out) or parallel.redundant_experts = 0")
+
+
+def _check_cuda_graphs(train: TrainSettings, par: ParallelSettings) -> None:
+    """train.cuda_graphs captures steps that read nothing to the host: over EP ranks only the padded exchange does
+    (the exact one reads each exchange's sizes). The device is the machine's (launch.parallel.device.check_device)."""
+    if train.cuda_graphs and par.ep > 1 and par.dispatch_exchange != "padded":
+        raise ValueError(f"train.cuda_graphs = true captures steps that read nothing to the host, but "
+                         f"parallel.dispatch_exchange = {par.dispatch_exchange!r} with parallel.ep = {par.ep} reads "
+                         f"each expert exchange's sizes; allowed: parallel.dispatch_exchange = 'padded', or "
+                         f"train.cuda_graphs = false")

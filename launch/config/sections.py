@@ -81,6 +81,12 @@ class TrainSettings:
     """Activation recomputation (moe.recompute): "none" keeps every activation for the backward; "selective"
     (DeepSeek-V3's) rebuilds the norms' outputs, MLA's q/k/v and the SwiGLU products in the backward; "full" keeps
     each block segment's inputs only and reruns the segment."""
+    cuda_graphs: bool = False
+    """Capture each stage's forward and backward in CUDA graphs and replay them (issue 48), which needs a step that
+    reads nothing to the host: ranks on CUDA GPUs, and with parallel.ep > 1 parallel.dispatch_exchange = "padded"
+    (refused before any process starts otherwise). moe-plan prices the routed slots of such a runtime as "captured"
+    (launch.plan.efficiency.SLOT_SECONDS) instead of "synced". The capture itself is issue 48's GPU half: until it
+    lands, a run with true is checked and priced as captured but its steps run eagerly. Default false."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batch_size", "grad_accum_steps", "seq_len", "rank_metrics_every"):

@@ -172,6 +172,13 @@ def runtime_kernels(config: RunConfig) -> str:
     return "fused-fp8" if recipe == ("fp8", "fp8", "fp8") else "project"
 
 
+def runtime_handling(config: RunConfig) -> str:
+    """How this runtime handles an MoE layer's routed slots (efficiency.MOE_HANDLING) for the config: "captured" with
+    train.cuda_graphs (the step captured whole: nothing read to the host, no eager launches), else "synced" (sizes
+    read to the host and eager launches, or at least the launches)."""
+    return "captured" if config.train.cuda_graphs else "synced"
+
+
 def default_recipe(config: RunConfig) -> StateBytes:
     """The recipe the runtime's ZeroOptimizer holds for the config: its training dtype (bf16 weights with fp32
     masters, or weights that are their own masters) and optim.moment_dtype; grads are reduce-scattered in place."""
