@@ -13,7 +13,12 @@ process, as the runs without them do, and their checkpoints hold a placement tha
 
 DeepSeek-V3's FP8 recipe (issue 46) is not exact arithmetic, so its layout run is compared within derived and
 measured bounds instead (test_fp8_recipe_layout_tracks_single_process, where the figures are): RECIPE_LAYOUT
-(pp2 DualPipeV x dp2 x ep2 across nodes, FP8 dispatch payload) in float32, in the world-4 spawn.
+(pp2 DualPipeV x dp2 x ep2 across nodes, FP8 dispatch payload through the padded exchange) in float32, in the
+world-4 spawn.
+
+Issue 48's sync-free step is watched inside the same runs (tests/syncs.py): every layout's forward and backward
+reads, the padded exchange's layouts (flat; DualPipeV x dp2 x ep2 hierarchical in 2 chunks, CHUNKED_PADDED) against
+their exact twins, and the FP8 recipe's padded run reading nothing.
 """
 
 from __future__ import annotations
