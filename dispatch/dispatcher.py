@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -17,7 +16,7 @@ from dispatch.fp8 import decode_fp8, encode_fp8, split_fp8
 from dispatch.hopgroups import HopGroups, check_hop_group
 from dispatch.layout import check_num_experts, check_routing, expert_owner, lookup
 from dispatch.permute import Permutation, make_padded_permutation, make_permutation, permute, unpermute
-from dispatch.routes import routes_for
+from dispatch.routes import padded_bounds, routes_for
 from dispatch.topology import DispatchBackend, make_topology
 from dispatch.traffic import Traffic, TrafficMeter
 from dispatch.transport import (Codec, CombineRows, DispatchRows, Route, dispatch_steps, gather_steps,
@@ -85,7 +84,7 @@ class EPDispatcher:
     results are bitwise equal for any chunks.
 
     exchange "exact" reads each exchange's sizes to the host (counts traded, then list splits). "padded" (flat, or
-    hierarchical with hops and one chunk) sends a fixed number of rows to every peer of each hop and gives its
+    hierarchical with hops, in any chunks) sends a fixed number of rows to every peer of each hop and gives its
     experts a fixed number of rows (padded_bounds: from the tokens per call, top-k, the EP size and headroom), so a
     dispatch, its combine and both backwards read nothing to the host and issue the same operators on the same
     shapes for any routing. The bounds follow from tokens, the most tokens an EP rank dispatches per call (None:
@@ -102,10 +101,9 @@ class EPDispatcher:
         check_choice("backend", backend, DispatchBackend)
         check_choice("payload", payload, Payload)
         check_choice("exchange", exchange, Exchange)
-        if exchange == "padded" and (chunks > 1 or (backend == "hierarchical" and hops is None)):
-            raise ValueError(f"exchange = 'padded' sends equal blocks on groups of exactly each hop's peers: the "
-                             f"hierarchical dispatch needs hops (HopGroups) and chunks = 1 (got chunks = {chunks}, "
-                             f"hops {'given' if hops else 'None'})")
+        if exchange == "padded" and backend == "hierarchical" and hops is None:
+            raise ValueError("exchange = 'padded' sends equal blocks on groups of exactly each hop's peers: the "
+                             "hierarchical dispatch needs hops (HopGroups), got hops = None")
         if not headroom > 0:
             raise ValueError(f"headroom = {headroom!r} must be a number > 0 (the padded bounds' factor over a balanced "
                              f"routing's rows)")
@@ -133,23 +131,9 @@ class EPDispatcher:
         self._overflow: Tensor | None = None  # [] int64 on the device: 1 when a dispatch since take_overflow left rows out
 
     def padded_bounds(self, tokens: int, top_k: int) -> tuple[list[int], int]:
-        """(per hop the rows sent to each of its peers, rows handed to this rank's experts) of a padded dispatch of
-        tokens tokens: headroom times a balanced routing's, capped at what no routing exceeds. A hop of P peers takes
-        each row to min(k, P) of them, P / min(k, P) rows in for one sent to a peer; its rows in are the tokens (first
-        hop) or what the hop before brought (balanced: tokens x the copies of the hops before); k pairs per token
-        arrive at a rank."""
-        bounds, rows_in, expected = [], tokens, tokens
-        for stage in self._stages_of_shape():
-            peers, copies = len(stage.peers), min(top_k, len(stage.peers))
-            bound = min(rows_in, math.ceil(self.headroom * expected * copies / peers))
-            bounds.append(bound)
-            rows_in, expected = peers * bound, expected * copies
-        pairs = min(rows_in * min(top_k, self.experts_per_rank), math.ceil(self.headroom * tokens * top_k))
-        return bounds, pairs
-
-    def _stages_of_shape(self) -> list:
-        """This rank's hops (their peers; routes_for on meta: no values needed)."""
-        return routes_for(self.backend, self.topology, self.num_experts, self.rank, torch.device("meta"))
+        """dispatch.routes.padded_bounds of this rank's hops, headroom and chunks."""
+        stages = routes_for(self.backend, self.topology, self.num_experts, self.rank, torch.device("meta"))
+        return padded_bounds(stages, self.experts_per_rank, tokens, top_k, self.headroom, self.chunks)
 
     def grow(self) -> None:
         """Double the padded bounds' headroom (after an overflow), for the dispatches after this call."""
@@ -227,7 +211,7 @@ class EPDispatcher:
                 raise ValueError(f"{x.shape[0]} tokens to dispatch, more than the padded bounds' tokens = {self.tokens}")
             bounds, expert_rows = self.padded_bounds(self.tokens or x.shape[0], indices.shape[1])
             arrived, overflow = yield from padded_dispatch_steps(x, weights, indices, stages, self.channels,
-                                                                 self.codec, route, bounds)
+                                                                 self.codec, route, bounds, self.chunks)
         else:
             arrived = yield from dispatch_steps(x, weights, indices, stages, self.channels, self.codec, route,
                                                 self.chunks, plan.sends if plan else None)

@@ -34,7 +34,9 @@ def dequantize_fp8(q: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
 def encode_fp8(x: Tensor) -> Tensor:
     """x [n, H] -> uint8 [n, fp8_row_bytes(H)]: e4m3 bytes then fp32 scale bytes (any transport carries it)."""
     q, scales = quantize_fp8(x)
-    return torch.cat([q.view(torch.uint8), scales.contiguous().view(torch.uint8)], dim=1)
+    # no rows (a rank without tokens): an empty tensor counts as contiguous with any strides, so give it fresh ones
+    scales = scales.contiguous() if scales.shape[0] else scales.new_empty(scales.shape)
+    return torch.cat([q.view(torch.uint8), scales.view(torch.uint8)], dim=1)
 
 
 def split_fp8(wire: Tensor, hidden: int, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:

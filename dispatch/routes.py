@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,25 @@ def routes_for(backend: str, topology: Topology, num_experts: int, rank: int,
     across = HopRoute(owner_node * gpn + local, topology.rail_ranks(rank), "rail")
     inside = HopRoute(torch.where(owner_node == node, owner, -1), topology.node_ranks(rank), "node")
     return [across, inside]
+
+
+def padded_bounds(stages: list[HopRoute], experts_per_rank: int, tokens: int, top_k: int, headroom: float,
+                  chunks: int = 1) -> tuple[list[int], int]:
+    """(per hop the rows of one chunk sent to each of its peers, rows handed to the rank's experts) of a padded
+    dispatch (dispatch.EPDispatcher's exchange "padded") of tokens tokens in chunks chunks along stages (routes_for,
+    any device: only the peers are read): headroom times a balanced routing's, capped at what no routing exceeds.
+    Each chunk has at most ceil(tokens / chunks) tokens, every chunk the same bounds. A hop of P peers takes each row
+    to min(k, P) of them, P / min(k, P) rows in for one sent to a peer; its rows in are the chunk's tokens (first hop)
+    or what the hop before brought (balanced: tokens x the copies of the hops before); k pairs per token arrive at a
+    rank, over all chunks."""
+    bounds, rows_in = [], -(-tokens // chunks)
+    expected = rows_in
+    for stage in stages:
+        peers, copies = len(stage.peers), min(top_k, len(stage.peers))
+        bound = min(rows_in, math.ceil(headroom * expected * copies / peers))
+        bounds.append(bound)
+        rows_in, expected = peers * bound, expected * copies
+    return bounds, min(chunks * rows_in * min(top_k, experts_per_rank), math.ceil(headroom * tokens * top_k))
 
 
 def destinations(ids: Tensor, stage: HopRoute, world_size: int) -> Tensor:

@@ -69,10 +69,11 @@ def pack_meta(weights: Tensor, indices: Tensor) -> Tensor:
     return torch.cat([weights.detach().float().contiguous().view(torch.int32), indices.to(torch.int32)], dim=1)
 
 
-def unpack_meta(meta: Tensor) -> tuple[Tensor, Tensor]:
-    """(fp32 weights [n, k], int64 expert ids [n, k]) from pack_meta rows."""
-    k = meta.shape[1] // 2
-    return meta[:, :k].contiguous().view(torch.float32), meta[:, k:].long()
+def unpack_meta(meta: Tensor, k: int | None = None) -> tuple[Tensor, Tensor]:
+    """(fp32 weights [n, k], int64 expert ids [n, k]) from pack_meta rows (k: top-k, when more columns follow them;
+    default: none follow)."""
+    k = meta.shape[1] // 2 if k is None else k
+    return meta[:, :k].contiguous().view(torch.float32), meta[:, k:2 * k].long()
 
 
 class _Started:
@@ -224,30 +225,72 @@ def dispatch_steps(x: Tensor, weights: Tensor, indices: Tensor, stages: list[Hop
 
 
 def padded_dispatch_steps(x: Tensor, weights: Tensor, indices: Tensor, stages: list[HopRoute],
-                          channels: list[HopTransport], codec: Codec | None, route: Route, bounds: list[int]) -> Steps:
-    """dispatch_steps (one chunk) with padded exchanges: on hop h bounds[h] rows to every peer, equal blocks both
+                          channels: list[HopTransport], codec: Codec | None, route: Route, bounds: list[int],
+                          chunks: int = 1) -> Steps:
+    """dispatch_steps with padded exchanges: on hop h bounds[h] rows of each chunk to every peer, equal blocks both
     ways, so no count is traded and nothing is read to the host; padding rows travel with expert ids -1 (no
-    destination on a later hop, no pair on arrival). Yields each exchange while in flight; returns ((rows that arrived
-    here, their fp32 weights), overflow: a 0-dim bool, true when a hop left rows past its bound unsent: the caller
-    reruns the step exactly)."""
+    destination on a later hop, no pair on arrival). In chunks > 1 (pipelined as dispatch_steps does) the last hop's
+    rows carry the index of the previous hop's peer they came through (one more metadata column: rows arrive in that
+    hop's equal blocks), from which the rows that arrived are put in the order of an unchunked dispatch (Regroup, by
+    a stable sort on the device; padding last). Yields each exchange while in flight; returns ((rows that arrived
+    here, their fp32 weights), overflow: a 0-dim bool, true when a hop of some chunk left rows past its bound unsent:
+    the caller reruns the step exactly)."""
     wire = codec.encode(x.detach()) if codec else x.detach()
     meta = pack_meta(weights, indices)
-    k = indices.shape[1]
-    padding = pack_meta(weights.new_zeros(1, k), indices.new_full((1, k), -1))
-    hops, overflow = [], None
-    for stage, channel, bound in zip(stages, channels, bounds):
-        filled, over, hop = plan_padded_sends(unpack_meta(meta)[1], stage, channel.topology.world_size, bound,
-                                              min(k, len(stage.peers)))
-        sent_meta = torch.where(filled.unsqueeze(1), take_rows(meta, hop.send_row), padding)
-        rows = channel.start_exchange(take_rows(wire, hop.send_row), None, None, "dispatch")
-        metas = channel.start_exchange(sent_meta, None, None, "dispatch", "meta")
+    k, world, last = indices.shape[1], channels[0].topology.world_size, len(stages) - 1
+    came = chunks > 1 and last > 0  # the last hop's rows carry their previous hop's peer
+    sizes = rehearsal_rule.balanced_split(x.shape[0], chunks)
+    overflows = []
+
+    def move(h: int, wire_c: Tensor, meta_c: Tensor) -> Steps:
+        """Hop h of one chunk's rows -> (Hop, rows, metadata that arrived)."""
+        if came and h == last:  # rows came in from the previous hop in equal blocks of bounds[h - 1], by peer
+            peer = torch.arange(meta_c.shape[0], device=meta_c.device) // max(bounds[h - 1], 1)
+            meta_c = torch.cat([meta_c, peer.to(meta_c.dtype).unsqueeze(1)], dim=1)
+        filled, over, hop = plan_padded_sends(unpack_meta(meta_c, k)[1], stages[h], world, bounds[h],
+                                              min(k, len(stages[h].peers)))
+        padding = torch.cat([meta_c.new_zeros(1, k), meta_c.new_full((1, meta_c.shape[1] - k), -1)], dim=1)
+        sent_meta = torch.where(filled.unsqueeze(1), take_rows(meta_c, hop.send_row), padding)
+        rows = channels[h].start_exchange(take_rows(wire_c, hop.send_row), None, None, "dispatch")
+        metas = channels[h].start_exchange(sent_meta, None, None, "dispatch", "meta")
         yield rows
-        wire, meta = rows.wait(), metas.wait()
-        hops.append(hop)
-        overflow = over if overflow is None else overflow | over
-    route.chunks = [hops]
-    recv_weights, route.ids = unpack_meta(meta)
+        overflows.append(over)
+        return hop, rows.wait(), metas.wait()
+
+    def later_hops(c: int, moved: tuple[Hop, Tensor, Tensor]) -> Steps:
+        hop, wire_c, meta_c = moved
+        hops = [hop]
+        for h in range(1, len(stages)):
+            hop, wire_c, meta_c = yield from move(h, wire_c, meta_c)
+            hops.append(hop)
+        return hops, wire_c, meta_c
+
+    pieces = list(zip(wire.split(sizes), meta.split(sizes)))
+    done = yield from ahead(chunks, lambda c: move(0, *pieces[c]), later_hops)
+    route.chunks = [hops for hops, *_ in done]
+    wire, meta = (torch.cat([parts[i] for parts in done]) for i in (1, 2))
+    if came:
+        route.regroup = _padded_regroup(meta, k, len(stages[-2].peers), len(stages[-1].peers), bounds[-1], chunks)
+        wire, meta = wire.index_select(0, route.regroup.order), meta.index_select(0, route.regroup.order)
+    recv_weights, route.ids = unpack_meta(meta, k)
+    overflow = overflows[0]
+    for over in overflows[1:]:
+        overflow = overflow | over
     return ((codec.decode(wire, x) if codec else wire), recv_weights), overflow
+
+
+def _padded_regroup(meta: Tensor, k: int, before: int, peers: int, bound: int, chunks: int) -> Regroup:
+    """Regroup of a padded chunked dispatch's rows, arrived in chunks of blocks of bound rows per last-hop peer, each
+    row's metadata ending with the previous hop's peer it came through (of before peers), into the order last-hop
+    peer, previous-hop peer, chunk (each block's rows as they came), padding rows (every expert id -1) last: a stable
+    sort of keys computed on the device, no read."""
+    position = torch.arange(meta.shape[0], device=meta.device)
+    block = max(bound, 1)  # (no rows at all when the bound is 0)
+    chunk, peer = position // (peers * block), position % (peers * block) // block
+    key = (peer * before + meta[:, 2 * k].long()) * chunks + chunk
+    key = torch.where((meta[:, k:2 * k] >= 0).any(1), key, peers * before * chunks)
+    order = torch.argsort(key, stable=True)
+    return Regroup(order, torch.empty_like(order).scatter_(0, order, position))
 
 
 def scatter_steps(rows: Tensor, route: Route, channels: list[HopTransport], kind: str) -> Steps:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.quant_ref import FP8_DTYPE, TILE, kgrouped_columns, num_tiles
+from kernels.quant_ref import FP8_DTYPE, TILE, num_tiles
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -56,19 +56,30 @@ def check_same_device(**tensors: Tensor) -> None:
         raise ValueError(f"tensors must be on one device, got {devices}")
 
 
-def check_offs(offs: Tensor, rows: int | None, groups: int | None = None) -> int | None:
-    """offs: int32 [G] non-decreasing cumulative group ends, starting >= 0 and ending at `rows` (when
-    given); returns the total row count offs[-1]. Values are checked on the CPU only: meta offs hold none
-    (the rehearsal rule, dispatch.rehearsal_rule, has them end at `rows`) and a GPU's would cost a host sync per
-    GEMM; there only their dtype and size are checked, and `rows` is returned."""
+def check_offs(offs: Tensor, rows: int | None, groups: int | None = None) -> None:
+    """offs: int32 [G] non-decreasing cumulative group ends, starting >= 0 and ending at most at `rows` (when given;
+    rows from offs[-1] on are padding, in no group: a padded exchange's). Values are checked on the CPU only, on the
+    device (torch._assert_async, which raises at once there: no host read while they are fine; the ValueError then
+    names them); meta offs hold none, and a GPU's would cost a kernel per GEMM: there only their dtype and size are
+    checked."""
     check_tensor("offs", offs, 1, (torch.int32,))
     if offs.numel() == 0:
         raise ValueError("offs must name at least one group, got an empty tensor")
     if groups is not None and offs.numel() != groups:
         raise ValueError(f"offs has {offs.numel()} entries but the weights have {groups} groups")
-    if offs.device.type != "cpu":  # meta holds no values; reading a GPU's would sync the host once per GEMM
-        return rows
-    ends = offs.tolist()
+    if offs.device.type != "cpu":
+        return
+    fine = (offs[:1] >= 0).all() & (offs[1:] >= offs[:-1]).all()
+    if rows is not None:
+        fine &= (offs[-1:] <= rows).all()
+    try:
+        torch._assert_async(fine, "offs must be non-negative, non-decreasing cumulative group ends")
+    except RuntimeError:
+        _offs_error(offs.tolist(), rows)
+
+
+def _offs_error(ends: list[int], rows: int | None) -> None:
+    """The ValueError naming what is wrong with the group ends `ends` (read once they failed check_offs)."""
     if ends[0] < 0:
         raise ValueError(f"offs must be non-negative, got offs[0] = {ends[0]}")
     drops = [i for i in range(1, len(ends)) if ends[i] < ends[i - 1]]
@@ -76,20 +87,21 @@ def check_offs(offs: Tensor, rows: int | None, groups: int | None = None) -> int
         i = drops[0]
         raise ValueError(f"offs must be non-decreasing (cumulative group ends), got offs[{i - 1}] = "
                          f"{ends[i - 1]} > offs[{i}] = {ends[i]}")
-    if rows is not None and ends[-1] != rows:
-        raise ValueError(f"offs must end at the number of rows M = {rows}, got offs[-1] = {ends[-1]}")
-    return ends[-1]
+    raise ValueError(f"offs must end at most at the number of rows M = {rows} (rows past offs[-1] are padding), got "
+                     f"offs[-1] = {ends[-1]}")
 
 
-def check_kgrouped(name: str, q_t: Tensor, scale: Tensor, rows: int | None, groups: int) -> None:
-    """A k-grouped operand: e4m3 [D, 128*T] with fp32 scales [D, T], T = ceil(M/128) + G (rows None: M
-    unknown, as for meta offs; T is then read from q_t)."""
+def check_kgrouped(name: str, q_t: Tensor, scale: Tensor, groups: int, columns: int | None = None) -> None:
+    """A k-grouped operand of groups groups: e4m3 [D, 128*T] with fp32 scales [D, T], T >= groups tile columns
+    (ceil(M/128) + G for M rows, which only the offsets' values give), T = columns when given (another operand's)."""
     check_fp8(name, q_t, 2)
-    columns = kgrouped_columns(rows, groups) if rows is not None else q_t.shape[1] // TILE
-    if q_t.shape[1] != columns * TILE:
-        raise ValueError(f"{name} must have {columns * TILE} columns (k-grouped layout of M = {rows} rows in "
-                         f"{groups} groups), got shape {tuple(q_t.shape)}")
-    check_scale(f"{name}_scale", scale, (q_t.shape[0], columns))
+    have = q_t.shape[1] // TILE
+    want = have if columns is None else columns
+    if q_t.shape[1] != want * TILE or want < groups:
+        raise ValueError(f"{name} must have {want * TILE} columns (a k-grouped layout: tiles of 128 tokens, at least "
+                         f"one per each of {groups} groups{'' if columns is None else ', as the other operand'}), "
+                         f"got shape {tuple(q_t.shape)}")
+    check_scale(f"{name}_scale", scale, (q_t.shape[0], want))
 
 
 def activation_scale_shape(q: Tensor) -> tuple[int, int]:

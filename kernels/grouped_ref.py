@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.quant_ref import dequantize_activation, dequantize_kgrouped, dequantize_weight
+from kernels.quant_ref import dequantize_activation, dequantize_kgrouped, dequantize_weight, row_groups
 
 
 def balanced_split(total: int, parts: int) -> list[int]:
@@ -15,12 +15,6 @@ def balanced_split(total: int, parts: int) -> list[int]:
     the kernels' meta path uses it and kernels may not import dispatch."""
     base, extra = divmod(total, parts)
     return [base + (i < extra) for i in range(parts)]
-
-
-def row_groups(offs: Tensor, rows: int) -> Tensor:
-    """[rows] int64: the group of each row from the cumulative group ends offs [G] (rows from offs[-1] on: G, in no
-    group), computed on offs' device: no host read."""
-    return torch.searchsorted(offs, torch.arange(rows, device=offs.device, dtype=offs.dtype), right=True)
 
 
 def grouped_rows_matmul(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
@@ -59,9 +53,11 @@ def fp8_grouped_gemm_dgrad_ref(dy: Tensor, dy_scale: Tensor, w: Tensor, w_scale:
     return grouped_rows_matmul(dequantize_activation(dy, dy_scale), w_t, offs).to(out_dtype)
 
 
-def fp8_grouped_gemm_wgrad_ref(a_t: Tensor, a_t_scale: Tensor, b_t: Tensor, b_t_scale: Tensor,
-                               offs: Tensor) -> Tensor:
-    """dw[g] = deq(a)[rows of g].T @ deq(b)[rows of g] in fp32 from two k-grouped operands -> [G, N, K]."""
-    a = dequantize_kgrouped(a_t, a_t_scale, offs)
-    b = dequantize_kgrouped(b_t, b_t_scale, offs)
+def fp8_grouped_gemm_wgrad_ref(a_t: Tensor, a_t_scale: Tensor, b_t: Tensor, b_t_scale: Tensor, offs: Tensor,
+                               rows: int | None = None) -> Tensor:
+    """dw[g] = deq(a)[rows of g].T @ deq(b)[rows of g] in fp32 from two k-grouped operands -> [G, N, K]; rows: the M
+    the operands were made of, the length of the fp32 sums (default: the most rows the layout holds; rows past
+    offs[-1] add zeros)."""
+    a = dequantize_kgrouped(a_t, a_t_scale, offs, rows)
+    b = dequantize_kgrouped(b_t, b_t_scale, offs, rows)
     return grouped_rows_wgrad(a, b, offs)

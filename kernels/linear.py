@@ -56,23 +56,23 @@ class FP8Rows:
 
 
 def _wgrad(dy: Tensor | tuple[Tensor, Tensor], x_t: tuple[Tensor, Tensor], offs: Tensor, backend: str | None,
-           w_dtype: torch.dtype) -> Tensor:
-    """dw[g] = dy_g^T @ x_g from x's k-grouped tiles x_t (e4m3, scales), dy quantised the same way (or given as
-    those tiles already: quantize_activation_kgrouped's (q, scale)), fp32 accumulation, in w_dtype."""
+           w_dtype: torch.dtype, rows: int) -> Tensor:
+    """dw[g] = dy_g^T @ x_g from x's k-grouped tiles x_t (e4m3, scales) of its rows rows, dy quantised the same way
+    (or given as those tiles already: quantize_activation_kgrouped's (q, scale)), fp32 accumulation, in w_dtype."""
     dy_t = dy if isinstance(dy, tuple) else run("quantize_activation_kgrouped", backend, dy, offs)
-    return run("wgrad", backend, *dy_t, *x_t, offs).to(w_dtype)
+    return run("wgrad", backend, *dy_t, *x_t, offs, rows).to(w_dtype)
 
 
 def _kgrouped_wgrad(dy: Tensor, x: Tensor, offs: Tensor, backend: str | None, w_dtype: torch.dtype) -> Tensor:
     """The wgrad from x itself, quantised in 1x128 tiles along tokens."""
-    return _wgrad(dy, run("quantize_activation_kgrouped", backend, x, offs), offs, backend, w_dtype)
+    return _wgrad(dy, run("quantize_activation_kgrouped", backend, x, offs), offs, backend, w_dtype, x.shape[0])
 
 
 def _retiled_wgrad(dy: Tensor | tuple[Tensor, Tensor], x_q: Tensor, x_scale: Tensor, offs: Tensor, backend: str | None,
                    w_dtype: torch.dtype) -> Tensor:
     """The wgrad from the forward's e4m3 rows (1x128 tiles along K), re-tiled along tokens by one op
     (retile_kgrouped: the k-grouped quantisation of their dequantised values, no fp32 copy on GPU)."""
-    return _wgrad(dy, run("retile_kgrouped", backend, x_q, x_scale, offs), offs, backend, w_dtype)
+    return _wgrad(dy, run("retile_kgrouped", backend, x_q, x_scale, offs), offs, backend, w_dtype, x_q.shape[0])
 
 
 def _merged_wgrad(weight: Tensor, backend: str | None, parts: list[tuple[Tensor, Tensor, Tensor]]) -> None:
@@ -171,8 +171,9 @@ def _check_rows(x: FP8Rows, w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 def fp8_grouped_linear(x: Tensor | FP8Rows, w: Tensor, offs: Tensor, *, backend: str | None = None) -> Tensor:
     """Differentiable FP8 grouped linear: x [M, K] rows sorted by group (or FP8Rows, used without
-    requantising), w [G, N, K], offs int32 [G] cumulative group ends -> [M, N] in x's dtype. Triton on CUDA,
-    the torch reference on CPU."""
+    requantising), w [G, N, K], offs int32 [G] cumulative group ends on the device -> [M, N] in x's dtype; rows past
+    offs[-1] (a padded exchange's) are in no group: their outputs and input grads are not data (zero in the
+    reference) and they add nothing to w's grad. Triton on CUDA, the torch reference on CPU; no host read."""
     x, *pre = _check_rows(x, w) if isinstance(x, FP8Rows) else (x, None, None)
     checks.check_float("x", x, 2)
     checks.check_float("w", w, 3)

@@ -49,8 +49,9 @@ def dgrad(dy: Tensor, dy_scale: Tensor, w: Tensor, w_scale: Tensor, offs: Tensor
     return _empty((dy.shape[0], w.shape[2]), out_dtype, dy)
 
 
-def wgrad(a_t: Tensor, a_t_scale: Tensor, b_t: Tensor, b_t_scale: Tensor, offs: Tensor) -> Tensor:
-    """a_t [N, 128 T], b_t [K, 128 T] -> fp32 [G, N, K]."""
+def wgrad(a_t: Tensor, a_t_scale: Tensor, b_t: Tensor, b_t_scale: Tensor, offs: Tensor,
+          rows: int | None = None) -> Tensor:
+    """a_t [N, 128 T], b_t [K, 128 T] -> fp32 [G, N, K] (rows: the reference's sum length, no shape's)."""
     return _empty((offs.numel(), a_t.shape[0], b_t.shape[0]), torch.float32, a_t)
 
 

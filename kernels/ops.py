@@ -16,7 +16,7 @@ from kernels import checks
 from kernels.backend import use_triton
 from kernels.grouped_ref import fp8_grouped_gemm_dgrad_ref, fp8_grouped_gemm_ref, fp8_grouped_gemm_wgrad_ref
 from kernels.meta import META_KERNELS
-from kernels.quant_ref import (quantize_activation_kgrouped_ref, quantize_activation_ref, quantize_weight_ref,
+from kernels.quant_ref import (TILE, quantize_activation_kgrouped_ref, quantize_activation_ref, quantize_weight_ref,
                                retile_kgrouped_ref)
 
 
@@ -56,7 +56,7 @@ def quantize_activation(x: Tensor, *, backend: str | None = None) -> tuple[Tenso
 def quantize_activation_kgrouped(x: Tensor, offs: Tensor, *, backend: str | None = None) -> tuple[Tensor, Tensor]:
     """x [M, K] sorted by group -> (q_t e4m3 [K, 128*T], scale fp32 [K, T]), T = ceil(M/128) + G: x^T in
     1x128 tiles along tokens restarting at every group (the tile at row r of group g is column g + r//128,
-    zero-padded); the operand layout of the k-grouped wgrad."""
+    zero-padded); the operand layout of the k-grouped wgrad. Rows past offs[-1] (padding) are left out."""
     checks.check_float("x", x, 2)
     checks.check_offs(offs, x.shape[0])
     checks.check_same_device(x=x, offs=offs)
@@ -98,8 +98,9 @@ def _check_mgrouped(names: tuple[str, str], a: Tensor, a_scale: Tensor, b: Tenso
 def fp8_grouped_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, offs: Tensor, *,
                      out_dtype: torch.dtype | None = None, backend: str | None = None) -> Tensor:
     """out[rows of g] = a[rows of g] @ b[g].T: a e4m3 [M, K] (1x128 scales) with rows sorted by group,
-    b e4m3 [G, N, K] (128x128 scales), offs int32 [G] cumulative group ends (any sizes, 0 included);
-    fp32 promotion every 128 of K; out [M, N] in out_dtype (default bf16 on GPU, fp32 on CPU)."""
+    b e4m3 [G, N, K] (128x128 scales), offs int32 [G] cumulative group ends (any sizes, 0 included; rows past
+    offs[-1] are padding, in no group: their out rows are zero in the reference, not written by the Triton kernel,
+    never data); fp32 promotion every 128 of K; out [M, N] in out_dtype (default bf16 on GPU, fp32 on CPU)."""
     _check_mgrouped(("a", "b"), a, a_scale, b, b_scale, offs, b_dim=2)
     return run("gemm", backend, a, a_scale, b, b_scale, offs, out_dtype or default_out_dtype(a))
 
@@ -113,11 +114,13 @@ def fp8_grouped_gemm_dgrad(dy: Tensor, dy_scale: Tensor, w: Tensor, w_scale: Ten
 
 
 def fp8_grouped_gemm_wgrad(a_t: Tensor, a_t_scale: Tensor, b_t: Tensor, b_t_scale: Tensor, offs: Tensor, *,
-                           backend: str | None = None) -> Tensor:
+                           rows: int | None = None, backend: str | None = None) -> Tensor:
     """dw[g] = a[rows of g].T @ b[rows of g] in fp32 -> [G, N, K], from k-grouped operands
-    (quantize_activation_kgrouped of a [M, N] and of b [M, K])."""
-    rows = checks.check_offs(offs, None)
-    checks.check_kgrouped("a_t", a_t, a_t_scale, rows, offs.numel())
-    checks.check_kgrouped("b_t", b_t, b_t_scale, rows, offs.numel())
+    (quantize_activation_kgrouped of a [M, N] and of b [M, K]: the same tile columns); rows past offs[-1] add
+    nothing. rows: M, which the reference's fp32 sums run over (default: the most rows the layout holds, 128 x its
+    token tiles less the groups; a sum's length may change its last bits)."""
+    checks.check_offs(offs, None)
+    checks.check_kgrouped("a_t", a_t, a_t_scale, offs.numel())
+    checks.check_kgrouped("b_t", b_t, b_t_scale, offs.numel(), a_t.shape[1] // TILE)
     checks.check_same_device(a_t=a_t, a_t_scale=a_t_scale, b_t=b_t, b_t_scale=b_t_scale, offs=offs)
-    return run("wgrad", backend, a_t, a_t_scale, b_t, b_t_scale, offs)
+    return run("wgrad", backend, a_t, a_t_scale, b_t, b_t_scale, offs, rows)

@@ -63,24 +63,33 @@ def quantize_weight_ref(w: Tensor) -> tuple[Tensor, Tensor]:
     return q[..., :n, :k].contiguous(), scale
 
 
+def row_groups(offs: Tensor, rows: int) -> Tensor:
+    """[rows] int64: the group of each row from the cumulative group ends offs [G] (rows from offs[-1] on: G, in no
+    group), computed on offs' device: no host read."""
+    return torch.searchsorted(offs, torch.arange(rows, device=offs.device, dtype=offs.dtype), right=True)
+
+
 def kgrouped_rows(offs: Tensor, m: int) -> Tensor:
     """Position of each of the m rows in the k-grouped layout: the tile starting at row r of group g
-    is tile column g + r // 128, so groups never share a tile and no offsets need a host sync."""
-    ends = offs.long()
-    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-    group = torch.repeat_interleave(torch.arange(offs.numel(), device=offs.device), ends - starts, output_size=m)
-    within = torch.arange(m, device=offs.device) - starts[group]
-    column = group + starts[group] // TILE + within // TILE
+    is tile column g + r // 128, so groups never share a tile and no offsets need a host sync. Rows past
+    offs[-1] (padding, in no group) take the places a group G after the last would: tile columns from
+    G + offs[-1] // 128 on, inside the layout's ceil(m / 128) + G."""
+    group = row_groups(offs, m)
+    starts = torch.cat([offs.new_zeros(1), offs]).long()[group]
+    within = torch.arange(m, device=offs.device) - starts
+    column = group + starts // TILE + within // TILE
     return column * TILE + within % TILE
 
 
 def quantize_activation_kgrouped_ref(x: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
     """x [M, K] rows sorted by group -> (q_t e4m3 [K, 128*T], scale fp32 [K, T]): x^T in 1x128 tiles
-    along tokens that restart at every group (zero-padded), T = ceil(M/128) + G; the wgrad operand."""
+    along tokens that restart at every group (zero-padded), T = ceil(M/128) + G; the wgrad operand. Rows past
+    offs[-1] (padding) are left out: their tiles hold zeros, as every tile no group fills."""
     m, k = x.shape
     columns = kgrouped_columns(m, offs.numel())
     padded = x.new_zeros(columns * TILE, k, dtype=torch.float32)
-    padded[kgrouped_rows(offs, m)] = x.float()
+    grouped = torch.arange(m, device=x.device) < offs[-1:].long()  # [M] in a group (offs[-1] read on the device)
+    padded[kgrouped_rows(offs, m)] = torch.where(grouped.unsqueeze(1), x.float(), 0)
     tiles = padded.t().reshape(k, columns, TILE)
     scale = _scale_of(tiles.abs().amax(dim=2))
     q = _cast(tiles / scale[:, :, None]).reshape(k, columns * TILE)
@@ -109,7 +118,8 @@ def dequantize_weight(q: Tensor, scale: Tensor) -> Tensor:
     return q.float() * full[..., :n, :k]
 
 
-def dequantize_kgrouped(q_t: Tensor, scale: Tensor, offs: Tensor) -> Tensor:
-    """Inverse of quantize_activation_kgrouped: back to fp32 rows [M, K]."""
-    m = int(offs[-1]) if offs.numel() else 0
-    return dequantize_activation(q_t, scale)[:, kgrouped_rows(offs, m)].t()
+def dequantize_kgrouped(q_t: Tensor, scale: Tensor, offs: Tensor, rows: int | None = None) -> Tensor:
+    """Inverse of quantize_activation_kgrouped: back to fp32 rows [rows, K], rows past offs[-1] zero (rows: default
+    the most the layout holds, 128 (T - G), which the layout's shape gives: no host read)."""
+    rows = TILE * (scale.shape[1] - offs.numel()) if rows is None else rows
+    return dequantize_activation(q_t, scale)[:, kgrouped_rows(offs, rows)].t()

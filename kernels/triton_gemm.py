@@ -137,8 +137,10 @@ def mgrouped_dgrad(dy: Tensor, dy_scale: Tensor, w: Tensor, w_scale: Tensor, off
     return mgrouped_gemm(dy, dy_scale, w.transpose(1, 2).contiguous(), w_scale.transpose(1, 2), offs, out_dtype)
 
 
-def kgrouped_gemm(a_t: Tensor, a_scale: Tensor, b_t: Tensor, b_scale: Tensor, offs: Tensor) -> Tensor:
-    """dw[g] = a[rows of g].T @ b[rows of g] (fp32) from k-grouped e4m3 a_t [N, 128T] and b_t [K, 128T]."""
+def kgrouped_gemm(a_t: Tensor, a_scale: Tensor, b_t: Tensor, b_scale: Tensor, offs: Tensor,
+                  rows: int | None = None) -> Tensor:
+    """dw[g] = a[rows of g].T @ b[rows of g] (fp32) from k-grouped e4m3 a_t [N, 128T] and b_t [K, 128T] (rows: the
+    reference's sum length; each program walks its group's own tiles, whatever the rows)."""
     a_t, b_t = a_t.contiguous(), b_t.contiguous()
     n, k, groups = a_t.shape[0], b_t.shape[0], offs.numel()
     out = torch.empty(groups, n, k, dtype=torch.float32, device=a_t.device)

@@ -78,9 +78,6 @@ class MoELayer(nn.Module):
         if getattr(dispatcher, "fp8_rows", False) and self.experts.precision != "fp8":
             raise ValueError(f"a dispatcher with fp8_rows hands over e4m3 rows, which need expert_precision = "
                              f"'fp8'; this layer's is {self.experts.precision!r}")
-        if getattr(dispatcher, "exchange", "exact") == "padded" and self.experts.precision == "fp8":
-            raise ValueError("a padded exchange hands the experts padding rows, which FP8 experts do not take yet: "
-                             "use exchange = 'exact' with expert_precision = 'fp8'")
         block = slice(dispatcher.rank * count, (dispatcher.rank + 1) * count)
         for name in ("w_gate_up", "w_down"):
             weight = getattr(self.experts, name)

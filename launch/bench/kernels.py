@@ -81,7 +81,7 @@ def _ours(op: str, backend: str | None, x: Tensor, w: Tensor, dy: Tensor, offs: 
         operands = (*run("quantize_activation", backend, dy), *run("quantize_weight", backend, w), offs, out_dtype)
         return lambda: run("dgrad", backend, *operands)
     operands = (*run("quantize_activation_kgrouped", backend, dy, offs),
-                *run("quantize_activation_kgrouped", backend, x, offs), offs)
+                *run("quantize_activation_kgrouped", backend, x, offs), offs, x.shape[0])
     return lambda: run("wgrad", backend, *operands)
 
 

@@ -30,9 +30,9 @@ def check_sections(model: ModelConfig, train: TrainSettings, data: DataSettings,
     _check_document_mask(data, model, par)
     _check_optim(optim, par)
     _check_fp8_sizes(model, par)
-    _check_padded_exchange(model, par)
     _check_node_limited_routing(model, par.layout(model))
     _check_redundant_experts(model, par)
+    _check_cuda_graphs(train, par)
 
 
 def _check_seq_len(model: ModelConfig, train: TrainSettings) -> None:
@@ -157,14 +157,6 @@ def _check_fp8_sizes(model: ModelConfig, par: ParallelSettings) -> None:
                              f"{low + FP8_ALIGN}, or 'bf16' / 'native')")
 
 
-def _check_padded_exchange(model: ModelConfig, par: ParallelSettings) -> None:
-    """The padded exchange hands the experts padding rows past the last group, which the FP8 grouped GEMMs do not
-    take yet (their k-grouped operands tile every row)."""
-    if par.dispatch_exchange == "padded" and par.ep > 1 and model.expert_precision == "fp8":
-        raise ValueError("parallel.dispatch_exchange = 'padded' does not run with model.expert_precision = 'fp8' yet "
-                         "(the FP8 grouped GEMMs take no padding rows); allowed with FP8 experts: 'exact'")
-
-
 def _check_node_limited_routing(model: ModelConfig, layout: Layout) -> None:
     """Node-limited routing (topk_groups < num_groups) over an EP group spanning nodes keeps each expert group
     inside one node."""
@@ -190,3 +182,13 @@ def _check_redundant_experts(model: ModelConfig, par: ParallelSettings) -> None:
                          f"{model.capacity_factor}: capacity dropping is per logical expert in the router but per "
                          f"physical slot in the rehearsal's dispatch rule, so the semantics would change; allowed: "
                          f"dropless routing (leave model.capacity_factor out) or parallel.redundant_experts = 0")
+
+
+def _check_cuda_graphs(train: TrainSettings, par: ParallelSettings) -> None:
+    """train.cuda_graphs captures steps that read nothing to the host: over EP ranks only the padded exchange does
+    (the exact one reads each exchange's sizes). The device is the machine's (launch.parallel.device.check_device)."""
+    if train.cuda_graphs and par.ep > 1 and par.dispatch_exchange != "padded":
+        raise ValueError(f"train.cuda_graphs = true captures steps that read nothing to the host, but "
+                         f"parallel.dispatch_exchange = {par.dispatch_exchange!r} with parallel.ep = {par.ep} reads "
+                         f"each expert exchange's sizes; allowed: parallel.dispatch_exchange = 'padded', or "
+                         f"train.cuda_graphs = false")

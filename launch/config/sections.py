@@ -81,6 +81,12 @@ class TrainSettings:
     """Activation recomputation (moe.recompute): "none" keeps every activation for the backward; "selective"
     (DeepSeek-V3's) rebuilds the norms' outputs, MLA's q/k/v and the SwiGLU products in the backward; "full" keeps
     each block segment's inputs only and reruns the segment."""
+    cuda_graphs: bool = False
+    """Capture each stage's forward and backward in CUDA graphs and replay them (issue 48), which needs a step that
+    reads nothing to the host: ranks on CUDA GPUs, and with parallel.ep > 1 parallel.dispatch_exchange = "padded"
+    (refused before any process starts otherwise). moe-plan prices the routed slots of such a runtime as "captured"
+    (launch.plan.efficiency.SLOT_SECONDS) instead of "synced". The capture itself is issue 48's GPU half: until it
+    lands, a run with true is checked and priced as captured but its steps run eagerly. Default false."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batch_size", "grad_accum_steps", "seq_len", "rank_metrics_every"):
@@ -236,13 +242,14 @@ class ParallelSettings:
     peer and hands the experts a fixed number of rows, bounds derived from the tokens per micro-batch, model.top_k,
     parallel.ep and parallel.dispatch_headroom, so no MoE layer reads the device in forward or backward and every
     step issues the same shapes. A step whose routing exceeds a bound is rerun on the exact path (no token lost, the
-    same math) and the bounds doubled for later steps; the metric `dispatch_reruns` counts them. "padded" runs with
-    parallel.dispatch_chunks = 1 so far."""
+    same math) and the bounds doubled for later steps; the metric `dispatch_reruns` counts them. With
+    parallel.dispatch_chunks > 1 every chunk has the same bounds, from its share of the tokens."""
     dispatch_headroom: float = 2.0
     """With parallel.dispatch_exchange = "padded": the bounds' factor over a balanced routing's rows (> 0). Larger:
     fewer reruns, more padding moved and held. Flat: rows per EP peer min(T, ceil(h x T x min(k, ep) / ep)), expert
     rows per rank ceil(h x T x k) (T tokens per micro-batch and rank, k = model.top_k); hierarchical: each hop's
-    bound likewise from the rows a balanced routing brings it (dispatch.EPDispatcher.padded_bounds)."""
+    bound likewise from the rows a balanced routing brings it, per chunk of ceil(T / parallel.dispatch_chunks) tokens
+    (dispatch.EPDispatcher.padded_bounds)."""
     comm_backend: CommBackend = "auto"
     """Backend of the process groups: "auto" is NCCL on CUDA ranks and gloo on CPU ones; "gloo" or "nccl" force
     one."""
@@ -270,9 +277,6 @@ class ParallelSettings:
         if isinstance(self.dispatch_headroom, bool) or not isinstance(self.dispatch_headroom, (int, float)) \
                 or not self.dispatch_headroom > 0:
             raise ValueError(f"parallel.dispatch_headroom = {self.dispatch_headroom!r} must be a number > 0")
-        if self.dispatch_exchange == "padded" and self.dispatch_chunks > 1:
-            raise ValueError(f"parallel.dispatch_exchange = 'padded' runs one chunk so far, got parallel.dispatch_chunks "
-                             f"= {self.dispatch_chunks}; allowed with 'padded': 1 (or dispatch_exchange = 'exact')")
         check_choice("parallel.comm_backend", self.comm_backend, CommBackend)
         if self.dispatch_chunks > 1 and self.dispatch_backend != "hierarchical":
             raise ValueError(f"parallel.dispatch_chunks = {self.dispatch_chunks} pipelines the two hops of "

@@ -44,13 +44,18 @@ def backend_for(setting: str, comm_backend: str) -> str:
     return "nccl" if uses_cuda(setting) else "gloo"
 
 
-def check_device(setting: str, comm_backend: str, expert_precision: str, local_ranks: int | None = None) -> None:
+def check_device(setting: str, comm_backend: str, expert_precision: str, local_ranks: int | None = None,
+                 cuda_graphs: bool = False) -> None:
     """Raise ValueError naming the field and the numbers unless the ranks can run on the chosen device:
     CUDA requested without CUDA, fewer visible GPUs than ranks on this node, FP8 experts on GPUs
-    without FP8 tensor cores, NCCL without CUDA."""
+    without FP8 tensor cores, NCCL without CUDA, CUDA graphs (train.cuda_graphs) off CUDA."""
     cuda = uses_cuda(setting)
     if setting == "cuda" and not torch.cuda.is_available():
         raise ValueError("train.device = 'cuda' but this torch sees no CUDA GPU; allowed here: 'auto', 'cpu'")
+    if cuda_graphs and not cuda:
+        why = "puts the ranks on the CPU" if setting == "cpu" else "resolves to the CPU (this torch sees no CUDA GPU)"
+        raise ValueError(f"train.cuda_graphs = true captures CUDA graphs, which run on CUDA GPUs only, but "
+                         f"train.device = {setting!r} {why}; allowed here: train.cuda_graphs = false")
     if comm_backend == "nccl" and not cuda:
         raise ValueError(f"parallel.comm_backend = 'nccl' needs the ranks on CUDA GPUs, but train.device = {setting!r} "
                          f"resolves to the CPU here; allowed: 'auto', 'gloo'")

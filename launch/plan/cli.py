@@ -18,7 +18,8 @@ from launch.plan.memory import KERNELS, RECOMPUTE
 from launch.plan.measure_gpu import measure_gpu
 from launch.plan.measure import compare, cpu_machine, measure
 from launch.plan.imbalance import measured_imbalance, parse_zipf, zipf_imbalance
-from launch.plan.planner import COMM_SM_SHARE, PAIR_HIDDEN, Machine, Options, chunk_tokens, make_plan
+from launch.plan.planner import (COMM_SM_SHARE, PAIR_HIDDEN, Machine, Options, chunk_tokens, make_plan,
+                                 runtime_handling)
 from launch.plan.presets import GPU, GPUS, RECIPES, gpu_preset
 from launch.plan.report import known_error, render, table, to_dict
 from launch.plan.search import describe, search
@@ -50,12 +51,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--comm-sm-share", type=float, default=COMM_SM_SHARE,
                    help=f"share of SMs communication holds while it overlaps compute (default {COMM_SM_SHARE:.3f}: "
                         "DeepSeek-V3's 20 of 132)")
-    p.add_argument("--moe-handling", choices=MOE_HANDLING, default="synced",
+    p.add_argument("--moe-handling", choices=MOE_HANDLING,
                    help="how the stack handles an MoE layer's routed slots: synced (expert counts read to the host "
                         "every layer, eager launches: this project's runtime, Megatron-Core's all-to-all; "
                         f"{SLOT_SECONDS['synced'] * 1e9:g} ns a slot) or captured (router and preprocessing in CUDA "
                         f"graphs before a fused DeepEP/HybridEP dispatch; {SLOT_SECONDS['captured'] * 1e9:g} ns): "
-                        "each cost fitted to its published runs, --validate (default synced)")
+                        "each cost fitted to its published runs, --validate (default: the config's runtime, captured "
+                        "with train.cuda_graphs = true, else synced)")
     p.add_argument("--slot-ns", type=float, help="ns per routed slot of an MoE layer's forward + backward beyond its "
                    "GEMMs and bytes (default: --moe-handling's; 0: none)")
     p.add_argument("--clock", type=float, default=SUSTAINED_CLOCK,
@@ -105,8 +107,9 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def machine_from(args: argparse.Namespace, default_gpn: int) -> Machine:
-    """The GPU preset with flag overrides (a GPU without a preset needs every figure); every figure finite."""
+def machine_from(args: argparse.Namespace, default_gpn: int, config: RunConfig) -> Machine:
+    """The GPU preset with flag overrides (a GPU without a preset needs every figure); every figure finite; the
+    routed slots' cost of --moe-handling, else of config's runtime (planner.runtime_handling)."""
     for name, value in vars(args).items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"--{name.replace('_', '-')} = {value} must be a finite number")
@@ -136,7 +139,8 @@ def machine_from(args: argparse.Namespace, default_gpn: int) -> Machine:
         raise ValueError(f"--pair-hidden = {args.pair_hidden} must be in [0, 1]")
     if args.slot_ns is not None and args.slot_ns < 0:
         raise ValueError(f"--slot-ns = {args.slot_ns} must be >= 0")
-    slot_seconds = SLOT_SECONDS[args.moe_handling] if args.slot_ns is None else args.slot_ns * 1e-9
+    handling = args.moe_handling or runtime_handling(config)
+    slot_seconds = SLOT_SECONDS[handling] if args.slot_ns is None else args.slot_ns * 1e-9
     for flag, value in (("--clock", args.clock), ("--attention-clock", args.attention_clock)):
         if not 0 < value <= 1:
             raise ValueError(f"{flag} = {value} must be in (0, 1]")
@@ -162,7 +166,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.search:
         if not args.gpus or args.gpus < 1:
             raise ValueError("--search needs --gpus N (N >= 1)")
-        machine = machine_from(args, par.gpus_per_node or min(8, args.gpus))
+        machine = machine_from(args, par.gpus_per_node or min(8, args.gpus), config)
         result = search(config, args.gpus, machine, options)
         rows = [[i + 1, describe(vars(p.config.parallel), p.config.chunks_per_step), p.options.recompute,
                  p.peak_memory / 1e9, p.idle_fraction, p.step_seconds, p.tokens_per_second / args.gpus, p.mfu]
@@ -183,7 +187,7 @@ def run(args: argparse.Namespace) -> dict:
                          f"(change [parallel] or use --search)")
     if args.measure:
         return run_measured(args, config, options)
-    machine = machine_from(args, par.gpus_per_node or par.world_size)
+    machine = machine_from(args, par.gpus_per_node or par.world_size, config)
     plan = make_plan(config, machine, options)
     print(render(plan))
     return to_dict(plan)
@@ -208,7 +212,7 @@ def run_measured(args: argparse.Namespace, config: RunConfig, options: Options) 
     if args.steps < 1:
         raise ValueError(f"--steps = {args.steps} must be >= 1")
     given = args.gpu or any(getattr(args, name) is not None for name in OVERRIDES)
-    machine = machine_from(args, config.parallel.gpus_per_node or config.parallel.world_size) if given \
+    machine = machine_from(args, config.parallel.gpus_per_node or config.parallel.world_size, config) if given \
         else cpu_machine(config)
     plan = make_plan(config, machine, options)
     checks = compare(plan, measure(config, args.steps))

@@ -90,7 +90,10 @@ class ActivationModel:
     SP also splits the hidden-width tensors (norm inputs and outputs) that TP alone keeps whole. CP (cp > 1) leaves
     the bytes per token alone but for the attention core, moe.cp's whatever the kernels: q, k, v, its output and
     log-sum-exp in at least float32, K/V unexpanded, the rank's own (ring) or all cp ranks' (allgather); each rank
-    holds S / cp of a sequence's tokens. Recomputation:
+    holds S / cp of a sequence's tokens. slot_rows: the rows the routed experts take per routed slot, 1 but for a
+    padded exchange's (parallel.dispatch_exchange = "padded"), whose experts take a fixed number of rows, padding
+    included (dispatch.routes.padded_bounds): every per-row term of the routed experts (their inputs, SwiGLUs,
+    combine's and the deferred weight grads' rows) grows by it. Recomputation:
     "selective" recomputes the norms, SwiGLU products and (MLA) the q/kv up-projections from their
     latents, as DeepSeek-V3 does; "full" keeps only a dense layer's input and recomputes the layer, and reruns an
     MoE layer's communication-free segments (see layer; moe.model.Block); "moe" (PLAN_RECOMPUTE, Megatron-Core's)
@@ -109,12 +112,18 @@ class ActivationModel:
     kernels: str = "project"
     cp: int = 1
     cp_method: str = "ring"
+    slot_rows: float = 1.0
 
     def __post_init__(self) -> None:
         for name, allowed in (("recompute", PLAN_RECOMPUTE), ("kernels", KERNELS), ("cp_method", CP_METHODS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} = {getattr(self, name)!r} is not allowed; choose one of "
                                  f"{', '.join(map(repr, allowed))}")
+
+    @property
+    def _routed(self) -> float:
+        """Rows the routed experts take per token: top_k slots, slot_rows rows each."""
+        return self.cfg.top_k * self.slot_rows
 
     @property
     def _project(self) -> bool:
@@ -229,7 +238,7 @@ class ActivationModel:
         if self.recompute == "full":
             if not moe:
                 return self._hidden(1)
-            return self._hidden(2) + cfg.top_k * self._slot() / self.tp + self._router()
+            return self._hidden(2) + self._routed * self._slot() / self.tp + self._router()
         if not moe:
             return self._attention() + self._norm(True) + self._swiglu(cfg.dense_ffn_size / self.tp)
         if self.recompute == "moe":  # the FFN norm keeps its input, the MoE block nothing
@@ -244,7 +253,7 @@ class ActivationModel:
         shared = self._swiglu(cfg.num_shared_experts * cfg.expert_ffn_size / self.tp)
         if self._fp8 and cfg.num_shared_experts:
             shared += self._tiles(cfg.hidden_size)
-        return cfg.top_k * self._slot() / self.tp + self._router() + shared
+        return self._routed * self._slot() / self.tp + self._router() + shared
 
     def backward_layer(self, moe: bool) -> float:
         """Bytes per token one layer holds at most during its own backward: what it keeps, or under full recompute
@@ -262,7 +271,7 @@ class ActivationModel:
         if not moe:
             return plain.layer(False)
         cfg = self.cfg
-        experts = max(cfg.top_k * plain._swiglu(cfg.expert_ffn_size) / self.tp,
+        experts = max(self._routed * plain._swiglu(cfg.expert_ffn_size) / self.tp,
                       plain._swiglu(cfg.num_shared_experts * cfg.expert_ffn_size / self.tp))
         return max(kept + experts, plain._attention() + plain._norm(not moe))
 
@@ -322,7 +331,7 @@ class ActivationModel:
 
         if not moe:
             return attention + ffn(cfg.dense_ffn_size / t)
-        return (attention + cfg.top_k * ffn(cfg.expert_ffn_size, grouped=True) / t
+        return (attention + self._routed * ffn(cfg.expert_ffn_size, grouped=True) / t
                 + ffn(cfg.num_shared_experts * cfg.expert_ffn_size / t))
 
     def deferred_stage(self, layers: range, has_head: bool, tokens: int) -> float:

@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dispatch import Traffic
+from dispatch import Traffic, make_topology
+from dispatch.routes import padded_bounds, routes_for
 from launch.config.run import RunConfig
 from launch.metrics.flops import attention_shape, layer_flops, mixed_peak, model_flops_per_token
 from launch.plan.compute import (Precisions, Seconds, elementwise_seconds, head_seconds, layer_seconds,
@@ -21,6 +22,7 @@ from launch.plan.presets import GPU, RECIPES, StateBytes
 from launch.plan.timing import Rates, StageCost, interleave, paired, simulate_step
 from launch.plan.traffic import EPStats, cp_attention_bytes, cp_kv_width, ep_stats, ring_bytes, total
 from launch.parallel.stages import stage_ranges
+from moe.replicas import check_slots
 from pipeline.schedules import StageLayout, Schedule, build, merge_weight_grads
 
 if TYPE_CHECKING:
@@ -170,6 +172,13 @@ def runtime_kernels(config: RunConfig) -> str:
     return "fused-fp8" if recipe == ("fp8", "fp8", "fp8") else "project"
 
 
+def runtime_handling(config: RunConfig) -> str:
+    """How this runtime handles an MoE layer's routed slots (efficiency.MOE_HANDLING) for the config: "captured" with
+    train.cuda_graphs (the step captured whole: nothing read to the host, no eager launches), else "synced" (sizes
+    read to the host and eager launches, or at least the launches)."""
+    return "captured" if config.train.cuda_graphs else "synced"
+
+
 def default_recipe(config: RunConfig) -> StateBytes:
     """The recipe the runtime's ZeroOptimizer holds for the config: its training dtype (bf16 weights with fp32
     masters, or weights that are their own masters) and optim.moment_dtype; grads are reduce-scattered in place."""
@@ -233,7 +242,7 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
     chunks = config.chunks_per_step
     tokens = chunk_tokens(config)
     acts = ActivationModel(cfg, params.attention, itemsize, par.tp, par.sequence_parallel, options.recompute,
-                           options.kernels, par.cp, par.cp_method)
+                           options.kernels, par.cp, par.cp_method, padded_slot_rows(config, gpn, tokens))
     schedule = make_schedule(config)
     layout = _layout(config)
     moe_layers = [sum(i >= cfg.first_k_dense for i in span) for span in layers]
@@ -325,6 +334,23 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
                 sum(idles) / len(idles), sync,
                 train.grad_accum_steps * tokens * par.cp, model_flops_per_token(cfg, train.seq_len),
                 steps, list(idles), offload)
+
+
+def padded_slot_rows(config: RunConfig, gpus_per_node: int, tokens: int) -> float:
+    """Rows the routed experts take per routed slot (ActivationModel.slot_rows): 1, but with a padded exchange over
+    EP ranks (parallel.dispatch_exchange = "padded") the fixed rows dispatch.routes.padded_bounds hands a rank's
+    experts for a chunk of tokens (tokens / tp of them routed on each TP rank, in parallel.dispatch_chunks chunks, at
+    parallel.dispatch_headroom, redundant experts' slots included), over those tokens' top_k slots."""
+    par, cfg = config.parallel, config.model
+    routed = tokens // par.tp
+    if par.dispatch_exchange != "padded" or par.ep == 1 or not cfg.num_moe_layers or not routed:
+        return 1.0
+    slots = check_slots(cfg.num_experts, par.ep, par.redundant_experts)
+    topology = make_topology(par.ep, min(gpus_per_node, par.ep))
+    stages = routes_for(par.dispatch_backend, topology, slots.num_slots, 0, torch.device("meta"))
+    _, rows = padded_bounds(stages, slots.num_slots // par.ep, routed, cfg.top_k, par.dispatch_headroom,
+                            par.dispatch_chunks)
+    return rows / (routed * cfg.top_k)
 
 
 def replica_numels(config: RunConfig) -> tuple[int, int]:

@@ -209,7 +209,8 @@ def resolve_backend(cfg: RunConfig, local_ranks: int) -> str:
     """The torch.distributed backend of the run (NCCL for CUDA ranks, gloo for CPU ones; launch.parallel.device),
     checked against this node's GPUs: LaunchError (before any process starts) naming the numbers."""
     try:
-        check_device(cfg.train.device, cfg.parallel.comm_backend, cfg.model.expert_precision, local_ranks)
+        check_device(cfg.train.device, cfg.parallel.comm_backend, cfg.model.expert_precision, local_ranks,
+                     cfg.train.cuda_graphs)
     except ValueError as error:
         raise LaunchError(str(error)) from None
     return backend_for(cfg.train.device, cfg.parallel.comm_backend)

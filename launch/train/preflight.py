@@ -108,7 +108,8 @@ def _check_run_dir(cfg: RunConfig) -> None:
 
 def _check_machine(cfg: RunConfig) -> None:
     """The device can run the ranks (launch.parallel.device)."""
-    check_device(cfg.train.device, cfg.parallel.comm_backend, cfg.model.expert_precision)
+    check_device(cfg.train.device, cfg.parallel.comm_backend, cfg.model.expert_precision,
+                 cuda_graphs=cfg.train.cuda_graphs)
 
 
 def _check_init_from(cfg: RunConfig) -> None:

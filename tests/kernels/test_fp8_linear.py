@@ -19,10 +19,14 @@ import kernels
 from kernels.quant_ref import (dequantize_activation, dequantize_kgrouped, dequantize_weight,
                                quantize_activation_kgrouped_ref)
 from kernels.wgrad_defer import WeightGradStore
+from tests.syncs import SyncDetector
 
 BOUND = 1e-12  # see the module doc: derived worst case 3e-10, measured <= 3.5e-14
 SEEDS = range(5)
 M, K, N = 150, 208, 96  # rows over two token tiles, K over two hidden tiles, neither a multiple of 128
+PADDING_GAP = 2e-5  # relative to the largest value: a padded call's fp32 sums (K or M terms) may be ordered otherwise
+# by the CPU GEMM picking kernels by row count, K 2^-24 = 1.2e-5 at K = 208; measured 0 (5 seeds x ATEN_CPU_CAPABILITY
+# = default, avx2, native: bit for bit)
 
 
 def _data(seed: int, m: int = M) -> tuple[torch.Tensor, kernels.FP8Linear, torch.Tensor]:
@@ -43,7 +47,7 @@ def _f64_rows(t: torch.Tensor) -> torch.Tensor:
 def _f64_kgrouped(t: torch.Tensor) -> torch.Tensor:
     """t quantised in 1x128 tiles along its rows (one group) and dequantised, in float64."""
     offs = torch.tensor([t.shape[0]], dtype=torch.int32)
-    return dequantize_kgrouped(*quantize_activation_kgrouped_ref(t, offs), offs).double()
+    return dequantize_kgrouped(*quantize_activation_kgrouped_ref(t, offs), offs, t.shape[0]).double()
 
 
 def _f64_weight(w: torch.Tensor) -> torch.Tensor:
@@ -206,3 +210,30 @@ def test_a_grouped_linears_deferred_wgrad_holds_dy_as_its_e4m3_operand_and_equal
     assert store.held_bytes == m * K + m * 2 * 4 + N * columns * (128 + 4)  # x's rows; dy's token tiles, not dy
     store.run(0)
     assert torch.equal(w.grad, immediate)
+
+
+def test_padding_rows_past_the_last_group_are_no_data_and_nothing_is_read():
+    """Issue 48: FP8 experts behind a padded exchange get rows past their last group (offs[-1] < rows). Forward, dgrad
+    and wgrad take the offsets on the device and read nothing to the host (the sync detector, strict: offsets,
+    scales and their checks included); the groups' rows, their input grads and the weight grad are those of the same
+    rows without the padding (PADDING_GAP: the padding adds nothing to the weight grad's tiles, only the sums' length
+    differs), and the padding's outputs and input grads are zero (the reference's; Triton leaves them unwritten)."""
+    sizes, pad = [40, 0, 97], 30
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(sum(sizes) + pad, K, generator=gen)
+    w = (torch.randn(len(sizes), N, K, generator=gen) * 0.05).requires_grad_()
+    dy = torch.randn(sum(sizes) + pad, N, generator=gen)
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    runs = {}
+    for name, rows in (("padded", x.shape[0]), ("groups only", sum(sizes))):
+        leaf = x[:rows].clone().requires_grad_()
+        with SyncDetector(strict=True):
+            out = kernels.fp8_grouped_linear(leaf, w, offs)
+            out.backward(dy[:rows])
+        runs[name] = (out.detach(), leaf.grad, w.grad)
+        w.grad = None
+    (out, dx, dw), (want_out, want_dx, want_dw) = runs["padded"], runs["groups only"]
+    assert torch.all(out[-pad:] == 0) and torch.all(dx[-pad:] == 0)
+    torch.testing.assert_close(out[:-pad], want_out, rtol=PADDING_GAP, atol=PADDING_GAP * want_out.abs().max())
+    torch.testing.assert_close(dx[:-pad], want_dx, rtol=PADDING_GAP, atol=PADDING_GAP * want_dx.abs().max())
+    torch.testing.assert_close(dw, want_dw, rtol=PADDING_GAP, atol=PADDING_GAP * want_dw.abs().max())

@@ -109,7 +109,7 @@ def test_kgrouped_tiles_run_along_tokens_and_restart_at_every_group(backend):
                 assert torch.all(q_t[k, tile][rows:].float() == 0)
                 assert scale[k, column] == expected_scale
     # e4m3 keeps 3 mantissa bits (relative error <= 2**-4); subnormals are steps of 2**-9 * scale
-    torch.testing.assert_close(kernels.dequantize_kgrouped(q_t, scale, offs), x, rtol=2**-4,
+    torch.testing.assert_close(kernels.dequantize_kgrouped(q_t, scale, offs, x.shape[0]), x, rtol=2**-4,
                                atol=2**-9 * float(scale.max()))
 
 

@@ -74,5 +74,5 @@ def test_bad_inputs_are_named():
         kernels.retile_kgrouped(x_q.float(), x_scale, offs)
     with pytest.raises(ValueError, match=r"x_scale must have shape \(7, 2\)"):
         kernels.retile_kgrouped(x_q, x_scale[:, :1], offs)
-    with pytest.raises(ValueError, match="offs must end at the number of rows"):
-        kernels.retile_kgrouped(x_q, x_scale, offsets([3, 3]))
+    with pytest.raises(ValueError, match="offs must end at most at the number of rows M = 7"):  # (fewer: padding)
+        kernels.retile_kgrouped(x_q, x_scale, offsets([3, 5]))

@@ -107,3 +107,16 @@ def test_cli_rejects_bad_config_before_any_work(tmp_path):
 def test_redundant_experts_refuse_bad_input_naming_the_key(parallel, model, key):
     with pytest.raises(ValueError, match=re.escape(key)):
         build_config({"model": {"num_experts": 8, **model}, "train": {"grad_accum_steps": 2}, "parallel": parallel})
+
+
+def test_cuda_graphs_over_ep_ranks_need_the_padded_exchange():
+    """Issue 48: train.cuda_graphs captures steps that read nothing to the host; over EP ranks the exact exchange
+    reads its sizes, so it is refused naming both keys; the padded exchange, or no EP, passes the config's checks."""
+    def raw(parallel: dict) -> dict:
+        return {"model": {"num_experts": 8}, "train": {"grad_accum_steps": 2, "cuda_graphs": True},
+                "parallel": parallel}
+    with pytest.raises(ValueError, match=r"train.cuda_graphs = true .* parallel.dispatch_exchange = 'exact' with "
+                                         r"parallel.ep = 2"):
+        build_config(raw({"dp": 2, "ep": 2}))
+    assert build_config(raw({"dp": 2, "ep": 2, "dispatch_exchange": "padded"})).train.cuda_graphs
+    assert build_config(raw({"dp": 2})).train.cuda_graphs

@@ -69,6 +69,22 @@ def test_moe_train_refuses_more_ranks_than_gpus_before_spawning(fake_cuda, capsy
     assert "4 ranks on this node but 2 GPUs visible" in capsys.readouterr().err
 
 
+def test_cuda_graphs_off_cuda_are_refused_before_spawning(fake_cuda, capsys, tmp_path):
+    """train.cuda_graphs (issue 48) captures CUDA graphs: ranks on the CPU (forced, or auto without a GPU) are refused
+    naming the key and why, before any rank starts; with CUDA GPUs the device check passes."""
+    with pytest.raises(ValueError, match=r"train.cuda_graphs = true .* train.device = 'cpu' puts the ranks on the CPU"):
+        check_device("cpu", "auto", "native", cuda_graphs=True)
+    padded = ["--set", "parallel.dispatch_exchange=padded", "--set", "train.cuda_graphs=true"]
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"train.device = 'auto' resolves to the CPU \(this torch sees no CUDA"):
+            check_device("auto", "auto", "native", cuda_graphs=True)
+        code = main(["--config", TINY, "--run-dir", str(tmp_path), *padded],
+                    trainer=lambda *a, **k: pytest.fail("a rank started"))
+        assert code == 2 and "train.cuda_graphs = true" in capsys.readouterr().err
+    fake_cuda()
+    check_device("auto", "auto", "native", local_ranks=4, cuda_graphs=True)
+
+
 def test_host_copy_of_meta_reads_zeros_and_real_values_cross_unchanged():
     assert to_host(torch.empty(3, device="meta")).tolist() == [0.0, 0.0, 0.0]
     assert to_host(torch.tensor([1.5, -2.0])).tolist() == [1.5, -2.0]

@@ -115,3 +115,19 @@ def test_moe_handling_picks_its_fitted_slot_cost_and_slot_ns_overrides_it(tmp_pa
     assert seconds["default"][0] == SLOT_SECONDS["synced"] and seconds["captured"][0] == SLOT_SECONDS["captured"]
     assert seconds["override"][0] == pytest.approx(500e-9)
     assert seconds["captured"][1] < seconds["default"][1] < seconds["override"][1]
+
+
+def test_cuda_graphs_plan_the_captured_slot_cost_unless_a_flag_says_otherwise(tmp_path):
+    """A config with train.cuda_graphs = true (issue 48; the padded exchange over its EP ranks) is planned as a
+    captured runtime: the captured stacks' routed-slot cost, a faster step than the same config eager; an explicit
+    --moe-handling still wins."""
+    graphed = ["--set", "parallel.dispatch_exchange=padded", "--set", "train.cuda_graphs=true"]
+    plans = {}
+    for name, argv in (("eager", ["--set", "parallel.dispatch_exchange=padded"]), ("graphed", graphed),
+                       ("flag", [*graphed, "--moe-handling", "synced"])):
+        out = tmp_path / f"{name}.json"
+        assert main([TINY, "--gpu", "h100", "--json", str(out), *argv]) == 0
+        plans[name] = json.loads(out.read_text())
+    slots = {name: plan["machine"]["slot_seconds"] for name, plan in plans.items()}
+    assert slots == {"eager": SLOT_SECONDS["synced"], "graphed": SLOT_SECONDS["captured"], "flag": SLOT_SECONDS["synced"]}
+    assert plans["graphed"]["time"]["step_s"] < plans["eager"]["time"]["step_s"]

@@ -13,7 +13,12 @@ process, as the runs without them do, and their checkpoints hold a placement tha
 
 DeepSeek-V3's FP8 recipe (issue 46) is not exact arithmetic, so its layout run is compared within derived and
 measured bounds instead (test_fp8_recipe_layout_tracks_single_process, where the figures are): RECIPE_LAYOUT
-(pp2 DualPipeV x dp2 x ep2 across nodes, FP8 dispatch payload) in float32, in the world-4 spawn.
+(pp2 DualPipeV x dp2 x ep2 across nodes, FP8 dispatch payload through the padded exchange) in float32, in the
+world-4 spawn.
+
+Issue 48's sync-free step is watched inside the same runs (tests/syncs.py): every layout's forward and backward
+reads, the padded exchange's layouts (flat; DualPipeV x dp2 x ep2 hierarchical in 2 chunks, CHUNKED_PADDED) against
+their exact twins, and the FP8 recipe's padded run reading nothing.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from tests.syncs import step_reads
 pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
 
 STEPS = 5
+CHUNKED_PADDED = "pp2 dp2 ep2 dualpipev hierarchical padded in 2 chunks"  # issue 48's named layout
 # redundant experts (moe.replicas): a spare slot per EP rank, placed after steps 1 and 3 and used by steps 2 to 4
 REDUNDANT = {"redundant_experts": 1, "rebalance_every": 2}
 CUT = 3  # the resharding runs' cut
@@ -63,9 +69,9 @@ LAYOUTS = {
                                                "dispatch_backend": "hierarchical", "gpus_per_node": 1},
     # issue 48: the padded exchange; headroom 0.5 overflows the first steps' bounds (rerun exactly, bounds doubled)
     "dp2 ep2 flat padded": {"dp": 2, "ep": 2, "dispatch_exchange": "padded", "dispatch_headroom": 0.5},
-    "pp2 dp2 ep2 dualpipev hierarchical padded": {"pp": 2, "dp": 2, "ep": 2, "schedule": "dualpipev",
-                                                  "dispatch_backend": "hierarchical", "gpus_per_node": 1,
-                                                  "dispatch_exchange": "padded"},
+    # its hops pipelined in 2 chunks: the exact layout "pp2 dp2 ep2 dualpipev, EP across nodes", padded
+    CHUNKED_PADDED: {"pp": 2, "dp": 2, "ep": 2, "schedule": "dualpipev", "dispatch_backend": "hierarchical",
+                     "gpus_per_node": 1, "dispatch_exchange": "padded", "dispatch_chunks": 2},
     "tp2 sp": {"tp": 2, "sequence_parallel": True},
     "dp2 tp2 ep2": {"dp": 2, "tp": 2, "ep": 2},
     "pp2 tp2 dualpipev sp": {"pp": 2, "tp": 2, "schedule": "dualpipev", "sequence_parallel": True},
@@ -144,13 +150,13 @@ RECIPE_GAP = 8e-3  # relative, its every step's loss
 def recipe_raw(run_dir: str, corpus: str, parallel: dict, seed: int = 0) -> dict:
     """raw_config (GQA, dropless) with every key of DeepSeek-V3's FP8 training recipe on (issue 46), in float32
     weights (test_fp8_recipe's reason), from train.seed, for RECIPE_STEPS steps; under EP the dispatched rows travel in
-    FP8 too."""
+    FP8 too, through the padded exchange (issue 48: FP8 experts take its padding rows)."""
     raw = raw_config(run_dir, corpus, parallel, None)
     for section, keys in RECIPE.items():
         raw[section] = {**raw.get(section, {}), **keys}
     raw["train"].update(seed=seed, steps=RECIPE_STEPS)
     if parallel.get("ep", 1) > 1:
-        raw["parallel"] = {**parallel, "dispatch_payload": "fp8"}
+        raw["parallel"] = {**parallel, "dispatch_payload": "fp8", "dispatch_exchange": "padded"}
     return raw
 
 
@@ -349,6 +355,31 @@ def test_padded_exchange_equals_the_exact_one_and_reruns_overflowed_steps(routin
 
 
 @pytest.mark.timeout(SPAWN_S + 120)
+@pytest.mark.parametrize("routing", list(ROUTING))
+def test_chunked_padded_exchange_trains_as_the_exact_one(routing, spawned):
+    """Issue 48's named layout, pp2 DualPipeV x dp2 x ep2 hierarchical with its hops in 2 chunks, padded, runs every
+    step padded (none overflows its bounds, none reruns) and trains as the same layout's exact exchange in one chunk
+    (equal to any chunks, dispatch.transport): every step's losses and grad norm, and every tensor of the final
+    checkpoint, to 1e-12 relative. Measured: dropless losses and grad norms equal bit for bit, capacity 1.0's last grad
+    norm 2e-16 apart, params at most 1.4e-17 apart, and the padded layout in one chunk gives the 2 chunks' run bit for
+    bit. What moves the last bit is the experts' grouped GEMMs (kernels.grouped_ref): the padded ones run over a
+    fixed number of rows, the exact ones over the pairs, and the CPU BLAS orders a sum by the row count (the layer
+    alone, tests/dispatch/test_moe_ep.py, equals the exact path bit for bit at its sizes)."""
+    raw, padded, _ = spawned(("layout", CHUNKED_PADDED, routing))
+    exact_raw, exact, _ = spawned(("layout", "pp2 dp2 ep2 dualpipev, EP across nodes", routing))
+    assert raw["parallel"]["dispatch_chunks"] == 2 and exact_raw["parallel"].get("dispatch_chunks", 1) == 1
+    assert [r["dispatch_reruns"] for r in padded] == [0] * STEPS
+    for got, want in zip(padded, exact, strict=True):
+        for key in ("loss", "lm_loss", "aux_loss", "grad_norm"):
+            assert got[key] == pytest.approx(want[key], rel=1e-12, abs=1e-15), (got["step"], key)
+    got, want = (consolidate(f"{r['train']['run_dir']}/checkpoint") for r in (raw, exact_raw))
+    assert set(got) == set(want)
+    for key, value in want.items():
+        scale = value.abs().max().item() if value.is_floating_point() and value.numel() else 0.0
+        torch.testing.assert_close(got[key], value, rtol=1e-12, atol=1e-12 * scale, msg=key)
+
+
+@pytest.mark.timeout(SPAWN_S + 120)
 @pytest.mark.parametrize("world", list(SPAWNS))
 def test_batched_layouts_equal_single_process(world, spawned, reference):
     """The layouts of one world size with their attention, trained dropless: MLA (query latent, joint KV latent,
@@ -446,7 +477,14 @@ def test_fp8_recipe_layout_tracks_single_process(spawned, corpus, tmp_path):
     the layout without the recipe (a plain layout equals plain one process to ~1e-7; seed 0): step 0 loss 8.9e-5."""
     raw, records, _ = spawned(("recipe", RECIPE_LAYOUT))
     assert raw["parallel"]["dispatch_payload"] == "fp8" and raw["optim"]["moment_dtype"] == "bfloat16"
-    one = train(build_config(recipe_raw(str(tmp_path), corpus, {})), progress=False)
+    with step_reads() as steps:
+        one = train(build_config(recipe_raw(str(tmp_path), corpus, {})), progress=False)
+    # issue 48: FP8 experts, linears and payload read nothing in forward and backward, on one process and in the
+    # layout's padded exchange (which none of these steps overflows), and each step copies its statistics once
+    assert [(s.reads, s.copies) for s in steps] == [([], 1)] * RECIPE_STEPS
+    assert records[-1]["dispatch_reruns"] == 0
+    for rank, attempts in enumerate(spawned.reads["recipe", RECIPE_LAYOUT]):
+        assert attempts == [([], 1)] * RECIPE_STEPS, (rank, attempts[0][0][:5])
     gaps = {key: [abs(got[key] - want[key]) / want[key] for got, want in zip(records, one, strict=True)]
             for key in ("lm_loss", "grad_norm")}
     assert len(gaps["lm_loss"]) == RECIPE_STEPS, gaps
