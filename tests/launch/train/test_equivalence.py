@@ -297,7 +297,7 @@ def spawned(corpus, documents, drop_corpus, tmp_path_factory):
         keys = [k for k in raws if worlds[k] == worlds[key]]
 
         def spawn() -> list[tuple[dict, list[dict], list[torch.Tensor | None]]]:
-            watched = [k[0] == "layout" for k in keys]  # the runs test_steps_read_nothing_... reads
+            watched = [k[0] in ("layout", "recipe") for k in keys]  # the runs whose reads a test checks
             results = run_processes(_train_with_embedding, worlds[key], [(raws[k], w) for k, w in zip(keys, watched)],
                                     timeout_s=600, run_timeout_s=SPAWN_S)
             run.reads.update((k, [rank[i][2] for rank in results]) for i, k in enumerate(keys) if watched[i])
