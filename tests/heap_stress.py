@@ -4,13 +4,14 @@
 
 or `MOE_HEAP_STRESS=1 python -m pytest -q tests/test_heap_stress.py` (MOE_HEAP_STRESS_REPEAT sets --repeat).
 The process re-executes itself under tests.spawns.MALLOC_ENV (glibc's heap checks: MALLOC_CHECK_=3,
-MALLOC_PERTURB_=165), so the fork server and every rank it forks run under them. Each path
-trains `repeat` times, `per_spawn` runs in one 2-process spawn (a fresh world between runs, as the equivalence
-suite's spawns do): a rank that aborts ends its spawn with a WorkerError naming its signal and last stderr lines,
-which the report quotes. Paths (PATHS): tp2 SP and cp2 ring resuming a 1-process checkpoint (resharded) and
-their own runs' saves, the async EP dispatch (dp2 ep2, 2 dispatch chunks), pipeline DualPipeV (pp2), ZeRO-3 (dp2),
-and async checkpoint saves (dp2, ASYNC_SAVES saves a run). "planted" (never in the default list) frees a receive
-buffer's storage under a posted irecv and lets the peer's send land in it: the harness must report it.
+MALLOC_PERTURB_=165), so the fork server and every rank it forks run under them. Each path trains `repeat` times
+(the async-checkpoint path: saves `repeat` checkpoints, ASYNC_SAVES a run), `per_spawn` runs in one 2-process
+spawn (a fresh world between runs, as the equivalence suite's spawns do): a rank that aborts ends its spawn with a
+WorkerError naming its signal and last stderr lines, which the report quotes. Paths (PATHS): tp2 SP and cp2 ring
+resuming a 1-process checkpoint (resharded) and their own runs' saves, the async EP dispatch (dp2 ep2
+hierarchical, 2 dispatch chunks in flight), pipeline DualPipeV (pp2), ZeRO-3 (dp2), and async checkpoint saves
+(dp2). "planted" (never in the default list) frees a receive buffer's storage under a posted irecv and lets the
+peer's send land in it: the harness must report it.
 """
 
 from __future__ import annotations
@@ -32,14 +33,15 @@ from launch.train.loop import train
 from tests.launch.train.test_equivalence import CUT, LAYOUTS, STEPS, _train_runs, cut_raw
 from tests.spawns import MALLOC_ENV
 
-ASYNC_SAVES = 30  # checkpoints each run of the async-checkpoint path saves (one a step)
+ASYNC_SAVES = 30  # checkpoints one run of the async-checkpoint path saves (one a step); its repetitions are saves
+ASYNC = "dp2 async checkpoint"
 PATHS = {  # name -> (parallel, optim, resumes a 1-process checkpoint)
     "tp2 sp reshard": (LAYOUTS["tp2 sp"], {}, True),
     "cp2 ring reshard": (LAYOUTS["cp2 ring"], {}, True),
-    "dp2 ep2 async dispatch": ({"dp": 2, "ep": 2, "dispatch_chunks": 2}, {}, False),
+    "dp2 ep2 async dispatch": ({**LAYOUTS["dp2 ep2 hierarchical"], "dispatch_chunks": 2}, {}, False),
     "pp2 dualpipev": (LAYOUTS["pp2 dualpipev"], {}, False),
     "dp2 zero3": ({"dp": 2}, {"zero_stage": 3}, False),
-    "dp2 async checkpoint": ({"dp": 2}, {}, False),
+    ASYNC: ({"dp": 2}, {}, False),
 }
 PLANTED = "planted"
 PLANTED_BYTES = 4096  # a heap block (glibc maps blocks of 128 KiB and more on their own)
@@ -62,7 +64,7 @@ def runs_of(name: str, run: int, root: Path, text: str, one: Path | None) -> lis
         shutil.copytree(one, where / "from_one")
         return [(cut_raw(where / "from_one", text, parallel, STEPS, optim), True),
                 (cut_raw(where / "own", text, parallel, CUT, optim), False)]
-    if name == "dp2 async checkpoint":
+    if name == ASYNC:
         raw = cut_raw(where, text, parallel, ASYNC_SAVES, optim)
         raw["train"]["checkpoint_every"] = 1
         raw["ops"] = {"async_checkpoint": True, "keep_checkpoints": 2}
@@ -90,8 +92,11 @@ def _planted(rank: int, world: int, repeats: int) -> int:
 
 
 def stress(name: str, repeat: int, per_spawn: int, root: Path) -> dict:
-    """Run path name `repeat` times; returns {"runs": completed, "spawns", "failures": [messages], "seconds"}."""
+    """Run path name `repeat` times (the async-checkpoint path: `repeat` saves, ASYNC_SAVES a run); returns {"runs":
+    repetitions completed, "spawns", "failures": [messages], "seconds"}."""
     t0, done, failures, spawns = time.perf_counter(), 0, [], 0
+    each = ASYNC_SAVES if name == ASYNC else 1
+    repeat = -(-repeat // each)
     text = corpus(root)
     one = None
     if name != PLANTED and PATHS[name][2]:
@@ -101,13 +106,14 @@ def stress(name: str, repeat: int, per_spawn: int, root: Path) -> dict:
     for first in range(0, repeat, per_spawn):
         count = min(per_spawn, repeat - first)
         spawns += 1
+        logs = root / "logs" / f"{name.replace(' ', '_')}{spawns}"  # a failure quotes the rank's last stderr lines
         try:
             if name == PLANTED:
-                run_processes(_planted, 2, count, timeout_s=120)
+                run_processes(_planted, 2, count, timeout_s=120, log_dir=logs)
             else:
                 runs = [r for i in range(first, first + count) for r in runs_of(name, i, root, text, one)]
-                run_processes(_train_runs, 2, runs, timeout_s=600, run_timeout_s=1800)
-            done += count
+                run_processes(_train_runs, 2, runs, timeout_s=600, run_timeout_s=1800, log_dir=logs)
+            done += count * each
         except WorkerError as error:
             failures.append(str(error))
     return {"runs": done, "spawns": spawns, "failures": failures, "seconds": round(time.perf_counter() - t0, 1)}
