@@ -17,24 +17,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dispatch import rehearsal_rule
+from dispatch.pending import Pending
 from dispatch.topology import Topology
 from dispatch.traffic import TrafficMeter
 
 Steps = Generator["Pending", None, Any]  # a computation that yields each exchange it leaves in flight
-
-
-class Pending:
-    """An exchange in flight: wait() blocks until it has arrived and returns its result."""
-
-    def __init__(self, work: dist.Work | None, result: Callable[[], Any], keep: Tensor | None = None) -> None:
-        self.work, self._result = work, result
-        self._keep = keep  # the send buffer, alive until the exchange is done
-
-    def wait(self) -> Any:
-        """Block until the exchange is complete; return what arrived."""
-        if self.work is not None:
-            self.work.wait()
-        return self._result()
 
 
 def run_steps(steps: Steps) -> Any:
@@ -126,7 +113,7 @@ class Channel:
             out = rows.new_empty((sum(recv_splits), *rows.shape[1:]))
             work = dist.all_to_all_single(out, rows, self._own(recv_splits), self._own(send_splits),
                                           group=self.group, async_op=True)
-        return Pending(work, lambda: out, keep=rows)
+        return Pending(work, lambda: out, keep=(rows, out))
 
     def exchange(self, rows: Tensor, send_splits: list[int], recv_splits: list[int], kind: str,
                  part: str = "payload") -> Tensor:

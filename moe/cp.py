@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from dispatch.pending import Pending, wait_all
 from moe.tp.comm import Group, GroupRegion, gather_for_region
 
 CpMethod = Literal["ring", "allgather"]
@@ -107,25 +108,21 @@ class _Ring:
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
 
-    def send(self, tensors: list[Tensor]) -> list:
-        """Post the sends of tensors to the next rank; returns their requests."""
+    def send(self, tensors: list[Tensor]) -> Pending:
+        """Post the sends of tensors to the next rank; the Pending holds what is sent until they are done."""
         if self.traffic is not None:
             self.traffic["sent_bytes"] = self.traffic.get("sent_bytes", 0) + sum(t.nbytes for t in tensors)
-        return [dist.isend(t.contiguous(), self.next, self.group) for t in tensors]
+        sent = [t.contiguous() for t in tensors]
+        return Pending([dist.isend(t, self.next, self.group) for t in sent], keep=sent)
 
-    def recv(self, like: list[Tensor]) -> tuple[list[Tensor], list]:
-        """Post receives of tensors like these from the previous rank; returns (buffers, requests)."""
+    def recv(self, like: list[Tensor]) -> tuple[list[Tensor], Pending]:
+        """Post receives of tensors like these from the previous rank; returns (buffers, their Pending)."""
         buffers = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in like]
-        return buffers, [dist.irecv(b, self.prev, self.group) for b in buffers]
+        return buffers, Pending([dist.irecv(b, self.prev, self.group) for b in buffers], keep=buffers)
 
     def source(self, hop: int) -> int:
         """The CP rank whose K/V block this rank holds after hop transfers."""
         return (self.rank - hop) % self.size
-
-
-def _wait(requests: list) -> None:
-    for request in requests:
-        request.wait()
 
 
 def _block_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor | None, lse: Tensor | None, source: int, rank: int,
@@ -170,7 +167,7 @@ class _RingAttention(torch.autograd.Function):
                 incoming, recvs = ring.recv(held)
             out, lse = _block_forward(q, *held, out, lse, ring.source(hop), ring.rank, scale)
             if not last:
-                _wait(sends + recvs)
+                wait_all((sends, recvs))
                 held = incoming
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale, ctx.grad_group, ctx.traffic = scale, grad_group, traffic
@@ -189,20 +186,20 @@ class _RingAttention(torch.autograd.Function):
             if hop:
                 acc, acc_recvs = ring.recv(held)  # the previous rank's accumulator of the block in hand
             if not last:
-                pending += ring.send(held)
+                pending.append(ring.send(held))
                 incoming, recvs = ring.recv(held)
             dq, dk, dv = _block_backward(q, *held, out, lse, dout, dq, ring.source(hop), ring.rank, scale)
             if hop:
-                _wait(acc_recvs)
+                acc_recvs.wait()
                 dk, dv = dk + acc[0], dv + acc[1]
             if ring.size > 1:
-                pending += ring.send([dk, dv])
+                pending.append(ring.send([dk, dv]))
             if not last:
-                _wait(recvs)
+                recvs.wait()
                 held = incoming
         if ring.size > 1:  # the accumulator of this rank's own block, back from its last visit
             (dk, dv), recvs = ring.recv([k, v])
-            _wait(recvs + pending)
+            wait_all((recvs, *pending))
         return dq, dk, dv, None, None, None, None
 
 

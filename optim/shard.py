@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from dispatch.pending import Pending, wait_all
 from optim.ema import EMA_KEY
 from optim.flat_layout import Bucket, FlatLayout
 
@@ -119,32 +120,39 @@ class ShardedParams:
         # sums until they are added up); scatter_gather reduces in place and needs none
         rows = len(self.peers) if collectives == "p2p" else 0
         self._scratch = torch.empty(rows, self.layout.shard_numel, dtype=self.master_dtype, device=device)
+        self.launched: set[int] = set()  # buckets whose reduction started and is not finished
+        self._works: dict[int, Pending] = {}  # bucket -> its reduction in flight
+        self._gathering: list[Pending] = []  # ZeRO-3: the gathers in flight into the full params
         self.zero_grad(set_to_none=False)
         self.bucket_params = [[i for i, b in enumerate(self.layout.bucket_of) if b == bucket]
                               for bucket in range(len(self.layout.buckets))]
         self._stored: dict[tuple[torch.Tensor, str], torch.Tensor] = {}  # narrow state entries during a step
         self.ema_values: list[torch.Tensor] | None = None  # per bucket: the host EMA of its master (optim.ema), if kept
         self.listener: Callable[[int], None] | None = None  # told each param index whose grad came in
-        self.launched: set[int] = set()  # buckets whose reduction started and is not finished
-        self._works: dict[int, list[dist.Work]] = {}
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
         if shard_params:
             self.release()
 
-    def gather(self) -> tuple[list[dist.Work], list[torch.Tensor]]:
-        """ZeRO-3: give the params their storage back and start all-gathering the masters into them; (works, the
-        pieces sent, to keep until the works are done)."""
-        self.param_flat.untyped_storage().resize_(self.param_flat.numel() * self.param_flat.element_size())
-        works, pieces = [], []
-        for master, b in zip(self.masters, self.layout.buckets):
-            started, piece = self._gather_bucket(self.param_flat, master, b)
-            works += started
-            pieces.append(piece)
-        return works, pieces
+    def gather(self) -> None:
+        """ZeRO-3: give the params their storage back and start all-gathering the masters into them (held here, in
+        flight, until gathered() or release())."""
+        self.gathered()
+        storage = self.param_flat.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.param_flat.numel() * self.param_flat.element_size())
+        self._gathering = [self._gather_bucket(self.param_flat, master, b)
+                           for master, b in zip(self.masters, self.layout.buckets)]
+
+    def gathered(self) -> None:
+        """ZeRO-3: wait for the gathers gather() started: the full params are in place."""
+        wait_all(self._gathering)
+        self._gathering = []
 
     def release(self) -> None:
-        """ZeRO-3: free the full params' storage (the params keep their shapes; gather() brings the values back)."""
+        """ZeRO-3: free the full params' storage (the params keep their shapes; gather() brings the values back),
+        once no gather writes into it."""
+        self.gathered()
         self.param_flat.untyped_storage().resize_(0)
 
     @staticmethod
@@ -170,7 +178,11 @@ class ShardedParams:
     def zero_grad(self, set_to_none: bool) -> None:
         """Drop fp32 grads (set_to_none) or bind them to the zeroed bucket buffers; zero the sums. With
         shard_grads (ZeRO-2) the full buffers are freed instead (each comes back, zeroed, with its first grad)
-        and the grad shard, which sums the reductions of every backward, is zeroed."""
+        and the grad shard, which sums the reductions of every backward, is zeroed. A reduction in flight is
+        waited for first (it reads and writes the buffers zeroed or freed here) and its result dropped."""
+        wait_all(self._works.values())
+        self._works.clear()
+        self.launched.clear()
         if self.shard_grads:
             self.grad.zero_()
             for b in range(len(self.grad_buckets)):
@@ -182,7 +194,9 @@ class ShardedParams:
             p.grad = view if self.binds_grads and not set_to_none else None
 
     def _free(self, b: int) -> None:
-        """Release bucket b's full grad buffer (its views stay valid for _hold)."""
+        """Release bucket b's full grad buffer (its views stay valid for _hold); no reduction of it is in flight."""
+        if b in self._works:
+            raise RuntimeError(f"bucket {b}'s grad buffer freed while its reduction is in flight")
         self.grad_buckets[b].untyped_storage().resize_(0)
 
     def _hold(self, b: int) -> None:
@@ -230,23 +244,23 @@ class ShardedParams:
         self._works[bucket] = self._start_reduce(bucket)
         self.launched.add(bucket)
 
-    def _start_reduce(self, bucket: int) -> list[dist.Work]:
+    def _start_reduce(self, bucket: int) -> Pending:
         """Start reducing a bucket's grad sums in place: rank r's piece of the sums ends up in rank r's own piece of
         its full buffer (scatter_gather: the reduce-scatter's output is that view of its input; p2p: the peers'
         pieces arrive in the receive rows, added in _finish)."""
         b, flat = self.layout.buckets[bucket], self.grad_buckets[bucket]
         if self.collectives == "scatter_gather":
-            return [_reduce_scatter_flat(flat[b.local_piece(b.rank)], flat, group=self.group, async_op=True)]
+            own = flat[b.local_piece(b.rank)]
+            return Pending(_reduce_scatter_flat(own, flat, group=self.group, async_op=True), keep=(own, flat))
         return self._exchange([flat[b.local_piece(r)] for r in self.peers], [row[b.shard] for row in self._scratch])
 
-    def _exchange(self, outgoing: list[torch.Tensor], incoming: list[torch.Tensor]
-                  ) -> list[dist.Work]:
+    def _exchange(self, outgoing: list[torch.Tensor], incoming: list[torch.Tensor]) -> Pending:
         """Send outgoing[k] to the k-th peer and receive incoming[k] from it (p2p collectives)."""
         works = []
         for r, out, into in zip(self.peers, outgoing, incoming):
             works += [dist.isend(out, group=self.group, group_dst=r, tag=P2P_TAG),
                       dist.irecv(into, group=self.group, group_src=r, tag=P2P_TAG)]
-        return works
+        return Pending(works, keep=(*outgoing, *incoming))
 
     def _finish(self, i: int) -> None:
         """Wait for bucket i's reduction (if pending), add up its pieces in place (p2p: the peers' rows onto the own
@@ -254,7 +268,7 @@ class ShardedParams:
         full buffer)."""
         if i not in self._works:
             return
-        _wait(self._works.pop(i))
+        self._works.pop(i).wait()
         b = self.layout.buckets[i]
         own = self.grad_buckets[i][b.local_piece(b.rank)]
         for row in self._scratch:
@@ -266,7 +280,7 @@ class ShardedParams:
 
     def finish_completed(self) -> None:
         """Finish the reductions whose collectives are done (ZeRO-2: their full buffers are freed now)."""
-        for i in [i for i, works in self._works.items() if all(w.is_completed() for w in works)]:
+        for i in [i for i, pending in self._works.items() if pending.is_completed()]:
             self._finish(i)
 
     def finish_reduce(self) -> None:
@@ -275,26 +289,25 @@ class ShardedParams:
             self._finish(i)
         self.launched.clear()
 
-    def _gather_bucket(self, out_flat: torch.Tensor, piece: torch.Tensor, b: Bucket
-                       ) -> tuple[list[dist.Work], torch.Tensor]:
-        """Start gathering every rank's piece of bucket b into out_flat; (works, piece to keep).
+    def _gather_bucket(self, out_flat: torch.Tensor, piece: torch.Tensor, b: Bucket) -> Pending:
+        """Start gathering every rank's piece of bucket b into out_flat.
 
         piece is this rank's part, in place already when it is a view of out_flat[b.owned].
         """
         piece = piece.detach().to(out_flat.device, out_flat.dtype, non_blocking=True)  # offload: pinned host -> GPU
         if self.collectives == "scatter_gather":
-            return [_all_gather_flat(out_flat[b.full], piece, group=self.group, async_op=True)], piece
+            full = out_flat[b.full]
+            return Pending(_all_gather_flat(full, piece, group=self.group, async_op=True), keep=(full, piece))
         if piece.data_ptr() != out_flat[b.owned].data_ptr():
             out_flat[b.owned].copy_(piece)
-        return self._exchange([piece] * len(self.peers),
-                              [out_flat[b.piece(r)] for r in self.peers]), piece
+        return self._exchange([piece] * len(self.peers), [out_flat[b.piece(r)] for r in self.peers])
 
     def step(self, hyper: dict[str, Any]) -> None:
         """Per bucket in reduction order: finish its reduction, update it, start its gather. Offloaded: every
         bucket's grad shard is first copied to the host (all started at once, non-blocking into pinned memory on
         CUDA), a bucket updated on the host as soon as its copy is in, its params copied back as the gather's
         input (one copy each way per bucket and step)."""
-        works, pieces = [], []
+        gathers = []
         arrived = {}
         if self.host is not None:
             for i in reversed(range(len(self.layout.buckets))):
@@ -310,10 +323,8 @@ class ShardedParams:
             optim.param_groups[0].update(hyper)
             optim.step()
             if not self.shard_params:  # ZeRO-3 gathers a param where it is used next
-                started, piece = self._gather_bucket(self.param_flat, self.masters[i], self.layout.buckets[i])
-                works += started
-                pieces.append(piece)
-        _wait(works)
+                gathers.append(self._gather_bucket(self.param_flat, self.masters[i], self.layout.buckets[i]))
+        wait_all(gathers)
         self.launched.clear()
 
     def _widen(self, chunks: Sequence[torch.nn.Parameter], optim: torch.optim.Optimizer, *_: Any) -> None:
@@ -340,8 +351,7 @@ class ShardedParams:
     def gather_full(self, shard: torch.Tensor) -> torch.Tensor:
         """A new flat buffer (the shard's dtype) holding every rank's piece of a shard-shaped tensor."""
         out = torch.empty(self.layout.total, dtype=shard.dtype, device=shard.device)
-        started = [self._gather_bucket(out, shard[b.shard], b) for b in self.layout.buckets]
-        _wait([w for works, _ in started for w in works])
+        wait_all([self._gather_bucket(out, shard[b.shard], b) for b in self.layout.buckets])
         return out
 
     def set_params(self, full: torch.Tensor) -> None:
@@ -412,12 +422,8 @@ class ShardedParams:
         if self.shard_params:
             self.release()
             return
-        works, pieces = [], []
-        for master, b in zip(self.masters, self.layout.buckets):
-            started, piece = self._gather_bucket(self.param_flat, master, b)
-            works += started
-            pieces.append(piece)
-        _wait(works)
+        wait_all([self._gather_bucket(self.param_flat, master, b)
+                  for master, b in zip(self.masters, self.layout.buckets)])
 
     def set_state(self, elementwise: Mapping[str, torch.Tensor], scalars: Mapping[str, Any]) -> None:
         """Give the inner optimizers this shard's state (inverse of get_state; elementwise entries in state_dtype)."""
@@ -448,9 +454,3 @@ def _copied(device: torch.device) -> torch.cuda.Event | None:
 def _elementwise(value: Any, chunk: torch.Tensor) -> bool:
     """Whether an inner-optimizer state entry holds one value per element of its chunk."""
     return torch.is_tensor(value) and value.shape == chunk.shape
-
-
-def _wait(works: list[dist.Work]) -> None:
-    """Wait for every async collective in works."""
-    for work in works:
-        work.wait()

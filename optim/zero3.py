@@ -19,7 +19,6 @@ import dataclasses
 from typing import Any, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
@@ -36,34 +35,28 @@ class Unit:
         self.order = order  # every unit, in the order they first ran (shared)
         self.index: int | None = None  # position in order once run
         self.state = FREE
-        self._works: list[dist.Work] = []
-        self._pieces: list[torch.Tensor] = []  # sent pieces kept alive until the gathers are done
         module.register_forward_pre_hook(self._before_forward)
         module.register_forward_hook(self._after_forward)
 
     def start(self) -> None:
-        """Start gathering the full params unless they are held or on their way."""
+        """Start gathering the full params unless they are held or on their way (the shards hold the gathers)."""
         if self.state == FREE:
             for shard in self.shards:
-                works, pieces = shard.gather()
-                self._works += works
-                self._pieces += pieces
+                shard.gather()
             self.state = PENDING
 
     def ensure(self) -> None:
         """The full params in place (gathered now if needed)."""
         self.start()
         if self.state == PENDING:
-            for work in self._works:
-                work.wait()
-            self._works, self._pieces = [], []
+            for shard in self.shards:
+                shard.gathered()
             self.state = READY
 
     def release(self) -> None:
         """Free the full params (a gather in flight is finished first: it writes into them)."""
         if self.state == FREE:
             return
-        self.ensure()
         for shard in self.shards:
             shard.release()
         self.state = FREE

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from dispatch.pending import Pending, wait_all
+
 HEADER_LEN = 64
 HEADER_BYTES = HEADER_LEN * 8
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32,
@@ -76,13 +78,13 @@ def _fill(buf: Tensor, tensors: list[Tensor]) -> None:
 
 
 class _Ticket:
-    """A receive asked for; posted once the previous message on its stream has been read."""
+    """A receive asked for; posted once the previous message on its stream has been read (then `pending` holds the
+    receive and its buffer, and gives the buffer once waited for)."""
 
-    __slots__ = ("work", "buf")
+    __slots__ = ("pending",)
 
     def __init__(self) -> None:
-        self.work: dist.Work | None = None
-        self.buf: Tensor | None = None
+        self.pending: Pending | None = None
 
 
 @dataclass
@@ -117,20 +119,27 @@ class P2PChannel:
         self.log: TransferLog | None = None  # set to record the times of messages
         self.fixed: list[TensorMeta] | None = None  # every message's tensors, when fixed: no header crosses
         self.blocked_s = 0.0  # seconds spent blocked on messages not yet arrived, all told
-        self._sends: list[tuple[dist.Work, Tensor | None]] = []
+        self._sends: list[Pending] = []  # sends in flight, each holding its buffer
         self._sent: dict[tuple[int, int], int] = {}  # (peer, stream) -> payload bytes of the last message out
         self._expect: dict[tuple[int, int], int] = {}  # (peer, stream) -> payload bytes of the last message in
         self._queued: dict[tuple[int, int], deque[_Ticket]] = defaultdict(deque)
 
     def _isend(self, buf: Tensor, peer: int, stream: int) -> None:
         # finished sends let go of their buffers now rather than at wait_sends (is_completed does not block)
-        self._sends = [(work, sent) for work, sent in self._sends if not work.is_completed()]
+        in_flight = []
+        for sent in self._sends:
+            if sent.is_completed():
+                sent.wait()
+            else:
+                in_flight.append(sent)
+        self._sends = in_flight
         work = self._groups[stream].send([buf], peer, stream)
         # a rehearsal's fake send is done once issued (its work never says so): it keeps no buffer
-        self._sends.append((work, None if self.fake else buf))
+        self._sends.append(Pending(work, keep=() if self.fake or buf.is_meta else (buf,)))
 
-    def _irecv(self, buf: Tensor, peer: int, stream: int) -> dist.Work:
-        return self._groups[stream].recv([buf], peer, stream)
+    def _irecv(self, buf: Tensor, peer: int, stream: int) -> Pending:
+        """Post a receive into buf; the Pending holds buf and gives it once waited for."""
+        return Pending(self._groups[stream].recv([buf], peer, stream), lambda: buf, keep=(buf,))
 
     def send(self, tensors: list[Tensor], peer: int, stream: int) -> None:
         """Start sending tensors to group rank peer (non-blocking; finished by wait_sends)."""
@@ -176,8 +185,7 @@ class P2PChannel:
     def _post(self, ticket: _Ticket, peer: int, stream: int) -> None:
         size = sum(m.nbytes for m in self.fixed) if self.fixed is not None else (
             HEADER_BYTES + self._expect.get((peer, stream), 0))
-        ticket.buf = torch.empty(size, dtype=torch.uint8, device=self.device)
-        ticket.work = self._irecv(ticket.buf, peer, stream)
+        ticket.pending = self._irecv(torch.empty(size, dtype=torch.uint8, device=self.device), peer, stream)
 
     def finish_recv(self, ticket: _Ticket, peer: int, stream: int) -> list[tuple[Tensor, bool]]:
         """Wait for a message asked for with post_recv; return its tensors and requires_grad flags."""
@@ -187,17 +195,17 @@ class P2PChannel:
             raise RuntimeError(f"messages on stream {stream} from rank {peer} must be read in order")
         t0 = time.perf_counter()
         if self.fixed is not None:  # no header: the wait orders the device's stream, the host does not block
-            self._await(ticket.work, lambda: None)
-            metas, payload = self.fixed, ticket.buf
+            metas, payload = self.fixed, self._await(ticket.pending, lambda buf: buf)
         else:
             # on a GPU the header's copy to the host is what blocks until the message is there
-            metas = _parse(self._await(ticket.work, lambda: ticket.buf[:HEADER_BYTES].view(torch.int64).cpu()))
+            buf, header = self._await(ticket.pending, lambda buf: (buf, buf[:HEADER_BYTES].view(torch.int64).cpu()))
+            metas = _parse(header)
             nbytes = sum(m.nbytes for m in metas)
             if self._expect.get(key) == nbytes:
-                payload = ticket.buf[HEADER_BYTES:]
+                payload = buf[HEADER_BYTES:]
             else:
-                payload = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-                self._await(self._irecv(payload, peer, stream), lambda: None)
+                payload = self._await(self._irecv(torch.empty(nbytes, dtype=torch.uint8, device=self.device), peer,
+                                                  stream), lambda buf: buf)
             self._expect[key] = nbytes
         if self.log is not None:
             self.log.received[key].append((t0, time.perf_counter()))
@@ -213,18 +221,16 @@ class P2PChannel:
             offset += m.nbytes
         return out
 
-    def _await(self, work: dist.Work, then: Callable[[], Any]) -> Any:
-        """Wait for a receive, then return then(); the time this takes for a message not yet
+    def _await(self, pending: Pending, then: Callable[[Tensor], Any]) -> Any:
+        """Wait for a receive, then return then(its buffer); the time this takes for a message not yet
         arrived adds to blocked_s."""
-        t0, arrived = time.perf_counter(), work.is_completed()
-        work.wait()
-        out = then()
+        t0, arrived = time.perf_counter(), pending.is_completed()
+        out = then(pending.wait())
         if not arrived:
             self.blocked_s += time.perf_counter() - t0
         return out
 
     def wait_sends(self) -> None:
         """Complete every send started so far."""
-        for work, _ in self._sends:
-            work.wait()
+        wait_all(self._sends)
         self._sends.clear()

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable
+import contextlib
+import ctypes.util
+import os
+from typing import Any, Callable, Hashable, Iterator
 
 from launch.parallel.spawn import WorkerError
+
+# glibc's heap checks (issue 51): its debugging malloc preloaded, MALLOC_CHECK_=3 (a heap inconsistency aborts the
+# process), MALLOC_PERTURB_=165 (freed and new blocks filled with a byte pattern, so a read or write after a free
+# shows), fatal messages on stderr (not the terminal). glibc reads them when a process starts.
+MALLOC_ENV = {"LD_PRELOAD": ctypes.util.find_library("c_malloc_debug") or "libc_malloc_debug.so.0",
+              "MALLOC_CHECK_": "3", "MALLOC_PERTURB_": "165", "LIBC_FATAL_STDERR_": "1"}
 
 
 def from_shared_spawn(cache: dict, key: Hashable, keys: list, spawn: Callable[[], list]) -> Any:
@@ -19,3 +28,19 @@ def from_shared_spawn(cache: dict, key: Hashable, keys: list, spawn: Callable[[]
     if isinstance(cache[key], WorkerError):
         raise cache[key]
     return cache[key]
+
+
+@contextlib.contextmanager
+def malloc_checked() -> Iterator[None]:
+    """Processes started inside run under MALLOC_ENV. The ranks of launch.parallel.spawn.run_processes then start
+    as fresh interpreters (an LD_PRELOAD unlike the fork server's makes it pick "spawn"), a second or two each."""
+    saved = {k: os.environ.get(k) for k in MALLOC_ENV}
+    os.environ.update(MALLOC_ENV)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key)
+            else:
+                os.environ[key] = value

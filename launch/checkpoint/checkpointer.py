@@ -291,6 +291,7 @@ class Checkpointer:
             with _space_for(tmp, step, needed):
                 future = dcp.async_save(flat, storage_writer=writer, planner=SavePlanner(), process_group=self.group,
                                         async_stager=self.stager)
+            self.stager.saving = future  # it reads the stager's buffers until done
             self._pending = (future, writer, tmp, step, config, needed)
         else:
             with _space_for(tmp, step, needed):

@@ -11,6 +11,7 @@ save, and `files_read` names the files a load will read.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Any, Callable
 
 import torch
@@ -125,12 +126,16 @@ class Reader(FileSystemReader):
 class HostStager(AsyncStager):
     """dcp.async_save's stager: copies every tensor of a state dict into host buffers kept from one
     save to the next (pinned when the tensor is on a GPU), on the calling thread; that copy is all the
-    training thread waits for, DCP plans and writes on its own thread."""
+    training thread waits for, DCP plans and writes on its own thread.
+
+    The buffers are reused, so the save reading them must be done before they are staged again: its caller hands
+    the save's future to `saving`, and stage() refuses (RuntimeError) while that future is not done."""
 
     _synchronize_after_execute = False
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, tuple[int, ...]], Tensor] = {}
+        self.saving: Future | None = None  # the asynchronous save reading the buffers, once started
 
     def _host(self, key: tuple[str, tuple[int, ...]], tensor: Tensor) -> Tensor:
         buffer = self._buffers.get(key)
@@ -141,6 +146,9 @@ class HostStager(AsyncStager):
     @torch.no_grad()
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """A copy of state_dict whose tensors (and Chunks rectangles) live in this stager's host buffers."""
+        if self.saving is not None and not self.saving.done():
+            raise RuntimeError("the previous asynchronous checkpoint save still reads the host staging buffers: "
+                               "wait for it (Checkpointer.finish) before staging the next")
         staged: dict[str, Any] = {}
         for fqn, value in state_dict.items():
             if isinstance(value, Chunks):
