@@ -26,6 +26,7 @@ def test_sends_and_receives_hold_their_buffers_until_waited() -> None:
     with fake_world(2):
         channel = P2PChannel(dist.group.WORLD, torch.device("cpu"), num_streams=1)
     group = channel._groups[0] = _Group()
+    channel.fake = False  # the fake world only builds the channel: its sends stand for a real group's
     channel.fixed = [TensorMeta(torch.float64, False, (4, 3))]
     block = torch.randn(3, 4, dtype=torch.float64).t()
     channel.send([block], 1, 0)  # packed into a payload buffer only the channel holds
