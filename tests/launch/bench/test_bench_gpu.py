@@ -31,7 +31,7 @@ def test_dry_run_lists_every_row_with_its_shapes_and_budget(capsys):
     for row in gpu.ROWS:
         assert f"{row.name:<20} budget {row.budget_s:>4.0f} s  {row.runs}" in out
     assert "hidden 7168, 8 experts of 2048, top-8, 4096 tokens, bf16" in out  # the V3 slice of the moe-layer row
-    assert "trainer-graphed" in out and "not yet: train.cuda_graphs missing" in out
+    assert "trainer-graphed" in out and "not yet: train.cuda_graphs captures nothing yet" in out
     budgets = {row.name: row.budget_s for row in gpu.ROWS}
     assert budgets["kernels"] <= 120 and budgets["v3-rank"] <= 120
     assert all(budget <= 60 for name, budget in budgets.items() if name.startswith("trainer-"))
