@@ -63,6 +63,14 @@ def quantize_weight_ref(w: Tensor) -> tuple[Tensor, Tensor]:
     return q[..., :n, :k].contiguous(), scale
 
 
+def quantize_weight_t_ref(w: Tensor) -> tuple[Tensor, Tensor]:
+    """w [..., N, K] -> (q_t e4m3 [..., K, N], scale fp32 [..., ceil(N/128), ceil(K/128)]): quantize_weight_ref's
+    blocks and scales, the codes stored in the other orientation (K-major for dgrad, which reduces over N); the
+    scales stay in w's block order, shared with the forward's copy."""
+    q, scale = quantize_weight_ref(w)
+    return q.transpose(-2, -1).contiguous(), scale
+
+
 def kgrouped_rows(offs: Tensor, m: int) -> Tensor:
     """Position of each of the m rows in the k-grouped layout: the tile starting at row r of group g
     is tile column g + r // 128, so groups never share a tile and no offsets need a host sync."""
@@ -107,6 +115,12 @@ def dequantize_weight(q: Tensor, scale: Tensor) -> Tensor:
     n, k = q.shape[-2:]
     full = scale.repeat_interleave(TILE, dim=-2).repeat_interleave(TILE, dim=-1)
     return q.float() * full[..., :n, :k]
+
+
+def dequantize_weight_t(q_t: Tensor, scale: Tensor) -> Tensor:
+    """Inverse of quantize_weight_t: q_t [..., K, N] with w's block scales [..., ceil(N/128), ceil(K/128)] -> fp32
+    [..., K, N], deq(w) transposed (the same products, element by element)."""
+    return dequantize_weight(q_t, scale.transpose(-2, -1))
 
 
 def dequantize_kgrouped(q_t: Tensor, scale: Tensor, offs: Tensor) -> Tensor:

@@ -131,10 +131,11 @@ def mgrouped_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, offs: 
     return out
 
 
-def mgrouped_dgrad(dy: Tensor, dy_scale: Tensor, w: Tensor, w_scale: Tensor, offs: Tensor,
+def mgrouped_dgrad(dy: Tensor, dy_scale: Tensor, w_t: Tensor, w_scale: Tensor, offs: Tensor,
                    out_dtype: torch.dtype) -> Tensor:
-    """dx[rows of g] = dy[rows of g] @ w[g]: the forward kernel on w's blocks transposed to K-major [G, K, N]."""
-    return mgrouped_gemm(dy, dy_scale, w.transpose(1, 2).contiguous(), w_scale.transpose(1, 2), offs, out_dtype)
+    """dx[rows of g] = dy[rows of g] @ w[g]: the forward kernel on w's second orientation w_t [G, K, N]
+    (quantize_weight_t: K-major for this product, no transpose per call), w's block scales read transposed."""
+    return mgrouped_gemm(dy, dy_scale, w_t, w_scale.transpose(1, 2), offs, out_dtype)
 
 
 def kgrouped_gemm(a_t: Tensor, a_scale: Tensor, b_t: Tensor, b_scale: Tensor, offs: Tensor) -> Tensor:
