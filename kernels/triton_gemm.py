@@ -13,7 +13,7 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels import quant_ref
-from kernels.triton_common import INTERPRET, TILE, locate_tile
+from kernels.triton_common import INTERPRET, TILE, walk_size, walk_tile
 
 
 def _set_blocks(nargs: dict) -> None:
@@ -44,17 +44,9 @@ def _mgrouped_kernel(a_desc, as_ptr, b_desc, bs_ptr, offs_ptr, c_ptr, M, N, K, G
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G_POW2: tl.constexpr):
     # a_desc: TMA over a [M, K]; b_desc: TMA over b viewed as [G*N, K]. Rows a tile reads past its group
     # (or past b[g]) only feed outputs that the masked store drops; reads past the tensor are zeros.
-    # M_BUCKET (next power of two of M) only keys the autotuner.
-    # Virtual row tiles (ceil(M / BLOCK_M) + G of them) x column tiles, swizzled in bands of GROUP_M row tiles.
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M) + G
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    band = GROUP_M * tiles_n
-    first_m = (pid // band) * GROUP_M
-    band_m = tl.minimum(tiles_m - first_m, GROUP_M)
-    tile_m = first_m + (pid % band) % band_m
-    tile_n = (pid % band) // band_m
-    g, row0, end, valid = locate_tile(tile_m, offs_ptr, G, BLOCK_M, G_POW2)
+    # M_BUCKET (next power of two of M) only keys the autotuner. One program per tile of the shared walk
+    # (triton_common.walk_tile: the persistent Gluon kernels walk the same tiles in the same order).
+    g, row0, end, tile_n, valid = walk_tile(tl.program_id(0), offs_ptr, M, N, G, BLOCK_M, BLOCK_N, GROUP_M, G_POW2)
     # BLOCK_N divides 128, so a column tile lies in one weight block: its scale is a scalar per K slice
     tl.static_assert(TILE % BLOCK_N == 0)
     if valid:
@@ -122,7 +114,7 @@ def mgrouped_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, offs: 
         return out
 
     def grid(meta):
-        return ((triton.cdiv(m, meta["BLOCK_M"]) + groups) * triton.cdiv(n, meta["BLOCK_N"]),)
+        return (walk_size(m, n, groups, meta["BLOCK_M"], meta["BLOCK_N"]),)
 
     _mgrouped_kernel[grid](_descriptor(a), a_scale, _descriptor(b.view(groups * n, k)), b_scale, offs, out,
                            m, n, k, groups, triton.next_power_of_2(m), a_scale.stride(0), a_scale.stride(1),
