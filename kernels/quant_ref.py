@@ -10,11 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-TILE = 128
+from kernels.fp8_format import ALIGN, FP8_MAX, SCALE_EPS, TILE  # noqa: F401 (re-exported)
+
 FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
-SCALE_EPS = 1e-12
-ALIGN = 16  # e4m3 elements (= bytes) every row of an FP8 GEMM operand is a multiple of (TMA row alignment)
 
 
 def num_tiles(n: int) -> int:

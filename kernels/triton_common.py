@@ -8,12 +8,12 @@ import os
 import triton
 import triton.language as tl
 
-from kernels import quant_ref
+from kernels import fp8_format
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-FP8_MAX = tl.constexpr(quant_ref.FP8_MAX)
-SCALE_EPS = tl.constexpr(quant_ref.SCALE_EPS)
-TILE = tl.constexpr(quant_ref.TILE)
+FP8_MAX = tl.constexpr(fp8_format.FP8_MAX)
+SCALE_EPS = tl.constexpr(fp8_format.SCALE_EPS)
+TILE = tl.constexpr(fp8_format.TILE)
 
 
 @triton.jit
