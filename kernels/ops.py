@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from kernels import checks
-from kernels.backend import use_triton
+from kernels.backend import use_fast_gemm, use_triton
 from kernels.grouped_ref import fp8_grouped_gemm_dgrad_ref, fp8_grouped_gemm_ref, fp8_grouped_gemm_wgrad_ref
 from kernels.meta import META_KERNELS
 from kernels.quant_ref import (quantize_activation_kgrouped_ref, quantize_activation_ref, quantize_weight_ref,
@@ -30,14 +30,19 @@ KERNELS: dict[str, tuple[str, Callable]] = {
     "dgrad": ("triton_gemm.mgrouped_dgrad", fp8_grouped_gemm_dgrad_ref),
     "wgrad": ("triton_gemm.kgrouped_gemm", fp8_grouped_gemm_wgrad_ref),
 }
+# the persistent warp-specialised Gluon kernels that replace the `tl` ones where backend.use_fast_gemm says so
+FAST_KERNELS = {"gemm": "gluon_ops.mgrouped_gemm", "dgrad": "gluon_ops.mgrouped_dgrad"}
 
 
 def run(op: str, backend: str | None, *args):
-    """Run KERNELS[op] on already validated args: Triton (imported lazily) or the reference, per use_triton()."""
+    """Run KERNELS[op] on already validated args: Triton (imported lazily; FAST_KERNELS[op] where use_fast_gemm) or
+    the reference, per use_triton()."""
     triton_name, reference = KERNELS[op]
     if args[0].is_meta:  # a rehearsal: what the GPU kernel allocates, not the reference's intermediates
         return META_KERNELS[op](*args)
     if use_triton(args[0], backend):
+        if op in FAST_KERNELS and use_fast_gemm(args[0]):
+            triton_name = FAST_KERNELS[op]
         module, name = triton_name.split(".")
         return getattr(importlib.import_module(f"kernels.{module}"), name)(*args)
     return reference(*args)

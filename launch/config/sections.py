@@ -11,6 +11,7 @@ from typing import Literal
 from dispatch.choices import allowed_values, check_choice
 from dispatch.dispatcher import Exchange, Payload
 from dispatch.topology import DispatchBackend
+from kernels.backend import GemmKernels
 from launch.parallel.device import CommBackend, Device
 from launch.parallel.mesh import ONE_NODE, Layout
 from moe.config import ModelConfig, check_positive
@@ -81,6 +82,11 @@ class TrainSettings:
     """Activation recomputation (moe.recompute): "none" keeps every activation for the backward; "selective"
     (DeepSeek-V3's) rebuilds the norms' outputs, MLA's q/k/v and the SwiGLU products in the backward; "full" keeps
     each block segment's inputs only and reruns the segment."""
+    fp8_gemm: GemmKernels = "auto"
+    """Which Triton FP8 grouped GEMMs (the forward and dgrad of FP8 experts and linears) run on CUDA: "auto" the
+    persistent warp-specialised Gluon kernels on sm_90 GPUs (H100/H200) with a Triton that has Gluon (>= 3.6), the
+    `tl` reference kernels elsewhere; "fast" the Gluon kernels (an error where they cannot run); "reference" the `tl`
+    kernels. The environment variable MOE_FP8_GEMM, when set, overrides it (kernels.backend)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batch_size", "grad_accum_steps", "seq_len", "rank_metrics_every"):
@@ -98,6 +104,7 @@ class TrainSettings:
         check_choice("train.dtype", self.dtype, Dtype)
         check_choice("train.device", self.device, Device)
         check_choice("train.recompute", self.recompute, Recompute)
+        check_choice("train.fp8_gemm", self.fp8_gemm, GemmKernels)
 
 
 @dataclass

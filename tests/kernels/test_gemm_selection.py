@@ -1,0 +1,52 @@
+"""Which FP8 grouped GEMM runs: the Gluon kernels only where they can (CUDA sm_90 with Gluon), the `tl` reference
+elsewhere; train.fp8_gemm / $MOE_FP8_GEMM force either, bad values fail early naming the key."""
+
+import pytest
+import torch
+
+from kernels import backend, ops
+
+
+@pytest.fixture(autouse=True)
+def _restore(monkeypatch):
+    monkeypatch.delenv(backend.GEMM_ENV, raising=False)
+    yield
+    backend.set_gemm_kernels("auto")
+
+
+def test_auto_takes_the_fast_kernels_only_where_they_run(monkeypatch):
+    cpu = torch.zeros(1)
+    assert not backend.use_fast_gemm(cpu)
+    monkeypatch.setattr(backend, "fast_gemm_runs_on", lambda t: True)
+    assert backend.use_fast_gemm(cpu)
+    backend.set_gemm_kernels("reference")
+    assert not backend.use_fast_gemm(cpu)
+    monkeypatch.setenv(backend.GEMM_ENV, "auto")  # the environment overrides the config
+    assert backend.use_fast_gemm(cpu)
+
+
+def test_fast_where_it_cannot_run_and_bad_values_are_errors(monkeypatch):
+    backend.set_gemm_kernels("fast")
+    with pytest.raises(ValueError, match="needs a CUDA sm_90 GPU"):
+        backend.use_fast_gemm(torch.zeros(1))
+    with pytest.raises(ValueError, match="train.fp8_gemm must be one of auto, fast, reference, got 'quick'"):
+        backend.set_gemm_kernels("quick")
+    monkeypatch.setenv(backend.GEMM_ENV, "gluon")
+    with pytest.raises(ValueError, match=r"\$MOE_FP8_GEMM must be one of auto, fast, reference"):
+        backend.use_fast_gemm(torch.zeros(1))
+
+
+def test_run_dispatches_forward_and_dgrad_to_the_fast_kernels(monkeypatch):
+    """ops.run imports FAST_KERNELS' module where use_fast_gemm says so (here a stand-in module), the `tl` one
+    otherwise; the other ops never switch."""
+    called = []
+    monkeypatch.setattr(ops, "use_triton", lambda t, b: True)
+    monkeypatch.setattr(ops, "use_fast_gemm", lambda t: True)
+    monkeypatch.setattr(ops.importlib, "import_module",
+                        lambda name: type("M", (), {n: staticmethod(lambda *a, n=n: called.append((name, n)))
+                                                    for n in ("mgrouped_gemm", "mgrouped_dgrad", "quantize_weight")}))
+    x = torch.zeros(1)
+    for op in ("gemm", "dgrad", "quantize_weight"):
+        ops.run(op, None, x)
+    assert called == [("kernels.gluon_ops", "mgrouped_gemm"), ("kernels.gluon_ops", "mgrouped_dgrad"),
+                      ("kernels.triton_quant", "quantize_weight")]
