@@ -23,6 +23,7 @@ from kernels.backend import fast_gemm_runs_on
 from kernels.metrics import calc_diff
 from kernels.ops import run
 from kernels.quant_ref import FP8_DTYPE, FP8_MAX
+from kernels.shapes import SHAPE_TABLE
 from launch.bench.harness import fields, ratio_fields, rounds
 from launch.bench.progress import BenchProgress
 from launch.bench.report import HIGHER, LOWER, header, header_line, table, write_json
@@ -34,13 +35,6 @@ PEERS = ("torch._grouped_mm bf16", "torch._scaled_grouped_mm fp8 rowwise")
 PLANNED_AS = {"ours": "fp8-block", PEERS[0]: "bf16", PEERS[1]: "fp8-tensor"}  # moe-plan's precision of each
 CPU_GROUP_SIZES = (0, 130, 1, 200, 0, 67)
 CPU_SHAPE = (256, 128)
-JAGGED = (0, 4093, 8192, 1, 6000, 2048, 4096, 8338)  # 32768 rows as 8 x 4096, an empty and a 4093-row group
-MGROUPED_SIZES = ((4096,) * 8, (8192,) * 4, (512,) * 8, (512,) * 32, (128,) * 32, JAGGED)
-WGROUPED_SIZES = ((4096,) * 8, (512,) * 32, (8192,) * 4)
-# issue 47's table: (op, N, K, group sizes); dgrad's N, K are the forward's (its output is K wide, it reduces N)
-SHAPE_TABLE = ([(op, n, k, sizes) for op in ("forward", "dgrad") for n, k in ((4096, 7168), (7168, 2048))
-                for sizes in MGROUPED_SIZES]
-               + [("wgrad", n, k, sizes) for n, k in ((4096, 7168), (7168, 2048)) for sizes in WGROUPED_SIZES])
 VARIANTS = {"fast": "gluon_ops", "reference": "triton_gemm"}  # our forward/dgrad kernels (kernels.ops.FAST_KERNELS)
 L2_FLUSH_BYTES = 256 << 20  # more than any GPU's L2 (H100 50 MB, H200 60 MB)
 

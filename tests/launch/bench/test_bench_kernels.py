@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from kernels.shapes import JAGGED
 from launch.bench import kernels as bench
 from launch.bench.cli import main as moe_bench
 
@@ -73,8 +74,8 @@ def test_dry_run_lists_the_issue_table_without_cuda(capsys):
     assert lines[-1] == "30 cases"
     cases = bench.cases(bench.parse_args([]))
     assert [op for op, *_ in cases].count("wgrad") == 6 and len(cases) == 30
-    assert ("forward", 4096, 7168, (4096,) * 8) in cases and ("dgrad", 7168, 2048, bench.JAGGED) in cases
-    assert 0 in bench.JAGGED and 4093 in bench.JAGGED and sum(bench.JAGGED) == 8 * 4096
+    assert ("forward", 4096, 7168, (4096,) * 8) in cases and ("dgrad", 7168, 2048, JAGGED) in cases
+    assert 0 in JAGGED and 4093 in JAGGED and sum(JAGGED) == 8 * 4096
     assert all(("fast, reference" in line) == (not line.startswith("wgrad")) for line in lines[:-1])
     grid = bench.cases(bench.parse_args(["--shapes", "256x128", "--groups", "2", "--rows", "16"]))
     assert grid == [(op, 128, 256, (16, 16)) for op in ("forward", "dgrad", "wgrad")]
