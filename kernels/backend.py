@@ -1,5 +1,6 @@
 """Which implementation runs: Triton on CUDA tensors, the torch reference on CPU, unless forced; and which Triton
-FP8 grouped GEMM (forward, dgrad): the fast Gluon kernels on sm_90, the `tl` reference elsewhere, unless forced."""
+FP8 grouped GEMM (forward, dgrad, wgrad): the fast Gluon kernels on sm_90, the `tl` reference elsewhere, unless
+forced."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def fast_gemm_runs_on(tensor: Tensor) -> bool:
 
 
 def use_fast_gemm(tensor: Tensor) -> bool:
-    """True when the forward/dgrad FP8 GEMM on `tensor` (already chosen to run in Triton) should be the Gluon kernel:
+    """True when the FP8 grouped GEMM on `tensor` (already chosen to run in Triton) should be the Gluon kernel:
     $MOE_FP8_GEMM, else set_gemm_kernels' choice; auto: where fast_gemm_runs_on; fast: there, else an error."""
     choice = os.environ.get(GEMM_ENV) or _gemm_kernels[0]
     if choice not in GEMM_KERNELS:

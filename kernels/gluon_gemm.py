@@ -29,7 +29,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_wait
 
-from kernels.triton_common import walk_tile
+from kernels.triton_common import kgrouped_walk_tile, walk_tile
 
 # Gluon is experimental: Triton 3.6 (the GPU machines' stack) names the TMA copies async_copy_global_to_shared /
 # async_copy_shared_to_global, later versions async_load / async_store (same arguments); both are supported.
@@ -136,6 +136,94 @@ def mgrouped_kernel(a_desc, as_ptr, b_desc, bs_ptr, offs_ptr, c_desc, c_ptr, M, 
                  stride_asm, stride_ask, stride_bsg, stride_bsn, stride_bsk, stride_cm, 1, BLOCK_N, STAGES, G_POW2)),
         (_producer, (a_desc, b_desc, offs_ptr, M, N, K, G, WALK, a_smem, b_smem, ready, empty, BLOCK_N, STAGES,
                      G_POW2)),
+    ], [4, 1], [MATH_REGS, PRODUCER_REGS])
+
+
+@gluon.jit
+def _kproducer(a_desc, b_desc, offs_ptr, N, K, WALK, a_smem, b_smem, ready, empty,
+               BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The wgrad's TMA warp: per token tile of every tile this CTA walks, a_t's two 64-row halves [64, 128 tokens]
+    and b_t's [BLOCK_N, 128 tokens] into the ring (as _producer)."""
+    stage_bytes: gl.constexpr = 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    it = 0
+    for t in range(gl.program_id(0), WALK, gl.num_programs(0)):
+        g, tile_n, tile_k, first_tile, token_tiles = kgrouped_walk_tile(t, offs_ptr, N, K, BLOCK_M, BLOCK_N)
+        for j in range(token_tiles):
+            s = it % STAGES
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, stage_bytes)
+            token0 = (first_tile + j) * TILE_K
+            _tma_load(a_desc, [tile_n * BLOCK_M, token0], bar, a_smem.index(2 * s))
+            _tma_load(a_desc, [tile_n * BLOCK_M + HALF_M, token0], bar, a_smem.index(2 * s + 1))
+            _tma_load(b_desc, [tile_k * BLOCK_N, token0], bar, b_smem.index(s))
+            it += 1
+
+
+@gluon.jit
+def _kmath(a_smem, b_smem, ready, empty, c_smem, c_desc, c_ptr, as_ptr, bs_ptr, offs_ptr, N, K, WALK,
+           stride_asn, stride_ast, stride_bsk, stride_bst, stride_cg, stride_cn, HALF: gl.constexpr,
+           BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One wgrad math warpgroup: rows HALF * 64 .. + 63 of dw[g]'s tile, one wgmma per 128-token tile scaled by the
+    tile's row scales (a_t's, per row of N) and column scales (b_t's, per column of K) into fp32, as the `tl`
+    _kgrouped_kernel; an empty group's tile is stored as zeros."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 32])
+    it = 0
+    for t in range(gl.program_id(0), WALK, gl.num_programs(0)):
+        g, tile_n, tile_k, first_tile, token_tiles = kgrouped_walk_tile(t, offs_ptr, N, K, BLOCK_M, BLOCK_N)
+        first = tile_n * BLOCK_M + HALF * HALF_M
+        rows = first + gl.arange(0, HALF_M, gl.SliceLayout(1, acc_layout))
+        cols = tile_k * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, acc_layout))
+        sa_ptrs = as_ptr + gl.minimum(rows, N - 1).to(gl.int64) * stride_asn + first_tile * stride_ast
+        sb_ptrs = bs_ptr + gl.minimum(cols, K - 1).to(gl.int64) * stride_bsk + first_tile * stride_bst
+        acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, acc_layout)
+        for j in range(token_tiles):
+            s = it % STAGES
+            sa = gl.load(sa_ptrs + j * stride_ast)
+            sb = gl.load(sb_ptrs + j * stride_bst)
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            part = warpgroup_mma(a_smem.index(2 * s + HALF), b_smem.index(s).permute((1, 0)), acc,
+                                 use_acc=False, is_async=True)
+            part = warpgroup_mma_wait(0, deps=[part])
+            mbarrier.arrive(empty.index(s), count=1)
+            acc += part * sa[:, None] * sb[None, :]
+            it += 1
+        if first + HALF_M <= N:  # the half tile lies in dw[g]: TMA store (dw viewed [G*N, K]; K clipped by TMA)
+            tma.store_wait(0)
+            c_smem.store(acc)
+            fence_async_shared()
+            _tma_store(c_desc, [g * N + first, tile_k * BLOCK_N], c_smem)
+        else:
+            mask = (rows < N)[:, None] & (cols < K)[None, :]
+            c_ptrs = c_ptr + g.to(gl.int64) * stride_cg + rows.to(gl.int64)[:, None] * stride_cn + cols[None, :]
+            gl.store(c_ptrs, acc, mask=mask)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def kgrouped_kernel(a_desc, as_ptr, b_desc, bs_ptr, offs_ptr, c_desc, c_ptr, N, K, WALK,
+                    stride_asn, stride_ast, stride_bsk, stride_bst, stride_cg, stride_cn,
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """dw[g] = a_t[:, tokens of g] @ b_t[:, tokens of g].T in fp32 from the k-grouped operands (a_t [N, 128 T] in
+    [64, 128] boxes, b_t [K, 128 T] in [BLOCK_N, 128] boxes, 1x128 scales along tokens); c_desc over dw viewed
+    [G*N, K] in [64, BLOCK_N] boxes, c_ptr the same tensor. The skeleton of mgrouped_kernel (module doc)."""
+    a_smem = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, HALF_M, TILE_K], a_desc.layout)
+    b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, TILE_K], b_desc.layout)
+    c_smem0 = gl.allocate_shared_memory(c_desc.dtype, [HALF_M, BLOCK_N], c_desc.layout)
+    c_smem1 = gl.allocate_shared_memory(c_desc.dtype, [HALF_M, BLOCK_N], c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    fence_async_shared()
+    gl.warp_specialize([
+        (_kmath, (a_smem, b_smem, ready, empty, c_smem0, c_desc, c_ptr, as_ptr, bs_ptr, offs_ptr, N, K, WALK,
+                  stride_asn, stride_ast, stride_bsk, stride_bst, stride_cg, stride_cn, 0, BLOCK_N, STAGES)),
+        (_kmath, (a_smem, b_smem, ready, empty, c_smem1, c_desc, c_ptr, as_ptr, bs_ptr, offs_ptr, N, K, WALK,
+                  stride_asn, stride_ast, stride_bsk, stride_bst, stride_cg, stride_cn, 1, BLOCK_N, STAGES)),
+        (_kproducer, (a_desc, b_desc, offs_ptr, N, K, WALK, a_smem, b_smem, ready, empty, BLOCK_N, STAGES)),
     ], [4, 1], [MATH_REGS, PRODUCER_REGS])
 
 

@@ -31,7 +31,8 @@ KERNELS: dict[str, tuple[str, Callable]] = {
     "wgrad": ("triton_gemm.kgrouped_gemm", fp8_grouped_gemm_wgrad_ref),
 }
 # the persistent warp-specialised Gluon kernels that replace the `tl` ones where backend.use_fast_gemm says so
-FAST_KERNELS = {"gemm": "gluon_ops.mgrouped_gemm", "dgrad": "gluon_ops.mgrouped_dgrad"}
+FAST_KERNELS = {"gemm": "gluon_ops.mgrouped_gemm", "dgrad": "gluon_ops.mgrouped_dgrad",
+                "wgrad": "gluon_ops.kgrouped_gemm"}
 
 
 def run(op: str, backend: str | None, *args):

@@ -129,3 +129,18 @@ def walk_tile(t, offs_ptr, M, N, G, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
 def walk_size(m: int, n: int, groups: int, block_m: int, block_n: int) -> int:
     """How many tiles walk_tile walks: (ceil(m / block_m) + groups) x ceil(n / block_n)."""
     return (triton.cdiv(m, block_m) + groups) * triton.cdiv(n, block_n)
+
+
+@triton.jit
+def kgrouped_walk_tile(t, offs_ptr, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The k-grouped wgrad's tile walk: tile t of G x ceil(N / BLOCK_M) x ceil(K / BLOCK_N), group-major (consecutive
+    tiles share the group's token tiles) -> (group, row tile, column tile, the group's first token tile in the
+    k-grouped layout, its token tiles: 0 for an empty group, whose dw tile is zeros). Scalar code only."""
+    tiles_k = tl.cdiv(K, BLOCK_N)
+    per_group = tl.cdiv(N, BLOCK_M) * tiles_k
+    g = t // per_group
+    tile_n = (t % per_group) // tiles_k
+    tile_k = (t % per_group) % tiles_k
+    start = tl.load(offs_ptr + tl.maximum(g - 1, 0), mask=g > 0, other=0)
+    end = tl.load(offs_ptr + g)
+    return g, tile_n, tile_k, g + start // TILE, tl.cdiv(end - start, TILE)

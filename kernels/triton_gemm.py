@@ -13,7 +13,7 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels import quant_ref
-from kernels.triton_common import INTERPRET, TILE, walk_size, walk_tile
+from kernels.triton_common import INTERPRET, TILE, kgrouped_walk_tile, walk_size, walk_tile
 
 
 def _set_blocks(nargs: dict) -> None:
@@ -71,19 +71,17 @@ def _mgrouped_kernel(a_desc, as_ptr, b_desc, bs_ptr, offs_ptr, c_ptr, M, N, K, G
 def _kgrouped_kernel(a_desc, as_ptr, b_desc, bs_ptr, offs_ptr, c_ptr, N, K,
                      stride_asn, stride_ast, stride_bsk, stride_bst, stride_cg, stride_cn,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # one program per (group, N tile, K tile); it walks the group's zero-padded 128-token tiles
-    g = tl.program_id(0)
-    start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
-    end = tl.load(offs_ptr + g)
-    first_tile = g + start // TILE
-    row0 = tl.program_id(1) * BLOCK_M
-    col0 = tl.program_id(2) * BLOCK_N
+    # one program per (group, N tile, K tile) of the shared walk (triton_common.kgrouped_walk_tile, as the Gluon
+    # kernel); it walks the group's zero-padded 128-token tiles
+    g, tile_n, tile_k, first_tile, token_tiles = kgrouped_walk_tile(tl.program_id(0), offs_ptr, N, K, BLOCK_M, BLOCK_N)
+    row0 = tile_n * BLOCK_M
+    col0 = tile_k * BLOCK_N
     rows = row0 + tl.arange(0, BLOCK_M)
     cols = col0 + tl.arange(0, BLOCK_N)
     sa_ptrs = as_ptr + tl.minimum(rows, N - 1).to(tl.int64) * stride_asn + first_tile * stride_ast
     sb_ptrs = bs_ptr + tl.minimum(cols, K - 1).to(tl.int64) * stride_bsk + first_tile * stride_bst
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for t in range(0, tl.cdiv(end - start, TILE)):
+    for t in range(0, token_tiles):
         token0 = (first_tile + t) * TILE
         a = a_desc.load([row0, token0])
         b = b_desc.load([col0, token0])
@@ -137,7 +135,7 @@ def kgrouped_gemm(a_t: Tensor, a_scale: Tensor, b_t: Tensor, b_scale: Tensor, of
     out = torch.empty(groups, n, k, dtype=torch.float32, device=a_t.device)
 
     def grid(meta):
-        return (groups, triton.cdiv(n, meta["BLOCK_M"]), triton.cdiv(k, meta["BLOCK_N"]))
+        return (groups * triton.cdiv(n, meta["BLOCK_M"]) * triton.cdiv(k, meta["BLOCK_N"]),)
 
     _kgrouped_kernel[grid](_descriptor(a_t), a_scale, _descriptor(b_t), b_scale, offs, out, n, k,
                            a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),

@@ -3,9 +3,9 @@ torch._scaled_grouped_mm (fp8 rowwise) at DeepSeek-V3 expert shapes; correctness
 
 By default the shape table of issue 47 (SHAPE_TABLE: forward and dgrad at N, K 4096, 7168 and 7168, 2048 over 8 x 4096,
 4 x 8192, 8 x 512, 32 x 512, 32 x 128 and jagged groups with an empty one and one of 4093 rows; wgrad at 8 x 4096,
-32 x 512, 4 x 8192 tokens); --shapes / --groups / --rows give a grid instead. On an sm_90 GPU both of our forward and
-dgrad kernels run (the Gluon "fast" one and the `tl` "reference"), each beside both peers in alternating rounds, an
-L2 flush before every timed round, the SM clock logged per case; --dry-run lists the cases without CUDA."""
+32 x 512, 4 x 8192 tokens); --shapes / --groups / --rows give a grid instead. On an sm_90 GPU both of our kernels of
+each op run (the Gluon "fast" one and the `tl` "reference"), each beside both peers in alternating rounds, an L2 flush
+before every timed round, the SM clock logged per case; --dry-run lists the cases without CUDA."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ PEERS = ("torch._grouped_mm bf16", "torch._scaled_grouped_mm fp8 rowwise")
 PLANNED_AS = {"ours": "fp8-block", PEERS[0]: "bf16", PEERS[1]: "fp8-tensor"}  # moe-plan's precision of each
 CPU_GROUP_SIZES = (0, 130, 1, 200, 0, 67)
 CPU_SHAPE = (256, 128)
-VARIANTS = {"fast": "gluon_ops", "reference": "triton_gemm"}  # our forward/dgrad kernels (kernels.ops.FAST_KERNELS)
+VARIANTS = {"fast": "gluon_ops", "reference": "triton_gemm"}  # our kernels of each op (kernels.ops.FAST_KERNELS)
 L2_FLUSH_BYTES = 256 << 20  # more than any GPU's L2 (H100 50 MB, H200 60 MB)
 
 
@@ -85,7 +85,7 @@ def _exact(op: str, x: Tensor, w: Tensor, dy: Tensor, bounds: list[tuple[int, in
 def _ours(op: str, backend: str | None, x: Tensor, w: Tensor, dy: Tensor, offs: Tensor,
           variant: str | None = None) -> Callable[[], Tensor]:
     """A closure running our op on pre-quantised operands (quantisation is not timed); variant: one of VARIANTS'
-    forward/dgrad kernels called directly (None: what kernels.ops chooses)."""
+    kernels called directly (None: what kernels.ops chooses)."""
     out_dtype = torch.bfloat16 if x.is_cuda else torch.float32
     if op in ("forward", "dgrad"):
         a = x if op == "forward" else dy
@@ -98,6 +98,9 @@ def _ours(op: str, backend: str | None, x: Tensor, w: Tensor, dy: Tensor, offs: 
         return lambda: run("gemm" if op == "forward" else "dgrad", backend, *operands)
     operands = (*run("quantize_activation_kgrouped", backend, dy, offs),
                 *run("quantize_activation_kgrouped", backend, x, offs), offs)
+    if variant is not None:
+        kernel = getattr(importlib.import_module(f"kernels.{VARIANTS[variant]}"), "kgrouped_gemm")
+        return lambda: kernel(*operands)
     return lambda: run("wgrad", backend, *operands)
 
 
@@ -240,7 +243,7 @@ def _shape(n: int, k: int, sizes: tuple[int, ...]) -> dict:
 
 def gpu_rows(args: argparse.Namespace, device: str = "cuda") -> list[dict]:
     """Times ours and the peers side by side at every case (cases()), beside moe-plan's prediction of each: on an
-    sm_90 GPU both our forward/dgrad kernels (VARIANTS), elsewhere the one kernels.ops chooses."""
+    sm_90 GPU both our kernels of the op (VARIANTS), elsewhere the one kernels.ops chooses."""
     rows = []
     gpu = preset_for_device(torch.cuda.get_device_name(device)) if torch.device(device).type == "cuda" else None
     # short timed rounds: the boost clock holds
@@ -252,7 +255,7 @@ def gpu_rows(args: argparse.Namespace, device: str = "cuda") -> list[dict]:
         progress(f"{op} {_shape_text(shape)}")
         flops = 2.0 * sum(sizes) * n * k
         exact = _exact(op, x, w, dy, _group_bounds(list(sizes)))
-        variants = list(VARIANTS) if op != "wgrad" and fast_gemm_runs_on(x) else [None]
+        variants = list(VARIANTS) if fast_gemm_runs_on(x) else [None]
         ours = {variant: _ours(op, None, x, w, dy, offs, variant) for variant in variants}
         diffs = {variant: calc_diff(fn(), exact) for variant, fn in ours.items()}
         del exact
@@ -284,12 +287,11 @@ def gpu_rows(args: argparse.Namespace, device: str = "cuda") -> list[dict]:
 
 def dry_run(args: argparse.Namespace) -> list[str]:
     """One line per case: op, shape, FLOPs and the kernels that would run beside the peers (no CUDA needed: on a GPU
-    other than sm_90 the fast kernels are left out)."""
+    other than sm_90 only the one kernels.ops chooses runs)."""
     lines = []
     for op, n, k, sizes in cases(args):
-        ours = "ours (reference)" if op == "wgrad" else "ours (fast, reference)"
         lines.append(f"{op:8s} {_shape_text(_shape(n, k, sizes)):70s} {2.0 * sum(sizes) * n * k / 1e12:7.2f} TFLOP  "
-                     f"{ours} | {' | '.join(PEERS)}")
+                     f"ours (fast, reference) | {' | '.join(PEERS)}")
     return lines
 
 

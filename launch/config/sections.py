@@ -83,7 +83,7 @@ class TrainSettings:
     (DeepSeek-V3's) rebuilds the norms' outputs, MLA's q/k/v and the SwiGLU products in the backward; "full" keeps
     each block segment's inputs only and reruns the segment."""
     fp8_gemm: GemmKernels = "auto"
-    """Which Triton FP8 grouped GEMMs (the forward and dgrad of FP8 experts and linears) run on CUDA: "auto" the
+    """Which Triton FP8 grouped GEMMs (the forward, dgrad and wgrad of FP8 experts and linears) run on CUDA: "auto" the
     persistent warp-specialised Gluon kernels on sm_90 GPUs (H100/H200) with a Triton that has Gluon (>= 3.6), the
     `tl` reference kernels elsewhere; "fast" the Gluon kernels (an error where they cannot run); "reference" the `tl`
     kernels. The environment variable MOE_FP8_GEMM, when set, overrides it (kernels.backend)."""

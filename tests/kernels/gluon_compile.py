@@ -1,8 +1,8 @@
-"""Compiles the Gluon FP8 grouped GEMM for an H100 (sm_90a) without a GPU and checks what its machine code needs:
-no register spills, shared memory <= 227 KB, no CTA-wide barrier (`bar.sync 0` and kin) inside a main loop, no
-ptxas C7514 warning (wgmma serialised). Prints {config: report} as JSON; --planted adds variants that must fail
-each check (7 stages: shared memory over; a `bar.sync 0` put in the main loop; ptxas logs reporting spills or
-C7514: no register cap made ptxas spill this kernel, see the test).
+"""Compiles the Gluon FP8 grouped GEMMs (forward/dgrad, wgrad) for an H100 (sm_90a) without a GPU and checks what
+their machine code needs: no register spills, shared memory <= 227 KB, no CTA-wide barrier (`bar.sync 0` and kin)
+inside a main loop, no ptxas C7514 warning (wgmma serialised). Prints {config: report} as JSON; --planted adds
+variants that must fail each check (7 stages: shared memory over; a `bar.sync 0` put in the main loop; the wgrad at
+BLOCK_N 128: spills; a ptxas log carrying C7514, no real variant found that serialises wgmma).
 
 Torch-free (kernels/gluon_gemm.py, triton_common.py and fp8_format.py import only Triton), so it also runs under a
 Triton installed alone, e.g. the GPU machines' 3.6: /work/venv-t36/bin/python -m tests.kernels.gluon_compile.
@@ -12,6 +12,7 @@ Run in a process without TRITON_INTERPRET (test_hopper_compile.py does that).
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -21,7 +22,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one sm_90 CTA may allocate
-CHECKED = {"bn128_s5": (128, 5), "bn128_s6": (128, 6), "bn64_s6": (64, 6)}  # BLOCK_N, STAGES
+# name: (kernel, BLOCK_N, STAGES); forward/dgrad (mgrouped, bf16 out) and wgrad (kgrouped, fp32 out)
+CHECKED = {"bn128_s5": ("mgrouped", 128, 5), "bn128_s6": ("mgrouped", 128, 6), "bn64_s6": ("mgrouped", 64, 6),
+           "wgrad_bn64_s6": ("kgrouped", 64, 6)}
 BARRIER = re.compile(r"^\s*(?:bar|barrier)\.sync(?:\.aligned)?\s+(\d+)\s*(?:,\s*(\d+))?\s*;")
 
 
@@ -36,8 +39,9 @@ def _import_kernels_without_torch() -> None:
         sys.modules["kernels"] = package
 
 
-def compile_mgrouped(block_n: int, stages: int):
-    """triton.compile of gluon_gemm.mgrouped_kernel for sm_90 at one config (bf16 out, 8 groups at most)."""
+def compile_gemm(kind: str, block_n: int, stages: int):
+    """triton.compile for sm_90 of gluon_gemm's mgrouped_kernel (bf16 out, 8 groups at most) or kgrouped_kernel (fp32
+    out) at one config."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -45,16 +49,18 @@ def compile_mgrouped(block_n: int, stages: int):
 
     from kernels import gluon_gemm
 
-    fn = gluon_gemm.mgrouped_kernel
-    layouts = gluon_gemm.shared_layouts(block_n, gl.bfloat16)
-    types_ = {"a_desc": f"tensordesc<fp8e4nv[{gluon_gemm.HALF_M.value}, 128],{layouts['a']!r}>",
+    fn = getattr(gluon_gemm, f"{kind}_kernel")
+    out, out_gl = ("bf16", gl.bfloat16) if kind == "mgrouped" else ("fp32", gl.float32)
+    layouts = gluon_gemm.shared_layouts(block_n, out_gl)
+    half = gluon_gemm.HALF_M.value
+    types_ = {"a_desc": f"tensordesc<fp8e4nv[{half}, 128],{layouts['a']!r}>",
               "b_desc": f"tensordesc<fp8e4nv[{block_n}, 128],{layouts['b']!r}>",
-              "c_desc": f"tensordesc<bf16[{gluon_gemm.HALF_M.value}, {block_n}],{layouts['c']!r}>",
-              "as_ptr": "*fp32", "bs_ptr": "*fp32", "offs_ptr": "*i32", "c_ptr": "*bf16"}
-    constexprs = {"BLOCK_N": block_n, "STAGES": stages, "G_POW2": 8}
+              "c_desc": f"tensordesc<{out}[{half}, {block_n}],{layouts['c']!r}>",
+              "as_ptr": "*fp32", "bs_ptr": "*fp32", "offs_ptr": "*i32", "c_ptr": f"*{out}"}
+    constexprs = {"BLOCK_N": block_n, "STAGES": stages, **({"G_POW2": 8} if kind == "mgrouped" else {})}
     signature = {a: "constexpr" if a in constexprs else types_.get(a, "i32") for a in fn.arg_names}
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in fn.arg_names
-             if a.endswith("_ptr") or a in ("N", "K", "stride_cm")}
+             if a.endswith("_ptr") or a in ("N", "K", "stride_cm", "stride_cn", "stride_cg")}
     source = GluonASTSource(fn=fn, signature=signature, attrs=attrs,
                             constexprs={(fn.arg_names.index(a),): v for a, v in constexprs.items()})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": gluon_gemm.MATH_WARPS})
@@ -124,19 +130,20 @@ def _with_barrier_in_main_loop(ptx: str) -> str:
 
 
 def main(argv: list[str]) -> None:
-    """Compile and check every checked config (and with --planted the failing variants); print JSON."""
+    """Compile and check every checked config (and with --planted the failing variants); print JSON. Compiles into a
+    fresh cache folder: what is checked is compiled now, and no planted variant lands in the user's cache."""
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="gluon-compile-")
     _import_kernels_without_torch()
     results = {}
     compiled = {}
-    for name, (block_n, stages) in CHECKED.items():
-        compiled[name] = compile_mgrouped(block_n, stages)
+    for name, (kind, block_n, stages) in CHECKED.items():
+        compiled[name] = compile_gemm(kind, block_n, stages)
         results[name] = report(compiled[name])
     if "--planted" in argv:
         base = compiled["bn128_s5"]
-        results["planted_stages7"] = report(compile_mgrouped(128, 7))
+        results["planted_stages7"] = report(compile_gemm("mgrouped", 128, 7))
         results["planted_bar_sync_0"] = report(base, _with_barrier_in_main_loop(base.asm["ptx"]))
-        spills = "ptxas info    : Used 168 registers\n    200 bytes spill stores, 200 bytes spill loads"
-        results["planted_spill_log"] = report(base, None, spills)
+        results["planted_wgrad_bn128"] = report(compile_gemm("kgrouped", 128, 4))  # 128 column scales per thread
         c7514 = "ptxas warning : (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized"
         results["planted_c7514"] = report(base, None, ptxas(base.asm["ptx"]) + c7514)
     print(json.dumps(results))

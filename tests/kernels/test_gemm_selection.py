@@ -36,17 +36,18 @@ def test_fast_where_it_cannot_run_and_bad_values_are_errors(monkeypatch):
         backend.use_fast_gemm(torch.zeros(1))
 
 
-def test_run_dispatches_forward_and_dgrad_to_the_fast_kernels(monkeypatch):
+def test_run_dispatches_the_three_gemms_to_the_fast_kernels(monkeypatch):
     """ops.run imports FAST_KERNELS' module where use_fast_gemm says so (here a stand-in module), the `tl` one
     otherwise; the other ops never switch."""
     called = []
     monkeypatch.setattr(ops, "use_triton", lambda t, b: True)
     monkeypatch.setattr(ops, "use_fast_gemm", lambda t: True)
+    names = ("mgrouped_gemm", "mgrouped_dgrad", "kgrouped_gemm", "quantize_weight")
     monkeypatch.setattr(ops.importlib, "import_module",
                         lambda name: type("M", (), {n: staticmethod(lambda *a, n=n: called.append((name, n)))
-                                                    for n in ("mgrouped_gemm", "mgrouped_dgrad", "quantize_weight")}))
+                                                    for n in names}))
     x = torch.zeros(1)
-    for op in ("gemm", "dgrad", "quantize_weight"):
+    for op in ("gemm", "dgrad", "wgrad", "quantize_weight"):
         ops.run(op, None, x)
     assert called == [("kernels.gluon_ops", "mgrouped_gemm"), ("kernels.gluon_ops", "mgrouped_dgrad"),
-                      ("kernels.triton_quant", "quantize_weight")]
+                      ("kernels.gluon_ops", "kgrouped_gemm"), ("kernels.triton_quant", "quantize_weight")]

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 import kernels
-from kernels.triton_common import walk_size, walk_tile
+from kernels.triton_common import kgrouped_walk_tile, walk_size, walk_tile
 from tests.kernels.helpers import bounds, inputs, offsets
 
 BLOCK_M, BLOCK_N, GROUP_M = 128, 32, 8
@@ -75,3 +75,36 @@ def test_reference_gemm_on_the_walk_is_within_1e_3_of_float64_of_its_operands(si
     want_dx = torch.cat([dy64[s:e] @ w64[g] for g, (s, e) in enumerate(bounds(sizes))])
     assert kernels.calc_diff(out.double(), want_out) < 1e-3
     assert kernels.calc_diff(dx.double(), want_dx) < 1e-3
+
+
+@triton.jit
+def _kgrouped_walk_kernel(offs_ptr, visits_ptr, token_tiles_ptr, first_tile_ptr, N, K, WALK,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Walks the wgrad's tiles pid, pid + programs, ...: +1 per (group, row tile, column tile) visited, the group's
+    token tiles summed, its first token tile written."""
+    tiles_n = tl.cdiv(N, BLOCK_M)
+    tiles_k = tl.cdiv(K, BLOCK_N)
+    for t in range(tl.program_id(0), WALK, tl.num_programs(0)):
+        g, tile_n, tile_k, first_tile, token_tiles = kgrouped_walk_tile(t, offs_ptr, N, K, BLOCK_M, BLOCK_N)
+        tl.atomic_add(visits_ptr + (g * tiles_n + tile_n) * tiles_k + tile_k, 1)
+        tl.atomic_add(token_tiles_ptr + g, token_tiles)
+        tl.store(first_tile_ptr + g, first_tile)
+
+
+@pytest.mark.parametrize("programs", [None, 3])
+def test_the_wgrad_walk_visits_every_group_tile_once_with_its_token_tiles(programs):
+    """Empty groups too (their dw tile is zeros, with no token tile); a group's token tiles start at column
+    g + start // 128 of the k-grouped layout (quant_ref.kgrouped_rows)."""
+    sizes, n, k = [0, 1, 4093, 0, 130, 67], 200, 100
+    tiles_n, tiles_k = triton.cdiv(n, BLOCK_M), triton.cdiv(k, BLOCK_N)
+    visits = torch.zeros(len(sizes), tiles_n, tiles_k, dtype=torch.int32)
+    token_tiles = torch.zeros(len(sizes), dtype=torch.int32)
+    first_tile = torch.full((len(sizes),), -1, dtype=torch.int32)
+    total = len(sizes) * tiles_n * tiles_k
+    _kgrouped_walk_kernel[(programs or total,)](offsets(sizes), visits, token_tiles, first_tile, n, k, total,
+                                                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    assert torch.equal(visits, torch.ones_like(visits))
+    want = torch.tensor([triton.cdiv(s, 128) * tiles_n * tiles_k for s in sizes], dtype=torch.int32)
+    assert torch.equal(token_tiles, want)
+    starts = [0, *torch.tensor(sizes).cumsum(0).tolist()[:-1]]
+    assert first_tile.tolist() == [g + start // 128 for g, start in enumerate(starts)]
