@@ -60,7 +60,10 @@ def test_every_group_tile_is_visited_exactly_once_and_empty_groups_never(sizes, 
 @pytest.mark.parametrize("sizes", [[0, 1, 4093, 0, 130, 67]])
 def test_reference_gemm_on_the_walk_is_within_1e_3_of_float64_of_its_operands(sizes):
     """The `tl` forward and dgrad (one program per walk tile) against float64 products of the same e4m3 operands:
-    only fp32 summation differs (calc_diff ~1e-14 expected; 1e-3 is the issue's bound for the GPU kernels)."""
+    only fp32 summation differs. 1e-3 is the issue's bound for the GPU kernels; the derived one here: fp32 sums of
+    K = 208 products err by <= ~K * 2^-24 ~ 1.2e-5 relative, so calc_diff (~ half the squared relative error)
+    <= ~1e-10, bound 1e-9 (measured 1.1e-15..1.8e-15 over 5 seeds at 330 rows, ATEN_CPU_CAPABILITY default, avx2
+    and native alike)."""
     x, w, dy, offs = inputs(sizes, 208, 96, seed=11)  # K = 208, N = 96: neither a multiple of 128
     xq, xs = kernels.quantize_activation(x)
     wq, ws = kernels.quantize_weight(w)
@@ -73,8 +76,8 @@ def test_reference_gemm_on_the_walk_is_within_1e_3_of_float64_of_its_operands(si
     dx = kernels.fp8_grouped_gemm_dgrad(dq, ds, wt, ws, offs, backend="triton")
     want_out = torch.cat([x64[s:e] @ w64[g].t() for g, (s, e) in enumerate(bounds(sizes))])
     want_dx = torch.cat([dy64[s:e] @ w64[g] for g, (s, e) in enumerate(bounds(sizes))])
-    assert kernels.calc_diff(out.double(), want_out) < 1e-3
-    assert kernels.calc_diff(dx.double(), want_dx) < 1e-3
+    assert kernels.calc_diff(out.double(), want_out) < 1e-9
+    assert kernels.calc_diff(dx.double(), want_dx) < 1e-9
 
 
 @triton.jit
