@@ -51,3 +51,15 @@ def test_run_dispatches_the_three_gemms_to_the_fast_kernels(monkeypatch):
         ops.run(op, None, x)
     assert called == [("kernels.gluon_ops", "mgrouped_gemm"), ("kernels.gluon_ops", "mgrouped_dgrad"),
                       ("kernels.gluon_ops", "kgrouped_gemm"), ("kernels.triton_quant", "quantize_weight")]
+
+
+def test_gpu_check_says_what_it_needs_and_covers_the_edge_cases(capsys):
+    """kernels.gpu_check (the GPU slice's first command) refuses to run without sm_90 + Gluon (exit 2); its edge cases
+    hold empty groups, a 1-row group, partial tiles, no rows at all and a 4093-row group for all three ops."""
+    from kernels import gpu_check
+
+    assert gpu_check.main(["--quick"]) == 2 and "needs a CUDA sm_90 GPU" in capsys.readouterr().out
+    for op in ("forward", "dgrad", "wgrad"):
+        sizes = [s for o, _, _, case in gpu_check.EDGE_CASES if o == op for s in case]
+        assert {0, 1, 4093} <= set(sizes) and any(s % 128 for s in sizes)
+        assert (op, 128, 256, (0, 0)) in gpu_check.EDGE_CASES
