@@ -68,6 +68,20 @@ def _producer(a_desc, b_desc, offs_ptr, M, N, K, G, WALK, a_smem, b_smem, ready,
 
 
 @gluon.jit
+def _slice_product(a_smem, b_smem, ready, empty, it, acc, HALF: gl.constexpr, STAGES: gl.constexpr):
+    """The `it`-th ring slot's product for math warpgroup HALF: wait for the stage, one wgmma of its 128-wide K
+    slice into a fresh accumulator (acc only gives the layout), wait for it, release the stage; returns the fp32
+    partial product, which the caller scales into its accumulator."""
+    s = it % STAGES
+    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+    part = warpgroup_mma(a_smem.index(2 * s + HALF), b_smem.index(s).permute((1, 0)), acc, use_acc=False,
+                         is_async=True)
+    part = warpgroup_mma_wait(0, deps=[part])
+    mbarrier.arrive(empty.index(s), count=1)
+    return part
+
+
+@gluon.jit
 def _math(a_smem, b_smem, ready, empty, c_smem, c_desc, c_ptr, as_ptr, bs_ptr, offs_ptr, M, N, K, G, WALK,
           stride_asm, stride_ask, stride_bsg, stride_bsn, stride_bsk, stride_cm, HALF: gl.constexpr,
           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, G_POW2: gl.constexpr):
@@ -89,14 +103,9 @@ def _math(a_smem, b_smem, ready, empty, c_smem, c_desc, c_ptr, as_ptr, bs_ptr, o
             sb_ptr = bs_ptr + g.to(gl.int64) * stride_bsg + (tile_n * BLOCK_N // TILE_K) * stride_bsn
             acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, acc_layout)
             for kt in range(k_tiles):
-                s = it % STAGES
                 sa = gl.load(sa_ptrs + kt * stride_ask)  # loaded before the wgmma, used after it
                 sb = gl.load(sb_ptr + kt * stride_bsk)
-                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                part = warpgroup_mma(a_smem.index(2 * s + HALF), b_smem.index(s).permute((1, 0)), acc,
-                                     use_acc=False, is_async=True)
-                part = warpgroup_mma_wait(0, deps=[part])
-                mbarrier.arrive(empty.index(s), count=1)
+                part = _slice_product(a_smem, b_smem, ready, empty, it, acc, HALF, STAGES)
                 acc += part * (sa * sb)[:, None]  # the reference's rounding: dot * (row scale * column scale)
                 it += 1
             # epilogue: TMA store of a full half tile (overlapping what follows), masked stores at a group's end
@@ -114,11 +123,10 @@ def _math(a_smem, b_smem, ready, empty, c_smem, c_desc, c_ptr, as_ptr, bs_ptr, o
 
 
 @gluon.jit
-def mgrouped_kernel(a_desc, as_ptr, b_desc, bs_ptr, offs_ptr, c_desc, c_ptr, M, N, K, G, WALK,
-                    stride_asm, stride_ask, stride_bsg, stride_bsn, stride_bsk, stride_cm,
-                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, G_POW2: gl.constexpr):
-    """a_desc: TMA over a [M, K] in [64, 128] boxes; b_desc: over b viewed [G*N, K] in [BLOCK_N, 128] boxes; c_desc:
-    over c [M, N] in [64, BLOCK_N] boxes (c_ptr: the same tensor, for the masked stores). WALK = walk_size(...)."""
+def _ring(a_desc, b_desc, c_desc, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Both kernels' shared memory: the STAGES-deep ring (A as two 64-row halves per stage, B), one output half tile
+    per math warpgroup, and per stage a `ready` mbarrier (the producer's expect-tx) and an `empty` one (one arrive
+    per math warpgroup)."""
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, HALF_M, TILE_K], a_desc.layout)
     b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, TILE_K], b_desc.layout)
     c_smem0 = gl.allocate_shared_memory(c_desc.dtype, [HALF_M, BLOCK_N], c_desc.layout)
@@ -127,8 +135,18 @@ def mgrouped_kernel(a_desc, as_ptr, b_desc, bs_ptr, offs_ptr, c_desc, c_ptr, M, 
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # one arrive per math warpgroup
+        mbarrier.init(empty.index(i), count=2)
     fence_async_shared()
+    return a_smem, b_smem, c_smem0, c_smem1, ready, empty
+
+
+@gluon.jit
+def mgrouped_kernel(a_desc, as_ptr, b_desc, bs_ptr, offs_ptr, c_desc, c_ptr, M, N, K, G, WALK,
+                    stride_asm, stride_ask, stride_bsg, stride_bsn, stride_bsk, stride_cm,
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, G_POW2: gl.constexpr):
+    """a_desc: TMA over a [M, K] in [64, 128] boxes; b_desc: over b viewed [G*N, K] in [BLOCK_N, 128] boxes; c_desc:
+    over c [M, N] in [64, BLOCK_N] boxes (c_ptr: the same tensor, for the masked stores). WALK = walk_size(...)."""
+    a_smem, b_smem, c_smem0, c_smem1, ready, empty = _ring(a_desc, b_desc, c_desc, BLOCK_N, STAGES)
     gl.warp_specialize([
         (_math, (a_smem, b_smem, ready, empty, c_smem0, c_desc, c_ptr, as_ptr, bs_ptr, offs_ptr, M, N, K, G, WALK,
                  stride_asm, stride_ask, stride_bsg, stride_bsn, stride_bsk, stride_cm, 0, BLOCK_N, STAGES, G_POW2)),
@@ -179,14 +197,9 @@ def _kmath(a_smem, b_smem, ready, empty, c_smem, c_desc, c_ptr, as_ptr, bs_ptr, 
         sb_ptrs = bs_ptr + gl.minimum(cols, K - 1).to(gl.int64) * stride_bsk + first_tile * stride_bst
         acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, acc_layout)
         for j in range(token_tiles):
-            s = it % STAGES
             sa = gl.load(sa_ptrs + j * stride_ast)
             sb = gl.load(sb_ptrs + j * stride_bst)
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            part = warpgroup_mma(a_smem.index(2 * s + HALF), b_smem.index(s).permute((1, 0)), acc,
-                                 use_acc=False, is_async=True)
-            part = warpgroup_mma_wait(0, deps=[part])
-            mbarrier.arrive(empty.index(s), count=1)
+            part = _slice_product(a_smem, b_smem, ready, empty, it, acc, HALF, STAGES)
             acc += part * sa[:, None] * sb[None, :]
             it += 1
         if first + HALF_M <= N:  # the half tile lies in dw[g]: TMA store (dw viewed [G*N, K]; K clipped by TMA)
@@ -208,16 +221,7 @@ def kgrouped_kernel(a_desc, as_ptr, b_desc, bs_ptr, offs_ptr, c_desc, c_ptr, N, 
     """dw[g] = a_t[:, tokens of g] @ b_t[:, tokens of g].T in fp32 from the k-grouped operands (a_t [N, 128 T] in
     [64, 128] boxes, b_t [K, 128 T] in [BLOCK_N, 128] boxes, 1x128 scales along tokens); c_desc over dw viewed
     [G*N, K] in [64, BLOCK_N] boxes, c_ptr the same tensor. The skeleton of mgrouped_kernel (module doc)."""
-    a_smem = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, HALF_M, TILE_K], a_desc.layout)
-    b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, TILE_K], b_desc.layout)
-    c_smem0 = gl.allocate_shared_memory(c_desc.dtype, [HALF_M, BLOCK_N], c_desc.layout)
-    c_smem1 = gl.allocate_shared_memory(c_desc.dtype, [HALF_M, BLOCK_N], c_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
-    fence_async_shared()
+    a_smem, b_smem, c_smem0, c_smem1, ready, empty = _ring(a_desc, b_desc, c_desc, BLOCK_N, STAGES)
     gl.warp_specialize([
         (_kmath, (a_smem, b_smem, ready, empty, c_smem0, c_desc, c_ptr, as_ptr, bs_ptr, offs_ptr, N, K, WALK,
                   stride_asn, stride_ast, stride_bsk, stride_bst, stride_cg, stride_cn, 0, BLOCK_N, STAGES)),
