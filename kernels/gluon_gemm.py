@@ -1,4 +1,5 @@
-"""Persistent, warp-specialised FP8 grouped GEMM for sm_90 (Gluon): forward and dgrad (m-grouped).
+"""Persistent, warp-specialised FP8 grouped GEMMs for sm_90 (Gluon): forward and dgrad (m-grouped, mgrouped_kernel)
+and wgrad (k-grouped, fp32 out, kgrouped_kernel, on the same skeleton with triton_common.kgrouped_walk_tile).
 
 The same product as triton_gemm._mgrouped_kernel (the `tl` reference, tested under the interpreter): out[rows of g] =
 a[rows of g] @ b[g].T with a [M, K] e4m3 in 1x128 tiles and b [G, N, K] e4m3 in 128x128 blocks, fp32 promotion
