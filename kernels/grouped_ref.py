@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.quant_ref import dequantize_activation, dequantize_kgrouped, dequantize_weight, row_groups
+from kernels.quant_ref import (dequantize_activation, dequantize_kgrouped, dequantize_weight, dequantize_weight_t,
+                               row_groups)
 
 
 def balanced_split(total: int, parts: int) -> list[int]:
@@ -46,11 +47,12 @@ def fp8_grouped_gemm_ref(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor,
     return grouped_rows_matmul(dequantize_activation(a, a_scale), dequantize_weight(b, b_scale), offs).to(out_dtype)
 
 
-def fp8_grouped_gemm_dgrad_ref(dy: Tensor, dy_scale: Tensor, w: Tensor, w_scale: Tensor, offs: Tensor,
+def fp8_grouped_gemm_dgrad_ref(dy: Tensor, dy_scale: Tensor, w_t: Tensor, w_scale: Tensor, offs: Tensor,
                                out_dtype: torch.dtype) -> Tensor:
-    """dx[rows of g] = deq(dy)[rows of g] @ deq(w[g]) for dy [M, N] (1x128 tiles), w [G, N, K] (blocks)."""
-    w_t = dequantize_weight(w, w_scale).transpose(1, 2)
-    return grouped_rows_matmul(dequantize_activation(dy, dy_scale), w_t, offs).to(out_dtype)
+    """dx[rows of g] = deq(dy)[rows of g] @ deq(w[g]) for dy [M, N] (1x128 tiles) and w's second orientation w_t
+    [G, K, N] with w's block scales [G, ceil(N/128), ceil(K/128)] (quantize_weight(w, transposed=True))."""
+    dx = grouped_rows_matmul(dequantize_activation(dy, dy_scale), dequantize_weight_t(w_t, w_scale), offs)
+    return dx.to(out_dtype)
 
 
 def fp8_grouped_gemm_wgrad_ref(a_t: Tensor, a_t_scale: Tensor, b_t: Tensor, b_t_scale: Tensor, offs: Tensor,

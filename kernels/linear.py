@@ -5,7 +5,8 @@ and every other linear (`FP8Linear`, an nn.Linear computed as a grouped linear o
 backward is the e4m3 tiles (+ fp32 scales) its forward made of its input, never a float copy of the input:
 
 - Fprop quantises the input x [M, K] in 1x128 tiles along K (the hidden dim) and the weight in 128x128 blocks;
-- Dgrad quantises dy [M, N] in 1x128 tiles along N and uses the weight's blocks transposed;
+- Dgrad quantises dy [M, N] in 1x128 tiles along N and the weight in the same 128x128 blocks written K-major for
+  this product ([G, K, N], kernels.quantize_weight(transposed=True): no transpose pass, the scales shared);
 - Wgrad dw = dy^T x needs both operands in 1x128 tiles along the tokens (M, "k-grouped"), while the saved tiles run
   along K. Backward re-tiles them as DeepSeek-V3 does: dequantise the saved e4m3 rows (to fp32: relative rounding
   2^-24, the product of a 4-bit significand and the scale), requantise
@@ -115,9 +116,10 @@ class FP8GroupedLinear(torch.autograd.Function):
         dy = dy.reshape(-1, dy.shape[-1]).contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            w_q, w_scale = run("quantize_weight", backend, w if grouped else w.unsqueeze(0))
+            w_t, w_scale = run("quantize_weight_t", backend, w if grouped else w.unsqueeze(0))
             dy_q, dy_scale = run("quantize_activation", backend, dy)
-            dx = run("dgrad", backend, dy_q, dy_scale, w_q, w_scale, offs, ctx.x_dtype).view(ctx.x_shape)
+            dx = run("dgrad", backend, dy_q, dy_scale, w_t, w_scale, offs, ctx.x_dtype).view(ctx.x_shape)
+            del w_t  # not held through the wgrad
         if ctx.needs_input_grad[1]:
             dw = _weight_grad(ctx, w, offs, saved, dy, grouped)
         return dx, dw, None, None, None, None, None, None

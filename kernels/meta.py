@@ -39,14 +39,20 @@ def quantize_weight(w: Tensor) -> tuple[Tensor, Tensor]:
     return _empty(tuple(w.shape), FP8_DTYPE, w), _empty((*lead, num_tiles(n), num_tiles(k)), torch.float32, w)
 
 
+def quantize_weight_t(w: Tensor) -> tuple[Tensor, Tensor]:
+    """w [..., N, K] -> e4m3 [..., K, N] and fp32 scales [..., ceil(N/128), ceil(K/128)]."""
+    *lead, n, k = w.shape
+    return _empty((*lead, k, n), FP8_DTYPE, w), _empty((*lead, num_tiles(n), num_tiles(k)), torch.float32, w)
+
+
 def gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, offs: Tensor, out_dtype: torch.dtype) -> Tensor:
     """a [M, K] x b [G, N, K] -> [M, N]."""
     return _empty((a.shape[0], b.shape[1]), out_dtype, a)
 
 
-def dgrad(dy: Tensor, dy_scale: Tensor, w: Tensor, w_scale: Tensor, offs: Tensor, out_dtype: torch.dtype) -> Tensor:
-    """dy [M, N] x w [G, N, K] -> [M, K]."""
-    return _empty((dy.shape[0], w.shape[2]), out_dtype, dy)
+def dgrad(dy: Tensor, dy_scale: Tensor, w_t: Tensor, w_scale: Tensor, offs: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """dy [M, N] x w_t [G, K, N] -> [M, K]."""
+    return _empty((dy.shape[0], w_t.shape[1]), out_dtype, dy)
 
 
 def wgrad(a_t: Tensor, a_t_scale: Tensor, b_t: Tensor, b_t_scale: Tensor, offs: Tensor,
@@ -60,6 +66,7 @@ META_KERNELS: dict[str, Callable] = {
     "quantize_activation_kgrouped": quantize_activation_kgrouped,
     "retile_kgrouped": retile_kgrouped,
     "quantize_weight": quantize_weight,
+    "quantize_weight_t": quantize_weight_t,
     "gemm": gemm,
     "dgrad": dgrad,
     "wgrad": wgrad,

@@ -13,11 +13,11 @@ import torch
 from torch import Tensor
 
 from kernels import checks
-from kernels.backend import use_triton
+from kernels.backend import use_fast_gemm, use_triton
 from kernels.grouped_ref import fp8_grouped_gemm_dgrad_ref, fp8_grouped_gemm_ref, fp8_grouped_gemm_wgrad_ref
 from kernels.meta import META_KERNELS
 from kernels.quant_ref import (TILE, quantize_activation_kgrouped_ref, quantize_activation_ref, quantize_weight_ref,
-                               retile_kgrouped_ref)
+                               quantize_weight_t_ref, retile_kgrouped_ref)
 
 
 KERNELS: dict[str, tuple[str, Callable]] = {
@@ -25,18 +25,25 @@ KERNELS: dict[str, tuple[str, Callable]] = {
     "quantize_activation_kgrouped": ("triton_quant.quantize_activation_kgrouped", quantize_activation_kgrouped_ref),
     "retile_kgrouped": ("triton_quant.retile_kgrouped", retile_kgrouped_ref),
     "quantize_weight": ("triton_quant.quantize_weight", quantize_weight_ref),
+    "quantize_weight_t": ("triton_quant.quantize_weight_t", quantize_weight_t_ref),
     "gemm": ("triton_gemm.mgrouped_gemm", fp8_grouped_gemm_ref),
     "dgrad": ("triton_gemm.mgrouped_dgrad", fp8_grouped_gemm_dgrad_ref),
     "wgrad": ("triton_gemm.kgrouped_gemm", fp8_grouped_gemm_wgrad_ref),
 }
+# the persistent warp-specialised Gluon kernels that replace the `tl` ones where backend.use_fast_gemm says so
+FAST_KERNELS = {"gemm": "gluon_ops.mgrouped_gemm", "dgrad": "gluon_ops.mgrouped_dgrad",
+                "wgrad": "gluon_ops.kgrouped_gemm"}
 
 
 def run(op: str, backend: str | None, *args):
-    """Run KERNELS[op] on already validated args: Triton (imported lazily) or the reference, per use_triton()."""
+    """Run KERNELS[op] on already validated args: Triton (imported lazily; FAST_KERNELS[op] where use_fast_gemm) or
+    the reference, per use_triton()."""
     triton_name, reference = KERNELS[op]
     if args[0].is_meta:  # a rehearsal: what the GPU kernel allocates, not the reference's intermediates
         return META_KERNELS[op](*args)
     if use_triton(args[0], backend):
+        if op in FAST_KERNELS and use_fast_gemm(args[0]):
+            triton_name = FAST_KERNELS[op]
         module, name = triton_name.split(".")
         return getattr(importlib.import_module(f"kernels.{module}"), name)(*args)
     return reference(*args)
@@ -75,21 +82,24 @@ def retile_kgrouped(x_q: Tensor, x_scale: Tensor, offs: Tensor, *,
     return run("retile_kgrouped", backend, x_q, x_scale, offs)
 
 
-def quantize_weight(w: Tensor, *, backend: str | None = None) -> tuple[Tensor, Tensor]:
-    """w [N, K] or [G, N, K] -> (q e4m3, scale fp32 [..., ceil(N/128), ceil(K/128)]), one per 128x128 block."""
+def quantize_weight(w: Tensor, *, transposed: bool = False, backend: str | None = None) -> tuple[Tensor, Tensor]:
+    """w [N, K] or [G, N, K] -> (q e4m3, scale fp32 [..., ceil(N/128), ceil(K/128)]), one per 128x128 block.
+
+    transposed: q holds the same codes in the other orientation, [..., K, N] (K-major for dgrad, which reduces over
+    N), written so by the quantiser itself (no transpose pass); the scales are the same tensor either way."""
     checks.check_float("w", w, (2, 3))
-    return run("quantize_weight", backend, w)
+    return run("quantize_weight_t" if transposed else "quantize_weight", backend, w)
 
 
 def _check_mgrouped(names: tuple[str, str], a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor,
-                    offs: Tensor, b_dim: int) -> None:
+                    offs: Tensor, b_dim: int, b_transposed: bool = False) -> None:
     a_name, b_name = names
     checks.check_fp8(a_name, a, 2)
     checks.check_fp8(b_name, b, 3)
     checks.check_same_size("reduction size", (f"{a_name}.shape[1]", a.shape[1]),
                            (f"{b_name}.shape[{b_dim}]", b.shape[b_dim]))
     checks.check_scale(f"{a_name}_scale", a_scale, checks.activation_scale_shape(a))
-    checks.check_scale(f"{b_name}_scale", b_scale, checks.weight_scale_shape(b))
+    checks.check_scale(f"{b_name}_scale", b_scale, checks.weight_scale_shape(b.transpose(1, 2) if b_transposed else b))
     checks.check_offs(offs, a.shape[0], b.shape[0])
     checks.check_same_device(**{a_name: a, f"{a_name}_scale": a_scale, b_name: b, f"{b_name}_scale": b_scale,
                                 "offs": offs})
@@ -105,12 +115,12 @@ def fp8_grouped_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, off
     return run("gemm", backend, a, a_scale, b, b_scale, offs, out_dtype or default_out_dtype(a))
 
 
-def fp8_grouped_gemm_dgrad(dy: Tensor, dy_scale: Tensor, w: Tensor, w_scale: Tensor, offs: Tensor, *,
+def fp8_grouped_gemm_dgrad(dy: Tensor, dy_scale: Tensor, w_t: Tensor, w_scale: Tensor, offs: Tensor, *,
                            out_dtype: torch.dtype | None = None, backend: str | None = None) -> Tensor:
-    """dx[rows of g] = dy[rows of g] @ w[g]: dy e4m3 [M, N] (1x128 scales), w e4m3 [G, N, K] (128x128
-    scales, used as [G, K, N] blocks) -> dx [M, K]."""
-    _check_mgrouped(("dy", "w"), dy, dy_scale, w, w_scale, offs, b_dim=1)
-    return run("dgrad", backend, dy, dy_scale, w, w_scale, offs, out_dtype or default_out_dtype(dy))
+    """dx[rows of g] = dy[rows of g] @ w[g]: dy e4m3 [M, N] (1x128 scales), w_t e4m3 [G, K, N] with w's
+    128x128 scales [G, ceil(N/128), ceil(K/128)] (quantize_weight(w, transposed=True)) -> dx [M, K]."""
+    _check_mgrouped(("dy", "w_t"), dy, dy_scale, w_t, w_scale, offs, b_dim=2, b_transposed=True)
+    return run("dgrad", backend, dy, dy_scale, w_t, w_scale, offs, out_dtype or default_out_dtype(dy))
 
 
 def fp8_grouped_gemm_wgrad(a_t: Tensor, a_t_scale: Tensor, b_t: Tensor, b_t_scale: Tensor, offs: Tensor, *,

@@ -10,11 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-TILE = 128
+from kernels.fp8_format import ALIGN, FP8_MAX, SCALE_EPS, TILE  # noqa: F401 (re-exported)
+
 FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
-SCALE_EPS = 1e-12
-ALIGN = 16  # e4m3 elements (= bytes) every row of an FP8 GEMM operand is a multiple of (TMA row alignment)
 
 
 def num_tiles(n: int) -> int:
@@ -69,6 +67,14 @@ def row_groups(offs: Tensor, rows: int) -> Tensor:
     return torch.searchsorted(offs, torch.arange(rows, device=offs.device, dtype=offs.dtype), right=True)
 
 
+def quantize_weight_t_ref(w: Tensor) -> tuple[Tensor, Tensor]:
+    """w [..., N, K] -> (q_t e4m3 [..., K, N], scale fp32 [..., ceil(N/128), ceil(K/128)]): quantize_weight_ref's
+    blocks and scales, the codes stored in the other orientation (K-major for dgrad, which reduces over N); the
+    scales stay in w's block order, shared with the forward's copy."""
+    q, scale = quantize_weight_ref(w)
+    return q.transpose(-2, -1).contiguous(), scale
+
+
 def kgrouped_rows(offs: Tensor, m: int) -> Tensor:
     """Position of each of the m rows in the k-grouped layout: the tile starting at row r of group g
     is tile column g + r // 128, so groups never share a tile and no offsets need a host sync. Rows past
@@ -116,6 +122,12 @@ def dequantize_weight(q: Tensor, scale: Tensor) -> Tensor:
     n, k = q.shape[-2:]
     full = scale.repeat_interleave(TILE, dim=-2).repeat_interleave(TILE, dim=-1)
     return q.float() * full[..., :n, :k]
+
+
+def dequantize_weight_t(q_t: Tensor, scale: Tensor) -> Tensor:
+    """Inverse of quantize_weight_t: q_t [..., K, N] with w's block scales [..., ceil(N/128), ceil(K/128)] -> fp32
+    [..., K, N], deq(w) transposed (the same products, element by element)."""
+    return dequantize_weight(q_t, scale.transpose(-2, -1))
 
 
 def dequantize_kgrouped(q_t: Tensor, scale: Tensor, offs: Tensor, rows: int | None = None) -> Tensor:

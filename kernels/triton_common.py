@@ -1,4 +1,5 @@
-"""Triton helpers shared by the quantisation and GEMM kernels: e4m3 encoding and group-tile lookup."""
+"""Triton helpers shared by the quantisation and GEMM kernels: e4m3 encoding, group-tile lookup and the grouped GEMMs'
+tile walk (scalar code only, so the Gluon kernels call the same function as the `tl` reference)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,12 @@ import os
 import triton
 import triton.language as tl
 
-from kernels import quant_ref
+from kernels import fp8_format
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-FP8_MAX = tl.constexpr(quant_ref.FP8_MAX)
-SCALE_EPS = tl.constexpr(quant_ref.SCALE_EPS)
-TILE = tl.constexpr(quant_ref.TILE)
+FP8_MAX = tl.constexpr(fp8_format.FP8_MAX)
+SCALE_EPS = tl.constexpr(fp8_format.SCALE_EPS)
+TILE = tl.constexpr(fp8_format.TILE)
 
 
 @triton.jit
@@ -81,3 +82,65 @@ def locate_tile(tile, offs_ptr, G, BLOCK: tl.constexpr, G_POW2: tl.constexpr):
     end = tl.sum(tl.where(h == g, ends, 0), axis=0)
     row0 = start + (tile - g - start // BLOCK) * BLOCK
     return g, row0, end, row0 < end
+
+
+@triton.jit
+def group_of_tile(tile_m, offs_ptr, G, BLOCK: tl.constexpr, G_POW2: tl.constexpr):
+    """locate_tile with scalars only: group g, first row, group end and validity of virtual row tile tile_m.
+
+    Group g owns virtual row tiles g + start_g // BLOCK onwards; that first tile is non-decreasing in g, so g is found
+    by a binary search of log2(G_POW2) scalar loads of offs (no tensors, no layouts: callable from Gluon kernels).
+    """
+    g = tile_m * 0
+    step = G_POW2 // 2
+    while step > 0:
+        cand = g + step
+        start = tl.load(offs_ptr + tl.minimum(cand, G) - 1)
+        g = tl.where((cand < G) & (cand + start // BLOCK <= tile_m), cand, g)
+        step = step // 2
+    start = tl.load(offs_ptr + tl.maximum(g - 1, 0), mask=g > 0, other=0)
+    end = tl.load(offs_ptr + g)
+    row0 = start + (tile_m - g - start // BLOCK) * BLOCK
+    return g, row0, end, row0 < end
+
+
+@triton.jit
+def walk_tile(t, offs_ptr, M, N, G, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+              G_POW2: tl.constexpr):
+    """The grouped GEMMs' tile walk: tile t of walk_size() -> (group, first row, group end, column tile, valid).
+
+    Virtual row tiles (ceil(M / BLOCK_M) + G of them, see group_of_tile) times column tiles, swizzled in bands of
+    GROUP_M row tiles so that consecutive t share B's column tile and neighbouring row tiles (L2 reuse). One program
+    per tile (the `tl` reference) or a persistent program walking t = pid, pid + programs, ... (the Gluon kernels)
+    visit every (group, row tile, column tile) of the real rows exactly once; the G extra virtual row tiles and those
+    of empty groups come out invalid and are skipped. Scalar code only, no host read of offs.
+    """
+    tiles_m = tl.cdiv(M, BLOCK_M) + G
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    band = GROUP_M * tiles_n
+    first_m = (t // band) * GROUP_M
+    band_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    tile_m = first_m + (t % band) % band_m
+    tile_n = (t % band) // band_m
+    g, row0, end, valid = group_of_tile(tile_m, offs_ptr, G, BLOCK_M, G_POW2)
+    return g, row0, end, tile_n, valid
+
+
+def walk_size(m: int, n: int, groups: int, block_m: int, block_n: int) -> int:
+    """How many tiles walk_tile walks: (ceil(m / block_m) + groups) x ceil(n / block_n)."""
+    return (triton.cdiv(m, block_m) + groups) * triton.cdiv(n, block_n)
+
+
+@triton.jit
+def kgrouped_walk_tile(t, offs_ptr, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The k-grouped wgrad's tile walk: tile t of G x ceil(N / BLOCK_M) x ceil(K / BLOCK_N), group-major (consecutive
+    tiles share the group's token tiles) -> (group, row tile, column tile, the group's first token tile in the
+    k-grouped layout, its token tiles: 0 for an empty group, whose dw tile is zeros). Scalar code only."""
+    tiles_k = tl.cdiv(K, BLOCK_N)
+    per_group = tl.cdiv(N, BLOCK_M) * tiles_k
+    g = t // per_group
+    tile_n = (t % per_group) // tiles_k
+    tile_k = (t % per_group) % tiles_k
+    start = tl.load(offs_ptr + tl.maximum(g - 1, 0), mask=g > 0, other=0)
+    end = tl.load(offs_ptr + g)
+    return g, tile_n, tile_k, g + start // TILE, tl.cdiv(end - start, TILE)

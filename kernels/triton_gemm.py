@@ -13,7 +13,7 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels import quant_ref
-from kernels.triton_common import INTERPRET, TILE, locate_tile
+from kernels.triton_common import INTERPRET, TILE, kgrouped_walk_tile, walk_size, walk_tile
 
 
 def _set_blocks(nargs: dict) -> None:
@@ -44,17 +44,9 @@ def _mgrouped_kernel(a_desc, as_ptr, b_desc, bs_ptr, offs_ptr, c_ptr, M, N, K, G
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G_POW2: tl.constexpr):
     # a_desc: TMA over a [M, K]; b_desc: TMA over b viewed as [G*N, K]. Rows a tile reads past its group
     # (or past b[g]) only feed outputs that the masked store drops; reads past the tensor are zeros.
-    # M_BUCKET (next power of two of M) only keys the autotuner.
-    # Virtual row tiles (ceil(M / BLOCK_M) + G of them) x column tiles, swizzled in bands of GROUP_M row tiles.
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M) + G
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    band = GROUP_M * tiles_n
-    first_m = (pid // band) * GROUP_M
-    band_m = tl.minimum(tiles_m - first_m, GROUP_M)
-    tile_m = first_m + (pid % band) % band_m
-    tile_n = (pid % band) // band_m
-    g, row0, end, valid = locate_tile(tile_m, offs_ptr, G, BLOCK_M, G_POW2)
+    # M_BUCKET (next power of two of M) only keys the autotuner. One program per tile of the shared walk
+    # (triton_common.walk_tile: the persistent Gluon kernels walk the same tiles in the same order).
+    g, row0, end, tile_n, valid = walk_tile(tl.program_id(0), offs_ptr, M, N, G, BLOCK_M, BLOCK_N, GROUP_M, G_POW2)
     # BLOCK_N divides 128, so a column tile lies in one weight block: its scale is a scalar per K slice
     tl.static_assert(TILE % BLOCK_N == 0)
     if valid:
@@ -79,19 +71,17 @@ def _mgrouped_kernel(a_desc, as_ptr, b_desc, bs_ptr, offs_ptr, c_ptr, M, N, K, G
 def _kgrouped_kernel(a_desc, as_ptr, b_desc, bs_ptr, offs_ptr, c_ptr, N, K,
                      stride_asn, stride_ast, stride_bsk, stride_bst, stride_cg, stride_cn,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # one program per (group, N tile, K tile); it walks the group's zero-padded 128-token tiles
-    g = tl.program_id(0)
-    start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
-    end = tl.load(offs_ptr + g)
-    first_tile = g + start // TILE
-    row0 = tl.program_id(1) * BLOCK_M
-    col0 = tl.program_id(2) * BLOCK_N
+    # one program per (group, N tile, K tile) of the shared walk (triton_common.kgrouped_walk_tile, as the Gluon
+    # kernel); it walks the group's zero-padded 128-token tiles
+    g, tile_n, tile_k, first_tile, token_tiles = kgrouped_walk_tile(tl.program_id(0), offs_ptr, N, K, BLOCK_M, BLOCK_N)
+    row0 = tile_n * BLOCK_M
+    col0 = tile_k * BLOCK_N
     rows = row0 + tl.arange(0, BLOCK_M)
     cols = col0 + tl.arange(0, BLOCK_N)
     sa_ptrs = as_ptr + tl.minimum(rows, N - 1).to(tl.int64) * stride_asn + first_tile * stride_ast
     sb_ptrs = bs_ptr + tl.minimum(cols, K - 1).to(tl.int64) * stride_bsk + first_tile * stride_bst
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for t in range(0, tl.cdiv(end - start, TILE)):
+    for t in range(0, token_tiles):
         token0 = (first_tile + t) * TILE
         a = a_desc.load([row0, token0])
         b = b_desc.load([col0, token0])
@@ -122,7 +112,7 @@ def mgrouped_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, offs: 
         return out
 
     def grid(meta):
-        return ((triton.cdiv(m, meta["BLOCK_M"]) + groups) * triton.cdiv(n, meta["BLOCK_N"]),)
+        return (walk_size(m, n, groups, meta["BLOCK_M"], meta["BLOCK_N"]),)
 
     _mgrouped_kernel[grid](_descriptor(a), a_scale, _descriptor(b.view(groups * n, k)), b_scale, offs, out,
                            m, n, k, groups, triton.next_power_of_2(m), a_scale.stride(0), a_scale.stride(1),
@@ -131,10 +121,11 @@ def mgrouped_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, offs: 
     return out
 
 
-def mgrouped_dgrad(dy: Tensor, dy_scale: Tensor, w: Tensor, w_scale: Tensor, offs: Tensor,
+def mgrouped_dgrad(dy: Tensor, dy_scale: Tensor, w_t: Tensor, w_scale: Tensor, offs: Tensor,
                    out_dtype: torch.dtype) -> Tensor:
-    """dx[rows of g] = dy[rows of g] @ w[g]: the forward kernel on w's blocks transposed to K-major [G, K, N]."""
-    return mgrouped_gemm(dy, dy_scale, w.transpose(1, 2).contiguous(), w_scale.transpose(1, 2), offs, out_dtype)
+    """dx[rows of g] = dy[rows of g] @ w[g]: the forward kernel on w's second orientation w_t [G, K, N]
+    (quantize_weight_t: K-major for this product, no transpose per call), w's block scales read transposed."""
+    return mgrouped_gemm(dy, dy_scale, w_t, w_scale.transpose(1, 2), offs, out_dtype)
 
 
 def kgrouped_gemm(a_t: Tensor, a_scale: Tensor, b_t: Tensor, b_scale: Tensor, offs: Tensor,
@@ -146,7 +137,7 @@ def kgrouped_gemm(a_t: Tensor, a_scale: Tensor, b_t: Tensor, b_scale: Tensor, of
     out = torch.empty(groups, n, k, dtype=torch.float32, device=a_t.device)
 
     def grid(meta):
-        return (groups, triton.cdiv(n, meta["BLOCK_M"]), triton.cdiv(k, meta["BLOCK_N"]))
+        return (groups * triton.cdiv(n, meta["BLOCK_M"]) * triton.cdiv(k, meta["BLOCK_N"]),)
 
     _kgrouped_kernel[grid](_descriptor(a_t), a_scale, _descriptor(b_t), b_scale, offs, out, n, k,
                            a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),

@@ -37,8 +37,9 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, strid
 
 
 @triton.jit
-def _quantize_blocks_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_wg, stride_wn, stride_qg, stride_qn,
+def _quantize_blocks_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_wg, stride_wn, stride_qg, stride_qn, stride_qk,
                             stride_sg, stride_sn):
+    # q's strides place code (n, k): (stride_qn, 1) for the [G, N, K] orientation, (1, stride_qk) for [G, K, N]
     g = tl.program_id(0).to(tl.int64)
     nt = tl.program_id(1)
     kt = tl.program_id(2)
@@ -48,7 +49,8 @@ def _quantize_blocks_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_wg, stride_wn, str
     w = tl.load(w_ptr + g * stride_wg + rows[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0)
     w = w.to(tl.float32)
     scale = tile_scale(tl.max(tl.max(tl.abs(w), axis=1), axis=0))
-    tl.store(q_ptr + g * stride_qg + rows[:, None] * stride_qn + cols[None, :], quantize_codes(w, scale), mask=mask)
+    q_ptrs = q_ptr + g * stride_qg + rows[:, None] * stride_qn + cols.to(tl.int64)[None, :] * stride_qk
+    tl.store(q_ptrs, quantize_codes(w, scale), mask=mask)
     tl.store(s_ptr + g * stride_sg + nt * stride_sn + kt, scale)
 
 
@@ -113,17 +115,30 @@ def quantize_activation(x: Tensor) -> tuple[Tensor, Tensor]:
     return q, scale
 
 
-def quantize_weight(w: Tensor) -> tuple[Tensor, Tensor]:
-    """Triton version of quant_ref.quantize_weight_ref, for w [N, K] or [G, N, K]."""
+def _quantize_blocks(w: Tensor, transposed: bool) -> tuple[Tensor, Tensor]:
+    """w [..., N, K] -> e4m3 codes [..., N, K] (or [..., K, N] if transposed) and the 128x128 block scales
+    [..., ceil(N/128), ceil(K/128)], which are the same in either orientation."""
     stacked = w.contiguous().reshape(-1, *w.shape[-2:])
     groups, n, k = stacked.shape
-    q = torch.empty(stacked.shape, dtype=FP8_DTYPE, device=w.device)
+    q = torch.empty((groups, k, n) if transposed else (groups, n, k), dtype=FP8_DTYPE, device=w.device)
+    q_nk = q.transpose(1, 2) if transposed else q  # indexed (g, n, k) either way
     scale = torch.empty(groups, num_tiles(n), num_tiles(k), dtype=torch.float32, device=w.device)
     if q.numel():
         _quantize_blocks_kernel[(groups, num_tiles(n), num_tiles(k))](
             stacked, q.view(torch.uint8), scale, n, k, stacked.stride(0), stacked.stride(1),
-            q.stride(0), q.stride(1), scale.stride(0), scale.stride(1), num_warps=8)
-    return q.view(w.shape), scale.view(*w.shape[:-2], num_tiles(n), num_tiles(k))
+            q_nk.stride(0), q_nk.stride(1), q_nk.stride(2), scale.stride(0), scale.stride(1), num_warps=8)
+    return q.view(*w.shape[:-2], *q.shape[1:]), scale.view(*w.shape[:-2], num_tiles(n), num_tiles(k))
+
+
+def quantize_weight(w: Tensor) -> tuple[Tensor, Tensor]:
+    """Triton version of quant_ref.quantize_weight_ref, for w [N, K] or [G, N, K]."""
+    return _quantize_blocks(w, transposed=False)
+
+
+def quantize_weight_t(w: Tensor) -> tuple[Tensor, Tensor]:
+    """Triton version of quant_ref.quantize_weight_t_ref: the same blocks written K-major for dgrad ([..., K, N]),
+    with no transpose pass."""
+    return _quantize_blocks(w, transposed=True)
 
 
 def _kgrouped_outputs(m: int, k: int, groups: int, device: torch.device) -> tuple[Tensor, Tensor]:

@@ -11,6 +11,7 @@ from typing import Literal
 from dispatch.choices import allowed_values, check_choice
 from dispatch.dispatcher import Exchange, Payload
 from dispatch.topology import DispatchBackend
+from kernels.backend import GemmKernels
 from launch.parallel.device import CommBackend, Device
 from launch.parallel.mesh import ONE_NODE, Layout
 from moe.config import ModelConfig, check_positive
@@ -87,6 +88,13 @@ class TrainSettings:
     (refused before any process starts otherwise). moe-plan prices the routed slots of such a runtime as "captured"
     (launch.plan.efficiency.SLOT_SECONDS) instead of "synced". The capture itself is issue 48's GPU half: until it
     lands, a run with true is checked and priced as captured but its steps run eagerly. Default false."""
+    fp8_gemm: GemmKernels = "reference"
+    """Which Triton FP8 grouped GEMMs (the forward, dgrad and wgrad of FP8 experts and linears) run on CUDA: "auto" the
+    persistent warp-specialised Gluon kernels on sm_90 GPUs (H100/H200) with a Triton that has Gluon (>= 3.6), the
+    `tl` reference kernels elsewhere; "fast" the Gluon kernels (an error where they cannot run); "reference" the `tl`
+    kernels. The environment variable MOE_FP8_GEMM, when set, overrides it (kernels.backend). Default "reference"
+    until the Gluon kernels pass `python -m kernels.gpu_check` on an H100/H200 (they compile for sm_90a here, but
+    have not run on a GPU yet: issue 47); "auto" is meant to become the default then."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batch_size", "grad_accum_steps", "seq_len", "rank_metrics_every"):
@@ -104,6 +112,7 @@ class TrainSettings:
         check_choice("train.dtype", self.dtype, Dtype)
         check_choice("train.device", self.device, Device)
         check_choice("train.recompute", self.recompute, Recompute)
+        check_choice("train.fp8_gemm", self.fp8_gemm, GemmKernels)
 
 
 @dataclass

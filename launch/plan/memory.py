@@ -29,6 +29,7 @@ KERNELS = ("project", "fused", "fused-fp8")
 PLAN_RECOMPUTE = (*RECOMPUTE, "moe", "layer")
 RERUN_EXCHANGES = ("moe", "layer")  # the modes whose backward first reruns its layers' EP exchanges
 FP8_CACHED = 1 + 4 / 128  # bytes per element of an e4m3 tensor with one fp32 scale per 128 (1x128 tiles)
+FP8_WEIGHT_COPY = 1 + 4 / 128**2  # bytes per element of an e4m3 weight copy with one fp32 scale per 128x128 block
 
 
 @dataclass(frozen=True)
@@ -349,11 +350,17 @@ def backward_workspace(cfg: ModelConfig, layers: range, embedding: bool, head: b
     grad before ZeRO-1 folds it into its fp32 sums (a grad in the training dtype, autograd's until the
     post-accumulate hook moves it; for FP8 experts the kernel's fp32 grad beside its cast: an MoE layer's
     local experts' gate|up weight, the embedding's and the LM head's, vocab split by TP), or, on the last
-    stage, the cross-entropy's fp32 grads of the log-probabilities and of the logits of a chunk's tokens."""
+    stage, the cross-entropy's fp32 grads of the log-probabilities and of the logits of a chunk's tokens.
+    FP8 experts' dgrad also holds the weight's e4m3 copy in dgrad's orientation (kernels.quantize_weight's
+    transposed=True, with its fp32 scale per 128x128 block; freed before the wgrad): FP8_WEIGHT_COPY bytes per
+    weight element, counted as its own op."""
     h = cfg.hidden_size
     fp8 = cfg.expert_precision == "fp8"
-    sizes = [2 * cfg.expert_ffn_size * h * (cfg.num_experts // ep) * (4 + itemsize if fp8 else itemsize)
-             if i >= cfg.first_k_dense else 2 * cfg.dense_ffn_size / tp * h * itemsize for i in layers]
+    experts = 2 * cfg.expert_ffn_size * h * (cfg.num_experts // ep)  # an MoE layer's local gate|up weight elements
+    moe_layers = sum(i >= cfg.first_k_dense for i in layers)
+    sizes = [2 * cfg.dense_ffn_size / tp * h * itemsize for i in layers if i < cfg.first_k_dense]
+    sizes += [experts * (4 + itemsize if fp8 else itemsize)] * moe_layers
+    sizes += [experts * FP8_WEIGHT_COPY] * (moe_layers if fp8 else 0)
     sizes += [cfg.padded_vocab_size / tp * h * itemsize] * (embedding + head)
     sizes += [2 * 4 * cfg.padded_vocab_size / tp * tokens] * head
     return max(sizes, default=0.0)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dispatch import EPDispatcher
+from kernels.backend import set_gemm_kernels
 from launch.config.run import RunConfig
 from launch.parallel.mesh import Mesh
 from launch.parallel.stages import Stage, build_stages
@@ -42,6 +43,7 @@ def build_model(cfg: RunConfig, mesh: Mesh, device: torch.device) -> tuple[list[
     cut to this rank's stages, TP shard and experts there, and only those are materialised on device,
     each piece with its single-process initial values (launch.train.materialize)."""
     par = cfg.parallel
+    set_gemm_kernels(cfg.train.fp8_gemm)
     torch.manual_seed(cfg.train.seed)
     with torch.device("meta"):
         model = MoETransformer(cfg.model, cfg.train.recompute).to(getattr(torch, cfg.train.dtype))

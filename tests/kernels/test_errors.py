@@ -44,8 +44,11 @@ def test_fp8_grouped_gemm_rejects(operands, change, message):
 
 def test_dgrad_checks_n_against_the_weight(operands):
     dy_q, dy_scale = kernels.quantize_activation(torch.randn(8, 96))
-    with pytest.raises(ValueError, match=r"dy.shape\[1\] is 96 but w.shape\[1\] is 128"):
-        kernels.fp8_grouped_gemm_dgrad(dy_q, dy_scale, *operands["b"], operands["offs"])
+    w_t, w_scale = kernels.quantize_weight(operands["w"], transposed=True)
+    with pytest.raises(ValueError, match=r"dy.shape\[1\] is 96 but w_t.shape\[2\] is 128"):
+        kernels.fp8_grouped_gemm_dgrad(dy_q, dy_scale, w_t, w_scale, operands["offs"])
+    with pytest.raises(ValueError, match=r"w_t_scale must have shape \(3, 1, 2\), got \(3, 2, 1\)"):
+        kernels.fp8_grouped_gemm_dgrad(*operands["dy_q"], w_t, w_scale.transpose(1, 2), operands["offs"])
 
 
 def test_triton_gemm_needs_sizes_that_are_multiples_of_16():

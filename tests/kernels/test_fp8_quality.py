@@ -103,8 +103,8 @@ def test_forward_dgrad_wgrad_are_fp32_exact_on_the_spec_e4m3_operands(backend, k
     want, mag = grouped64(spec_activation(x), spec_weight(w), GROUP_SIZES)
     assert_within_fp32_gemm_bound(out, want, mag, padded(k), "forward")
 
-    dx = kernels.fp8_grouped_gemm_dgrad(*kernels.quantize_activation(dy), *kernels.quantize_weight(w), offs,
-                                        backend=backend)
+    dx = kernels.fp8_grouped_gemm_dgrad(*kernels.quantize_activation(dy), *kernels.quantize_weight(w, transposed=True),
+                                        offs, backend=backend)
     want, mag = grouped64(spec_activation(dy), spec_weight(w).transpose(1, 2), GROUP_SIZES)
     assert_within_fp32_gemm_bound(dx, want, mag, padded(n), "dgrad")
 
@@ -164,7 +164,8 @@ def test_error_against_the_unquantised_product_is_e4m3_rounding_error(k, n):
     x, w, dy, offs = inputs(GROUP_SIZES, k, n, seed=14)
     x64, w64, dy64 = x.double(), w.double(), dy.double()
     fwd = kernels.fp8_grouped_gemm(*kernels.quantize_activation(x), *kernels.quantize_weight(w), offs)
-    dgrad = kernels.fp8_grouped_gemm_dgrad(*kernels.quantize_activation(dy), *kernels.quantize_weight(w), offs)
+    dgrad = kernels.fp8_grouped_gemm_dgrad(*kernels.quantize_activation(dy),
+                                           *kernels.quantize_weight(w, transposed=True), offs)
     wgrad = kernels.fp8_grouped_gemm_wgrad(*kernels.quantize_activation_kgrouped(dy, offs),
                                            *kernels.quantize_activation_kgrouped(x, offs), offs)
     for name, got, exact in (("forward", fwd, grouped64(x64, w64, GROUP_SIZES)[0]),

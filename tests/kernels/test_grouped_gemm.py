@@ -5,6 +5,7 @@ import torch
 
 import kernels
 from kernels import triton_gemm
+from kernels.grouped_ref import grouped_rows_matmul
 from tests.kernels.helpers import GROUP_SIZES, bounds, inputs, offsets
 
 SHAPES = [(256, 128), (208, 96)]  # (K, N); the second is not a multiple of 128 on either side
@@ -28,8 +29,8 @@ def forward(x, w, offs, backend, **kw):
 
 
 def dgrad(dy, w, offs, backend):
-    return kernels.fp8_grouped_gemm_dgrad(*kernels.quantize_activation(dy), *kernels.quantize_weight(w), offs,
-                                          backend=backend)
+    return kernels.fp8_grouped_gemm_dgrad(*kernels.quantize_activation(dy),
+                                          *kernels.quantize_weight(w, transposed=True), offs, backend=backend)
 
 
 def wgrad(dy, x, offs, backend):
@@ -96,3 +97,19 @@ def test_every_autotune_config_matches_the_reference(monkeypatch, tiles):
     x, w, dy, offs = inputs(GROUP_SIZES, 208, 96, seed=8)
     for op, args in ((forward, (x, w, offs)), (dgrad, (dy, w, offs)), (wgrad, (dy, x, offs))):
         torch.testing.assert_close(op(*args, backend="triton"), op(*args, backend="torch"), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_dgrad_on_the_second_orientation_is_bitwise_the_per_call_transpose(backend):
+    """dgrad reads w's K-major copy from the quantiser; the old path transposed w's codes on every call. Same codes,
+    same scales, same kernel: the same bits."""
+    _, w, dy, offs = inputs(GROUP_SIZES, 208, 96, seed=9)
+    dy_q, dy_scale = kernels.quantize_activation(dy)
+    w_q, w_scale = kernels.quantize_weight(w)
+    if backend == "triton":
+        old = triton_gemm.mgrouped_gemm(dy_q, dy_scale, w_q.transpose(1, 2).contiguous(), w_scale.transpose(1, 2),
+                                        offs, torch.float32)
+    else:
+        old = grouped_rows_matmul(kernels.dequantize_activation(dy_q, dy_scale),
+                                  kernels.dequantize_weight(w_q, w_scale).transpose(1, 2), offs)
+    assert torch.equal(dgrad(dy, w, offs, backend), old)

@@ -28,12 +28,14 @@ def _calls(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, offs: torch.Tenso
     """Every FP8 op on these operands (the grouped GEMMs on their quantised forms)."""
     xq, xs = kernels.quantize_activation(x)
     wq, ws = kernels.quantize_weight(w)
+    wt, _ = kernels.quantize_weight(w, transposed=True)
     dq, ds = kernels.quantize_activation(dy)
     xt, xts = kernels.quantize_activation_kgrouped(x, offs)
     dt, dts = kernels.quantize_activation_kgrouped(dy, offs)
     return {"quantize_activation": (xq, xs), "quantize_weight": (wq, ws), "kgrouped": (xt, xts),
             "gemm": kernels.fp8_grouped_gemm(xq, xs, wq, ws, offs, out_dtype=torch.bfloat16),
-            "dgrad": kernels.fp8_grouped_gemm_dgrad(dq, ds, wq, ws, offs, out_dtype=torch.bfloat16),
+            "quantize_weight_t": wt,
+            "dgrad": kernels.fp8_grouped_gemm_dgrad(dq, ds, wt, ws, offs, out_dtype=torch.bfloat16),
             "wgrad": kernels.fp8_grouped_gemm_wgrad(dt, dts, xt, xts, offs)}
 
 

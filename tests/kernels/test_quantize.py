@@ -119,3 +119,15 @@ def test_triton_kgrouped_quantisation_is_bitwise_the_reference():
     q_t, scale = kernels.quantize_activation_kgrouped(x, offs, backend="triton")
     ref_q, ref_scale = kernels.quantize_activation_kgrouped(x, offs, backend="torch")
     assert same_bits(q_t, ref_q) and torch.equal(scale, ref_scale)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_transposed_weight_blocks_are_the_same_codes_and_scales_k_major(backend):
+    """quantize_weight(transposed=True) (dgrad's operand, written so by the quantiser) holds exactly the forward's
+    codes transposed, with the very same block scales: dgrad's numerics are those of the old per-call transpose."""
+    w = torch.randn(3, 200, 144)
+    for weight in (w, w[0]):
+        q, scale = kernels.quantize_weight(weight, backend=backend)
+        q_t, scale_t = kernels.quantize_weight(weight, transposed=True, backend=backend)
+        assert q_t.shape == (*weight.shape[:-2], 144, 200) and q_t.is_contiguous()
+        assert same_bits(q_t, q.transpose(-2, -1).contiguous()) and torch.equal(scale_t, scale)

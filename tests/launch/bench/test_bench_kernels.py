@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from kernels.shapes import JAGGED
 from launch.bench import kernels as bench
 from launch.bench.cli import main as moe_bench
 
@@ -63,3 +64,18 @@ def test_planned_tflops_names_the_gpu_and_prices_each_op_as_the_planner_does():
     assert bench.planned_tflops(model, "dgrad", shape, "bf16") == flops / dgrad / 1e12
     assert bench.planned_tflops(model, "wgrad", shape, "fp8-block") == flops / model.linear(512, 768, 2048, "fp8-block", 8)[2] / 1e12
     assert bench.planned_tflops(None, "forward", shape, "bf16") is None
+
+
+def test_dry_run_lists_the_issue_table_without_cuda(capsys):
+    """The default cases are issue 47's table: forward and dgrad at 2 (N, K) x 6 group layouts (jagged with an empty
+    and a 4093-row group), wgrad at 2 x 3; both our kernels of each op; a grid replaces the table."""
+    assert bench.main(["--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == "30 cases"
+    cases = bench.cases(bench.parse_args([]))
+    assert [op for op, *_ in cases].count("wgrad") == 6 and len(cases) == 30
+    assert ("forward", 4096, 7168, (4096,) * 8) in cases and ("dgrad", 7168, 2048, JAGGED) in cases
+    assert 0 in JAGGED and 4093 in JAGGED and sum(JAGGED) == 8 * 4096
+    assert all("ours (fast, reference)" in line for line in lines[:-1])
+    grid = bench.cases(bench.parse_args(["--shapes", "256x128", "--groups", "2", "--rows", "16"]))
+    assert grid == [(op, 128, 256, (16, 16)) for op in ("forward", "dgrad", "wgrad")]
