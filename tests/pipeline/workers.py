@@ -223,7 +223,7 @@ def p2p_fixed(rank: int, world: int, count: int = 12) -> dict:
     ch.fixed = [TensorMeta(torch.float32, True, (2, 3, 4)), TensorMeta(torch.int8, True, (5,))]
     peer, g = 1 - rank, torch.Generator().manual_seed(rank)
     tickets = [ch.post_recv(peer, stream=0) for _ in range(count)]
-    sizes = [tickets[0].buf.numel()]
+    sizes = [tickets[0].pending.buffers[0].numel()]  # the posted receive buffer
     for _ in range(count):
         ch.send([torch.randn(2, 3, 4, generator=g), torch.randint(-9, 9, (5,), generator=g, dtype=torch.int8)], peer, 0)
     got = [[(t.clone(), flag) for t, flag in ch.finish_recv(tk, peer, 0)] for tk in tickets]
