@@ -16,9 +16,10 @@ measured bounds instead (test_fp8_recipe_layout_tracks_single_process, where the
 (pp2 DualPipeV x dp2 x ep2 across nodes, FP8 dispatch payload through the padded exchange) in float32, in the
 world-4 spawn.
 
-Issue 48's sync-free step is watched inside the same runs (tests/syncs.py): every layout's forward and backward
-reads, the padded exchange's layouts (flat; DualPipeV x dp2 x ep2 hierarchical in 2 chunks, CHUNKED_PADDED) against
-their exact twins, and the FP8 recipe's padded run reading nothing.
+Issue 48's sync-free step is watched inside the same runs (tests/syncs.py): every layout's statistics copies, the
+forward and backward reads of every sync-free layout and of the exact exchange's flat and hierarchical forms at EP 2
+(watch_mode), the padded exchange's layouts (flat; DualPipeV x dp2 x ep2 hierarchical in 2 chunks, CHUNKED_PADDED)
+against their exact twins, and the FP8 recipe's padded run reading nothing.
 """
 
 from __future__ import annotations
@@ -100,9 +101,11 @@ SPAWNS = {2: [(name, "mla", False, "none") for name in ("pp2 dualpipev", "pp2 1f
           # train.recompute under DualPipeV's B/W split and EP's async dispatch (ZeRO-1 over dp2 too)
           + [("pp2 dp2 ep2 dualpipev, EP across nodes", "mla", False, "selective"),
              ("pp2 dp2 ep2 dualpipev hierarchical, redundant experts", "gqa", False, "full")]}
-MTP_LAYOUTS = {"pp2 1f1b": LAYOUTS["pp2 1f1b"], "pp2 dp2 ep2 dualpipev": {"pp": 2, "dp": 2, "ep": 2, "schedule": "dualpipev"},
+MTP_LAYOUTS = {"pp2 1f1b": LAYOUTS["pp2 1f1b"],
+               "pp2 dp2 ep2 dualpipev": {"pp": 2, "dp": 2, "ep": 2, "schedule": "dualpipev"},
                "dp2 tp2 sp": {"dp": 2, "tp": 2, "sequence_parallel": True}}
 MTP_SPAWNS = {2: ["pp2 1f1b"], 4: ["pp2 dp2 ep2 dualpipev", "dp2 tp2 sp"]}  # MLA + MTP depth 1, dropless
+EXACT_READS_SEEN = ("dp2 ep2 flat", "dp2 ep2 hierarchical")  # exact exchanges whose reads are checked (watch_mode)
 SPAWN_S = 1200  # one spawn trains every run of its world size (the spawned fixture): its bound, start-up included
 _WORLDS = itertools.count(1)  # a spawned rank's worlds after its first (release_groups)
 
@@ -297,7 +300,7 @@ def spawned(corpus, documents, drop_corpus, tmp_path_factory):
         keys = [k for k in raws if worlds[k] == worlds[key]]
 
         def spawn() -> list[tuple[dict, list[dict], list[torch.Tensor | None]]]:
-            watched = [k[0] in ("layout", "recipe") for k in keys]  # the runs whose reads a test checks
+            watched = [watch_mode(k) for k in keys]
             results = run_processes(_train_with_embedding, worlds[key], [(raws[k], w) for k, w in zip(keys, watched)],
                                     timeout_s=600, run_timeout_s=SPAWN_S)
             run.reads.update((k, [rank[i][2] for rank in results]) for i, k in enumerate(keys) if watched[i])
@@ -314,6 +317,19 @@ def test_layout_equals_single_process(layout, spawned, reference):
     for name in routings(parallel):
         raw, records, _ = spawned(("layout", layout, name))
         check_equal_runs(records, raw, reference(name), parallel, name)
+
+
+def watch_mode(key: tuple) -> str | None:
+    """How a spawned run is watched (tests/syncs.py step_reads): "reads" (the sync detector and the statistics
+    copies) for the runs whose reads a test checks: the FP8 recipe's, every sync-free layout's, and the exact
+    exchange's in its flat and hierarchical forms at EP 2 (EXACT_READS_SEEN); "copies" (the copies only: the
+    detector doubles a small step's time) for the other exact-exchange layouts, whose reads are known and claimed
+    by nothing; None for the rest."""
+    if key[0] == "recipe":
+        return "reads"
+    if key[0] != "layout":
+        return None
+    return "reads" if sync_free(LAYOUTS[key[1]]) or key[1] in EXACT_READS_SEEN else "copies"
 
 
 def sync_free(parallel: dict) -> bool:
@@ -334,8 +350,9 @@ def test_steps_read_nothing_in_forward_and_backward_and_copy_their_statistics_on
         reruns = records[-1].get("dispatch_reruns", 0)  # attempts on the exact exchange after an overflow
         for rank, attempts in enumerate(spawned.reads["layout", layout, name]):
             assert len(attempts) == STEPS + reruns and all(copies == 1 for _, copies in attempts), (name, rank)
-            free = [got for got, _ in attempts if not got]
-            assert len(free) == (STEPS if sync_free(parallel) else 0), (name, rank, attempts[0][0][:5])
+            if watch_mode(("layout", layout, name)) == "reads":
+                free = [got for got, _ in attempts if not got]
+                assert len(free) == (STEPS if sync_free(parallel) else 0), (name, rank, attempts[0][0][:5])
         reference(name)
         assert [(got, copies) for got, copies in reference.reads[name, "gqa", 0, False]] == [([], 1)] * STEPS
 
@@ -409,11 +426,11 @@ def release_groups(records: list[dict]) -> list[dict]:
     return records
 
 
-def _train_with_embedding(rank: int, world: int, raws: list[tuple[dict, bool]]
-                          ) -> list[tuple[list[dict], torch.Tensor | None, list[tuple[list, int]]]]:
-    """Each run's records, this rank's final embedding (None where no stage holds it), and for the runs marked watched
-    per forward and backward its host reads (kind, where) and the copies of its statistics (tests/syncs.py
-    step_reads; the detector's dispatch mode slows a step by half, so the others run unwatched)."""
+def _train_with_embedding(rank: int, world: int, raws: list[tuple[dict, str | None]]
+                          ) -> list[tuple[list[dict], torch.Tensor | None, list[tuple[list | None, int]]]]:
+    """Each run's records, this rank's final embedding (None where no stage holds it), and for the runs watched
+    (watch_mode: "reads" or "copies") per forward and backward its host reads (kind, where; None unless "reads") and
+    the copies of its statistics (tests/syncs.py step_reads)."""
     held, runs = [], []
 
     def build(*args, **kwargs):
@@ -422,9 +439,10 @@ def _train_with_embedding(rank: int, world: int, raws: list[tuple[dict, bool]]
         return out
     with mock.patch("launch.train.loop.build_model", build):  # where train() looks it up
         for raw, watch in raws:
-            with step_reads() if watch else contextlib.nullcontext([]) as steps:
+            with step_reads(detect=watch == "reads") if watch else contextlib.nullcontext([]) as steps:
                 records = release_groups(train(build_config(raw), progress=False))
-            runs.append((records, held[-1], [([(r.kind, r.where) for r in s.reads], s.copies) for s in steps]))
+            runs.append((records, held[-1], [(s.reads and [(r.kind, r.where) for r in s.reads], s.copies)
+                                             for s in steps]))
     return runs
 
 

@@ -1,12 +1,13 @@
-"""The shipped default config through moe-train's own spawn, torchrun and mpiexec gives identical losses and learns
-within 200 steps; a launcher world unlike the layout is an error on every rank; a killed rank ends the whole run and
-is named.
+"""The shipped default config through moe-train's own spawn, torchrun and mpiexec gives identical losses, learns
+within 200 steps and tracks its 1-process twin; a launcher world unlike the layout is an error on every rank; a killed
+rank ends the whole run and is named.
 
 These run the real trainer as a user would (the README's commands): configs/tiny.toml as shipped, its BPE shards
 prepared into each run directory, launched the three ways side by side (moe-train's run of 200 steps is also the
-learning check; torchrun's and mpiexec's stop after 10 steps), and for the refusals and the kill configs/tiny.toml
-(its `base`) with less text. moe-train's node flags and SLURM's variables are read in
-tests/launch/train/test_launch_input.py; several nodes forming one world are run in tests/launch/parallel/test_spawn.py.
+learning check; torchrun's and mpiexec's stop after 10 steps) beside configs/tiny-1proc.toml for 20 steps, and for
+the refusals and the kill configs/tiny.toml (its `base`) with less text. moe-train's node flags and SLURM's
+variables are read in tests/launch/train/test_launch_input.py; several nodes forming one world are run in
+tests/launch/parallel/test_spawn.py.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
 ROOT = Path(__file__).resolve().parents[3]
 WORLD = 4  # configs/tiny.toml: pp=2 x dp=2
 TINY = ROOT / "configs" / "tiny.toml"
+TWIN = ROOT / "configs" / "tiny-1proc.toml"  # the same model, data and global batch on one process
+TWIN_STEPS = 20  # the twin's run: the 20-step warmup, whose rates do not depend on train.steps
+LAUNCHERS = ("moe-train", "torchrun", "mpiexec")
 LEARN_STEPS = 200  # moe-train's run: the learning check (a run of 120 steps, its cosine decay over 120, ends at 3.90)
 STEPS = 10  # torchrun's and mpiexec's runs: inside the 20-step warmup, whose rates do not depend on train.steps
 LAUNCHES_S = 850  # the three launches side by side, moe-train's 200 steps the longest (~160 s on 2 cores)
@@ -81,8 +85,9 @@ def unigram_entropy(folder: Path) -> float:
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory) -> tuple[Path, dict[str, tuple[int, str, list[dict]]]]:
     """(the launches' folder, name -> (exit code, output, metric records)): configs/tiny.toml as shipped, started
-    side by side by moe-train's own spawn (LEARN_STEPS steps), torchrun and mpiexec (STEPS steps); each run dir is
-    the folder's NAME, each metrics file NAME.jsonl."""
+    side by side by moe-train's own spawn (LEARN_STEPS steps), torchrun and mpiexec (STEPS steps), and "one process",
+    configs/tiny-1proc.toml by moe-train (TWIN_STEPS steps); each run dir is the folder's NAME, each metrics file
+    NAME.jsonl."""
     tmp_path = tmp_path_factory.mktemp("launches")
     moe_train = shutil.which("moe-train")
     assert moe_train, "moe-train is not on PATH: pip install -e ."
@@ -91,6 +96,7 @@ def launches(tmp_path_factory) -> tuple[Path, dict[str, tuple[int, str, list[dic
         "torchrun": [*TORCHRUN, "--nproc-per-node", str(WORLD), "--master-port", str(_free_port()),
                      "-m", "launch.train_cli", "--config", str(TINY), "--steps", str(STEPS)],
         "mpiexec": [shutil.which("mpiexec"), "-n", str(WORLD), moe_train, "--config", str(TINY), "--steps", str(STEPS)],
+        "one process": [moe_train, "--config", str(TWIN), "--steps", str(TWIN_STEPS)],
     }
     procs = {name: _start(command, tmp_path, name) for name, command in launches.items()}  # side by side
     out = {}
@@ -103,7 +109,7 @@ def launches(tmp_path_factory) -> tuple[Path, dict[str, tuple[int, str, list[dic
 
 @pytest.mark.timeout(LAUNCHES_S + 50)
 def test_own_spawn_torchrun_and_mpiexec_give_identical_losses(launches):
-    outputs = launches[1]
+    outputs = {name: launches[1][name] for name in LAUNCHERS}
     assert all(code == 0 for code, _, _ in outputs.values()), {n: out[-3000:] for n, (code, out, _) in outputs.items()
                                                                if code}
     for name, (_, output, _) in outputs.items():  # rank 0 of one 4-rank world prints the layout, once
@@ -115,6 +121,19 @@ def test_own_spawn_torchrun_and_mpiexec_give_identical_losses(launches):
     assert losses["torchrun"] == losses["moe-train"] and losses["mpiexec"] == losses["moe-train"], losses
     # it learns: halfway through the 20-step warmup the default's BPE loss is ~9% below ln 512 (6.25 -> 5.69)
     assert losses["moe-train"][-1] < 0.95 * losses["moe-train"][0]
+
+
+@pytest.mark.timeout(LAUNCHES_S + 50)
+def test_the_default_layout_tracks_its_one_process_twin_in_float32(launches):
+    """The shipped 4-process default (DualPipeV x DP x hierarchical EP) and configs/tiny-1proc.toml agree within 1e-4
+    (relative) over the first 20 steps: float32 sums in other orders, on the same batches (was
+    tests/launch/train/test_train.py's own 4-process and 1-process runs of 20 steps)."""
+    code, output, twin = launches[1]["one process"]
+    assert code == 0, output[-3000:]
+    default = launches[1]["moe-train"][2][:TWIN_STEPS]
+    assert [r["step"] for r in twin] == [r["step"] for r in default] == list(range(TWIN_STEPS))
+    for a, b in zip(default, twin):
+        assert a["lm_loss"] == pytest.approx(b["lm_loss"], rel=1e-4), a["step"]
 
 
 @pytest.mark.timeout(LAUNCHES_S + 50)
