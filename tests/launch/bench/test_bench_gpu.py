@@ -31,7 +31,8 @@ def test_dry_run_lists_every_row_with_its_shapes_and_budget(capsys):
     for row in gpu.ROWS:
         assert f"{row.name:<20} budget {row.budget_s:>4.0f} s  {row.runs}" in out
     assert "hidden 7168, 8 experts of 2048, top-8, 4096 tokens, bf16" in out  # the V3 slice of the moe-layer row
-    assert "trainer-graphed" in out and "not yet: train.cuda_graphs captures nothing yet" in out
+    assert "trainer-graphed" in out and "not yet" not in out  # train.cuda_graphs captures (launch.train.graphs)
+    assert "graphs-check" in out and "10 steps eager twice and with CUDA graphs" in out
     budgets = {row.name: row.budget_s for row in gpu.ROWS}
     assert budgets["kernels"] <= 120 and budgets["v3-rank"] <= 120
     assert all(budget <= 60 for name, budget in budgets.items() if name.startswith("trainer-"))
@@ -63,7 +64,7 @@ def test_the_docs_page_and_moe_plans_ratios_come_from_a_result(tmp_path, capsys)
             {"row": "trainer-eager", "status": "ok", "wall_s": 35.0, "budget_s": 40, "runs": "gpu-1x", "peer": "-",
              "tokens_per_s": 20000.0, "step_ms": 204.8, "mfu": 0.31, "peak_memory_gib": 61.0, "plan_step_ms": 180.0,
              "plan_peak_gib": 58.0, "plan_tokens_per_s": 22755.0},
-            {"row": "trainer-graphed", "status": "not yet: train.cuda_graphs missing", "wall_s": 0.0, "budget_s": 40,
+            {"row": "trainer-graphed", "status": "error: RuntimeError: capture failed", "wall_s": 0.0, "budget_s": 40,
              "runs": "gpu-1x", "peer": "-"}]
     result = tmp_path / "gpu.json"
     head = {"suite": "gpu", "time_utc": "2026-11-28T17:00:00+00:00", "command": "moe-bench gpu --json gpu.json",
@@ -75,7 +76,7 @@ def test_the_docs_page_and_moe_plans_ratios_come_from_a_result(tmp_path, capsys)
     text = page.read_text()
     assert text.startswith("# GPU results: no GPU") and head["time_utc"] in text and head["machine"]["cpu"] in text
     assert "| trainer-eager | ok | 35 | 40 | - | - | - | 20000 | 31.0% | 22755 | 61.0 | 58.0 |" in text
-    assert "| trainer-graphed | not yet: train.cuda_graphs missing |" in text
+    assert "| trainer-graphed | error: RuntimeError: capture failed |" in text
     capsys.readouterr()
     assert moe_plan(["--measure-gpu", str(result)]) == 0
     out = capsys.readouterr().out

@@ -1,0 +1,134 @@
+"""train.cuda_graphs (issue 48, launch.train.graphs) on the CPU: the trainer's micro-batches captured and replayed by the
+replay simulator (tests/graph_replay.py: the same capture logic, the aten operators recorded and re-run on the same
+tensors, never the Python) train to losses and final parameters bitwise equal to the eager run, in float32, on
+one process: dropless, with capacity drops, and with DeepSeek-V3's FP8 recipe (the CPU references).
+
+The comparison can fail: Python-side state in the forward (a counter, tallies rebound to new tensors, as
+Stage.reset_tallies did before the capture) makes the replayed run differ, and a host read inside the captured region
+is refused at the capture. Layouts the capture does not hold yet are refused before any process starts."""
+
+from __future__ import annotations
+
+import itertools
+from unittest import mock
+
+import pytest
+import torch
+
+from launch.config.run import build_config
+from launch.parallel.stages import LayerTally, Stage
+from launch.plan.rehearse import RandomFeed
+from launch.train import loop
+from launch.train.graphs import WARMUP_MICRO_BATCHES, check_graphable
+from launch.train.preflight import check_run
+from moe.layer import MoELayer
+from tests.graph_replay import ReplayGraphs
+from tests.syncs import HostRead
+
+STEPS, MICRO = 4, 2
+RECIPE = {"expert_precision": "fp8", "linear_precision": "fp8", "activation_cache": "fp8"}  # DeepSeek-V3's FP8 recipe
+ROUTINGS = {"dropless": {}, "capacity 1.0": {"capacity_factor": 1.0}, "fp8 recipe": RECIPE}
+
+
+def tiny(run_dir, model: dict | None = None, parallel: dict | None = None, graphs: bool = True, **train) -> dict:
+    """A float32 model of 1 dense and 1 MoE layer (4 experts, top-2, aux loss and bias update on), MICRO micro-batches of
+    2 x 16 tokens a step, on one process."""
+    return {"model": {"vocab_size": 128, "hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1,
+                      "dense_ffn_size": 64, "num_experts": 4, "expert_ffn_size": 16, "top_k": 2, "max_seq_len": 16,
+                      "first_k_dense": 1, "aux_loss_coeff": 0.01, "bias_update_rate": 0.01, **(model or {})},
+            "train": {"steps": STEPS, "micro_batch_size": 2, "seq_len": 16, "grad_accum_steps": MICRO, "lr": 0.01,
+                      "warmup_steps": 1, "eval_batches": 0, "run_dir": str(run_dir), "cuda_graphs": graphs, **train},
+            "parallel": parallel or {}}
+
+
+def run(run_dir, model: dict, graphs: bool) -> tuple[list[float], dict[str, torch.Tensor], ReplayGraphs | None]:
+    """(each step's loss, the final parameters, the simulator) of STEPS steps on random tokens, graphed or eager."""
+    cfg = build_config(tiny(run_dir, model, graphs=graphs))
+    held, build = {}, loop.build_model
+
+    def keep(*args, **kwargs):
+        held["stages"], runtime = build(*args, **kwargs)
+        return held["stages"], runtime
+    backend = ReplayGraphs() if graphs else None
+    with mock.patch.object(loop, "build_model", keep):
+        records = loop.train(cfg, progress=False, feed=RandomFeed(cfg, torch.device("cpu")), checkpoints=False,
+                             graph_backend=backend)
+    params = {name: p.detach().clone() for stage in held["stages"] for name, p in stage.named_parameters()}
+    return [r["loss"] for r in records], params, backend
+
+
+def assert_bitwise(graphed: tuple, eager: tuple) -> None:
+    assert graphed[0] == eager[0], "losses"
+    assert all(torch.equal(graphed[1][name], p) for name, p in eager[1].items()), "final parameters"
+
+
+@pytest.fixture(scope="module")
+def eager(tmp_path_factory):
+    """The eager runs, by routing (made once)."""
+    return {name: run(tmp_path_factory.mktemp("eager"), model, graphs=False) for name, model in ROUTINGS.items()}
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_graphed_steps_equal_eager_ones_bitwise(routing, eager, tmp_path):
+    graphed = run(tmp_path, ROUTINGS[routing], graphs=True)
+    assert_bitwise(graphed, eager[routing])
+    backend = graphed[2]
+    assert (backend.captures, backend.replays) == (1, STEPS * MICRO - WARMUP_MICRO_BATCHES)
+
+
+def test_python_state_in_the_forward_makes_the_replay_differ(eager, tmp_path):
+    """Two plants of state a replay does not redo: the routing tallies rebound to new tensors at every step (what
+    Stage.reset_tallies did: the graph keeps adding into the first ones, the step's statistics read zeros), and a
+    Python counter scaling each MoE layer's output (frozen at its capture value)."""
+    def rebinding(stage: Stage) -> None:
+        device = next(stage.parameters()).device
+        stage.tallies = {i: LayerTally.zeros(stage.cfg.num_experts, device) for i in stage.moe_layers()}
+    with mock.patch.object(Stage, "reset_tallies", rebinding):
+        with pytest.raises(AssertionError, match="losses"):
+            assert_bitwise(run(tmp_path / "rebinding", {}, graphs=True), eager["dropless"])
+
+    forward = MoELayer.forward_steps
+
+    def counted(calls):
+        def forward_steps(self, *args, **kwargs):
+            out, stats = yield from forward(self, *args, **kwargs)
+            return out * (1 + next(calls) / 64), stats
+        return forward_steps
+    with mock.patch.object(MoELayer, "forward_steps", counted(itertools.count())):
+        planted = run(tmp_path / "counted eager", {}, graphs=False)
+    with mock.patch.object(MoELayer, "forward_steps", counted(itertools.count())):
+        with pytest.raises(AssertionError, match="losses"):
+            assert_bitwise(run(tmp_path / "counted", {}, graphs=True), planted)
+
+
+def test_a_host_read_in_the_captured_region_is_refused(tmp_path):
+    forward = MoELayer.forward_steps
+
+    def reading(self, x, *args, **kwargs):
+        x.sum().item()
+        return (yield from forward(self, x, *args, **kwargs))
+    with mock.patch.object(MoELayer, "forward_steps", reading), pytest.raises(HostRead, match="Tensor.item"):
+        run(tmp_path, {}, graphs=True)
+
+
+@pytest.mark.parametrize("parallel, optim, key", [
+    ({"pp": 2, "schedule": "1f1b"}, {}, "parallel.pp = 2"),
+    ({"dp": 2, "ep": 2, "dispatch_exchange": "padded"}, {}, "parallel.ep = 2"),
+    ({"tp": 2}, {}, "parallel.tp = 2"),
+    ({"cp": 2}, {}, "parallel.cp = 2"),
+    ({"dp": 2}, {"zero_stage": 2}, "optim.zero_stage = 2"),
+])
+def test_layouts_not_captured_yet_are_refused_naming_the_key(parallel, optim, key, tmp_path, monkeypatch):
+    """Refused by check_graphable, before any process starts (launch.train.preflight.check_run, here with a GPU
+    faked so that the device check passes); dp without those passes, and so does the key off."""
+    raw = tiny(tmp_path, parallel=parallel, grad_accum_steps=4)
+    raw["optim"] = optim
+    cfg = build_config(raw)
+    with pytest.raises(ValueError, match=rf"train.cuda_graphs = true cannot capture .*{key}.* train.cuda_graphs = false"):
+        check_graphable(cfg)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    with pytest.raises(ValueError, match=key):
+        check_run(cfg)
+    check_graphable(build_config(tiny(tmp_path, parallel={"dp": 2}, grad_accum_steps=4)))
+    check_graphable(build_config({**raw, "train": {**raw["train"], "cuda_graphs": False}}))
