@@ -19,7 +19,7 @@ from launch.config.run import build_config
 from launch.parallel.stages import LayerTally, Stage
 from launch.plan.rehearse import RandomFeed
 from launch.train import loop
-from launch.train.graphs import WARMUP_MICRO_BATCHES, check_graphable
+from launch.train.graphs import WARMUP_MICRO_BATCHES, GraphStateError, StepGraphs, check_graphable
 from launch.train.preflight import check_run
 from moe.layer import MoELayer
 from tests.graph_replay import ReplayGraphs
@@ -109,6 +109,23 @@ def test_a_host_read_in_the_captured_region_is_refused(tmp_path):
         return (yield from forward(self, x, *args, **kwargs))
     with mock.patch.object(MoELayer, "forward_steps", reading), pytest.raises(HostRead, match="Tensor.item"):
         run(tmp_path, {}, graphs=True)
+
+
+def test_a_capture_that_rebinds_a_grad_is_refused():
+    """A replay accumulates into the .grad tensors bound at the capture: a capture that binds a new one (a grad that
+    did not exist, set_to_none) is refused, naming the parameter; with the grads bound before, it passes."""
+    layer = torch.nn.Linear(4, 2)
+    graphs = StepGraphs(ReplayGraphs(), dict(layer.named_parameters()), warmup=0)
+
+    def work(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = torch.nn.functional.cross_entropy(layer(inputs.float()), labels)
+        loss.backward()
+        return loss.detach()
+    inputs, labels = torch.ones(3, 4, dtype=torch.long), torch.zeros(3, dtype=torch.long)
+    with pytest.raises(GraphStateError, match="rebound the .grad of weight, bias"):
+        graphs.micro_batch(work, inputs, labels, 1.0)
+    eager = work(inputs, labels)  # binds the grads
+    assert torch.equal(graphs.micro_batch(work, inputs, labels, 1.0), eager)
 
 
 @pytest.mark.parametrize("parallel, optim, key", [
