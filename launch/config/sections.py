@@ -83,8 +83,8 @@ class TrainSettings:
     (DeepSeek-V3's) rebuilds the norms' outputs, MLA's q/k/v and the SwiGLU products in the backward; "full" keeps
     each block segment's inputs only and reruns the segment."""
     cuda_graphs: bool = False
-    """Capture each micro-batch's forward, loss and backward in a CUDA graph and replay it for the later micro-batches of
-    the same shape (issue 48; launch.train.graphs): 2 eager micro-batches of a shape warm up on a side stream, the
+    """Capture each micro-batch's forward, loss and backward in a CUDA graph and replay it for the later micro-batches
+    of the same shape (issue 48; launch.train.graphs): 2 eager micro-batches of a shape warm up on a side stream, the
     next one is captured (one private memory pool per rank), every later one is copied into the graph's static
     buffers and replayed. The step must read nothing to the host: ranks on CUDA GPUs, and with parallel.ep > 1
     parallel.dispatch_exchange = "padded". Captured today: parallel.pp = 1 with no collective inside the forward

@@ -1,5 +1,5 @@
-"""train.cuda_graphs (issue 48, launch.train.graphs) on the CPU: the trainer's micro-batches captured and replayed by the
-replay simulator (tests/graph_replay.py: the same capture logic, the aten operators recorded and re-run on the same
+"""train.cuda_graphs (issue 48, launch.train.graphs) on the CPU: the trainer's micro-batches captured and replayed by
+the replay simulator (tests/graph_replay.py: the same capture logic, the aten operators recorded and re-run on the same
 tensors, never the Python) train to losses and final parameters bitwise equal to the eager run, in float32, on
 one process: dropless, with capacity drops, and with DeepSeek-V3's FP8 recipe (the CPU references).
 
@@ -31,8 +31,8 @@ ROUTINGS = {"dropless": {}, "capacity 1.0": {"capacity_factor": 1.0}, "fp8 recip
 
 
 def tiny(run_dir, model: dict | None = None, parallel: dict | None = None, graphs: bool = True, **train) -> dict:
-    """A float32 model of 1 dense and 1 MoE layer (4 experts, top-2, aux loss and bias update on), MICRO micro-batches of
-    2 x 16 tokens a step, on one process."""
+    """A float32 model of 1 dense and 1 MoE layer (4 experts, top-2, aux loss and bias update on), MICRO micro-batches
+    of 2 x 16 tokens a step, on one process."""
     return {"model": {"vocab_size": 128, "hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1,
                       "dense_ffn_size": 64, "num_experts": 4, "expert_ffn_size": 16, "top_k": 2, "max_seq_len": 16,
                       "first_k_dense": 1, "aux_loss_coeff": 0.01, "bias_update_rate": 0.01, **(model or {})},
@@ -141,7 +141,8 @@ def test_layouts_not_captured_yet_are_refused_naming_the_key(parallel, optim, ke
     raw = tiny(tmp_path, parallel=parallel, grad_accum_steps=4)
     raw["optim"] = optim
     cfg = build_config(raw)
-    with pytest.raises(ValueError, match=rf"train.cuda_graphs = true cannot capture .*{key}.* train.cuda_graphs = false"):
+    refusal = rf"train.cuda_graphs = true cannot capture .*{key}.* train.cuda_graphs = false"
+    with pytest.raises(ValueError, match=refusal):
         check_graphable(cfg)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
