@@ -23,8 +23,10 @@ micro-batches (ZeroOptimizer.clip_grad_norm_), and parallel.overlap_grad_reduce 
 
 A micro-batch whose loss scale is not the captured one (a fault drill's step, launch.faults.guard) runs eagerly; so
 do the held-out evaluation and the exact rerun of a step whose padded exchange overflowed, after which drop() forgets
-every graph (the grown bounds change the exchange's shapes: the next micro-batches warm up and capture again).
-launch/config/checks.py refuses the layouts whose step cannot be captured yet (see _check_cuda_graphs there).
+every graph (the grown bounds change the exchange's shapes: the next micro-batches warm up and capture again); a
+rollback's checkpoint load drops them too. check_graphable refuses, before any process starts
+(launch.train.preflight), the layouts whose step is not captured yet: pipeline stages, collectives inside the forward
+and backward (EP, TP, CP), ZeRO-2 and -3.
 """
 
 from __future__ import annotations
