@@ -150,3 +150,26 @@ def test_layouts_not_captured_yet_are_refused_naming_the_key(parallel, optim, ke
         check_run(cfg)
     check_graphable(build_config(tiny(tmp_path, parallel={"dp": 2}, grad_accum_steps=4)))
     check_graphable(build_config({**raw, "train": {**raw["train"], "cuda_graphs": False}}))
+
+
+def _dp_runs(rank: int, world: int, raws: list[dict]) -> list[list[float]]:
+    """Each raw config's losses on this rank, eager then graphed (the replay simulator)."""
+    out = []
+    for raw in raws:
+        cfg = build_config(raw)
+        records = loop.train(cfg, progress=False, feed=RandomFeed(cfg, torch.device("cpu")), checkpoints=False,
+                             graph_backend=ReplayGraphs() if cfg.train.cuda_graphs else None)
+        out.append([r["loss"] for r in records])
+    return out
+
+
+@pytest.mark.slow  # spawns 2 processes
+def test_data_parallel_graphed_steps_equal_eager_ones_bitwise(tmp_path):
+    """dp2 (ZeRO-1) with graphs, one micro-batch a rank (each step's last, whose backward reduces the grads when
+    eager): nothing collective is captured (the grads are reduced after the backward), and the losses equal the
+    eager dp2 run's bitwise."""
+    from launch.parallel.spawn import run_processes
+
+    raws = [tiny(tmp_path / str(graphs), parallel={"dp": 2}, graphs=graphs) for graphs in (False, True)]
+    eager, graphed = run_processes(_dp_runs, 2, raws, timeout_s=300)[0]
+    assert graphed == eager and len(eager) == STEPS
