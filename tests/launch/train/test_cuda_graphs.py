@@ -1,7 +1,9 @@
 """train.cuda_graphs (issue 48, launch.train.graphs) on the CPU: the trainer's micro-batches captured and replayed by
 the replay simulator (tests/graph_replay.py: the same capture logic, the aten operators recorded and re-run on the same
 tensors, never the Python) train to losses and final parameters bitwise equal to the eager run, in float32, on
-one process: dropless, with capacity drops, and with DeepSeek-V3's FP8 recipe (the CPU references).
+one process: dropless, with capacity drops, with DeepSeek-V3's FP8 recipe (the CPU references), and with MLA, an MTP
+depth and selective recompute, with full recompute and document masking (EOS = the byte tokenizer's 0, about 1 in
+128 random tokens); and on 2 data-parallel processes (slow).
 
 The comparison can fail: Python-side state in the forward (a counter, tallies rebound to new tensors, as
 Stage.reset_tallies did before the capture) makes the replayed run differ, and a host read inside the captured region
@@ -27,7 +29,12 @@ from tests.syncs import HostRead
 
 STEPS, MICRO = 4, 2
 RECIPE = {"expert_precision": "fp8", "linear_precision": "fp8", "activation_cache": "fp8"}  # DeepSeek-V3's FP8 recipe
-ROUTINGS = {"dropless": {}, "capacity 1.0": {"capacity_factor": 1.0}, "fp8 recipe": RECIPE}
+MLA = {"attention": "mla", "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
+       "v_head_dim": 8}
+# by name: (model, train, data) settings over tiny's
+CASES = {"dropless": ({}, {}, {}), "capacity 1.0": ({"capacity_factor": 1.0}, {}, {}), "fp8 recipe": (RECIPE, {}, {}),
+         "mla, mtp, selective recompute": ({**MLA, "mtp_depth": 1}, {"recompute": "selective"}, {}),
+         "full recompute, document mask": ({}, {"recompute": "full"}, {"document_mask": True})}
 
 
 def tiny(run_dir, model: dict | None = None, parallel: dict | None = None, graphs: bool = True, **train) -> dict:
@@ -41,9 +48,11 @@ def tiny(run_dir, model: dict | None = None, parallel: dict | None = None, graph
             "parallel": parallel or {}}
 
 
-def run(run_dir, model: dict, graphs: bool) -> tuple[list[float], dict[str, torch.Tensor], ReplayGraphs | None]:
-    """(each step's loss, the final parameters, the simulator) of STEPS steps on random tokens, graphed or eager."""
-    cfg = build_config(tiny(run_dir, model, graphs=graphs))
+def run(run_dir, case: str, graphs: bool) -> tuple[list[float], dict[str, torch.Tensor], ReplayGraphs | None]:
+    """(each step's loss, the final parameters, the simulator) of STEPS steps of CASES[case] on random tokens, graphed
+    or eager."""
+    model, train, data = CASES[case]
+    cfg = build_config({**tiny(run_dir, model, graphs=graphs, **train), "data": data})
     held, build = {}, loop.build_model
 
     def keep(*args, **kwargs):
@@ -64,14 +73,14 @@ def assert_bitwise(graphed: tuple, eager: tuple) -> None:
 
 @pytest.fixture(scope="module")
 def eager(tmp_path_factory):
-    """The eager runs, by routing (made once)."""
-    return {name: run(tmp_path_factory.mktemp("eager"), model, graphs=False) for name, model in ROUTINGS.items()}
+    """The eager runs, by case (made once)."""
+    return {case: run(tmp_path_factory.mktemp("eager"), case, graphs=False) for case in CASES}
 
 
-@pytest.mark.parametrize("routing", ROUTINGS)
-def test_graphed_steps_equal_eager_ones_bitwise(routing, eager, tmp_path):
-    graphed = run(tmp_path, ROUTINGS[routing], graphs=True)
-    assert_bitwise(graphed, eager[routing])
+@pytest.mark.parametrize("case", CASES)
+def test_graphed_steps_equal_eager_ones_bitwise(case, eager, tmp_path):
+    graphed = run(tmp_path, case, graphs=True)
+    assert_bitwise(graphed, eager[case])
     backend = graphed[2]
     assert (backend.captures, backend.replays) == (1, STEPS * MICRO - WARMUP_MICRO_BATCHES)
 
@@ -85,7 +94,7 @@ def test_python_state_in_the_forward_makes_the_replay_differ(eager, tmp_path):
         stage.tallies = {i: LayerTally.zeros(stage.cfg.num_experts, device) for i in stage.moe_layers()}
     with mock.patch.object(Stage, "reset_tallies", rebinding):
         with pytest.raises(AssertionError, match="losses"):
-            assert_bitwise(run(tmp_path / "rebinding", {}, graphs=True), eager["dropless"])
+            assert_bitwise(run(tmp_path / "rebinding", "dropless", graphs=True), eager["dropless"])
 
     forward = MoELayer.forward_steps
 
@@ -95,10 +104,10 @@ def test_python_state_in_the_forward_makes_the_replay_differ(eager, tmp_path):
             return out * (1 + next(calls) / 64), stats
         return forward_steps
     with mock.patch.object(MoELayer, "forward_steps", counted(itertools.count())):
-        planted = run(tmp_path / "counted eager", {}, graphs=False)
+        planted = run(tmp_path / "counted eager", "dropless", graphs=False)
     with mock.patch.object(MoELayer, "forward_steps", counted(itertools.count())):
         with pytest.raises(AssertionError, match="losses"):
-            assert_bitwise(run(tmp_path / "counted", {}, graphs=True), planted)
+            assert_bitwise(run(tmp_path / "counted", "dropless", graphs=True), planted)
 
 
 def test_a_host_read_in_the_captured_region_is_refused(tmp_path):
@@ -108,7 +117,7 @@ def test_a_host_read_in_the_captured_region_is_refused(tmp_path):
         x.sum().item()
         return (yield from forward(self, x, *args, **kwargs))
     with mock.patch.object(MoELayer, "forward_steps", reading), pytest.raises(HostRead, match="Tensor.item"):
-        run(tmp_path, {}, graphs=True)
+        run(tmp_path, "dropless", graphs=True)
 
 
 def test_a_capture_that_rebinds_a_grad_is_refused():
