@@ -68,8 +68,9 @@ class GraphBackend(Protocol):
 
 
 class CudaGraphs:
-    """GraphBackend on a CUDA device: torch.cuda.CUDAGraph captures sharing one private memory pool, the warm-up on a
-    side stream; sync_check: every graphed micro-batch runs under torch.cuda.set_sync_debug_mode("error"), so a
+    """GraphBackend on a CUDA device: torch.cuda.CUDAGraph captures sharing one private memory pool (safe: graphs are
+    replayed one at a time and each one's static output is read before the next replay), the warm-up on a side
+    stream; sync_check: every graphed micro-batch runs under torch.cuda.set_sync_debug_mode("error"), so a
     synchronising call there raises (kernels.gpu_check's graphed step asks for it)."""
 
     def __init__(self, device: torch.device, sync_check: bool = False) -> None:
@@ -89,7 +90,9 @@ class CudaGraphs:
 
     def capture(self, work: Callable[[], Any]) -> tuple[Graph, Any]:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: the capturing thread may make no unsafe CUDA call, while the data feed's prefetch thread
+        # (launch.data.feed: it pins host memory) goes on; a sync on the captured stream fails in any mode
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = work()
         return graph, out
 
