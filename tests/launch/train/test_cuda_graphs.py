@@ -21,7 +21,7 @@ from launch.config.run import build_config
 from launch.parallel.stages import LayerTally, Stage
 from launch.plan.rehearse import RandomFeed
 from launch.train import loop
-from launch.train.graphs import WARMUP_MICRO_BATCHES, GraphStateError, StepGraphs, check_graphable
+from launch.train.graphs import WARMUP_MICRO_BATCHES, GraphStateError, StepGraphs, check_graphable, step_graphs
 from launch.train.preflight import check_run
 from moe.layer import MoELayer
 from tests.graph_replay import ReplayGraphs
@@ -135,6 +135,16 @@ def test_a_capture_that_rebinds_a_grad_is_refused():
         graphs.micro_batch(work, inputs, labels, 1.0)
     eager = work(inputs, labels)  # binds the grads
     assert torch.equal(graphs.micro_batch(work, inputs, labels, 1.0), eager)
+
+
+def test_cuda_graphs_off_cuda_are_refused_by_the_trainer_too(tmp_path):
+    """train() called directly (no preflight) on the CPU with train.cuda_graphs and no test backend: a clear error,
+    before any step; a rehearsal on meta runs eagerly (no graphs)."""
+    cfg = build_config(tiny(tmp_path))
+    with pytest.raises(ValueError, match=r"train.cuda_graphs = true captures CUDA graphs, but this rank computes on "
+                                         r"cpu"):
+        loop.train(cfg, progress=False, feed=RandomFeed(cfg, torch.device("cpu")), checkpoints=False)
+    assert step_graphs(cfg, [], torch.device("meta")) is None
 
 
 @pytest.mark.parametrize("parallel, optim, key", [
