@@ -10,8 +10,11 @@ What a CUDA graph does with fixed addresses, done with tensor objects:
   again, an operator making fresh outputs has them copied into the noted output tensors (so every later operator
   that read them reads the new values), and a view operator is skipped (its noted output already aliases the
   storage of its input);
+- a collective (an operator of c10d, e.g. the EP exchange's all_to_all_single) is re-issued at its place, and
+  waited for before the next operator that is not a collective (consecutive ones in flight together, as the eager
+  code issues them; what a captured NCCL collective does on its stream);
 - capture refuses every host read (tests/syncs.py's SyncDetector, strict), as a CUDA capture refuses a
-  synchronisation, and a collective (not simulated: one process).
+  synchronisation.
 
 So Python-side state the work keeps (a counter, a list, an attribute rebound to a new tensor) is seen once, at the
 capture, and never again: a replayed run differs from an eager one exactly where a CUDA-graphed run would.
@@ -46,14 +49,26 @@ class _Op:
     kwargs: dict
     fresh: list[tuple[int, Tensor]]  # (position among the flattened results, the recorded output tensor)
     runs: bool                       # False for a pure view: nothing to compute again
+    collective: bool                 # a c10d operator: its works are waited for before the next other operator
 
-    def replay(self) -> None:
+    def replay(self, in_flight: list) -> None:
+        """Run the operator again (in_flight: the works of the collectives issued since the last other operator)."""
         if not self.runs:
             return
+        if not self.collective:
+            _wait(in_flight)
         with torch.no_grad():
             results, _ = tree_flatten(self.func(*self.args, **self.kwargs))
             for position, recorded in self.fresh:
                 recorded.copy_(results[position])
+        if self.collective:
+            in_flight.extend(r for r in results if not isinstance(r, Tensor) and hasattr(r, "wait"))
+
+
+def _wait(works: list) -> None:
+    for work in works:
+        work.wait()
+    works.clear()
 
 
 class _Recorder(TorchDispatchMode):
@@ -68,8 +83,6 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.namespace in ("c10d", "_c10d_functional", "c10d_functional"):
-            raise NotImplementedError(f"{func}: a collective inside a captured region is not simulated (one process)")
         schema = func._schema
         written = [value for arg, value in zip(schema.arguments, _bound(schema, args, kwargs))
                    if arg.alias_info is not None and arg.alias_info.is_write]
@@ -83,7 +96,8 @@ class _Recorder(TorchDispatchMode):
             if isinstance(result, Tensor) and not alias:
                 self.born.add(_storage(result))
                 fresh.append((position, result))
-        self.ops.append(_Op(func, args, kwargs, fresh, bool(written) or bool(fresh)))
+        collective = func.namespace == "c10d"  # its schemas do not mark the buffers it writes
+        self.ops.append(_Op(func, args, kwargs, fresh, bool(written or fresh) or collective, collective))
         return out
 
     def restore(self) -> None:
@@ -117,8 +131,10 @@ class ReplayGraph:
         self.ops = ops
 
     def replay(self) -> None:
+        in_flight: list = []
         for op in self.ops:
-            op.replay()
+            op.replay(in_flight)
+        _wait(in_flight)
 
 
 class ReplayGraphs:

@@ -40,6 +40,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from dispatch.traffic import deferred, redo
 from launch.config.run import RunConfig
 from launch.parallel.stages import Stage
 
@@ -122,6 +123,7 @@ class _Captured:
     labels: Tensor
     lm: Tensor
     scale: float
+    counting: list  # the EP traffic counting of the captured work, redone at each replay (dispatch.traffic.deferred)
 
 
 Work = Callable[[Tensor, Tensor], Tensor]  # (tokens, labels) -> the micro-batch's LM loss, after its backward
@@ -155,18 +157,20 @@ class StepGraphs:
             captured.inputs.copy_(inputs)
             captured.labels.copy_(labels)
             captured.graph.replay()
+            redo(captured.counting)
             return captured.lm
 
     def _capture(self, work: Work, inputs: Tensor, labels: Tensor, scale: float) -> _Captured:
         static_inputs, static_labels = inputs.clone(), labels.clone()
         before = {name: p.grad for name, p in self.params.items()}
-        graph, lm = self.backend.capture(lambda: work(static_inputs, static_labels))
+        with deferred() as counting:
+            graph, lm = self.backend.capture(lambda: work(static_inputs, static_labels))
         rebound = [name for name, p in self.params.items() if p.grad is not before[name]]
         if rebound:
             raise GraphStateError(f"the captured backward rebound the .grad of {', '.join(rebound[:3])}: a replay "
                                   f"accumulates into the tensors bound at the capture, so every grad must exist "
                                   f"(zero_grad(set_to_none=False)) and be accumulated in place")
-        return _Captured(graph, static_inputs, static_labels, lm, scale)
+        return _Captured(graph, static_inputs, static_labels, lm, scale, counting)
 
     def drop(self) -> None:
         """Forget every graph and warm-up count (the exchange's shapes changed: shapes warm up and capture again)."""
@@ -180,13 +184,14 @@ def check_graphable(cfg: RunConfig) -> None:
     if not cfg.train.cuda_graphs:
         return
     par, optim = cfg.parallel, cfg.optim
-    collectives = [f"parallel.{key} = {getattr(par, key)}" for key in ("ep", "tp", "cp") if getattr(par, key) > 1]
+    regions = [f"parallel.{key} = {getattr(par, key)}" for key in ("tp", "cp") if getattr(par, key) > 1]
     refusals = [
         (par.pp > 1, f"parallel.pp = {par.pp}: the pipeline runtime's stages (DualPipe's paired forward and backward, "
                      f"the B/W split) are not captured yet", "parallel.pp = 1"),
-        (bool(collectives), f"{', '.join(collectives)}: collectives inside the forward and backward (the EP "
-                            f"exchange's byte counters and in-flight waits are host-side) are not captured yet",
-         "parallel.ep = parallel.tp = parallel.cp = 1"),
+        (bool(regions), f"{', '.join(regions)}: the TP and CP regions' collectives are not captured yet",
+         "parallel.tp = parallel.cp = 1"),
+        (par.redundant_experts > 0, f"parallel.redundant_experts = {par.redundant_experts}: each placement of the "
+                                    f"spare slots binds new slot tables", "parallel.redundant_experts = 0"),
         (optim.zero_stage >= 2, f"optim.zero_stage = {optim.zero_stage}: ZeRO-2 frees and re-allocates grad buffers "
                                 f"inside the backward and ZeRO-3 gathers parameters inside the forward",
          "optim.zero_stage = 1"),

@@ -3,7 +3,8 @@ the replay simulator (tests/graph_replay.py: the same capture logic, the aten op
 tensors, never the Python) train to losses and final parameters bitwise equal to the eager run, in float32, on
 one process: dropless, with capacity drops, with DeepSeek-V3's FP8 recipe (the CPU references), and with MLA, an MTP
 depth and selective recompute, with full recompute and document masking (EOS = the byte tokenizer's 0, about 1 in
-128 random tokens); and on 2 data-parallel processes (slow).
+128 random tokens); and on 2 processes (slow): dp2, and dp2 x ep2 with the padded exchange overflowing in a replayed
+step.
 
 The comparison can fail: Python-side state in the forward (a counter, tallies rebound to new tensors, as
 Stage.reset_tallies did before the capture) makes the replayed run differ, and a host read inside the captured region
@@ -149,14 +150,14 @@ def test_cuda_graphs_off_cuda_are_refused_by_the_trainer_too(tmp_path):
 
 @pytest.mark.parametrize("parallel, optim, key", [
     ({"pp": 2, "schedule": "1f1b"}, {}, "parallel.pp = 2"),
-    ({"dp": 2, "ep": 2, "dispatch_exchange": "padded"}, {}, "parallel.ep = 2"),
+    ({"dp": 2, "ep": 2, "dispatch_exchange": "padded", "redundant_experts": 1}, {}, "parallel.redundant_experts = 1"),
     ({"tp": 2}, {}, "parallel.tp = 2"),
     ({"cp": 2}, {}, "parallel.cp = 2"),
     ({"dp": 2}, {"zero_stage": 2}, "optim.zero_stage = 2"),
 ])
 def test_layouts_not_captured_yet_are_refused_naming_the_key(parallel, optim, key, tmp_path, monkeypatch):
     """Refused by check_graphable, before any process starts (launch.train.preflight.check_run, here with a GPU
-    faked so that the device check passes); dp without those passes, and so does the key off."""
+    faked so that the device check passes); dp x ep with the padded exchange passes, and so does the key off."""
     raw = tiny(tmp_path, parallel=parallel, grad_accum_steps=4)
     raw["optim"] = optim
     cfg = build_config(raw)
@@ -167,28 +168,43 @@ def test_layouts_not_captured_yet_are_refused_naming_the_key(parallel, optim, ke
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     with pytest.raises(ValueError, match=key):
         check_run(cfg)
-    check_graphable(build_config(tiny(tmp_path, parallel={"dp": 2}, grad_accum_steps=4)))
+    check_graphable(build_config(tiny(tmp_path, parallel={"dp": 2, "ep": 2, "dispatch_exchange": "padded"},
+                                      grad_accum_steps=4)))
     check_graphable(build_config({**raw, "train": {**raw["train"], "cuda_graphs": False}}))
 
 
-def _dp_runs(rank: int, world: int, raws: list[dict]) -> list[list[float]]:
-    """Each raw config's losses on this rank, eager then graphed (the replay simulator)."""
+def _spawned_runs(rank: int, world: int, raws: list[dict]) -> list[tuple[list[tuple], int, int]]:
+    """Each raw config's (per step: loss, grad norm, dispatch reruns so far, traffic), captures, replays) on this
+    rank, graphed through the replay simulator where its train.cuda_graphs says so."""
     out = []
     for raw in raws:
         cfg = build_config(raw)
+        backend = ReplayGraphs() if cfg.train.cuda_graphs else None
         records = loop.train(cfg, progress=False, feed=RandomFeed(cfg, torch.device("cpu")), checkpoints=False,
-                             graph_backend=ReplayGraphs() if cfg.train.cuda_graphs else None)
-        out.append([r["loss"] for r in records])
+                             graph_backend=backend)
+        out.append(([(r["loss"], r["grad_norm"], r["dispatch_reruns"], r["traffic"]) for r in records],
+                    backend.captures if backend else 0, backend.replays if backend else 0))
     return out
 
 
 @pytest.mark.slow  # spawns 2 processes
-def test_data_parallel_graphed_steps_equal_eager_ones_bitwise(tmp_path):
-    """dp2 (ZeRO-1) with graphs, one micro-batch a rank (each step's last, whose backward reduces the grads when
-    eager): nothing collective is captured (the grads are reduced after the backward), and the losses equal the
-    eager dp2 run's bitwise."""
+def test_data_and_expert_parallel_graphed_steps_equal_eager_ones_bitwise(tmp_path):
+    """On 2 processes the graphed runs train to the eager runs' losses, grad norms, exact reruns and traffic, bitwise:
+    - dp2 (ZeRO-1), one micro-batch a rank (each step's last, whose backward reduces the grads when eager: graphed,
+      the reduction runs after the captured backward), captured at step 2;
+    - dp2 x ep2 with the padded exchange (its all-to-alls captured, its byte counts redone at each replay:
+      dispatch.traffic.deferred), 2 micro-batches a rank: headroom 1.0 overflows at step 0 only (steps 2 and 3
+      replayed), 0.7 at steps 0 and 2: step 2 is captured and replayed, its overflow flag (set in place by the
+      replays) reruns it exactly and eagerly, and the graphs are dropped (step 3 warms up again)."""
     from launch.parallel.spawn import run_processes
 
-    raws = [tiny(tmp_path / str(graphs), parallel={"dp": 2}, graphs=graphs) for graphs in (False, True)]
-    eager, graphed = run_processes(_dp_runs, 2, raws, timeout_s=300)[0]
-    assert graphed == eager and len(eager) == STEPS
+    padded = {"dp": 2, "ep": 2, "dispatch_exchange": "padded"}
+    runs = {"dp": ({"dp": 2}, 2),
+            **{headroom: ({**padded, "dispatch_headroom": headroom}, 4) for headroom in (1.0, 0.7)}}
+    raws = [tiny(tmp_path / f"{name}-{graphs}", parallel=parallel, graphs=graphs, rank_metrics_every=1,
+                 grad_accum_steps=micro) for name, (parallel, micro) in runs.items() for graphs in (False, True)]
+    done = run_processes(_spawned_runs, 2, raws, timeout_s=300)[0]
+    (dp, _, _), dp_graphed, (roomy, _, _), roomy_graphed, (tight, _, _), tight_graphed = done
+    assert dp_graphed == (dp, 1, 2) and len(dp) == STEPS
+    assert roomy_graphed == (roomy, 1, 4) and [r[2] for r in roomy] == [1, 1, 1, 1]
+    assert tight_graphed == (tight, 1, 2) and [r[2] for r in tight] == [1, 1, 2, 2]
