@@ -10,13 +10,16 @@ backend's warm-up (on CUDA a side stream: Triton autotuning, cuBLAS workspaces a
 there, not in the capture); the next one is captured into static buffers (its tokens and labels, read by the
 captured work, which makes the document ids and the masked labels from them on the device) and replayed; every
 later one is copied into those buffers and replayed, and its LM loss read from the static output. The captured
-region holds no host read (the step is sync-free: tests/syncs.py) and no collective.
+region holds no host read (the step is sync-free: tests/syncs.py); over EP ranks it holds the padded exchange's
+all-to-alls, and the EP byte counters (host numbers the Python of the exchange adds up) are logged at the capture
+and added at each replay (dispatch.traffic.deferred and redo).
 
 What a replay redoes is device work only, on the same memory: everything the forward and backward change across
 micro-batches must be a tensor updated in place. The grads accumulate into the .grad tensors that exist (the
 trainer zeroes them with set_to_none=False: ZeRO's flat buffers), and a capture that rebinds a parameter's .grad
 is refused (GraphStateError); the routing tallies are zeroed in place (launch.parallel.stages.Stage.reset_tallies),
-the expert bias is updated in place (moe.router.TopKRouter.update_bias), and the FP8 weight blocks are quantised
+the expert bias is updated in place (moe.router.TopKRouter.update_bias), the padded exchange's overflow flag is set in
+place (dispatch.EPDispatcher.take_overflow reads it with the step's statistics), and the FP8 weight blocks are quantised
 inside each FP8 linear's forward and backward (kernels.linear: no cache across micro-batches), so a replay
 quantises the current weights. ZeRO's reduction does not overlap a captured backward: it runs after the
 micro-batches (ZeroOptimizer.clip_grad_norm_), and parallel.overlap_grad_reduce is not used by a graphed step.
@@ -25,8 +28,8 @@ A micro-batch whose loss scale is not the captured one (a fault drill's step, la
 do the held-out evaluation and the exact rerun of a step whose padded exchange overflowed, after which drop() forgets
 every graph (the grown bounds change the exchange's shapes: the next micro-batches warm up and capture again); a
 rollback's checkpoint load drops them too. check_graphable refuses, before any process starts
-(launch.train.preflight), the layouts whose step is not captured yet: pipeline stages, collectives inside the forward
-and backward (EP, TP, CP), ZeRO-2 and -3.
+(launch.train.preflight), the layouts whose step is not captured yet: pipeline stages, TP and CP regions, redundant
+experts, ZeRO-2 and -3 (the exact EP exchange is refused by launch.config.checks: it reads its sizes).
 """
 
 from __future__ import annotations
