@@ -45,6 +45,7 @@ from launch.config.run import RunConfig, load_config
 from launch.plan.planner import Machine, Options, make_plan
 from launch.plan.presets import gpu_preset, preset_for_device
 from launch.plan.rehearse import RandomFeed, planned_memory, rehearse
+from launch.train.graphs import GraphBackend
 from moe.layer import MoELayer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -230,15 +231,22 @@ def trainer_row(overrides: list[str]) -> Callable[[argparse.Namespace, Row], dic
 
 
 def graphs_check_row(args: argparse.Namespace, row: Row) -> dict[str, Any]:
-    """Issue 48's GPU check of train.cuda_graphs: configs/tiny-1proc.toml (random tokens) for GRAPHS_CHECK_STEPS steps,
-    eagerly twice and graphed (launch.train.graphs.CudaGraphs with sync_check: a synchronising call in a graphed
+    """Issue 48's GPU check of train.cuda_graphs (graphs_check) on this GPU, CUDA graphs whose replays refuse syncs."""
+    from launch.train.graphs import CudaGraphs
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    return graphs_check(device, lambda: CudaGraphs(device, sync_check=True))
+
+
+def graphs_check(device: torch.device, backend: Callable[[], GraphBackend], steps: int = GRAPHS_CHECK_STEPS,
+                 overrides: list[str] = ()) -> dict[str, Any]:
+    """configs/tiny-1proc.toml with overrides (random tokens) on device for steps steps, eagerly twice and graphed
+    through backend() (on a GPU launch.train.graphs.CudaGraphs with sync_check: a synchronising call in a graphed
     micro-batch raises, and the row reports it), under torch.use_deterministic_algorithms (warnings only: the ops
     without a deterministic kernel are listed); the graphed losses must equal the eager ones bitwise (when the two
     eager runs differ, the kernels are not deterministic and the row says so)."""
-    from launch.train.graphs import CudaGraphs
     from launch.train.loop import train
 
-    device = torch.device("cuda", torch.cuda.current_device())
     losses: dict[str, list[float]] = {}
     was_deterministic, workspace = torch.are_deterministic_algorithms_enabled(), os.environ.get(CUBLAS_WORKSPACE)
     os.environ[CUBLAS_WORKSPACE] = ":4096:8"  # cuBLAS's deterministic workspace
@@ -247,11 +255,12 @@ def graphs_check_row(args: argparse.Namespace, row: Row) -> dict[str, Any]:
         with warnings.catch_warnings(record=True) as caught, tempfile.TemporaryDirectory(prefix="moe-graphs-") as runs:
             warnings.simplefilter("always")
             for name, graphed in (("eager", False), ("eager again", False), ("graphed", True)):
-                cfg = load_config(TINY_1PROC, [f"train.steps={GRAPHS_CHECK_STEPS}", "train.eval_batches=0",
+                cfg = load_config(TINY_1PROC, [*overrides, f"train.steps={steps}", "train.eval_batches=0",
                                                f"train.run_dir={str(Path(runs) / name.replace(' ', '-'))!r}",
-                                               "train.device='cuda'", f"train.cuda_graphs={str(graphed).lower()}"])
+                                               f"train.device={device.type!r}",
+                                               f"train.cuda_graphs={str(graphed).lower()}"])
                 records = train(cfg, progress=False, device=device, feed=RandomFeed(cfg, device), checkpoints=False,
-                                graph_backend=CudaGraphs(device, sync_check=True) if graphed else None)
+                                graph_backend=backend() if graphed else None)
                 losses[name] = [r["loss"] for r in records]
     finally:
         torch.use_deterministic_algorithms(was_deterministic)

@@ -18,6 +18,7 @@ from launch.plan.cli import main as moe_plan
 from launch.plan.planner import Machine, make_plan
 from launch.plan.presets import gpu_preset
 from moe.layer import MoELayer
+from tests.graph_replay import ReplayGraphs
 
 BF16_U = 2.0 ** -8  # bf16's unit roundoff (8 significant bits)
 # torchtitan's experts round x, w1, w3, w2 to bf16 and round each GEMM's output and the SwiGLU product to bf16:
@@ -81,6 +82,25 @@ def test_the_docs_page_and_moe_plans_ratios_come_from_a_result(tmp_path, capsys)
     assert moe_plan(["--measure-gpu", str(result)]) == 0
     out = capsys.readouterr().out
     assert "trainer-eager: step ms" in out and "1.138" in out and "trainer-eager: peak GiB" in out  # 204.8 / 180
+
+
+def test_the_graphs_check_says_when_graphed_losses_differ():
+    """The graphs-check row's core (gpu.graphs_check) on the CPU, a shrunk configs/tiny-1proc.toml, its graph backend
+    the replay simulator with replays planted to do nothing: the two eager runs agree, the graphed one does not, and
+    the row says OUTPUT DIFFERS at the first replayed step (the real backend's agreement is
+    tests/launch/train/test_cuda_graphs.py's)."""
+    class Frozen(ReplayGraphs):
+        def capture(self, work):
+            graph, out = super().capture(work)
+            graph.replay = lambda: None
+            return graph, out
+    small = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=1",
+             "model.dense_ffn_size=64", "model.expert_ffn_size=16", "train.seq_len=16", "train.micro_batch_size=2",
+             "train.grad_accum_steps=2"]
+    result = gpu.graphs_check(torch.device("cpu"), Frozen, steps=3, overrides=small)
+    assert result["eager_repeatable"] and not result["graphed_equal"]
+    assert result["status"].startswith("OUTPUT DIFFERS: graphed loss") and "at step 1" in result["status"]
+    assert not torch.are_deterministic_algorithms_enabled()  # restored
 
 
 def test_peers_folder_without_wheels_is_refused(tmp_path):
