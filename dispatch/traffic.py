@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from typing import Any
+
+_logs: list[list[tuple[TrafficMeter, str, tuple[Any, ...]]]] = []  # open deferred() logs, innermost last
 
 
 @dataclass
@@ -49,13 +54,20 @@ class TrafficMeter:
         self.by_hop: dict[str, dict[str, Traffic]] = {}
 
     def start(self, kind: str) -> None:
-        """Begin a new call of kind: its `last` counter restarts at zero."""
+        """Begin a new call of kind: its `last` counter restarts at zero (inside deferred(): logged instead)."""
+        if _logs:
+            _logs[-1].append((self, "start", (kind,)))
+            return
         self.last[kind] = Traffic()
         self.total.setdefault(kind, Traffic())
 
     def add(self, kind: str, inter: bool, part: str, nbytes: int, peer: int | None = None,
             hop: str | None = None) -> None:
-        """Count bytes of the current call of kind (sent to EP rank peer over hop, when given)."""
+        """Count bytes of the current call of kind (sent to EP rank peer over hop, when given); inside deferred():
+        logged instead."""
+        if _logs:
+            _logs[-1].append((self, "add", (kind, inter, part, nbytes, peer, hop)))
+            return
         self.last[kind].add(inter, part, nbytes)
         self.total[kind].add(inter, part, nbytes)
         if peer is not None:
@@ -68,3 +80,22 @@ class TrafficMeter:
         self.total.clear()
         self.sent_to.clear()
         self.by_hop.clear()
+
+
+@contextmanager
+def deferred() -> Iterator[list[tuple[TrafficMeter, str, tuple[Any, ...]]]]:
+    """Inside, every meter's counting is logged, not done: the log (yielded) is the host-side counting of the work
+    inside, which redo() does when that work runs (a captured CUDA graph: its capture runs the Python once and counts
+    nothing, each replay counts through redo)."""
+    log: list[tuple[TrafficMeter, str, tuple[Any, ...]]] = []
+    _logs.append(log)
+    try:
+        yield log
+    finally:
+        _logs.remove(log)
+
+
+def redo(log: list[tuple[TrafficMeter, str, tuple[Any, ...]]]) -> None:
+    """Do the counting a deferred() log holds, in order."""
+    for meter, method, args in log:
+        getattr(meter, method)(*args)

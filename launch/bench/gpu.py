@@ -6,8 +6,10 @@ Rows (--only picks some; --dry-run lists them with their shapes and budgets and 
   moe-layer    our MoELayer's forward + backward at a DeepSeek-V3 slice beside torchtitan's MoE module, same weights
                and tokens, in rounds (launch.bench.harness: the contenders alternate)
   trainer-*    the trainer on configs/gpu-1x.toml (launch.train.loop.train, random tokens, no checkpoint): eager, the
-               FP8 recipe, and graphed rows (which say "not yet" until train.cuda_graphs captures); torchtitan's own
-               trainer as its peer, or why it cannot run
+               FP8 recipe, and each graphed (train.cuda_graphs) beside it; torchtitan's own trainer as its peer, or
+               why it cannot run
+  graphs-check configs/tiny-1proc.toml for GRAPHS_CHECK_STEPS steps eager (twice) and graphed, deterministic kernels:
+               the graphed losses bitwise equal to the eager ones, no sync in a replay (set_sync_debug_mode "error")
   v3-rank      the real-device rehearsal of DeepSeek-V3's rank (launch.plan.rehearse: memory by category and each
                phase's time beside moe-plan's), where the card holds moe-plan's peak for it
 Without CUDA a real run exits 2 naming why. --json writes the rows (with the common header), a markdown table
@@ -20,11 +22,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +45,7 @@ from launch.config.run import RunConfig, load_config
 from launch.plan.planner import Machine, Options, make_plan
 from launch.plan.presets import gpu_preset, preset_for_device
 from launch.plan.rehearse import RandomFeed, planned_memory, rehearse
+from launch.train.graphs import GraphBackend
 from moe.layer import MoELayer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,8 +54,13 @@ DEEPSEEK_V3 = ROOT / "configs" / "deepseek-v3.toml"
 V3_SLICE = {"hidden": 7168, "ffn": 2048, "experts": 8, "top_k": 8, "batch": 1, "seq": 4096}
 KERNEL_CASES = ((8, (4096, 512)), (4, (8192,)), (32, (512, 128)))  # (groups, rows per group): the issue's set
 KERNEL_SHAPES = "7168x4096,2048x7168"  # K x N: forward N 4096 K 7168, and N 7168 K 2048
+CUBLAS_WORKSPACE = "CUBLAS_WORKSPACE_CONFIG"
 FP8_RECIPE = ["model.expert_precision='fp8'", "model.linear_precision='fp8'", "model.activation_cache='fp8'"]
-TRAINER_STEPS = (2, 5)  # (warm-up, timed) steps of a trainer row
+# (warm-up, timed) steps of a trainer row: with grad_accum_steps = 1 a graphed row's warm-up holds the graph's eager
+# micro-batches (launch.train.graphs.WARMUP_MICRO_BATCHES = 2) and its capture
+TRAINER_STEPS = (3, 5)
+GRAPHS_CHECK_STEPS = 10
+TINY_1PROC = ROOT / "configs" / "tiny-1proc.toml"
 LAYER_ROUNDS = (3, 10)  # (warm-up, timed) rounds of the MoE-layer row
 BF16_TOLERANCE = 5e-2  # launch.bench.layer's bound for experts computing in bf16 (both contenders here)
 TORCHTITAN_TRAINER = ("torchtitan 0.3.0's language models take block-causal flex/varlen attention masks from its own "
@@ -183,13 +193,6 @@ def layer_row(args: argparse.Namespace, row: Row) -> dict[str, Any]:
     return result
 
 
-def trainer_available(overrides: list[str]) -> str | None:
-    """Why a trainer row cannot run yet (what it measures is not built), or None."""
-    if any(o.startswith("train.cuda_graphs") for o in overrides):  # the key exists; its steps still run eagerly
-        return "not yet: train.cuda_graphs captures nothing yet (the sync-free issue's GPU half builds it)"
-    return None
-
-
 def trainer_config(overrides: list[str], run_dir: str) -> RunConfig:
     """configs/gpu-1x.toml with overrides, for TRAINER_STEPS steps, every step's per-rank figures."""
     steps = sum(TRAINER_STEPS)
@@ -211,9 +214,6 @@ def trainer_row(overrides: list[str]) -> Callable[[argparse.Namespace, Row], dic
     def measure(args: argparse.Namespace, row: Row) -> dict[str, Any]:
         from launch.train.loop import train
 
-        missing = trainer_available(overrides)
-        if missing:
-            return {"status": missing}
         device = torch.device("cuda", torch.cuda.current_device())
         with tempfile.TemporaryDirectory(prefix="moe-bench-gpu-") as run_dir:
             cfg = trainer_config(overrides, run_dir)
@@ -228,6 +228,57 @@ def trainer_row(overrides: list[str]) -> Callable[[argparse.Namespace, Row], dic
                 "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2 ** 30,
                 "last_loss": records[-1]["lm_loss"], "overrides": overrides, **plan_figures(cfg)}
     return measure
+
+
+def graphs_check_row(args: argparse.Namespace, row: Row) -> dict[str, Any]:
+    """Issue 48's GPU check of train.cuda_graphs (graphs_check) on this GPU, CUDA graphs whose replays refuse syncs."""
+    from launch.train.graphs import CudaGraphs
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    return graphs_check(device, lambda: CudaGraphs(device, sync_check=True))
+
+
+def graphs_check(device: torch.device, backend: Callable[[], GraphBackend], steps: int = GRAPHS_CHECK_STEPS,
+                 overrides: list[str] = ()) -> dict[str, Any]:
+    """configs/tiny-1proc.toml with overrides (random tokens) on device for steps steps, eagerly twice and graphed
+    through backend() (on a GPU launch.train.graphs.CudaGraphs with sync_check: a synchronising call in a graphed
+    micro-batch raises, and the row reports it), under torch.use_deterministic_algorithms (warnings only: the ops
+    without a deterministic kernel are listed); the graphed losses must equal the eager ones bitwise (when the two
+    eager runs differ, the kernels are not deterministic and the row says so)."""
+    from launch.train.loop import train
+
+    losses: dict[str, list[float]] = {}
+    was_deterministic, workspace = torch.are_deterministic_algorithms_enabled(), os.environ.get(CUBLAS_WORKSPACE)
+    os.environ[CUBLAS_WORKSPACE] = ":4096:8"  # cuBLAS's deterministic workspace
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with warnings.catch_warnings(record=True) as caught, tempfile.TemporaryDirectory(prefix="moe-graphs-") as runs:
+            warnings.simplefilter("always")
+            for name, graphed in (("eager", False), ("eager again", False), ("graphed", True)):
+                cfg = load_config(TINY_1PROC, [*overrides, f"train.steps={steps}", "train.eval_batches=0",
+                                               f"train.run_dir={str(Path(runs) / name.replace(' ', '-'))!r}",
+                                               f"train.device={device.type!r}",
+                                               f"train.cuda_graphs={str(graphed).lower()}"])
+                records = train(cfg, progress=False, device=device, feed=RandomFeed(cfg, device), checkpoints=False,
+                                graph_backend=backend() if graphed else None)
+                losses[name] = [r["loss"] for r in records]
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic)
+        if workspace is None:
+            os.environ.pop(CUBLAS_WORKSPACE, None)
+        else:
+            os.environ[CUBLAS_WORKSPACE] = workspace
+    nondeterministic = sorted({str(w.message).splitlines()[0][:200] for w in caught
+                               if "deterministic" in str(w.message)})
+    result = {"losses": losses, "nondeterministic_ops": nondeterministic,
+              "eager_repeatable": losses["eager"] == losses["eager again"],
+              "graphed_equal": losses["graphed"] == losses["eager"]}
+    if not result["graphed_equal"]:
+        step = next(i for i, (a, b) in enumerate(zip(losses["graphed"], losses["eager"])) if a != b)
+        why = "" if result["eager_repeatable"] else " (the two eager runs differ too: nondeterministic kernels)"
+        result["status"] = f"OUTPUT DIFFERS: graphed loss {losses['graphed'][step]!r} at step {step}, eager " \
+                           f"{losses['eager'][step]!r}{why}"
+    return result
 
 
 def torchtitan_trainer_row(args: argparse.Namespace, row: Row) -> dict[str, Any]:
@@ -261,11 +312,12 @@ ROWS = [
     Row("trainer-eager", 40, f"configs/gpu-1x.toml, eager, bf16, {TRAINER_STEPS[0]}+{TRAINER_STEPS[1]} steps",
         "torchtitan trainer (row trainer-torchtitan)", trainer_row([])),
     Row("trainer-fp8", 40, "configs/gpu-1x.toml, eager, DeepSeek-V3's FP8 recipe", "-", trainer_row(FP8_RECIPE)),
-    *(Row(name, 40, f"configs/gpu-1x.toml, {what}CUDA graphs", "-", trainer_row(overrides),
-          lambda overrides=overrides: trainer_available(overrides))
+    *(Row(name, 40, f"configs/gpu-1x.toml, {what}CUDA graphs", "-", trainer_row(overrides))
       for name, what, overrides in (("trainer-graphed", "", ["train.cuda_graphs=true"]),
                                     ("trainer-fp8-graphed", "FP8 recipe, ", [*FP8_RECIPE, "train.cuda_graphs=true"]))),
-    Row("trainer-torchtitan", 40, "torchtitan's trainer, Qwen3-30B-A3B's layers as configs/gpu-1x.toml", "-",
+    Row("graphs-check", 20, f"configs/tiny-1proc.toml, {GRAPHS_CHECK_STEPS} steps eager twice and with CUDA graphs "
+        "(replays under set_sync_debug_mode 'error'), deterministic algorithms", "the eager run", graphs_check_row),
+    Row("trainer-torchtitan", 5, "torchtitan's trainer, Qwen3-30B-A3B's layers as configs/gpu-1x.toml", "-",
         torchtitan_trainer_row, lambda: f"not run: {TORCHTITAN_TRAINER}"),
     Row("v3-rank", 120, "configs/deepseek-v3.toml, the rank moe-plan gives the largest peak, on this GPU under the "
         "fake process group (moe-train --rehearse --device cuda)", "moe-plan's memory and compute prediction",

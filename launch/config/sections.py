@@ -83,11 +83,17 @@ class TrainSettings:
     (DeepSeek-V3's) rebuilds the norms' outputs, MLA's q/k/v and the SwiGLU products in the backward; "full" keeps
     each block segment's inputs only and reruns the segment."""
     cuda_graphs: bool = False
-    """Capture each stage's forward and backward in CUDA graphs and replay them (issue 48), which needs a step that
-    reads nothing to the host: ranks on CUDA GPUs, and with parallel.ep > 1 parallel.dispatch_exchange = "padded"
-    (refused before any process starts otherwise). moe-plan prices the routed slots of such a runtime as "captured"
-    (launch.plan.efficiency.SLOT_SECONDS) instead of "synced". The capture itself is issue 48's GPU half: until it
-    lands, a run with true is checked and priced as captured but its steps run eagerly. Default false."""
+    """Capture each micro-batch's forward, loss and backward in a CUDA graph and replay it for the later micro-batches
+    of the same shape (issue 48; launch.train.graphs): 2 eager micro-batches of a shape warm up on a side stream, the
+    next one is captured (one private memory pool per rank), every later one is copied into the graph's static
+    buffers and replayed. The step must read nothing to the host: ranks on CUDA GPUs, and with parallel.ep > 1
+    parallel.dispatch_exchange = "padded" (its all-to-alls are captured). Captured today: parallel.pp = 1, tp = cp =
+    1, no redundant experts, optim.zero_stage = 1, any dp and ep (ZeRO's reduction runs after the backward, not
+    during it: parallel.overlap_grad_reduce is not used); other layouts are refused before any process starts,
+    naming the key. Steps of a fault drill's loss scale, the held-out evaluation and the exact rerun of an
+    overflowed padded exchange run eagerly (the graphs are captured again after such a rerun). moe-plan prices the
+    routed slots of such a runtime as "captured" (launch.plan.efficiency.SLOT_SECONDS) instead of "synced", for any
+    layout. Default false."""
     fp8_gemm: GemmKernels = "reference"
     """Which Triton FP8 grouped GEMMs (the forward, dgrad and wgrad of FP8 experts and linears) run on CUDA: "auto" the
     persistent warp-specialised Gluon kernels on sm_90 GPUs (H100/H200) with a Triton that has Gluon (>= 3.6), the

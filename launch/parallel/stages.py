@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Generator
 
@@ -93,6 +94,11 @@ class LayerTally:
                    torch.zeros((), dtype=torch.long, device=device), scalar.clone(),
                    torch.zeros(len(LOSS_KINDS), dtype=torch.float64, device=device), scalar.clone(), scalar.clone())
 
+    def zero_(self) -> None:
+        """Zero every count in place."""
+        for item in dataclasses.fields(self):
+            getattr(self, item.name).zero_()
+
     def add(self, stats: MoEStats, scale: float) -> None:
         """Count one call's statistics (no host sync: device tensors added in place)."""
         self.tokens_per_expert += stats.tokens_per_expert.detach()
@@ -144,11 +150,19 @@ class Stage(nn.Module):
                 and (self.cp is None or self.cp.concurrent_backward))
 
     def reset_tallies(self) -> None:
-        """Start a new step's routing statistics and EP traffic counters."""
+        """Start a new step's routing statistics and EP traffic counters. The tallies are zeroed in place once made
+        (on the parameters' device): a CUDA graph captured adding into them keeps adding into the same tensors
+        (launch.train.graphs)."""
         device = next(self.parameters()).device
-        self.tallies = {i: LayerTally.zeros(self.cfg.num_experts, device) for i in self.moe_layers()}
+        if sorted(self.tallies) != sorted(self.moe_layers()) or any(
+                t.rows.device != device for t in self.tallies.values()):
+            self.tallies = {i: LayerTally.zeros(self.cfg.num_experts, device) for i in self.moe_layers()}
+        for tally in self.tallies.values():
+            tally.zero_()
         if self.mtp is not None:
-            self.mtp_tally = torch.zeros(self.cfg.mtp_depth, dtype=torch.float64, device=device)
+            if self.mtp_tally is None or self.mtp_tally.device != device:
+                self.mtp_tally = torch.zeros(self.cfg.mtp_depth, dtype=torch.float64, device=device)
+            self.mtp_tally.zero_()
         for layer in self.moe_layers().values():
             meter = getattr(layer.dispatcher, "meter", None)
             if meter is not None:

@@ -30,6 +30,7 @@ from launch.metrics.records import JsonlWriter, TensorBoardWriter
 from launch.parallel.device import rank_device
 from launch.parallel.mesh import Mesh
 from launch.parallel.stages import Stage
+from launch.train.graphs import GraphBackend, StepGraphs, step_graphs
 from launch.train.build import (build_model, build_optimizer, fold_replica_grads, refresh_replicas,
                                 sum_tp_partial_grads)
 from launch.train.rundir import METRICS, rewind_metrics, run_identity
@@ -61,7 +62,8 @@ def checkpoint_dir(cfg: RunConfig) -> Path:
 
 def train(cfg: RunConfig, metrics_out: str | Path | None = None, resume: bool = False,
           progress: bool = True, device: torch.device | None = None, require_checkpoint: bool = True,
-          resume_data: bool = True, feed: DataFeed | None = None, checkpoints: bool = True) -> list[dict]:
+          resume_data: bool = True, feed: DataFeed | None = None, checkpoints: bool = True,
+          graph_backend: GraphBackend | None = None) -> list[dict]:
     """Train cfg's model on cfg's corpus with cfg's layout; returns the metric records on rank 0 ([] elsewhere).
 
     resume: continue from the newest valid checkpoint in RUN_DIR/checkpoint (the metrics file is rewound to its
@@ -74,19 +76,21 @@ def train(cfg: RunConfig, metrics_out: str | Path | None = None, resume: bool = 
     storage) or on a real device: checkpoints and the step-progress watchdog are skipped (it says so).
     feed: the micro-batches to train on (default: a DataFeed of cfg's data; a real-device rehearsal and a benchmark
     hand in random tokens). checkpoints=False: none is saved, not even after the last step (a benchmark's run).
+    graph_backend: how train.cuda_graphs captures and replays the micro-batches (launch.train.graphs; default CUDA
+    graphs on device; the tests hand in a CPU simulator, the GPU check CUDA graphs that refuse syncs).
     """
     device = device or rank_device(cfg.train.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     with process_group(device):
         return _train(cfg, metrics_out, resume, require_checkpoint, resume_data, progress, device, feed,
-                      checkpoints)
+                      checkpoints, graph_backend)
 
 
 
 def _train(cfg: RunConfig, metrics_out: str | Path | None, resume: bool, require_checkpoint: bool, resume_data: bool,
-           progress: bool, device: torch.device, feed: DataFeed | None = None, checkpoints: bool = True
-           ) -> list[dict]:
+           progress: bool, device: torch.device, feed: DataFeed | None = None, checkpoints: bool = True,
+           graph_backend: GraphBackend | None = None) -> list[dict]:
     settings = cfg.train
     mesh = Mesh(cfg.layout)
     lead = mesh.rank == 0
@@ -113,7 +117,7 @@ def _train(cfg: RunConfig, metrics_out: str | Path | None, resume: bool, require
         start = checkpointer.load(state, resume_data, required=require_checkpoint) if resume and checkpointer else 0
         refresh_replicas(stages)  # a checkpoint's placement, the owners' loaded weights
         records = _loop(cfg, mesh, stages, runtime, state, checkpointer, eval_batches, start, metrics_out,
-                        progress, preemption, phases)
+                        progress, preemption, phases, step_graphs(cfg, stages, device, graph_backend))
     if checkpointer is not None:
         checkpointer.finish()
     return records
@@ -122,8 +126,9 @@ def _train(cfg: RunConfig, metrics_out: str | Path | None, resume: bool, require
 
 def _loop(cfg: RunConfig, mesh: Mesh, stages: list[Stage], runtime: PipelineRuntime | None, state: TrainState,
           checkpointer: Checkpointer | None, eval_batches: DataFeed | None, start: int, metrics_out: str | Path | None,
-          progress: bool, preemption: Preemption, phases: Progress) -> list[dict]:
-    """Steps start..train.steps (a spike may roll back, SIGTERM ends early); saves the last step reached.
+          progress: bool, preemption: Preemption, phases: Progress, graphs: StepGraphs | None = None) -> list[dict]:
+    """Steps start..train.steps (a spike may roll back, SIGTERM ends early); saves the last step reached; graphs:
+    the micro-batches' CUDA graphs (train.cuda_graphs), forgotten after a rollback's load.
     Every rank enters the same phases in phases (launch.faults.watchdog); the first step of a process is a long one."""
     settings, optimizer, scheduler, batches = cfg.train, state.optimizer, state.scheduler, state.data
     lead = mesh.rank == 0
@@ -146,13 +151,14 @@ def _loop(cfg: RunConfig, mesh: Mesh, stages: list[Stage], runtime: PipelineRunt
         micro = batches.next_step()
         per_rank = (step + 1) % settings.rank_metrics_every == 0 or step + 1 == settings.steps
 
-        def attempt() -> tuple[torch.Tensor, dict]:
-            """The step's forward, backward, grad sync, clip and statistics: (grad norm, stats)."""
+        def attempt(graphs: StepGraphs | None) -> tuple[torch.Tensor, dict]:
+            """The step's forward, backward (through graphs, when given), grad sync, clip and statistics:
+            (grad norm, stats)."""
             phases.enter("forward/backward", step, long=step == start)
             optimizer.zero_grad(set_to_none=False)  # fp32 grads accumulate into ZeRO-1's flat buffer: no second copy
             lm_part, busy = forward_backward(stages, runtime, micro, cfg.chunks_per_step,
                                              guard.loss_scale(step, 1 / settings.grad_accum_steps),
-                                             optimizer if cfg.parallel.overlap_grad_reduce else None, eos)
+                                             optimizer if cfg.parallel.overlap_grad_reduce else None, eos, graphs)
             mark("grad sync", ACTION)  # the micro-batches' end (a rehearsal's phase clock, launch.plan.phases)
             phases.enter("grad sync", step)
             fold_replica_grads(stages, optimizer)
@@ -163,11 +169,13 @@ def _loop(cfg: RunConfig, mesh: Mesh, stages: list[Stage], runtime: PipelineRunt
             return grad_norm, gather_step_stats(stages, cfg, mesh, lm_part, grad_norm,
                                                 1 - busy / compute_s if runtime is not None else 0.0,
                                                 preemption.requested, per_rank)
-        grad_norm, stats = attempt()
-        if stats["overflow"]:  # a padded exchange left rows out (on some rank): the step again, exactly
+        grad_norm, stats = attempt(graphs)
+        if stats["overflow"]:  # a padded exchange left rows out (on some rank): the step again, exactly and eagerly
             reruns += 1
             with exact_exchanges(stages):
-                grad_norm, stats = attempt()
+                grad_norm, stats = attempt(None)
+            if graphs is not None:  # the grown bounds change the exchange's shapes: warm up and capture again
+                graphs.drop()
         lr = scheduler.get_last_lr()[0]
         status = guard.verdict(step, stats["loss"], stats["grad_norm"])
         phases.enter("optimizer", step)
@@ -188,6 +196,8 @@ def _loop(cfg: RunConfig, mesh: Mesh, stages: list[Stage], runtime: PipelineRunt
             phases.enter("load", step, long=True)
             back = checkpointer.load(state, restore_data=False)  # 0: no checkpoint yet, the spike is only skipped
             refresh_replicas(stages)
+            if graphs is not None:  # a load may bind new tensors: capture again
+                graphs.drop()
             if back:
                 saved = record["rolled_back_to"] = back
         last = step + 1 == settings.steps

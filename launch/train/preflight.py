@@ -17,7 +17,6 @@ import dataclasses
 import functools
 import math
 import os
-import warnings
 from pathlib import Path
 
 from launch.checkpoint.hf.load import check_init_from
@@ -26,6 +25,7 @@ from launch.data.feed import READ_CHARS, corpus_files, corpus_key, text_pieces
 from launch.data.shards import Prepared, read_manifest
 from launch.data.tokenizer import load_tokenizer
 from launch.parallel.device import check_device
+from launch.train.graphs import check_graphable
 
 
 def _check_finite(cfg: RunConfig) -> None:
@@ -108,12 +108,11 @@ def _check_run_dir(cfg: RunConfig) -> None:
 
 
 def _check_machine(cfg: RunConfig) -> None:
-    """The device can run the ranks (launch.parallel.device)."""
+    """The device can run the ranks (launch.parallel.device), and train.cuda_graphs can capture their step
+    (launch.train.graphs.check_graphable)."""
     check_device(cfg.train.device, cfg.parallel.comm_backend, cfg.model.expert_precision,
                  cuda_graphs=cfg.train.cuda_graphs)
-    if cfg.train.cuda_graphs:  # said once, before the ranks start: the key is checked and priced, nothing captured yet
-        warnings.warn("train.cuda_graphs = true: the capture is not built yet (issue 48's GPU half); the steps run "
-                      "eagerly (moe-plan prices them as captured)", stacklevel=2)
+    check_graphable(cfg)
 
 
 def _check_init_from(cfg: RunConfig) -> None:

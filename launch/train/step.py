@@ -24,6 +24,7 @@ from launch.metrics.records import (expert_load_summary, mfu_peak, model_flops_p
 from launch.parallel.device import to_host
 from launch.parallel.mesh import Mesh
 from launch.parallel.stages import LOSS_KINDS, Stage
+from launch.train.graphs import StepGraphs
 from moe.documents import document_ids, document_labels
 from optim import ZeroOptimizer
 from pipeline import PipelineRuntime
@@ -56,14 +57,16 @@ def document_eos(cfg: RunConfig) -> int | None:
 
 def forward_backward(stages: list[Stage], runtime: PipelineRuntime | None, micro: list[MicroBatch],
                      chunks: int, loss_scale: float, optimizer: ZeroOptimizer | None = None,
-                     eos: int | None = None) -> tuple[Tensor, float]:
+                     eos: int | None = None, graphs: StepGraphs | None = None) -> tuple[Tensor, float]:
     """Forward and backward over this rank's micro-batches (grads accumulate), every LM, MTP and router loss
     scaled by loss_scale (the micro-batch's share of the step's loss); returns (sum of the scaled LM losses
     computed here (without MTP's), a float64 tensor on the stages' device; seconds the pipeline spent busy, or 0 without one).
     optimizer: the ZeRO-1 optimizer to overlap its gradient reduction with the last backward (last_backward).
     eos: document masking (moe.documents) at this EOS id: every stage of the rank gets each micro-batch's document
     ids, computed on the device from its tokens (which every pipeline rank of a DP rank reads), and the labels
-    after an EOS are ignored."""
+    after an EOS are ignored. graphs (train.cuda_graphs, pp = 1): each micro-batch's forward, loss and backward runs
+    through its CUDA graph (launch.train.graphs.StepGraphs: captured after a warm-up, then replayed); the gradient
+    reduction then does not overlap the backward (optimizer is not used)."""
     for stage in stages:
         stage.loss_scale = loss_scale
     device = next(stages[0].parameters()).device
@@ -82,22 +85,27 @@ def forward_backward(stages: list[Stage], runtime: PipelineRuntime | None, micro
             total.add_(torch.stack(lm_parts).sum())
             lm_parts.clear()
 
-    def labels_of(batch: MicroBatch) -> Tensor:
-        return batch.labels if eos is None else document_labels(batch.labels, batch.inputs, eos)
+    def labels_of(inputs: Tensor, labels: Tensor) -> Tensor:
+        return labels if eos is None else document_labels(labels, inputs, eos)
 
-    def documents_of(batch: MicroBatch) -> list[Tensor]:
-        return [] if eos is None else [document_ids(batch.inputs, eos)]
+    def documents_of(inputs: Tensor) -> list[Tensor]:
+        return [] if eos is None else [document_ids(inputs, eos)]
 
     if runtime is None:
         for m, batch in enumerate(micro):
+            def work(inputs: Tensor, labels: Tensor, m: int = m) -> Tensor:
+                """The micro-batch's forward, loss and backward; its LM loss (what a graph captures)."""
+                out = stages[0](inputs, *documents_of(inputs))
+                loss = criterion(*(out if isinstance(out, tuple) else (out,)), labels_of(inputs, labels))
+                if torch.is_grad_enabled():
+                    mark(f"backward of micro-batch {m}", ACTION)
+                    with last_backward(optimizer if graphs is None else None, None, m == len(micro) - 1):
+                        loss.backward()
+                return lm_parts.pop()
+
             mark(f"forward of micro-batch {m}", ACTION)
-            out = stages[0](batch.inputs, *documents_of(batch))
-            loss = criterion(*(out if isinstance(out, tuple) else (out,)), labels_of(batch))
-            if torch.is_grad_enabled():
-                mark(f"backward of micro-batch {m}", ACTION)
-                with last_backward(optimizer, None, m == len(micro) - 1):
-                    loss.backward()
-            add_lm_parts()
+            total.add_(work(batch.inputs, batch.labels) if graphs is None
+                       else graphs.micro_batch(work, batch.inputs, batch.labels, loss_scale))
         return total, 0.0
     busy = 0.0
     layout = runtime.schedule(chunks).layout
@@ -105,8 +113,8 @@ def forward_backward(stages: list[Stage], runtime: PipelineRuntime | None, micro
     for first in range(0, len(micro), chunks):
         step = micro[first:first + chunks]
         inputs = torch.cat([step[c].inputs for c in entry]) if entry else None
-        labels = torch.cat([labels_of(step[c]) for c in exit_]) if exit_ else None
-        context = [torch.cat(parts) for parts in zip(*map(documents_of, step))]
+        labels = torch.cat([labels_of(step[c].inputs, step[c].labels) for c in exit_]) if exit_ else None
+        context = [torch.cat(parts) for parts in zip(*(documents_of(batch.inputs) for batch in step))]
         runtime.timeline = []
         with last_backward(optimizer, runtime, first + chunks >= len(micro)):
             runtime.step(*([inputs] if entry else []), num_chunks=chunks, criterion=criterion,

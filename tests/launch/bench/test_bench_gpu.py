@@ -18,6 +18,7 @@ from launch.plan.cli import main as moe_plan
 from launch.plan.planner import Machine, make_plan
 from launch.plan.presets import gpu_preset
 from moe.layer import MoELayer
+from tests.graph_replay import ReplayGraphs
 
 BF16_U = 2.0 ** -8  # bf16's unit roundoff (8 significant bits)
 # torchtitan's experts round x, w1, w3, w2 to bf16 and round each GEMM's output and the SwiGLU product to bf16:
@@ -31,7 +32,8 @@ def test_dry_run_lists_every_row_with_its_shapes_and_budget(capsys):
     for row in gpu.ROWS:
         assert f"{row.name:<20} budget {row.budget_s:>4.0f} s  {row.runs}" in out
     assert "hidden 7168, 8 experts of 2048, top-8, 4096 tokens, bf16" in out  # the V3 slice of the moe-layer row
-    assert "trainer-graphed" in out and "not yet: train.cuda_graphs captures nothing yet" in out
+    assert "trainer-graphed" in out and "not yet" not in out  # train.cuda_graphs captures (launch.train.graphs)
+    assert "graphs-check" in out and "10 steps eager twice and with CUDA graphs" in out
     budgets = {row.name: row.budget_s for row in gpu.ROWS}
     assert budgets["kernels"] <= 120 and budgets["v3-rank"] <= 120
     assert all(budget <= 60 for name, budget in budgets.items() if name.startswith("trainer-"))
@@ -63,7 +65,7 @@ def test_the_docs_page_and_moe_plans_ratios_come_from_a_result(tmp_path, capsys)
             {"row": "trainer-eager", "status": "ok", "wall_s": 35.0, "budget_s": 40, "runs": "gpu-1x", "peer": "-",
              "tokens_per_s": 20000.0, "step_ms": 204.8, "mfu": 0.31, "peak_memory_gib": 61.0, "plan_step_ms": 180.0,
              "plan_peak_gib": 58.0, "plan_tokens_per_s": 22755.0},
-            {"row": "trainer-graphed", "status": "not yet: train.cuda_graphs missing", "wall_s": 0.0, "budget_s": 40,
+            {"row": "trainer-graphed", "status": "error: RuntimeError: capture failed", "wall_s": 0.0, "budget_s": 40,
              "runs": "gpu-1x", "peer": "-"}]
     result = tmp_path / "gpu.json"
     head = {"suite": "gpu", "time_utc": "2026-11-28T17:00:00+00:00", "command": "moe-bench gpu --json gpu.json",
@@ -75,11 +77,30 @@ def test_the_docs_page_and_moe_plans_ratios_come_from_a_result(tmp_path, capsys)
     text = page.read_text()
     assert text.startswith("# GPU results: no GPU") and head["time_utc"] in text and head["machine"]["cpu"] in text
     assert "| trainer-eager | ok | 35 | 40 | - | - | - | 20000 | 31.0% | 22755 | 61.0 | 58.0 |" in text
-    assert "| trainer-graphed | not yet: train.cuda_graphs missing |" in text
+    assert "| trainer-graphed | error: RuntimeError: capture failed |" in text
     capsys.readouterr()
     assert moe_plan(["--measure-gpu", str(result)]) == 0
     out = capsys.readouterr().out
     assert "trainer-eager: step ms" in out and "1.138" in out and "trainer-eager: peak GiB" in out  # 204.8 / 180
+
+
+def test_the_graphs_check_says_when_graphed_losses_differ():
+    """The graphs-check row's core (gpu.graphs_check) on the CPU, a shrunk configs/tiny-1proc.toml, its graph backend
+    the replay simulator with replays planted to do nothing: the two eager runs agree, the graphed one does not, and
+    the row says OUTPUT DIFFERS at the first replayed step (the real backend's agreement is
+    tests/launch/train/test_cuda_graphs.py's)."""
+    class Frozen(ReplayGraphs):
+        def capture(self, work):
+            graph, out = super().capture(work)
+            graph.replay = lambda: None
+            return graph, out
+    small = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=1",
+             "model.dense_ffn_size=64", "model.expert_ffn_size=16", "train.seq_len=16", "train.micro_batch_size=2",
+             "train.grad_accum_steps=2"]
+    result = gpu.graphs_check(torch.device("cpu"), Frozen, steps=3, overrides=small)
+    assert result["eager_repeatable"] and not result["graphed_equal"]
+    assert result["status"].startswith("OUTPUT DIFFERS: graphed loss") and "at step 1" in result["status"]
+    assert not torch.are_deterministic_algorithms_enabled()  # restored
 
 
 def test_peers_folder_without_wheels_is_refused(tmp_path):
