@@ -14,6 +14,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from dispatch.progress import ACTION, mark
 from pipeline import schedules
+from pipeline.graphs import ActionGraphs
 from pipeline.overlap import complete, start
 from pipeline.p2p import P2PChannel, TensorMeta, TransferLog
 from pipeline.schedules import Action, Op, Schedule
@@ -72,6 +73,9 @@ class PipelineRuntime(nn.Module):
         self._schedules: dict[tuple[int, bool, bool], Schedule] = {}
         self._channel = P2PChannel(self.group, self._device())  # made here: it creates process groups
         self._backward_thread: ThreadPoolExecutor | None = None  # runs the backward of concurrent pairs
+        # train.cuda_graphs: the compute actions run through these graphs (pipeline.graphs; None: eagerly)
+        self.graphs: ActionGraphs | None = None
+        self.kept: dict[int, tuple[Tensor, ...]] = {}  # per exit chunk, what the criterion kept beside the loss
 
     def fix_boundary(self, metas: list[TensorMeta]) -> None:
         """Every message between stages carries tensors of these dtypes and shapes (requires_grad taken as
@@ -104,7 +108,10 @@ class PipelineRuntime(nn.Module):
         """Run one pipelined step over num_chunks micro-batches; accumulate grads into the modules.
 
         Ranks holding first stages pass the inputs, ranks holding last stages the labels (criterion
-        gets (*outputs, *labels) per chunk; without criterion the last stage's output is the loss).
+        gets (*outputs, *labels) per chunk and returns the loss, or (loss, *kept): detached tensors left in
+        self.kept[chunk], in the order the chunks' losses were computed; without criterion the last stage's output is
+        the loss). With self.graphs active (train.cuda_graphs) the compute actions are captured and replayed
+        (pipeline.graphs); return_outputs is then refused.
         context: tensors of all num_chunks chunks (split like inputs) that every stage of this rank receives
         after its inputs for each chunk; never sent between ranks nor differentiated (e.g. document ids).
         Returns (per-chunk losses stacked, outputs concatenated along batch_dim) on the ranks holding
@@ -128,6 +135,9 @@ class PipelineRuntime(nn.Module):
         self._results: dict[int, tuple[Tensor, ...]] = {}  # last-stage outputs, kept only for return_outputs
         self._keep_outputs = return_outputs
         self._losses: dict[int, Tensor] = {}
+        self.kept = {}
+        if return_outputs and self.graphs is not None and self.graphs.active:
+            raise ValueError("return_outputs: a graphed pipeline step keeps no outputs (train.cuda_graphs)")
         self._sent_early: set[tuple[Op, int, int]] = set()
         self.forward_shares = {}
         self._phases_of = {}
@@ -184,7 +194,9 @@ class PipelineRuntime(nn.Module):
         self._waited = 0.0
         self._forward_busy: float | None = None
         t0 = time.perf_counter()
-        if act.op is Op.F:
+        if self.graphs is not None and self.graphs.active and act.op in (Op.F, Op.B, Op.W, Op.FB):
+            self._graphed(act)
+        elif act.op is Op.F:
             inputs, out = self._start_forward(act.phase, act.chunk)
             self._finish_forward(act.phase, act.chunk, inputs, complete(out))
         elif act.op is Op.B:
@@ -252,30 +264,49 @@ class PipelineRuntime(nn.Module):
 
     def _start_forward(self, phase: int, chunk: int) -> tuple[list[Tensor], Any]:
         inputs = self._forward_inputs(phase, chunk)
+        return inputs, self._call(phase, inputs)
+
+    def _call(self, phase: int, inputs: list[Tensor]) -> Any:
+        """The stage module of phase on inputs: a forward_steps generator under EP overlap, else its output."""
         module = self.module[phase]
         if self.overlap and hasattr(module, "forward_steps"):
-            return inputs, module.forward_steps(*inputs)
-        return inputs, module(*inputs)
+            return module.forward_steps(*inputs)
+        return module(*inputs)
+
+    def _is_last(self, phase: int) -> bool:
+        return self._stage(phase) == self._layout.num_stages - 1
 
     def _finish_forward(self, phase: int, chunk: int, inputs: list[Tensor], out: Any) -> None:
+        self._hand_forward(phase, chunk, self._forward_tail(phase, chunk, inputs, out, self._labels.get(chunk, ())))
+
+    def _forward_tail(self, phase: int, chunk: int, inputs: list[Tensor], out: Any, labels: Sequence[Tensor]
+                      ) -> tuple[Tensor, ...]:
+        """The compute after a stage's forward and what it hands on: on the last stage its loss (criterion, with
+        labels), detached, and what the criterion kept; elsewhere the outputs for the next stage. What the
+        backward needs is saved."""
         outputs = tuple(t for t in _as_tuple(out) if isinstance(t, Tensor))
-        stage = self._stage(phase)
-        if stage == self._layout.num_stages - 1:
+        last = self._is_last(phase)
+        handed = outputs
+        if last:
             if self._keep_outputs:  # else each chunk's logits would live until the step ends
                 self._results[chunk] = tuple(t.detach() for t in outputs)
-            if self._criterion is None:
-                loss = outputs[0]
-            else:
-                loss = self._criterion(*outputs, *self._labels.get(chunk, ()))
-            self._losses[chunk] = loss.detach()
-            outputs = (loss,)
-        else:
-            self._hand_over(Op.SEND_F, phase, chunk, stage + 1, [(t, t.requires_grad) for t in outputs])
+            result = outputs[0] if self._criterion is None else self._criterion(*outputs, *labels)
+            loss, *kept = result if isinstance(result, tuple) else (result,)
+            outputs, handed = (loss,), (loss.detach(), *kept)
         if torch.is_grad_enabled():  # a handed-over output is kept as its autograd edge only: its bytes are the
             # next stage's (a payload copy, or its input here) and backward needs the edge, not the values
-            kept = outputs if stage == self._layout.num_stages - 1 else tuple(
-                get_gradient_edge(t) for t in outputs if t.requires_grad)
-            self._saved[(phase, chunk)] = (inputs, kept)
+            kept_for_backward = outputs if last else tuple(get_gradient_edge(t) for t in outputs if t.requires_grad)
+            self._saved[(phase, chunk)] = (inputs, kept_for_backward)
+        return handed
+
+    def _hand_forward(self, phase: int, chunk: int, handed: tuple[Tensor, ...]) -> None:
+        """_forward_tail's result to its place: the last stage's loss and kept tensors, else the next stage."""
+        if self._is_last(phase):
+            self._losses[chunk] = handed[0]
+            if len(handed) > 1:
+                self.kept[chunk] = handed[1:]
+        else:
+            self._hand_over(Op.SEND_F, phase, chunk, self._stage(phase) + 1, [(t, t.requires_grad) for t in handed])
 
     def _backward(self, phase: int, chunk: int, split: bool) -> None:
         self._run_backward(phase, chunk, split, self._output_grads(phase, chunk))
@@ -287,14 +318,57 @@ class PipelineRuntime(nn.Module):
         return [g for g, _ in self._fetch(Op.RECV_B, phase, chunk)]
 
     def _run_backward(self, phase: int, chunk: int, split: bool, grads: list[Tensor] | None) -> None:
+        self._hand_backward(phase, chunk, self._backward_compute(phase, chunk, split, grads))
+
+    def _backward_compute(self, phase: int, chunk: int, split: bool, grads: list[Tensor] | None) -> list[Tensor]:
+        """The backward of (phase, chunk) from its outputs' grads (weight grads deferred to the store when split);
+        the grads of its inputs that require one (none on stage 0)."""
         inputs, outputs = self._saved.pop((phase, chunk))
-        stage = self._stage(phase)
         with self.store.capture((phase, chunk)) if split else nullcontext():
             torch.autograd.backward(list(outputs), grads)
+        if self._stage(phase) == 0:
+            return []
+        return [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs if t.requires_grad]
+
+    def _hand_backward(self, phase: int, chunk: int, in_grads: list[Tensor]) -> None:
+        stage = self._stage(phase)
         if stage > 0:
-            in_grads = [(t.grad if t.grad is not None else torch.zeros_like(t), True)
-                        for t in inputs if t.requires_grad]
-            self._hand_over(Op.SEND_B, phase, chunk, stage - 1, in_grads)
+            self._hand_over(Op.SEND_B, phase, chunk, stage - 1, [(g, True) for g in in_grads])
+
+    def _graphed(self, act: Action) -> None:
+        """A compute action (F, B, W, F&B) through its graph (self.graphs, pipeline.graphs): the receives it needs
+        are waited for and the hand-overs it makes are done eagerly, before and after the graph; an F&B pair's
+        forward and backward interleave inside one graph as eager (its forward's outputs are sent after the pair)."""
+        if act.op is Op.W:
+            keys = tuple((act.phase, c) for c in act.chunks)
+            self.graphs.run((Op.W, *keys), lambda: self.store.run(*keys), [])
+            return
+        fwd = None if act.op is Op.B else act
+        bwd = act if act.op is Op.B else act.backward
+        inputs = self._forward_inputs(fwd.phase, fwd.chunk) if fwd else []
+        labels = list(self._labels.get(fwd.chunk, ())) if fwd and self._is_last(fwd.phase) else []
+        grads = self._output_grads(bwd.phase, bwd.chunk) if bwd else None
+        n, m = len(inputs), len(labels)
+
+        def work(*static: Tensor) -> tuple[tuple[Tensor, ...], list[Tensor]]:
+            ins, labs, out_grads = list(static[:n]), static[n:n + m], (list(static[n + m:]) if grads is not None
+                                                                        else None)
+            if fwd is None:
+                return (), self._backward_compute(bwd.phase, bwd.chunk, bwd.split, out_grads)
+            done, out = start(self._call(fwd.phase, ins))
+            handed = self._forward_tail(fwd.phase, fwd.chunk, ins, out, labs) if done else ()
+            in_grads = self._backward_compute(bwd.phase, bwd.chunk, bwd.split, out_grads) if bwd else []
+            if not done:  # EP overlap: the backward ran while the forward's communication was in flight
+                handed = self._forward_tail(fwd.phase, fwd.chunk, ins, complete(out), labs)
+            return handed, in_grads
+
+        handed, in_grads = self.graphs.run((act.op, act.phase, act.chunk), work, [*inputs, *labels, *(grads or [])])
+        if fwd:
+            self._hand_forward(fwd.phase, fwd.chunk, handed)
+            if bwd:
+                self._send_early(fwd.phase, fwd.chunk)
+        if bwd:
+            self._hand_backward(bwd.phase, bwd.chunk, in_grads)
 
     def _forward_backward(self, act: Action) -> None:
         bwd = act.backward

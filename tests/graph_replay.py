@@ -9,7 +9,9 @@ What a CUDA graph does with fixed addresses, done with tensor objects:
 - replay runs each noted operator again on the noted arguments: an in-place operator mutates its noted arguments
   again, an operator making fresh outputs has them copied into the noted output tensors (so every later operator
   that read them reads the new values), and a view operator is skipped (its noted output already aliases the
-  storage of its input);
+  storage of its input); the writes go through Tensor.data aliases, so they bump no autograd version counter (a
+  CUDA replay writes memory behind autograd's back too: the backward graph captured over a forward graph's saved
+  tensors, launch's pipeline graphs, accepts them after that forward's replays);
 - a collective (an operator of c10d, e.g. the EP exchange's all_to_all_single) is re-issued at its place, and
   waited for before the next operator that is not a collective (consecutive ones in flight together, as the eager
   code issues them; what a captured NCCL collective does on its stream);
@@ -30,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from tests.syncs import SyncDetector
 
@@ -57,12 +59,18 @@ class _Op:
             return
         if not self.collective:
             _wait(in_flight)
-        with torch.no_grad():
-            results, _ = tree_flatten(self.func(*self.args, **self.kwargs))
+        with torch.no_grad():  # on .data aliases: a replay bumps no autograd version counter, as on a GPU
+            args, kwargs = tree_map_only(Tensor, _untracked, (self.args, self.kwargs))
+            results, _ = tree_flatten(self.func(*args, **kwargs))
             for position, recorded in self.fresh:
-                recorded.copy_(results[position])
+                recorded.data.copy_(results[position])
         if self.collective:
             in_flight.extend(r for r in results if not isinstance(r, Tensor) and hasattr(r, "wait"))
+
+
+def _untracked(t: Tensor) -> Tensor:
+    """t's memory under a version counter of its own (Tensor.data): writes through it leave t's untouched."""
+    return t.data
 
 
 def _wait(works: list) -> None:

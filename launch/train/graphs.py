@@ -43,9 +43,12 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from dispatch.traffic import deferred, redo
+from dispatch.traffic import redo
 from launch.config.run import RunConfig
 from launch.parallel.stages import Stage
+from pipeline.graphs import ActionGraphs, GraphStateError, capture_keeping_grads
+
+__all__ = ["CudaGraphs", "GraphBackend", "GraphStateError", "StepGraphs", "check_graphable", "step_graphs"]
 
 WARMUP_MICRO_BATCHES = 2  # eager micro-batches of a shape before its capture
 
@@ -113,10 +116,6 @@ class CudaGraphs:
             torch.cuda.set_sync_debug_mode(before)
 
 
-class GraphStateError(RuntimeError):
-    """A capture changed Python-side state that a replay would not change again (a parameter's .grad rebound)."""
-
-
 @dataclass
 class _Captured:
     """One micro-batch shape's graph: its static inputs, its static LM-loss output, the loss scale it holds."""
@@ -141,6 +140,7 @@ class StepGraphs:
         self.backend, self.params, self.warmup = backend, params, warmup
         self.graphs: dict[tuple, _Captured] = {}
         self.eager: Counter = Counter()  # warm-up micro-batches run, by shape
+        self.pipeline = ActionGraphs(backend, params)  # with pp > 1: the runtime's actions (pipeline.graphs)
 
     def micro_batch(self, work: Work, inputs: Tensor, labels: Tensor, scale: float) -> Tensor:
         """work(inputs, labels) (forward, loss scaled by scale, backward; its LM loss returned): eagerly while the
@@ -165,20 +165,16 @@ class StepGraphs:
 
     def _capture(self, work: Work, inputs: Tensor, labels: Tensor, scale: float) -> _Captured:
         static_inputs, static_labels = inputs.clone(), labels.clone()
-        before = {name: p.grad for name, p in self.params.items()}
-        with deferred() as counting:
-            graph, lm = self.backend.capture(lambda: work(static_inputs, static_labels))
-        rebound = [name for name, p in self.params.items() if p.grad is not before[name]]
-        if rebound:
-            raise GraphStateError(f"the captured backward rebound the .grad of {', '.join(rebound[:3])}: a replay "
-                                  f"accumulates into the tensors bound at the capture, so every grad must exist "
-                                  f"(zero_grad(set_to_none=False)) and be accumulated in place")
+        graph, lm, counting = capture_keeping_grads(self.backend, lambda: work(static_inputs, static_labels),
+                                                    self.params)
         return _Captured(graph, static_inputs, static_labels, lm, scale, counting)
 
     def drop(self) -> None:
-        """Forget every graph and warm-up count (the exchange's shapes changed: shapes warm up and capture again)."""
+        """Forget every graph and warm-up count (the exchange's shapes changed: shapes warm up and capture again),
+        the pipeline's too."""
         self.graphs.clear()
         self.eager.clear()
+        self.pipeline.drop()
 
 
 def check_graphable(cfg: RunConfig) -> None:
@@ -189,8 +185,6 @@ def check_graphable(cfg: RunConfig) -> None:
     par, optim = cfg.parallel, cfg.optim
     regions = [f"parallel.{key} = {getattr(par, key)}" for key in ("tp", "cp") if getattr(par, key) > 1]
     refusals = [
-        (par.pp > 1, f"parallel.pp = {par.pp}: the pipeline runtime's stages (DualPipe's paired forward and backward, "
-                     f"the B/W split) are not captured yet", "parallel.pp = 1"),
         (bool(regions), f"{', '.join(regions)}: the TP and CP regions' collectives are not captured yet",
          "parallel.tp = parallel.cp = 1"),
         (par.redundant_experts > 0, f"parallel.redundant_experts = {par.redundant_experts}: each placement of the "

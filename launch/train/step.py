@@ -64,26 +64,20 @@ def forward_backward(stages: list[Stage], runtime: PipelineRuntime | None, micro
     optimizer: the ZeRO-1 optimizer to overlap its gradient reduction with the last backward (last_backward).
     eos: document masking (moe.documents) at this EOS id: every stage of the rank gets each micro-batch's document
     ids, computed on the device from its tokens (which every pipeline rank of a DP rank reads), and the labels
-    after an EOS are ignored. graphs (train.cuda_graphs, pp = 1): each micro-batch's forward, loss and backward runs
-    through its CUDA graph (launch.train.graphs.StepGraphs: captured after a warm-up, then replayed); the gradient
-    reduction then does not overlap the backward (optimizer is not used)."""
+    after an EOS are ignored. graphs (train.cuda_graphs): with pp = 1 each micro-batch's forward, loss and backward runs
+    through its CUDA graph (launch.train.graphs.StepGraphs: captured after a warm-up, then replayed), with a pipeline
+    each of the runtime's compute actions (pipeline.graphs, the runtime's graphs); the gradient reduction then does
+    not overlap the backward (optimizer is not used)."""
     for stage in stages:
         stage.loss_scale = loss_scale
     device = next(stages[0].parameters()).device
     total = torch.zeros((), dtype=torch.float64, device=device)
     last = next((stage for stage in stages if stage.lm_head is not None), None)
-    lm_parts: list[Tensor] = []  # the LM losses of a micro-batch or pipeline step, summed into total after it
 
-    def criterion(*outputs: Tensor) -> Tensor:
-        """The last stage's loss (Stage.loss), its LM part kept for total."""
+    def criterion(*outputs: Tensor) -> tuple[Tensor, Tensor]:
+        """The last stage's loss (Stage.loss) and its LM part, detached, for total (the runtime keeps it per chunk)."""
         loss, lm_part = last.loss(*outputs)
-        lm_parts.append(lm_part.detach())
-        return loss
-
-    def add_lm_parts() -> None:
-        if lm_parts:
-            total.add_(torch.stack(lm_parts).sum())
-            lm_parts.clear()
+        return loss, lm_part.detach()
 
     def labels_of(inputs: Tensor, labels: Tensor) -> Tensor:
         return labels if eos is None else document_labels(labels, inputs, eos)
@@ -96,18 +90,19 @@ def forward_backward(stages: list[Stage], runtime: PipelineRuntime | None, micro
             def work(inputs: Tensor, labels: Tensor, m: int = m) -> Tensor:
                 """The micro-batch's forward, loss and backward; its LM loss (what a graph captures)."""
                 out = stages[0](inputs, *documents_of(inputs))
-                loss = criterion(*(out if isinstance(out, tuple) else (out,)), labels_of(inputs, labels))
+                loss, lm_part = criterion(*(out if isinstance(out, tuple) else (out,)), labels_of(inputs, labels))
                 if torch.is_grad_enabled():
                     mark(f"backward of micro-batch {m}", ACTION)
                     with last_backward(optimizer if graphs is None else None, None, m == len(micro) - 1):
                         loss.backward()
-                return lm_parts.pop()
+                return lm_part
 
             mark(f"forward of micro-batch {m}", ACTION)
             total.add_(work(batch.inputs, batch.labels) if graphs is None
                        else graphs.micro_batch(work, batch.inputs, batch.labels, loss_scale))
         return total, 0.0
     busy = 0.0
+    actions = runtime.graphs = graphs.pipeline if graphs is not None else None
     layout = runtime.schedule(chunks).layout
     entry, exit_ = layout.entry_chunks(runtime.rank), layout.exit_chunks(runtime.rank)
     for first in range(0, len(micro), chunks):
@@ -116,12 +111,15 @@ def forward_backward(stages: list[Stage], runtime: PipelineRuntime | None, micro
         labels = torch.cat([labels_of(step[c].inputs, step[c].labels) for c in exit_]) if exit_ else None
         context = [torch.cat(parts) for parts in zip(*(documents_of(batch.inputs) for batch in step))]
         runtime.timeline = []
-        with last_backward(optimizer, runtime, first + chunks >= len(micro)):
+        shapes = tuple((tuple(t.shape), t.dtype) for t in (inputs, labels, *context) if t is not None)
+        with (actions.step((chunks, shapes), loss_scale) if actions is not None else contextlib.nullcontext(),
+              last_backward(optimizer if actions is None else None, runtime, first + chunks >= len(micro))):
             runtime.step(*([inputs] if entry else []), num_chunks=chunks, criterion=criterion,
                          labels=(labels,) if exit_ else (), context=context)
         busy += sum(b for *_, b in runtime.timeline)
         runtime.timeline = None
-        add_lm_parts()
+        if runtime.kept:  # the LM losses of the step's chunks, in the order they were computed
+            total.add_(torch.stack([lm_part for lm_part, in runtime.kept.values()]).sum())
     return total, busy
 
 
