@@ -86,9 +86,12 @@ class TrainSettings:
     """Capture each micro-batch's forward, loss and backward in a CUDA graph and replay it for the later micro-batches
     of the same shape (issue 48; launch.train.graphs): 2 eager micro-batches of a shape warm up on a side stream, the
     next one is captured (one private memory pool per rank), every later one is copied into the graph's static
-    buffers and replayed. The step must read nothing to the host: ranks on CUDA GPUs, and with parallel.ep > 1
-    parallel.dispatch_exchange = "padded" (its all-to-alls are captured). Captured today: parallel.pp = 1, tp = cp =
-    1, no redundant experts, optim.zero_stage = 1, any dp and ep (ZeRO's reduction runs after the backward, not
+    buffers and replayed. With parallel.pp > 1 each compute action of the pipeline schedule (a forward, a backward,
+    a W action, a DualPipe F&B pair) of each stage and chunk has its graph: one eager pipeline step warms up, the
+    next is captured, the later ones replayed; the p2p messages stay eager, between the graphs (pipeline.graphs).
+    The step must read nothing to the host: ranks on CUDA GPUs, and with parallel.ep > 1
+    parallel.dispatch_exchange = "padded" (its all-to-alls are captured). Captured today: tp = cp = 1, no
+    redundant experts, optim.zero_stage = 1, any pp, dp and ep (ZeRO's reduction runs after the backward, not
     during it: parallel.overlap_grad_reduce is not used); other layouts are refused before any process starts,
     naming the key. Steps of a fault drill's loss scale, the held-out evaluation and the exact rerun of an
     overflowed padded exchange run eagerly (the graphs are captured again after such a rerun). moe-plan prices the

@@ -1,5 +1,7 @@
 """CUDA graphs of the training step (train.cuda_graphs, issue 48): with pp = 1, each micro-batch's forward, loss and
-backward is captured once per input shape and replayed for every later micro-batch of that shape.
+backward is captured once per input shape and replayed for every later micro-batch of that shape; with a pipeline,
+each compute action of the runtime on each stage and chunk (pipeline.graphs.ActionGraphs, StepGraphs.pipeline, under
+the same backend and the same rules below).
 
 StepGraphs is the capture logic, the same under every graph backend (GraphBackend): CudaGraphs on a GPU
 (torch.cuda.CUDAGraph, one private memory pool for every graph of the rank, the warm-up on a side stream), and in the
@@ -28,7 +30,7 @@ A micro-batch whose loss scale is not the captured one (a fault drill's step, la
 do the held-out evaluation and the exact rerun of a step whose padded exchange overflowed, after which drop() forgets
 every graph (the grown bounds change the exchange's shapes: the next micro-batches warm up and capture again); a
 rollback's checkpoint load drops them too. check_graphable refuses, before any process starts
-(launch.train.preflight), the layouts whose step is not captured yet: pipeline stages, TP and CP regions, redundant
+(launch.train.preflight), the layouts whose step is not captured yet: TP and CP regions, redundant
 experts, ZeRO-2 and -3 (the exact EP exchange is refused by launch.config.checks: it reads its sizes).
 """
 

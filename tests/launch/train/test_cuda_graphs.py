@@ -149,7 +149,6 @@ def test_cuda_graphs_off_cuda_are_refused_by_the_trainer_too(tmp_path):
 
 
 @pytest.mark.parametrize("parallel, optim, key", [
-    ({"pp": 2, "schedule": "1f1b"}, {}, "parallel.pp = 2"),
     ({"dp": 2, "ep": 2, "dispatch_exchange": "padded", "redundant_experts": 1}, {}, "parallel.redundant_experts = 1"),
     ({"tp": 2}, {}, "parallel.tp = 2"),
     ({"cp": 2}, {}, "parallel.cp = 2"),
@@ -157,7 +156,8 @@ def test_cuda_graphs_off_cuda_are_refused_by_the_trainer_too(tmp_path):
 ])
 def test_layouts_not_captured_yet_are_refused_naming_the_key(parallel, optim, key, tmp_path, monkeypatch):
     """Refused by check_graphable, before any process starts (launch.train.preflight.check_run, here with a GPU
-    faked so that the device check passes); dp x ep with the padded exchange passes, and so does the key off."""
+    faked so that the device check passes); dp x ep with the padded exchange passes, so do pipelines
+    (tests/launch/train/test_pipeline_graphs.py), and so does the key off."""
     raw = tiny(tmp_path, parallel=parallel, grad_accum_steps=4)
     raw["optim"] = optim
     cfg = build_config(raw)
@@ -170,6 +170,7 @@ def test_layouts_not_captured_yet_are_refused_naming_the_key(parallel, optim, ke
         check_run(cfg)
     check_graphable(build_config(tiny(tmp_path, parallel={"dp": 2, "ep": 2, "dispatch_exchange": "padded"},
                                       grad_accum_steps=4)))
+    check_graphable(build_config(tiny(tmp_path, parallel={"pp": 2, "schedule": "1f1b"}, grad_accum_steps=4)))
     check_graphable(build_config({**raw, "train": {**raw["train"], "cuda_graphs": False}}))
 
 
