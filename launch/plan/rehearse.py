@@ -60,6 +60,7 @@ from launch.errors import FAULT
 from launch.plan.phases import OPTIMIZER, STEP_END, Phase, PhaseClock, phase_rows, planned_comm
 from launch.plan.planner import Machine, Options, default_recipe, make_plan, make_schedule
 from launch.plan.presets import GPUS, gpu_preset, preset_for_device
+from launch.train.graphs import GraphBackend
 from pipeline.schedules import min_chunks
 
 META = torch.device("meta")
@@ -442,11 +443,13 @@ def predicted_phases(cfg: RunConfig, rank: int, intervals: list[tuple[str, int, 
 
 
 def rehearse(cfg: RunConfig, rank: int | None = None, device: torch.device | str = META,
-             micro_batches: int | None = None, warmup_steps: int | None = None) -> Rehearsal:
+             micro_batches: int | None = None, warmup_steps: int | None = None,
+             graph_backend: GraphBackend | None = None) -> Rehearsal:
     """Run one training step of cfg as rank (default: the first rank of the pipeline rank moe-plan gives the
     largest peak) on `device` under the fake process group; return what it showed. On meta the config's own step
     runs; on a real device (see the module doc) micro_batches per rank (default_micro_batches), after warmup_steps
-    unmeasured steps (default: 1 on a GPU, where the first step compiles and autotunes; 0 on a CPU)."""
+    unmeasured steps (default: 1 on a GPU, where the first step compiles and autotunes; 0 on a CPU).
+    graph_backend: how train.cuda_graphs captures and replays (launch.train.loop.train's; default CUDA graphs)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from launch.train.loop import train
@@ -499,7 +502,7 @@ def rehearse(cfg: RunConfig, rank: int | None = None, device: torch.device | str
             run = rehearsal_config(cfg, Path(folder), 1 + (warmup_steps or 0))
             feed = RandomFeed(run, device) if real else None
             with tracker, RehearsalMode(device, collectives, tracker), FusedAttention():
-                train(run, progress=False, device=device, feed=feed)
+                train(run, progress=False, device=device, feed=feed, graph_backend=graph_backend)
     finally:
         for hook in hooks:
             hook.remove()

@@ -5,6 +5,8 @@ pairs). One warm-up step, the capture at step 1 (each action captured, then repl
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from launch.train import loop
 from pipeline.graphs import WARMUP_STEPS
 
 STEPS = 4
+REHEARSED_STEPS = 3  # the rehearsal's: a warm-up, the capture, a replay (its memory tracker slows every step)
 # by name: (parallel settings, layers, micro-batches a step)
 LAYOUTS = {"1f1b": ({"pp": 2, "schedule": "1f1b"}, 2, 2),
            "dualpipev": ({"pp": 2, "schedule": "dualpipev", "defer_weight_grads": True}, 4, 4)}
@@ -77,3 +80,53 @@ def test_pipelined_graphed_steps_equal_eager_ones_bitwise(tmp_path):
             assert not differ, f"{name}, rank {rank}: final parameters {differ[:3]}"
             assert captures > 0 and replays == captures * (STEPS - WARMUP_STEPS), (name, rank, captures, replays)
             assert kinds == KINDS[name][rank], (name, rank, kinds)
+
+
+def rehearsed(run_dir, backend) -> tuple[list[tuple], dict[str, torch.Tensor], list[torch.Tensor]]:
+    """(per step (loss, grad norm), final parameters, every tensor sent to rank 1) of rank 0 of pp2 DualPipeV (the
+    B/W split on) rehearsed on the CPU under the fake process group (launch.plan.rehearse: its p2p receives read
+    zeros, its routing is forced), over REHEARSED_STEPS steps (all but the last warm-up for the rehearsal's
+    measurement), graphed through backend when given."""
+    from launch.plan import rehearse as rehearsal
+    from pipeline.p2p import P2PChannel
+
+    parallel, layers, micro = LAYOUTS["dualpipev"]
+    cfg = build_config(raw(run_dir, parallel, layers, micro, graphs=backend is not None))
+    held, build, train = {}, loop.build_model, loop.train
+
+    def keep(*args, **kwargs):
+        held["stages"], runtime = build(*args, **kwargs)
+        return held["stages"], runtime
+
+    def recorded(*args, **kwargs):
+        held["records"] = train(*args, **kwargs)
+        return held["records"]
+    sent, send = [], P2PChannel.send
+
+    def sending(self, tensors, *args):
+        sent.extend(t.detach().clone() for t in tensors)
+        return send(self, tensors, *args)
+    with (mock.patch.object(loop, "build_model", keep), mock.patch.object(loop, "train", recorded),
+          mock.patch.object(P2PChannel, "send", sending)):
+        rehearsal.rehearse(cfg, rank=0, device="cpu", micro_batches=micro, warmup_steps=REHEARSED_STEPS - 1,
+                           graph_backend=backend)
+    return ([(r["loss"], r["grad_norm"]) for r in held["records"]],
+            {f"{s}.{name}": p.detach().clone() for s, stage in enumerate(held["stages"])
+             for name, p in stage.named_parameters()}, sent)
+
+
+def test_a_rehearsed_dualpipev_rank_runs_through_the_graphs_as_eagerly(tmp_path):
+    """The rehearsal's path (moe-train --rehearse --device cpu: one rank of the layout, the fake process group) with
+    train.cuda_graphs and the simulator: the rank's actions are captured and replayed, and its losses, grad norms,
+    final parameters and the activations its first stage sends are the eager rehearsal's, bitwise. (The rehearsal's
+    numbers are mostly degenerate: its last stage reads zeros from the fake receive, so the loss is the same every
+    step and the grads are zero; the sent activations are the first stage's real forward of random tokens.)"""
+    from tests.graph_replay import ReplayGraphs
+
+    eager = rehearsed(tmp_path / "eager", None)
+    backend = ReplayGraphs()
+    graphed = rehearsed(tmp_path / "graphed", backend)
+    assert backend.captures > 0 and backend.replays == backend.captures * (REHEARSED_STEPS - WARMUP_STEPS)
+    assert len(eager[0]) == REHEARSED_STEPS and graphed[0] == eager[0], "losses and grad norms"
+    assert all(torch.equal(graphed[1][name], p) for name, p in eager[1].items()), "final parameters"
+    assert len(graphed[2]) == len(eager[2]) > 0 and all(map(torch.equal, graphed[2], eager[2])), "activations sent"
