@@ -27,10 +27,14 @@ def _native_ok(*tensors: Tensor) -> bool:
 
 
 def grouped_matmul(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
-    """out[rows of g] = x[rows of g] @ w[g].T for x [M, K], w [G, N, K]; rows past offs[-1] (padding: zero in the
-    reference, not written by torch._grouped_mm) are no group's. offs stay on the device. No autograd of its own."""
+    """out[rows of g] = x[rows of g] @ w[g].T for x [M, K], w [G, N, K]; rows past offs[-1] (a padded exchange's
+    padding rows) are no group's and come out zero on every path. offs stay on the device. No autograd of its own."""
     if _native_ok(x, w):
-        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        out = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        # torch._grouped_mm leaves the rows past the last group unwritten (whatever the memory held, NaN included,
+        # which a padding row's zero combine weight would turn into NaN grads): zeroed as the reference does
+        rows = torch.arange(out.shape[0], device=out.device).unsqueeze(1)
+        return out.masked_fill_(rows >= offs[-1], 0)
     return grouped_rows_matmul(x, w, offs)  # what torch._grouped_mm cannot take (fp64, odd widths): offs stay put
 
 

@@ -88,3 +88,22 @@ def test_grouped_linear_reads_nothing_to_the_host_and_ignores_padding_rows(dtype
     torch.testing.assert_close(x.grad[:-pad].double(), x_ref.grad, atol=tol, rtol=tol)
     torch.testing.assert_close(w.grad.double(), w_ref.grad, atol=tol, rtol=tol)
     assert torch.all(out[-pad:] == 0) and torch.all(x.grad[-pad:] == 0)
+
+
+def test_native_grouped_linear_zeroes_the_padding_rows():
+    """torch._grouped_mm (float32 at widths of multiples of 16) leaves the rows past the last group unwritten: with a
+    freed NaN-filled block of the output's size in the allocator (its memory is what the output gets, most of the
+    time), the padding rows of the output and of the input grad still come out zero (a padded exchange's padding
+    rows NaN there made a dp4 x ep2 step's grads NaN)."""
+    gen = torch.Generator().manual_seed(3)
+    counts, pad = [10, 0, 14], 16
+    x = torch.randn(sum(counts) + pad, 16, generator=gen).requires_grad_()
+    w = torch.randn(3, 16, 16, generator=gen).requires_grad_()
+    offs = group_offsets(torch.tensor(counts))
+    for _ in range(5):
+        torch.full((x.shape[0], 16), float("nan"))  # made and freed at once: its block goes back to the allocator
+        out = grouped_linear(x, w, offs)
+        x.grad = None
+        out.backward(torch.ones_like(out))
+        assert torch.all(out[-pad:] == 0) and torch.all(x.grad[-pad:] == 0)
+        assert torch.isfinite(w.grad).all()
