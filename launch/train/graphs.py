@@ -78,7 +78,8 @@ class GraphBackend(Protocol):
 
 class CudaGraphs:
     """GraphBackend on a CUDA device: torch.cuda.CUDAGraph captures sharing one private memory pool (safe: graphs are
-    replayed one at a time and each one's static output is read before the next replay), the warm-up on a side
+    replayed one at a time and each one's static output is read before the next replay; a pipeline's graphs, whose
+    outputs live on, are replayed in their capture's order: pipeline.graphs), the warm-up on a side
     stream; sync_check: every graphed micro-batch runs under torch.cuda.set_sync_debug_mode("error"), so a
     synchronising call there raises (kernels.gpu_check's graphed step asks for it)."""
 
