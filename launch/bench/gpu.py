@@ -9,9 +9,12 @@ Rows (--only picks some; --dry-run lists them with their shapes and budgets and 
                FP8 recipe, and each graphed (train.cuda_graphs) beside it; torchtitan's own trainer as its peer, or
                why it cannot run
   graphs-check configs/tiny-1proc.toml for GRAPHS_CHECK_STEPS steps eager (twice) and graphed, deterministic kernels:
-               the graphed losses bitwise equal to the eager ones, no sync in a replay (set_sync_debug_mode "error")
+               the graphed losses bitwise equal to the eager ones, no sync in a replay (set_sync_debug_mode "error");
+               graphs-check-wide the same at a widened shape (WIDENED)
   v3-rank      the real-device rehearsal of DeepSeek-V3's rank (launch.plan.rehearse: memory by category and each
                phase's time beside moe-plan's), where the card holds moe-plan's peak for it
+Each row runs in a process of its own (--in-process: all in this one), killed at twice its budget + 30 s, so a CUDA
+fault or a hung kernel costs that row alone; --deadline S skips the rows that no longer fit S seconds.
 Without CUDA a real run exits 2 naming why. --json writes the rows (with the common header), a markdown table
 beside it (.md) and a plot (.html, and .png where a headless Chromium is found); --docs RESULT.json writes the
 docs GPU page from such a result. --peers DIR installs the wheels in DIR (offline) before anything runs.
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import json
 import os
 import statistics
 import subprocess
@@ -59,8 +63,16 @@ FP8_RECIPE = ["model.expert_precision='fp8'", "model.linear_precision='fp8'", "m
 # (warm-up, timed) steps of a trainer row: with grad_accum_steps = 1 a graphed row's warm-up holds the graph's eager
 # micro-batches (launch.train.graphs.WARMUP_MICRO_BATCHES = 2) and its capture
 TRAINER_STEPS = (3, 5)
+TRAINER_BUDGET_S = 30
 GRAPHS_CHECK_STEPS = 10
 TINY_1PROC = ROOT / "configs" / "tiny-1proc.toml"
+# issue 48's "widened config": tiny-1proc at 8x the hidden size, 4x the experts and seq, top-4, bf16
+WIDENED = ["model.hidden_size=1024", "model.num_heads=8", "model.num_kv_heads=4", "model.dense_ffn_size=2816",
+           "model.num_experts=32", "model.expert_ffn_size=512", "model.top_k=4", "model.num_groups=4",
+           "model.topk_groups=2", "model.max_seq_len=512", "train.seq_len=512", "train.grad_accum_steps=4",
+           "train.dtype='bfloat16'"]
+# a row's process is killed after ROW_KILL_FACTOR x its budget + ROW_START_S (a hang, or far over budget)
+ROW_KILL_FACTOR, ROW_START_S = 2.0, 30.0
 LAYER_ROUNDS = (3, 10)  # (warm-up, timed) rounds of the MoE-layer row
 BF16_TOLERANCE = 5e-2  # launch.bench.layer's bound for experts computing in bf16 (both contenders here)
 TORCHTITAN_TRAINER = ("torchtitan 0.3.0's language models take block-causal flex/varlen attention masks from its own "
@@ -230,12 +242,15 @@ def trainer_row(overrides: list[str]) -> Callable[[argparse.Namespace, Row], dic
     return measure
 
 
-def graphs_check_row(args: argparse.Namespace, row: Row) -> dict[str, Any]:
-    """Issue 48's GPU check of train.cuda_graphs (graphs_check) on this GPU, CUDA graphs whose replays refuse syncs."""
-    from launch.train.graphs import CudaGraphs
+def graphs_check_row(overrides: list[str]) -> Callable[[argparse.Namespace, Row], dict[str, Any]]:
+    """Issue 48's GPU check of train.cuda_graphs (graphs_check, tiny-1proc with overrides) on this GPU, CUDA graphs
+    whose replays refuse syncs."""
+    def measure(args: argparse.Namespace, row: Row) -> dict[str, Any]:
+        from launch.train.graphs import CudaGraphs
 
-    device = torch.device("cuda", torch.cuda.current_device())
-    return graphs_check(device, lambda: CudaGraphs(device, sync_check=True))
+        device = torch.device("cuda", torch.cuda.current_device())
+        return graphs_check(device, lambda: CudaGraphs(device, sync_check=True), overrides=overrides)
+    return measure
 
 
 def graphs_check(device: torch.device, backend: Callable[[], GraphBackend], steps: int = GRAPHS_CHECK_STEPS,
@@ -309,14 +324,18 @@ ROWS = [
         "torch._grouped_mm bf16, torch._scaled_grouped_mm fp8 rowwise", kernels_row),
     Row("moe-layer", 30, "MoELayer forward+backward, hidden {hidden}, {experts} experts of {ffn}, top-{top_k}, "
         "{seq} tokens, bf16".format(**V3_SLICE), "torchtitan MoE (GroupedExperts, bf16)", layer_row, _peer_installed),
-    Row("trainer-eager", 40, f"configs/gpu-1x.toml, eager, bf16, {TRAINER_STEPS[0]}+{TRAINER_STEPS[1]} steps",
+    Row("trainer-eager", TRAINER_BUDGET_S,
+        f"configs/gpu-1x.toml, eager, bf16, {TRAINER_STEPS[0]}+{TRAINER_STEPS[1]} steps",
         "torchtitan trainer (row trainer-torchtitan)", trainer_row([])),
-    Row("trainer-fp8", 40, "configs/gpu-1x.toml, eager, DeepSeek-V3's FP8 recipe", "-", trainer_row(FP8_RECIPE)),
-    *(Row(name, 40, f"configs/gpu-1x.toml, {what}CUDA graphs", "-", trainer_row(overrides))
+    Row("trainer-fp8", TRAINER_BUDGET_S, "configs/gpu-1x.toml, eager, DeepSeek-V3's FP8 recipe", "-",
+        trainer_row(FP8_RECIPE)),
+    *(Row(name, TRAINER_BUDGET_S, f"configs/gpu-1x.toml, {what}CUDA graphs", "-", trainer_row(overrides))
       for name, what, overrides in (("trainer-graphed", "", ["train.cuda_graphs=true"]),
                                     ("trainer-fp8-graphed", "FP8 recipe, ", [*FP8_RECIPE, "train.cuda_graphs=true"]))),
-    Row("graphs-check", 20, f"configs/tiny-1proc.toml, {GRAPHS_CHECK_STEPS} steps eager twice and with CUDA graphs "
-        "(replays under set_sync_debug_mode 'error'), deterministic algorithms", "the eager run", graphs_check_row),
+    Row("graphs-check", 15, f"configs/tiny-1proc.toml, {GRAPHS_CHECK_STEPS} steps eager twice and with CUDA graphs "
+        "(replays under set_sync_debug_mode 'error'), deterministic algorithms", "the eager run", graphs_check_row([])),
+    Row("graphs-check-wide", 20, f"configs/tiny-1proc.toml widened ({', '.join(WIDENED)}), as graphs-check",
+        "the eager run", graphs_check_row(WIDENED)),
     Row("trainer-torchtitan", 5, "torchtitan's trainer, Qwen3-30B-A3B's layers as configs/gpu-1x.toml", "-",
         torchtitan_trainer_row, lambda: f"not run: {TORCHTITAN_TRAINER}"),
     Row("v3-rank", 120, "configs/deepseek-v3.toml, the rank moe-plan gives the largest peak, on this GPU under the "
@@ -347,8 +366,8 @@ def dry_run(rows: list[Row]) -> list[dict[str, Any]]:
 
 def run_rows(args: argparse.Namespace, rows: list[Row], done: Callable[[list[dict[str, Any]]], None] | None = None
              ) -> list[dict[str, Any]]:
-    """Measure each row; a row that fails says why (the others still run); its wall time beside its budget.
-    done(rows so far) after each row (the JSON written as the run goes: a run cut short keeps its rows)."""
+    """Measure each row in this process; a row that fails says why (the others still run); its wall time beside its
+    budget. done(rows so far) after each row (the JSON written as the run goes: a run cut short keeps its rows)."""
     out: list[dict[str, Any]] = []
     for row in rows:
         print(f"[moe-bench gpu] {row.name} (budget {row.budget_s:g} s): {row.runs}", file=sys.stderr, flush=True)
@@ -357,16 +376,67 @@ def run_rows(args: argparse.Namespace, rows: list[Row], done: Callable[[list[dic
             got = row.measure(args, row)
         except Exception as err:  # noqa: BLE001 - a failing row reports its error; the suite goes on
             got = {"status": f"error: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"}
-        wall = time.perf_counter() - began
-        status = got.pop("status", "ok")
-        if status == "ok" and wall > row.budget_s:
-            status = f"ok, over budget ({wall:.0f} s > {row.budget_s:g} s)"
-        out.append({"row": row.name, "budget_s": row.budget_s, "wall_s": wall, "status": status, "runs": row.runs,
-                    "peer": row.peer, "smi_after": nvidia_smi(), **got})
+        out.append(_row_result(row, time.perf_counter() - began, got))
         torch.cuda.empty_cache()
         if done is not None:
             done(out)
     return out
+
+
+def _row_result(row: Row, wall: float, got: dict[str, Any]) -> dict[str, Any]:
+    """A row's entry in the result: its status (over budget said), wall time, what it ran, the clocks after it."""
+    status = got.pop("status", "ok")
+    if status == "ok" and wall > row.budget_s:
+        status = f"ok, over budget ({wall:.0f} s > {row.budget_s:g} s)"
+    return {"row": row.name, "budget_s": row.budget_s, "wall_s": wall, "status": status, "runs": row.runs,
+            "peer": row.peer, "smi_after": nvidia_smi(), **got}
+
+
+def row_command(row: Row, result: Path) -> list[str]:
+    """The command measuring one row in a process of its own, its result written to `result` as JSON."""
+    return [sys.executable, "-m", "launch.bench.cli", "gpu", "--only", row.name, "--row-json", str(result)]
+
+
+def run_isolated(rows: list[Row], deadline_s: float | None = None,
+                 done: Callable[[list[dict[str, Any]]], None] | None = None,
+                 command: Callable[[Row, Path], list[str]] = row_command) -> list[dict[str, Any]]:
+    """Each row in a process of its own (row_command), so that a CUDA fault (which poisons its process's context) or
+    a hang (a kernel waiting forever) costs that row alone: the process is killed after ROW_KILL_FACTOR x its budget
+    + ROW_START_S, or when deadline_s (seconds from now) is reached; a row whose budget no longer fits before the
+    deadline is skipped, saying so. done(rows so far) after each row, as run_rows."""
+    began, out = time.perf_counter(), []
+    with tempfile.TemporaryDirectory(prefix="moe-bench-gpu-rows-") as folder:
+        for row in rows:
+            left = None if deadline_s is None else deadline_s - (time.perf_counter() - began)
+            if left is not None and left < row.budget_s:
+                out.append(_row_result(row, 0.0, {"status": f"skipped: {left:.0f} s left before the run's deadline "
+                                                            f"(--deadline {deadline_s:g}), the row's budget is "
+                                                            f"{row.budget_s:g} s"}))
+            else:
+                out.append(_run_child(row, command(row, Path(folder) / f"{row.name}.json"), Path(folder), left))
+            if done is not None:
+                done(out)
+    return out
+
+
+def _run_child(row: Row, argv: list[str], folder: Path, left: float | None) -> dict[str, Any]:
+    """One row's process, killed at its limit; its result, or why there is none."""
+    limit = ROW_KILL_FACTOR * row.budget_s + ROW_START_S if left is None else min(
+        ROW_KILL_FACTOR * row.budget_s + ROW_START_S, left)
+    result = folder / f"{row.name}.json"
+    began = time.perf_counter()
+    child = subprocess.Popen(argv, start_new_session=True)  # its own group: the kill reaches what it started
+    try:
+        code = child.wait(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, 9)
+        child.wait()
+        return _row_result(row, time.perf_counter() - began, {"status": f"error: killed after {limit:.0f} s (a hang, "
+                                                                        f"or far over its {row.budget_s:g} s budget)"})
+    if not result.exists():
+        why = f"error: the row's process exited with code {code} and no result (its log above says why)"
+        return _row_result(row, time.perf_counter() - began, {"status": why})
+    return json.loads(result.read_text())
 
 
 METRICS = {"ours_ms": LOWER, "peer_ms": LOWER, "step_ms": LOWER, "tokens_per_s": HIGHER}
@@ -457,6 +527,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--json", metavar="OUT", help="write the rows as JSON, OUT's .md and a plot beside it")
     p.add_argument("--docs", metavar="RESULT", help="write the docs GPU page from a result JSON and exit")
     p.add_argument("--docs-out", default=str(ROOT / "docs" / "gpu-results.md"), help="where --docs writes")
+    p.add_argument("--deadline", type=float, metavar="S",
+                   help="stop starting rows whose budget no longer fits S seconds after the start, and kill a row "
+                        "still running then (the rows done so far are kept)")
+    p.add_argument("--in-process", action="store_true",
+                   help="run the rows in this process (by default each row runs in a process of its own, so that a "
+                        "CUDA fault or a hang costs that row alone)")
+    p.add_argument("--row-json", metavar="OUT", help=argparse.SUPPRESS)  # a row's process: its one result, to OUT
     return p.parse_args(argv)
 
 
@@ -470,13 +547,16 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.docs_out).write_text(markdown(read_json(args.docs)))
         print(f"wrote {args.docs_out} from {args.docs}")
         return 0
-    rows = [r for r in ROWS if not args.only or r.name in args.only]
+    rows = [ROWS[ROW_NAMES.index(name)] for name in args.only] if args.only else ROWS
     if args.dry_run:
         for r in dry_run(rows):
             print(f"{r['row']:<20} budget {r['budget_s']:>4.0f} s  {r['runs']}\n{'':<20} peer: {r['peer']}; "
                   f"{r['status']}")
         print(f"total budget {sum(r.budget_s for r in rows):.0f} s" + (f"; would install the wheels in {args.peers}"
                                                                       if args.peers else ""))
+        return 0
+    if args.row_json:  # one row's process (run_isolated): its result only
+        Path(args.row_json).write_text(json.dumps(run_rows(args, rows)[0], default=str))
         return 0
     if not torch.cuda.is_available():
         raise NoCuda(f"moe-bench gpu needs a CUDA GPU: torch {torch.__version__} sees none "
@@ -493,7 +573,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             write_json(args.json, head, rows_so_far, doc["key"], METRICS)
 
-    results = doc["rows"] = run_rows(args, rows, partial)
+    if args.in_process:
+        results = doc["rows"] = run_rows(args, rows, partial)
+    else:
+        results = doc["rows"] = run_isolated(rows, args.deadline, partial)
     print(table(results, SUMMARY, left=2))
     if args.json:
         print("\n".join(write_outputs(doc, args.json)))

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from kernels.backend import fast_gemm_runs_on
+from kernels.backend import GEMM_ENV, fast_gemm_runs_on
 from kernels.metrics import calc_diff
 from kernels.ops import run
 from kernels.quant_ref import FP8_DTYPE, FP8_MAX
@@ -255,7 +255,8 @@ def gpu_rows(args: argparse.Namespace, device: str = "cuda") -> list[dict]:
         progress(f"{op} {_shape_text(shape)}")
         flops = 2.0 * sum(sizes) * n * k
         exact = _exact(op, x, w, dy, _group_bounds(list(sizes)))
-        variants = list(VARIANTS) if fast_gemm_runs_on(x) else [None]
+        forced = os.environ.get(GEMM_ENV)  # $MOE_FP8_GEMM: only the kernel it forces
+        variants = list(VARIANTS) if fast_gemm_runs_on(x) and not forced else [None]
         ours = {variant: _ours(op, None, x, w, dy, offs, variant) for variant in variants}
         diffs = {variant: calc_diff(fn(), exact) for variant, fn in ours.items()}
         del exact
