@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from kernels.backend import GEMM_ENV
 from launch.bench import kernels
 from launch.bench.harness import fields, ratio_fields, rounds
 from launch.bench.layer import model_config, our_weights
@@ -94,6 +95,7 @@ class Row:
     peer: str
     measure: Callable[[argparse.Namespace, Row], dict[str, Any]]
     ready: Callable[[], str | None] = lambda: None  # why the row cannot run (yet) on any GPU, or None
+    on_failure: dict[str, str] | None = None  # environment the later rows' processes get when this row fails
 
 
 def _gpu_name() -> str:
@@ -118,6 +120,24 @@ def machine_row(args: argparse.Namespace, row: Row) -> dict[str, Any]:
     return {"gpu": props.name, "memory_gib": props.total_memory / 2 ** 30, "sms": props.multi_processor_count,
             "capability": f"{props.major}.{props.minor}", "smi": nvidia_smi(), "versions": versions(),
             "cuda": torch.version.cuda, "host": machine()}
+
+
+def kernels_check_row(args: argparse.Namespace, row: Row) -> dict[str, Any]:
+    """kernels.gpu_check's edge cases (empty, 1-row and partial tiles, unaligned N and K): each fast (Gluon) FP8 GEMM
+    against the `tl` reference and float64, and bitwise stable; a case that fails or raises fails the row."""
+    from kernels import gpu_check
+
+    if not gpu_check.fast_gemm_runs_on(torch.zeros(1, device="cuda")):
+        return {"status": "not run: the fast kernels need an sm_90 GPU and a Triton with Gluon"}
+    cases = [gpu_check.check(*case) for case in gpu_check.EDGE_CASES]
+    failed = [c for c in cases if not c["ok"]]
+    out: dict[str, Any] = {"cases": cases}
+    if failed:
+        first = failed[0]
+        out["status"] = (f"OUTPUT DIFFERS in {len(failed)} of {len(cases)} cases, e.g. {first['op']} N={first['N']} "
+                         f"K={first['K']} rows={first['rows']}: vs reference {first['vs_reference']:.1e}, stable "
+                         f"{first['bitwise_stable']}")
+    return out
 
 
 def kernels_row(args: argparse.Namespace, row: Row) -> dict[str, Any]:
@@ -319,7 +339,10 @@ def _peer_installed() -> str | None:
 
 ROWS = [
     Row("machine", 5, "GPU, driver, clocks (nvidia-smi), torch/triton/CUDA versions", "-", machine_row),
-    Row("kernels", 120, f"FP8 grouped GEMM forward/dgrad/wgrad, KxN {KERNEL_SHAPES}, (groups, rows per group) "
+    Row("kernels-check", 30, "the fast (Gluon) FP8 GEMMs' edge cases against the tl reference and float64 "
+        "(kernels.gpu_check --quick); when it fails, the later rows run the reference kernels ($MOE_FP8_GEMM)",
+        "the tl reference kernel", kernels_check_row, on_failure={GEMM_ENV: "reference"}),
+    Row("kernels", 110, f"FP8 grouped GEMM forward/dgrad/wgrad, KxN {KERNEL_SHAPES}, (groups, rows per group) "
         + ", ".join(f"{g} x {'/'.join(map(str, r))}" for g, r in KERNEL_CASES),
         "torch._grouped_mm bf16, torch._scaled_grouped_mm fp8 rowwise", kernels_row),
     Row("moe-layer", 30, "MoELayer forward+backward, hidden {hidden}, {experts} experts of {ffn}, top-{top_k}, "
@@ -338,7 +361,7 @@ ROWS = [
         "the eager run", graphs_check_row(WIDENED)),
     Row("trainer-torchtitan", 5, "torchtitan's trainer, Qwen3-30B-A3B's layers as configs/gpu-1x.toml", "-",
         torchtitan_trainer_row, lambda: f"not run: {TORCHTITAN_TRAINER}"),
-    Row("v3-rank", 120, "configs/deepseek-v3.toml, the rank moe-plan gives the largest peak, on this GPU under the "
+    Row("v3-rank", 100, "configs/deepseek-v3.toml, the rank moe-plan gives the largest peak, on this GPU under the "
         "fake process group (moe-train --rehearse --device cuda)", "moe-plan's memory and compute prediction",
         v3_rank_row),
 ]
@@ -403,8 +426,9 @@ def run_isolated(rows: list[Row], deadline_s: float | None = None,
     """Each row in a process of its own (row_command), so that a CUDA fault (which poisons its process's context) or
     a hang (a kernel waiting forever) costs that row alone: the process is killed after ROW_KILL_FACTOR x its budget
     + ROW_START_S, or when deadline_s (seconds from now) is reached; a row whose budget no longer fits before the
-    deadline is skipped, saying so. done(rows so far) after each row, as run_rows."""
-    began, out = time.perf_counter(), []
+    deadline is skipped, saying so. A failing row with on_failure sets that environment for the rows after it (a
+    failed kernels-check: the reference FP8 GEMM). done(rows so far) after each row, as run_rows."""
+    began, out, env = time.perf_counter(), [], dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="moe-bench-gpu-rows-") as folder:
         for row in rows:
             left = None if deadline_s is None else deadline_s - (time.perf_counter() - began)
@@ -413,19 +437,23 @@ def run_isolated(rows: list[Row], deadline_s: float | None = None,
                                                             f"(--deadline {deadline_s:g}), the row's budget is "
                                                             f"{row.budget_s:g} s"}))
             else:
-                out.append(_run_child(row, command(row, Path(folder) / f"{row.name}.json"), Path(folder), left))
+                out.append(_run_child(row, command(row, Path(folder) / f"{row.name}.json"), Path(folder), left, env))
+                if row.on_failure and not out[-1]["status"].startswith("ok"):
+                    env.update(row.on_failure)
+                    out[-1]["later_rows_env"] = row.on_failure
             if done is not None:
                 done(out)
     return out
 
 
-def _run_child(row: Row, argv: list[str], folder: Path, left: float | None) -> dict[str, Any]:
+def _run_child(row: Row, argv: list[str], folder: Path, left: float | None, env: dict[str, str]
+               ) -> dict[str, Any]:
     """One row's process, killed at its limit; its result, or why there is none."""
     limit = ROW_KILL_FACTOR * row.budget_s + ROW_START_S if left is None else min(
         ROW_KILL_FACTOR * row.budget_s + ROW_START_S, left)
     result = folder / f"{row.name}.json"
     began = time.perf_counter()
-    child = subprocess.Popen(argv, start_new_session=True)  # its own group: the kill reaches what it started
+    child = subprocess.Popen(argv, start_new_session=True, env=env)  # its own group: the kill reaches what it started
     try:
         code = child.wait(timeout=limit)
     except subprocess.TimeoutExpired:

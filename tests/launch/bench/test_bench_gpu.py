@@ -156,31 +156,35 @@ def test_rows_run_in_turn_a_failing_row_says_why_and_each_row_is_kept_as_it_ends
 def test_each_row_runs_in_its_own_process_killed_at_its_limit_and_the_deadline_skips_what_no_longer_fits(
         monkeypatch, tmp_path):
     """run_isolated with stand-in row processes (python -c, no GPU): a row writing its result is kept as written, a
-    row whose process dies without one (as a CUDA fault kills it) says so, a hanging row is killed at ROW_KILL_FACTOR x
-    budget + ROW_START_S and the next still runs, and a row whose budget no longer fits before the deadline is
-    skipped saying why."""
+    row whose process dies without one (as a CUDA fault kills it) says so and hands the rows after it its on_failure
+    environment, a hanging row is killed at ROW_KILL_FACTOR x budget + ROW_START_S and the next still runs, and a row
+    whose budget no longer fits before the deadline is skipped saying why."""
     monkeypatch.setattr(gpu, "nvidia_smi", lambda: None)
     monkeypatch.setattr(gpu, "ROW_KILL_FACTOR", 1.0)
     monkeypatch.setattr(gpu, "ROW_START_S", 0.0)
-    scripts = {"writes": "import json, sys; open(sys.argv[1], 'w').write(json.dumps({'row': 'writes', "
-                         "'status': 'ok'}))",
-               "dies": "import os; os._exit(3)", "hangs": "import time; time.sleep(60)", "late": "pass"}
+    monkeypatch.delenv("MOE_STAND_IN", raising=False)
+    writes = ("import json, os, sys; "
+              "open(sys.argv[1], 'w').write(json.dumps({'status': os.environ.get('MOE_STAND_IN', 'ok')}))")
+    scripts = {"writes": writes, "dies": "import os; os._exit(3)", "after": writes,
+               "hangs": "import time; time.sleep(60)", "late": "pass"}
 
     def command(row, result):
         return [gpu.sys.executable, "-c", scripts[row.name], str(result)]
 
-    rows = [gpu.Row("writes", 5, "W", "-", None), gpu.Row("dies", 5, "D", "-", None),
-            gpu.Row("hangs", 1, "H", "-", None), gpu.Row("late", 50, "L", "-", None)]
+    rows = [gpu.Row("writes", 5, "W", "-", None), gpu.Row("dies", 5, "D", "-", None, on_failure={"MOE_STAND_IN": "x"}),
+            gpu.Row("after", 5, "A", "-", None), gpu.Row("hangs", 1, "H", "-", None),
+            gpu.Row("late", 50, "L", "-", None)]
     seen = []
     began = gpu.time.perf_counter()
     out = gpu.run_isolated(rows, deadline_s=30, done=lambda so_far: seen.append(len(so_far)), command=command)
     assert gpu.time.perf_counter() - began < 10
-    assert seen == [1, 2, 3, 4]
-    assert out[0] == {"row": "writes", "status": "ok"}
+    assert seen == [1, 2, 3, 4, 5]
+    assert out[0] == {"status": "ok"} and out[2] == {"status": "x"}  # the failed row's environment reached "after"
     assert out[1]["status"] == "error: the row's process exited with code 3 and no result (its log above says why)"
-    assert out[2]["status"] == "error: killed after 1 s (a hang, or far over its 1 s budget)"
-    assert out[2]["wall_s"] < 5
-    assert out[3]["status"].startswith("skipped: ") and "the row's budget is 50 s" in out[3]["status"]
+    assert out[1]["later_rows_env"] == {"MOE_STAND_IN": "x"}
+    assert out[3]["status"] == "error: killed after 1 s (a hang, or far over its 1 s budget)"
+    assert out[3]["wall_s"] < 5
+    assert out[4]["status"].startswith("skipped: ") and "the row's budget is 50 s" in out[4]["status"]
 
 
 def test_only_runs_the_rows_in_the_order_named(capsys):
