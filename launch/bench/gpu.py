@@ -42,6 +42,7 @@ import torch
 
 from kernels.backend import GEMM_ENV
 from launch.bench import kernels
+from launch.bench.breakdown import CATEGORIES, OTHER, ProfiledFeed
 from launch.bench.harness import fields, ratio_fields, rounds
 from launch.bench.layer import model_config, our_weights
 from launch.bench.peers.fwdbwd import decided_tokens, fwd_bwd
@@ -226,8 +227,9 @@ def layer_row(args: argparse.Namespace, row: Row) -> dict[str, Any]:
 
 
 def trainer_config(overrides: list[str], run_dir: str) -> RunConfig:
-    """configs/gpu-1x.toml with overrides, for TRAINER_STEPS steps, every step's per-rank figures."""
-    steps = sum(TRAINER_STEPS)
+    """configs/gpu-1x.toml with overrides, for TRAINER_STEPS steps and one profiled step after them (its time by kind
+    of work: launch.bench.breakdown), every step's per-rank figures."""
+    steps = sum(TRAINER_STEPS) + 1
     return load_config(GPU_1X, [*overrides, f"train.steps={steps}", "train.rank_metrics_every=1",
                                 "train.eval_batches=0", f"train.run_dir={run_dir!r}", "train.device='cuda'"])
 
@@ -250,15 +252,18 @@ def trainer_row(overrides: list[str]) -> Callable[[argparse.Namespace, Row], dic
         with tempfile.TemporaryDirectory(prefix="moe-bench-gpu-") as run_dir:
             cfg = trainer_config(overrides, run_dir)
             torch.cuda.reset_peak_memory_stats(device)
-            records = train(cfg, progress=False, device=device, feed=RandomFeed(cfg, device), checkpoints=False)
-        timed = records[TRAINER_STEPS[0]:]
+            feed = ProfiledFeed(RandomFeed(cfg, device), sum(TRAINER_STEPS), device)  # one more step, profiled
+            records = train(cfg, progress=False, device=device, feed=feed, checkpoints=False)
+            breakdown = feed.stop()
+        timed = records[TRAINER_STEPS[0]:sum(TRAINER_STEPS)]
         tokens = cfg.train.grad_accum_steps * cfg.train.micro_batch_size * cfg.train.seq_len
         steps = [tokens / r["tokens_per_s"] for r in timed]
         return {"tokens_per_s": tokens / statistics.median(steps), "step_ms": 1e3 * statistics.median(steps),
                 "step_ms_spread": (max(steps) - min(steps)) / statistics.median(steps), "repeats": len(steps),
                 "mfu": statistics.median(r["mfu"] for r in timed) if timed[0]["mfu"] is not None else None,
                 "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2 ** 30,
-                "last_loss": records[-1]["lm_loss"], "overrides": overrides, **plan_figures(cfg)}
+                "last_loss": records[-1]["lm_loss"], "overrides": overrides, "breakdown": breakdown,
+                **plan_figures(cfg)}
     return measure
 
 
@@ -488,6 +493,16 @@ def markdown(doc: dict[str, Any]) -> str:
     for r in rows:
         lines.append("| " + " | ".join("-" if r.get(k) is None else format(r[k], f) for _, k, f in SUMMARY) + " |")
     lines += ["", "Each row runs: " + "; ".join(f"**{r['row']}** {r['runs']} (peer: {r['peer']})" for r in rows), ""]
+    profiled = [r for r in rows if r.get("breakdown")]
+    if profiled:
+        categories = [c for c in (*(name for name, _ in CATEGORIES), OTHER)
+                      if any(c in r["breakdown"]["ms"] for r in profiled)]
+        lines += ["## Where the time goes", "", "One step after the timed ones under torch.profiler (launch.bench."
+                  "breakdown): each kind of work's device ms.", "",
+                  "| kind | " + " | ".join(r["row"] for r in profiled) + " |", "|---|" + "---|" * len(profiled)]
+        lines += [f"| {c} | " + " | ".join(_num(r["breakdown"]["ms"].get(c), ".1f") for r in profiled) + " |"
+                  for c in categories]
+        lines += ["| total | " + " | ".join(_num(r["breakdown"]["total_ms"], ".1f") for r in profiled) + " |", ""]
     for r in rows:
         if r.get("kernels"):
             lines += ["## Kernels", "", "| op | shape | TFLOPS | peer | peer TFLOPS | ratio | calc_diff |",

@@ -1,0 +1,91 @@
+"""Where a training step's time goes: one step under torch.profiler, its device time summed by kind of work.
+
+The same categories for every contender (ours and a peer's model in `moe-bench gpu`), from the names of what ran:
+on CUDA each kernel's device time (its name: cuBLAS/CUTLASS/Triton/flash kernels), elsewhere each operator's
+self CPU time (aten::mm, aten::_grouped_mm, ...). A name goes to the first category whose pattern it matches
+(CATEGORIES, in order), else to "other"; the categories sum to the profiled total. ProfiledFeed profiles the last
+step of a trainer run from outside the trainer: it starts the profiler when that step asks for its micro-batches.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+# (category, pattern on a kernel's or operator's name, case-insensitive): first match wins
+CATEGORIES: tuple[tuple[str, str], ...] = (
+    ("FP8 quantise", r"quantiz|retile"),  # our Triton quantisers (not the FP8 GEMMs, whose names hold e4m3)
+    ("expert GEMM", r"grouped_mm|grouped_gemm|mgrouped|kgrouped|groupproblemshape|ptrarray"),
+    ("attention", r"flash|fmha|attention|attn|sdpa|_efficient_attention"),
+    ("GEMM", r"gemm|cutlass|xmma|nvjet|cublas|^aten::(mm|addmm|bmm|baddbmm|_addmm_activation)$"),
+    ("optimizer", r"adam|multi_tensor|_foreach_|lerp|sqrt|clip_grad"),
+    ("communication", r"nccl|all_to_all|alltoall|allreduce|all_reduce|all_gather|allgather|reduce_scatter|c10d"),
+    ("routing & permute", r"sort|scatter|gather|index|cumsum|bincount|histc|topk|nonzero|embedding|one_hot"),
+    ("norm & softmax", r"norm|softmax|log_softmax|nll_loss|cross_entropy"),
+    ("elementwise & copy", r"elementwise|vectorized|copy|fill|mul|add|silu|sigmoid|cat|where|reduce|sum|mean|pow"),
+)
+OTHER = "other"
+
+
+def categorize(name: str) -> str:
+    """The category of one kernel or operator name (CATEGORIES: the first whose pattern matches), else OTHER."""
+    return next((category for category, pattern in CATEGORIES if re.search(pattern, name, re.IGNORECASE)), OTHER)
+
+
+def summarize(prof: profile, on_cuda: bool) -> dict[str, Any]:
+    """A finished profile's time by category (ms; on CUDA the kernels' device time, else the operators' self CPU
+    time) and its top names, each with its category."""
+    totals: dict[str, float] = {category: 0.0 for category, _ in CATEGORIES} | {OTHER: 0.0}
+    names: list[tuple[float, str]] = []
+    for event in prof.key_averages():
+        if on_cuda:
+            if event.device_type != DeviceType.CUDA:
+                continue
+            us = event.self_device_time_total
+        else:
+            if event.device_type != DeviceType.CPU:
+                continue
+            us = event.self_cpu_time_total
+        if us <= 0:
+            continue
+        totals[categorize(event.key)] += us / 1e3
+        names.append((us / 1e3, event.key))
+    names.sort(reverse=True)
+    return {"ms": {k: v for k, v in totals.items() if v > 0}, "total_ms": sum(totals.values()),
+            "measured": "CUDA kernels' device time" if on_cuda else "operators' self CPU time",
+            "top": [{"name": name[:120], "category": categorize(name), "ms": ms} for ms, name in names[:12]]}
+
+
+class ProfiledFeed:
+    """A trainer feed (next_step() -> a step's micro-batches) that starts torch.profiler when step `at` (0-based)
+    asks for its micro-batches; stop() ends it after the run and returns summarize()'s breakdown of that step (and
+    whatever followed it in the run: make it the last step)."""
+
+    def __init__(self, feed: Any, at: int, device: torch.device) -> None:
+        self.feed, self.at, self.device, self.calls = feed, at, device, 0
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        self.prof = profile(activities=activities)
+        self.started = False
+
+    def next_step(self) -> Any:
+        """The wrapped feed's micro-batches; the profiler starts at step `at`."""
+        if self.calls == self.at:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the steps before it out of the profile
+            self.prof.start()
+            self.started = True
+        self.calls += 1
+        return self.feed.next_step()
+
+    def stop(self) -> dict[str, Any] | None:
+        """The profiled step's breakdown (None when the step was never reached)."""
+        if not self.started:
+            return None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.prof.stop()
+        return summarize(self.prof, self.device.type == "cuda")
