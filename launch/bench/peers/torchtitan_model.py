@@ -187,6 +187,7 @@ def train(model: torch.nn.Module, cfg: RunConfig, device: torch.device, warmup: 
             with torch.autocast(device.type, dtype=torch.bfloat16):
                 logits = model(batch.inputs)
             part = F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten()) / len(batches)
+            del logits  # as torchtitan's trainer: the bf16 logits are not held through backward
             part.backward()
             loss += part.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), train_cfg.grad_clip)
