@@ -29,9 +29,9 @@ STEPS = 10
 LM_HEAD_STD = 0.02  # torchtitan.models.qwen3's _LINEAR_INIT, the LM head's init
 # Step-0 loss of a random init: the final RMSNorm makes |h|^2 = hidden for every token, so each logit w_v . h is
 # N(0, sigma^2) with sigma^2 = LM_HEAD_STD^2 x hidden, independent of the random label: E[loss] = E[logsumexp] =
-# ln(vocab) + sigma^2 / 2 (the log of the mean of vocab lognormals; its own spread sqrt((e^sigma^2 - 1) / vocab) < 0.01),
-# and the mean of the labels' logits over the N tokens spreads sigma / sqrt(N): 4 of those, plus 0.01 (that spread and
-# the bf16 logits' rounding, 2^-8 x sigma per logit).
+# ln(vocab) + sigma^2 / 2 (the log of the mean of vocab lognormals; its own spread sqrt((e^sigma^2 - 1) / vocab)
+# < 0.01), and the mean of the labels' logits over the N tokens spreads sigma / sqrt(N): 4 of those, plus 0.01 (that
+# spread and the bf16 logits' rounding, 2^-8 x sigma per logit).
 SIGMA = LM_HEAD_STD * math.sqrt(64)
 TOKENS = 2 * 32
 INIT_BOUND = 4 * SIGMA / math.sqrt(TOKENS) + 0.01
@@ -85,7 +85,8 @@ def test_flops_and_mfu_are_our_trainers(measured):
 def test_params_differ_from_ours_by_exactly_qk_norm(measured):
     cfg, result = measured
     model = tt.build(cfg, torch.device("meta"), 0)
-    qk_norm = sum(p.numel() for name, p in model.named_parameters() if name.endswith(("q_norm.weight", "k_norm.weight")))
+    qk_norm = sum(p.numel() for name, p in model.named_parameters()
+                  if name.endswith(("attention.q_norm.weight", "attention.k_norm.weight")))
     assert result["params"]["ours"] == count_params(cfg.model).total.total
     assert result["params"]["torchtitan"] == sum(p.numel() for p in model.parameters())
     assert result["params"]["torchtitan_extra"] == {"qk_norm": qk_norm} == {"qk_norm": 2 * 16 * 2}
