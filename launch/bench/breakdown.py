@@ -4,12 +4,14 @@ The same categories for every contender (ours and a peer's model in `moe-bench g
 on CUDA each kernel's device time (its name: cuBLAS/CUTLASS/Triton/flash kernels), elsewhere each operator's
 self CPU time (aten::mm, aten::_grouped_mm, ...). A name goes to the first category whose pattern it matches
 (CATEGORIES, in order), else to "other"; the categories sum to the profiled total. ProfiledFeed profiles the last
-step of a trainer run from outside the trainer: it starts the profiler when that step asks for its micro-batches.
+step of a trainer run from outside the trainer: it starts the profiler when that step asks for its micro-batches;
+profile_call profiles one call (a peer's step).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,32 +62,60 @@ def summarize(prof: profile, on_cuda: bool) -> dict[str, Any]:
             "top": [{"name": name[:120], "category": categorize(name), "ms": ms} for ms, name in names[:12]]}
 
 
-class ProfiledFeed:
-    """A trainer feed (next_step() -> a step's micro-batches) that starts torch.profiler when step `at` (0-based)
-    asks for its micro-batches; stop() ends it after the run and returns summarize()'s breakdown of that step (and
-    whatever followed it in the run: make it the last step)."""
+class StepProfiler:
+    """torch.profiler over what runs between start() and stop() on device (CUDA kernels too on a GPU; the device
+    synchronised at both ends, so the work queued before start is left out and the work queued before stop is in)."""
 
-    def __init__(self, feed: Any, at: int, device: torch.device) -> None:
-        self.feed, self.at, self.device, self.calls = feed, at, device, 0
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         self.prof = profile(activities=activities)
         self.started = False
 
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def start(self) -> None:
+        """Begin profiling."""
+        self._sync()
+        self.prof.start()
+        self.started = True
+
+    def stop(self) -> dict[str, Any] | None:
+        """summarize() of what ran since start() (None when it never started)."""
+        if not self.started:
+            return None
+        self._sync()
+        self.prof.stop()
+        self.started = False
+        return summarize(self.prof, self.device.type == "cuda")
+
+
+def profile_call(fn: Callable[[], Any], device: torch.device) -> dict[str, Any]:
+    """summarize() of one call of fn on device."""
+    profiler = StepProfiler(device)
+    profiler.start()
+    fn()
+    return profiler.stop()
+
+
+class ProfiledFeed:
+    """A trainer feed (next_step() -> a step's micro-batches) that starts a StepProfiler when step `at` (0-based)
+    asks for its micro-batches; stop() ends it after the run and returns summarize()'s breakdown of that step (and
+    whatever followed it in the run: make it the last step)."""
+
+    def __init__(self, feed: Any, at: int, device: torch.device) -> None:
+        self.feed, self.at, self.calls = feed, at, 0
+        self.profiler = StepProfiler(device)
+
     def next_step(self) -> Any:
         """The wrapped feed's micro-batches; the profiler starts at step `at`."""
         if self.calls == self.at:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # the steps before it out of the profile
-            self.prof.start()
-            self.started = True
+            self.profiler.start()
         self.calls += 1
         return self.feed.next_step()
 
     def stop(self) -> dict[str, Any] | None:
         """The profiled step's breakdown (None when the step was never reached)."""
-        if not self.started:
-            return None
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.prof.stop()
-        return summarize(self.prof, self.device.type == "cuda")
+        return self.profiler.stop()

@@ -77,9 +77,6 @@ WIDENED = ["model.hidden_size=1024", "model.num_heads=8", "model.num_kv_heads=4"
 ROW_KILL_FACTOR, ROW_START_S = 2.0, 30.0
 LAYER_ROUNDS = (3, 10)  # (warm-up, timed) rounds of the MoE-layer row
 BF16_TOLERANCE = 5e-2  # launch.bench.layer's bound for experts computing in bf16 (both contenders here)
-TORCHTITAN_TRAINER = ("torchtitan 0.3.0's language models take block-causal flex/varlen attention masks from its own "
-                      "dataloader and train through its own trainer (torchdata, datasets, wandb and more: not carried "
-                      "to an offline GPU node); its MoE module runs beside ours in the moe-layer row")
 
 
 class NoCuda(ValueError):
@@ -322,8 +319,23 @@ def graphs_check(device: torch.device, backend: Callable[[], GraphBackend], step
 
 
 def torchtitan_trainer_row(args: argparse.Namespace, row: Row) -> dict[str, Any]:
-    """torchtitan's own trainer on the same model: why it does not run here."""
-    return {"status": f"not run: {TORCHTITAN_TRAINER}"}
+    """torchtitan's own Qwen3 MoE model at configs/gpu-1x.toml's shape on the trainer rows' tokens
+    (launch.bench.peers.torchtitan_model: its model, a loop doing its train_step at world 1), the same steps."""
+    from launch.bench.peers.torchtitan_model import measure
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    with tempfile.TemporaryDirectory(prefix="moe-bench-gpu-") as run_dir:
+        return measure(trainer_config([], run_dir), device, *TRAINER_STEPS)
+
+
+def compare_trainers(rows: list[dict[str, Any]]) -> None:
+    """Each of our trainer rows' tokens/s over torchtitan's (vs_peer: > 1, ours is faster; MFU beside), where both
+    ran."""
+    peer = next((r for r in rows if r["row"] == "trainer-torchtitan" and r.get("tokens_per_s")), None)
+    for r in rows:
+        if peer is not None and r["row"].startswith("trainer-") and r is not peer and r.get("tokens_per_s"):
+            r.update(vs_peer=r["tokens_per_s"] / peer["tokens_per_s"], peer_tokens_per_s=peer["tokens_per_s"],
+                     peer_mfu=peer.get("mfu"))
 
 
 def v3_rank_row(args: argparse.Namespace, row: Row) -> dict[str, Any]:
@@ -354,7 +366,7 @@ ROWS = [
         "{seq} tokens, bf16".format(**V3_SLICE), "torchtitan MoE (GroupedExperts, bf16)", layer_row, _peer_installed),
     Row("trainer-eager", TRAINER_BUDGET_S,
         f"configs/gpu-1x.toml, eager, bf16, {TRAINER_STEPS[0]}+{TRAINER_STEPS[1]} steps",
-        "torchtitan trainer (row trainer-torchtitan)", trainer_row([])),
+        "torchtitan's Qwen3 MoE (row trainer-torchtitan)", trainer_row([])),
     Row("trainer-fp8", TRAINER_BUDGET_S, "configs/gpu-1x.toml, eager, DeepSeek-V3's FP8 recipe", "-",
         trainer_row(FP8_RECIPE)),
     *(Row(name, TRAINER_BUDGET_S, f"configs/gpu-1x.toml, {what}CUDA graphs", "-", trainer_row(overrides))
@@ -364,8 +376,9 @@ ROWS = [
         "(replays under set_sync_debug_mode 'error'), deterministic algorithms", "the eager run", graphs_check_row([])),
     Row("graphs-check-wide", 20, f"configs/tiny-1proc.toml widened ({', '.join(WIDENED)}), as graphs-check",
         "the eager run", graphs_check_row(WIDENED)),
-    Row("trainer-torchtitan", 5, "torchtitan's trainer, Qwen3-30B-A3B's layers as configs/gpu-1x.toml", "-",
-        torchtitan_trainer_row, lambda: f"not run: {TORCHTITAN_TRAINER}"),
+    Row("trainer-torchtitan", TRAINER_BUDGET_S, "torchtitan's Qwen3 MoE model at configs/gpu-1x.toml's shape, its "
+        "train_step at world 1 (fp32 params, bf16 autocast, fused AdamW), the trainer rows' tokens and steps",
+        "the trainer-* rows", torchtitan_trainer_row, _peer_installed),
     Row("v3-rank", 100, "configs/deepseek-v3.toml, the rank moe-plan gives the largest peak, on this GPU under the "
         "fake process group (moe-train --rehearse --device cuda)", "moe-plan's memory and compute prediction",
         v3_rank_row),
@@ -475,7 +488,8 @@ def _run_child(row: Row, argv: list[str], folder: Path, left: float | None, env:
 METRICS = {"ours_ms": LOWER, "peer_ms": LOWER, "step_ms": LOWER, "tokens_per_s": HIGHER}
 SUMMARY = [("row", "row", ""), ("status", "status", ""), ("wall s", "wall_s", ".0f"), ("budget s", "budget_s", ".0f"),
            ("ours ms", "ours_ms", ".2f"), ("peer ms", "peer_ms", ".2f"), ("peer/ours", "vs_peer", ".2f"),
-           ("tokens/s", "tokens_per_s", ".0f"), ("MFU", "mfu", ".1%"), ("plan tokens/s", "plan_tokens_per_s", ".0f"),
+           ("tokens/s", "tokens_per_s", ".0f"), ("peer tokens/s", "peer_tokens_per_s", ".0f"), ("MFU", "mfu", ".1%"),
+           ("plan tokens/s", "plan_tokens_per_s", ".0f"),
            ("peak GiB", "peak_memory_gib", ".1f"), ("plan GiB", "plan_peak_gib", ".1f")]
 
 
@@ -620,6 +634,7 @@ def main(argv: list[str] | None = None) -> int:
         results = doc["rows"] = run_rows(args, rows, partial)
     else:
         results = doc["rows"] = run_isolated(rows, args.deadline, partial)
+    compare_trainers(results)
     print(table(results, SUMMARY, left=2))
     if args.json:
         print("\n".join(write_outputs(doc, args.json)))

@@ -55,6 +55,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from launch.bench.breakdown import profile_call
 from launch.config.run import RunConfig
 from launch.metrics.flops import model_flops_per_token
 from launch.metrics.records import mfu_peak, throughput_metrics
@@ -171,12 +172,13 @@ def param_counts(model: torch.nn.Module, cfg: RunConfig) -> dict[str, Any]:
 
 
 def train(model: torch.nn.Module, cfg: RunConfig, device: torch.device, warmup: int, timed: int,
-          feed: RandomFeed | None = None) -> dict[str, Any]:
+          feed: RandomFeed | None = None, profiled: bool = False) -> dict[str, Any]:
     """Train model for warmup + timed steps on feed's micro-batches (default RandomFeed(cfg, device), the trainer
     rows' tokens) and return the timed steps' figures: tokens/s and step time (medians), the steps' spread, MFU by our
     trainer's formula, peak memory (CUDA), the losses and both models' parameter counts. A step: for each micro-batch,
     forward under bf16 autocast and backward of its cross-entropy over the micro-batch count; grad-norm clip; AdamW
-    at cfg.train.lr (constant); zero_grad(set_to_none). Nothing reads back to the host until the last step."""
+    at cfg.train.lr (constant); zero_grad(set_to_none). Nothing reads back to the host until the last step.
+    profiled: one more step after them under torch.profiler, its time by kind of work (launch.bench.breakdown)."""
     if warmup < 0 or timed < 1:
         raise ValueError(f"warmup = {warmup} must be >= 0 and timed = {timed} >= 1")
     batches = (feed or RandomFeed(cfg, device)).next_step()
@@ -187,8 +189,8 @@ def train(model: torch.nn.Module, cfg: RunConfig, device: torch.device, warmup: 
                                   eps=ADAMW_EPS, weight_decay=train_cfg.weight_decay, **{adamw: True})
     mark, seconds = step_timer(device)
     pairs, losses = [], []
-    for _ in range(warmup + timed):
-        start = mark()
+
+    def step() -> torch.Tensor:
         loss = torch.zeros((), device=device)
         for batch in batches:
             with torch.autocast(device.type, dtype=torch.bfloat16):
@@ -200,8 +202,13 @@ def train(model: torch.nn.Module, cfg: RunConfig, device: torch.device, warmup: 
         torch.nn.utils.clip_grad_norm_(model.parameters(), train_cfg.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(warmup + timed):
+        start = mark()
+        losses.append(step())
         pairs.append((start, mark()))
-        losses.append(loss)
+    breakdown = profile_call(step, device) if profiled else None
     steps = seconds(pairs)[warmup:]
     median = statistics.median(steps)
     seq_len = batches[0].inputs.shape[1]
@@ -212,16 +219,16 @@ def train(model: torch.nn.Module, cfg: RunConfig, device: torch.device, warmup: 
             "repeats": len(steps), "tokens_per_step": tokens,
             "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None,
             "losses": losses, "last_loss": losses[-1], "params": param_counts(model, cfg),
-            "settings": SETTINGS.format(adamw=adamw)}
+            "settings": SETTINGS.format(adamw=adamw), "breakdown": breakdown}
 
 
 def measure(cfg: RunConfig, device: torch.device, warmup: int, timed: int) -> dict[str, Any]:
-    """Build torchtitan's Qwen3 MoE at cfg's shape (seed cfg.train.seed) and train it (train): the trainer-torchtitan
-    row's figures, with what it runs and how it differs from ours."""
+    """Build torchtitan's Qwen3 MoE at cfg's shape (seed cfg.train.seed) and train it (train, one more step
+    profiled): the trainer-torchtitan row's figures, with what it runs and how it differs from ours."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     model = build(cfg, device, cfg.train.seed)
-    result = train(model, cfg, device, warmup, timed)
+    result = train(model, cfg, device, warmup, timed, profiled=True)
     if not all(math.isfinite(loss) for loss in result["losses"]):
         raise RuntimeError(f"torchtitan's Qwen3 MoE diverged: losses {result['losses']}")
     return {**result, "library": f"torchtitan {metadata.version('torchtitan')}",

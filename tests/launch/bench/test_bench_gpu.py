@@ -76,7 +76,7 @@ def test_the_docs_page_and_moe_plans_ratios_come_from_a_result(tmp_path, capsys)
     assert gpu.main(["--docs", str(result), "--docs-out", str(page)]) == 0
     text = page.read_text()
     assert text.startswith("# GPU results: no GPU") and head["time_utc"] in text and head["machine"]["cpu"] in text
-    assert "| trainer-eager | ok | 35 | 40 | - | - | - | 20000 | 31.0% | 22755 | 61.0 | 58.0 |" in text
+    assert "| trainer-eager | ok | 35 | 40 | - | - | - | 20000 | - | 31.0% | 22755 | 61.0 | 58.0 |" in text
     assert "| trainer-graphed | error: RuntimeError: capture failed |" in text
     capsys.readouterr()
     assert moe_plan(["--measure-gpu", str(result)]) == 0
@@ -192,3 +192,15 @@ def test_only_runs_the_rows_in_the_order_named(capsys):
     lines = capsys.readouterr().out.splitlines()
     listed = [line.split()[0] for line in lines if "budget" in line and "total" not in line]
     assert listed == ["v3-rank", "machine"]
+
+
+def test_our_trainer_rows_are_set_beside_torchtitans_where_both_ran():
+    rows = [{"row": "trainer-eager", "tokens_per_s": 30.0, "mfu": 0.2}, {"row": "trainer-fp8", "status": "error: x"},
+            {"row": "moe-layer", "ours_ms": 1.0}, {"row": "trainer-torchtitan", "tokens_per_s": 20.0, "mfu": 0.1}]
+    gpu.compare_trainers(rows)
+    assert rows[0]["vs_peer"] == 1.5 and rows[0]["peer_tokens_per_s"] == 20.0 and rows[0]["peer_mfu"] == 0.1
+    assert "vs_peer" not in rows[1] and "vs_peer" not in rows[2] and "vs_peer" not in rows[3]
+    rows[3] = {"row": "trainer-torchtitan", "status": "error: y"}
+    del rows[0]["vs_peer"]
+    gpu.compare_trainers(rows)
+    assert "vs_peer" not in rows[0]
