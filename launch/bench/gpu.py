@@ -149,7 +149,8 @@ def kernels_row(args: argparse.Namespace, row: Row) -> dict[str, Any]:
         opts = kernels.parse_args(["--shapes", KERNEL_SHAPES, "--groups", str(groups), "--rows",
                                    ",".join(map(str, per_group)), "--warmup", "3", "--repeats", "10", "--quiet"])
         out += kernels.gpu_rows(opts)
-    return {"kernels": out, "skipped": skipped, "min_calc_diff_ok": all(r["calc_diff"] < 1e-3 for r in out)}
+    return {"kernels": out, "skipped": skipped, "min_calc_diff_ok": all(r["calc_diff"] < 1e-3 for r in out),
+            "bitwise_stable": all(r["bitwise_stable"] for r in out)}
 
 
 def _layer_inputs(spec: dict[str, Any], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -519,11 +520,11 @@ def markdown(doc: dict[str, Any]) -> str:
         lines += ["| total | " + " | ".join(_num(r["breakdown"]["total_ms"], ".1f") for r in profiled) + " |", ""]
     for r in rows:
         if r.get("kernels"):
-            lines += ["## Kernels", "", "| op | shape | TFLOPS | peer | peer TFLOPS | ratio | calc_diff |",
-                      "|---|---|---|---|---|---|---|"]
-            lines += [f"| {k['op']} | {kernels._shape_text(k['shape'])} | {_num(k['tflops'])} | {k['peer']} | "
-                      f"{_num(k['peer_tflops'])} | {_num(k.get('ratio'), '.2f')} | {k['calc_diff']:.1e} |"
-                      for k in r["kernels"]] + [""]
+            lines += ["## Kernels", "", "| op | shape | kernel | TFLOPS | peer | peer TFLOPS | ratio | calc_diff | "
+                      "same bits twice |", "|---|---|---|---|---|---|---|---|---|"]
+            lines += [f"| {k['op']} | {kernels._shape_text(k['shape'])} | {k.get('backend', '-')} | "
+                      f"{_num(k['tflops'])} | {k['peer']} | {_num(k['peer_tflops'])} | {_num(k.get('ratio'), '.2f')} | "
+                      f"{k['calc_diff']:.1e} | {k.get('bitwise_stable', '-')} |" for k in r["kernels"]] + [""]
         if r.get("rehearsal"):
             report = r["rehearsal"]
             lines += ["## DeepSeek-V3 rank", "", f"rank {report['rank']} of {report['world_size']}, "

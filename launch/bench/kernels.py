@@ -258,7 +258,11 @@ def gpu_rows(args: argparse.Namespace, device: str = "cuda") -> list[dict]:
         forced = os.environ.get(GEMM_ENV)  # $MOE_FP8_GEMM: only the kernel it forces
         variants = list(VARIANTS) if fast_gemm_runs_on(x) and not forced else [None]
         ours = {variant: _ours(op, None, x, w, dy, offs, variant) for variant in variants}
-        diffs = {variant: calc_diff(fn(), exact) for variant, fn in ours.items()}
+        diffs, stable = {}, {}
+        for variant, fn in ours.items():  # each kernel's error, and whether a second call gives the same bits
+            first = fn()
+            diffs[variant], stable[variant] = calc_diff(first, exact), bool(torch.equal(first, fn()))
+            del first
         del exact
         calls = {**{f"ours {v}": fn for v, fn in ours.items()},
                  **_peers(op, x, w, dy, offs, _group_bounds(list(sizes)))}
@@ -271,7 +275,8 @@ def gpu_rows(args: argparse.Namespace, device: str = "cuda") -> list[dict]:
             backend = {"fast": "gluon", "reference": "triton", None: "triton"}[variant]
             for peer in PEERS:
                 theirs = timed.get(peer)
-                row = {"op": op, "shape": shape, "backend": backend, "calc_diff": diffs[variant], "peer": peer,
+                row = {"op": op, "shape": shape, "backend": backend, "calc_diff": diffs[variant],
+                       "bitwise_stable": stable[variant], "peer": peer,
                        "sm_clock_mhz": clock, "tflops": flops / mine.median / 1e12 if mine else None,
                        "peer_tflops": flops / theirs.median / 1e12 if theirs else None,
                        "plan_tflops": planned_tflops(model, op, shape, PLANNED_AS["ours"]),
