@@ -18,18 +18,23 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-# (category, pattern on a kernel's or operator's name, case-insensitive): first match wins
-CATEGORIES: tuple[tuple[str, str], ...] = (
-    ("FP8 quantise", r"quantiz|retile"),  # our Triton quantisers (not the FP8 GEMMs, whose names hold e4m3)
-    ("expert GEMM", r"grouped_mm|grouped_gemm|mgrouped|kgrouped|groupproblemshape|ptrarray"),
-    ("attention", r"flash|fmha|attention|attn|sdpa|_efficient_attention"),
-    ("GEMM", r"gemm|cutlass|xmma|nvjet|cublas|^aten::(mm|addmm|bmm|baddbmm|_addmm_activation)$"),
-    ("optimizer", r"adam|multi_tensor|_foreach_|lerp|sqrt|clip_grad"),
-    ("communication", r"nccl|all_to_all|alltoall|allreduce|all_reduce|all_gather|allgather|reduce_scatter|c10d"),
-    ("routing & permute", r"sort|scatter|gather|index|cumsum|bincount|histc|topk|nonzero|embedding|one_hot"),
-    ("norm & softmax", r"norm|softmax|log_softmax|nll_loss|cross_entropy"),
-    ("elementwise & copy", r"elementwise|vectorized|copy|fill|mul|add|silu|sigmoid|cat|where|reduce|sum|mean|pow"),
-)
+from launch.plan.compute import (ATTENTION, COMMUNICATION, ELEMENTWISE, EXPERT_GEMM, FP8_QUANTISE, GEMM, NORM,
+                                 OPTIMIZER, ROUTING)
+
+# category (moe-plan's kinds of work, launch.plan.compute.WORK_KINDS, named there once) -> pattern on a kernel's or
+# operator's name, case-insensitive, in the order they are tried: first match wins
+PATTERNS: dict[str, str] = {
+    FP8_QUANTISE: r"quantiz|retile",  # our Triton quantisers (not the FP8 GEMMs, whose names hold e4m3)
+    EXPERT_GEMM: r"grouped_mm|grouped_gemm|mgrouped|kgrouped|groupproblemshape|ptrarray",
+    ATTENTION: r"flash|fmha|attention|attn|sdpa|_efficient_attention",
+    GEMM: r"gemm|cutlass|xmma|nvjet|cublas|^aten::(mm|addmm|bmm|baddbmm|_addmm_activation)$",
+    OPTIMIZER: r"adam|multi_tensor|_foreach_|lerp|sqrt|clip_grad",
+    COMMUNICATION: r"nccl|all_to_all|alltoall|allreduce|all_reduce|all_gather|allgather|reduce_scatter|c10d",
+    ROUTING: r"sort|scatter|gather|index|cumsum|bincount|histc|topk|nonzero|embedding|one_hot",
+    NORM: r"norm|softmax|log_softmax|nll_loss|cross_entropy",
+    ELEMENTWISE: r"elementwise|vectorized|copy|fill|mul|add|silu|sigmoid|cat|where|reduce|sum|mean|pow",
+}
+CATEGORIES: tuple[tuple[str, str], ...] = tuple(PATTERNS.items())
 OTHER = "other"
 
 

@@ -48,6 +48,7 @@ from launch.bench.layer import model_config, our_weights
 from launch.bench.peers.fwdbwd import decided_tokens, fwd_bwd
 from launch.bench.report import HIGHER, LOWER, header, header_line, machine, table, versions, write_json
 from launch.config.run import RunConfig, load_config
+from launch.plan.kinds import step_kinds
 from launch.plan.planner import Machine, Options, make_plan
 from launch.plan.presets import gpu_preset, preset_for_device
 from launch.plan.rehearse import RandomFeed, planned_memory, rehearse
@@ -232,13 +233,14 @@ def trainer_config(overrides: list[str], run_dir: str) -> RunConfig:
                                 "train.eval_batches=0", f"train.run_dir={run_dir!r}", "train.device='cuda'"])
 
 
-def plan_figures(cfg: RunConfig) -> dict[str, float]:
-    """moe-plan's step, peak memory, tokens/s and MFU for cfg on this GPU (the H100's preset without one)."""
+def plan_figures(cfg: RunConfig) -> dict[str, Any]:
+    """moe-plan's step, peak memory, tokens/s and MFU for cfg on this GPU (the H100's preset without one), and its
+    step's ms by kind of work (launch.plan.kinds.step_kinds: the profiled breakdown's kinds)."""
     gpu = preset_for_device(_gpu_name()) if torch.cuda.is_available() else None
     plan = make_plan(cfg, Machine(gpu or gpu_preset("h100"), 1), Options(cfg.train.recompute))
     return {"plan_gpu": plan.machine.gpu.name, "plan_step_ms": plan.step_seconds * 1e3,
             "plan_peak_gib": plan.peak_memory / 2 ** 30, "plan_tokens_per_s": plan.tokens_per_second,
-            "plan_mfu": plan.mfu}
+            "plan_mfu": plan.mfu, "plan_breakdown": {kind: s * 1e3 for kind, s in step_kinds(plan).items()}}
 
 
 def trainer_row(overrides: list[str]) -> Callable[[argparse.Namespace, Row], dict[str, Any]]:

@@ -11,8 +11,8 @@ from dispatch import Traffic, make_topology
 from dispatch.routes import padded_bounds, routes_for
 from launch.config.run import RunConfig
 from launch.metrics.flops import attention_shape, layer_flops, mixed_peak, model_flops_per_token
-from launch.plan.compute import (Precisions, Seconds, elementwise_seconds, head_seconds, layer_seconds,
-                                 moe_block_seconds, mtp_seconds)
+from launch.plan.compute import (GEMM, ROUTING, Precisions, Seconds, Work, elementwise_seconds, head_seconds,
+                                 layer_seconds, moe_block_seconds, mtp_seconds)
 from launch.plan.efficiency import (ATTENTION_SUSTAINED_CLOCK, PRECISIONS, SYNCED_SLOT_SECONDS, SUSTAINED_CLOCK,
                                     GemmModel)
 from launch.plan.memory import (FP8_CACHED, RERUN_EXCHANGES, ActivationModel, ModelStates, backward_workspace,
@@ -126,6 +126,9 @@ class Plan:
     pipeline_steps: int = 1
     idle_fractions: list[float] = field(default_factory=list)  # per pipeline rank, from the simulator
     offload_seconds: float = 0.0  # optim.offload: the grad shards' copy to the host and the params' back
+    # per stage, the compute of one chunk by kind of work (StageCost's f, b, w split: launch.plan.kinds.step_kinds);
+    # empty when the stages' seconds come from a measured profile
+    stage_work: list[Work] = field(default_factory=list)
 
     @property
     def step_seconds(self) -> float:
@@ -259,9 +262,11 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
     if machine.profile and len(machine.profile.stages) != num_stages:
         raise ValueError(f"the machine's profile has {len(machine.profile.stages)} stages, the layout {num_stages}: "
                          f"profile the config being planned")
-    costs = [machine.profile.stage_cost(s) if machine.profile else
-             _stage_cost(config, params, layers[s], s == num_stages - 1, moe_layers[s], ep, machine, gpn, options)
-             for s in range(num_stages)]
+    by_stage = [] if machine.profile else [
+        _stage_cost(config, params, layers[s], s == num_stages - 1, moe_layers[s], ep, machine, gpn, options)
+        for s in range(num_stages)]
+    costs = ([machine.profile.stage_cost(s) for s in range(num_stages)] if machine.profile
+             else [cost for cost, _ in by_stage])
     # overlap: the runtime runs each F&B pair's halves at once (the backward on a helper thread)
     deferred = [acts.deferred_stage(layers[s], s == num_stages - 1, tokens) for s in range(num_stages)]
     # a pair's halves allocate and free over their kernels' time: the slot cost is fitted to throughput, not memory
@@ -333,7 +338,7 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
     return Plan(config, machine, options, params, layers, ranks, ep, costs, p2p_seconds, makespan,
                 sum(idles) / len(idles), sync,
                 train.grad_accum_steps * tokens * par.cp, model_flops_per_token(cfg, train.seq_len),
-                steps, list(idles), offload)
+                steps, list(idles), offload, [work for _, work in by_stage])
 
 
 def padded_slot_rows(config: RunConfig, gpus_per_node: int, tokens: int) -> float:
@@ -472,8 +477,8 @@ def cp_layer_bytes(config: RunConfig) -> tuple[float, float]:
 
 
 def _stage_cost(config: RunConfig, params: ModelParams, layers: range, has_head: bool, moe_layers: int,
-                ep: EPStats | None, machine: Machine, gpn: int, options: Options) -> StageCost:
-    """Compute and communication seconds of one chunk through one stage."""
+                ep: EPStats | None, machine: Machine, gpn: int, options: Options) -> tuple[StageCost, Work]:
+    """Compute and communication seconds of one chunk through one stage, and its compute by kind of work."""
     cfg, par, train = config.model, config.parallel, config.train
     tokens = chunk_tokens(config)
     gemms, rates = machine.gemms, machine.rates()
@@ -485,9 +490,9 @@ def _stage_cost(config: RunConfig, params: ModelParams, layers: range, has_head:
                                      busiest(options, [i - first] if i >= first else []))
                        + elementwise_seconds(gemms, cfg, params.attention, i, tokens, par.tp, par.sequence_parallel,
                                              itemsize, precisions)
-                       for i in layers), Seconds())
+                       for i in layers), Work())
     cost = layers_cost
-    mtp = Seconds()
+    mtp = Work()
     if has_head:
         mtp = mtp_seconds(gemms, cfg, params.attention, train.seq_len, tokens, par.tp, par.ep, par.sequence_parallel,
                           itemsize, precisions, busiest(options, mtp_rows))
@@ -514,19 +519,21 @@ def _stage_cost(config: RunConfig, params: ModelParams, layers: range, has_head:
     cp_f, cp_b = _cp_seconds(config, layers, machine, gpn)
     tp_b = tp
     slots = gemms.routed_slots(moe_layers * tokens / par.tp * cfg.top_k)
-    recompute = rerun_slots = 0.0
+    recompute, rerun_slots = Work(), 0.0
     if options.recompute == "full":  # this runtime's: router, dispatch and combine (the slots' handling) not rerun
-        recompute = cost.f - slots / 2
+        recompute = cost.rerun() + Work.of(ROUTING, Seconds(0.0, -slots / 2, 0.0))
     elif options.recompute == "selective":
-        recompute = _selective_recompute(config, params, len(layers), gemms, precisions.dense)
+        recompute = Work.of(GEMM, Seconds(0.0, _selective_recompute(config, params, len(layers), gemms,
+                                                                    precisions.dense), 0.0))
     elif options.recompute == "moe":  # Megatron-Core's: each MoE block's forward and exchanges again before its B
-        recompute = moe_layers * moe_block_seconds(gemms, cfg, tokens, par.tp, par.ep, precisions, skew).f
+        recompute = moe_block_seconds(gemms, cfg, tokens, par.tp, par.ep, precisions, skew).rerun(moe_layers)
         ep_b, rerun_slots = ep_b + ep_f, slots / 2
     elif options.recompute == "layer":  # each block's whole forward again (MTP's too), exchanges and collectives
-        recompute = layers_cost.f + mtp.f  # mtp: zero off the last stage
+        recompute = (layers_cost + mtp).rerun()  # mtp: zero off the last stage
         ep_b, tp_b, cp_b, rerun_slots = ep_b + ep_f, 2 * tp, cp_b + cp_f, slots / 2
-    return StageCost(cost.f, cost.b + recompute, cost.w, ep_f + tp + cp_f, ep_b + tp_b + cp_b, slots, ep_f, ep_b,
-                     rerun_slots)
+    work = cost + recompute
+    return StageCost(work.f, work.b, work.w, ep_f + tp + cp_f, ep_b + tp_b + cp_b, slots, ep_f, ep_b,
+                     rerun_slots), work
 
 
 def _cp_seconds(config: RunConfig, layers: range, machine: Machine, gpn: int) -> tuple[float, float]:

@@ -6,6 +6,7 @@ import torch
 
 from launch.bench.breakdown import CATEGORIES, OTHER, ProfiledFeed, categorize
 from launch.config.run import load_config
+from launch.plan.compute import WORK_KINDS
 from launch.plan.rehearse import RandomFeed
 from launch.train.loop import train
 
@@ -37,6 +38,13 @@ SMALL = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "mod
 ])
 def test_each_name_goes_to_its_kind_of_work(name, kind):
     assert categorize(name) == kind
+
+
+def test_the_categories_are_moe_plans_kinds_of_work_and_other():
+    """What a profile is summed into is what moe-plan's step is split into (launch.plan.kinds), each kind once, plus
+    "other" for the names no pattern matches."""
+    names = [name for name, _ in CATEGORIES]
+    assert sorted(names) == sorted(WORK_KINDS) and OTHER not in WORK_KINDS
 
 
 def test_a_trainer_runs_last_step_is_profiled_and_its_kinds_add_up():

@@ -57,6 +57,9 @@ def test_gpu_1x_is_qwen3_30b_a3bs_layer_and_fits_one_80gb_gpu_by_moe_plan():
     for preset in ("h100", "h200"):
         plan = make_plan(cfg, Machine(gpu_preset(preset), 1))
         assert plan.peak_memory <= 80e9 and plan.fits, preset
+    figures = gpu.plan_figures(cfg)  # a trainer row's moe-plan figures: the H100's without CUDA
+    assert sum(figures["plan_breakdown"].values()) == pytest.approx(figures["plan_step_ms"], rel=1e-9)
+    assert figures["plan_breakdown"]["expert GEMM"] > 0 and "optimizer" not in figures["plan_breakdown"]
 
 
 def test_the_docs_page_and_moe_plans_ratios_come_from_a_result(tmp_path, capsys):
