@@ -513,13 +513,20 @@ def markdown(doc: dict[str, Any]) -> str:
     profiled = [r for r in rows if r.get("breakdown")]
     if profiled:
         categories = [c for c in (*(name for name, _ in CATEGORIES), OTHER)
-                      if any(c in r["breakdown"]["ms"] for r in profiled)]
+                      if any(c in r["breakdown"]["ms"] or c in r.get("plan_breakdown", {}) for r in profiled)]
+
+        def cell(r: dict[str, Any], kind: str | None) -> str:
+            measured = r["breakdown"]["total_ms"] if kind is None else r["breakdown"]["ms"].get(kind)
+            plan = r.get("plan_breakdown")
+            if plan is None:
+                return _num(measured, ".1f")
+            return f"{_num(measured, '.1f')} / {_num(sum(plan.values()) if kind is None else plan.get(kind), '.1f')}"
         lines += ["## Where the time goes", "", "One step after the timed ones under torch.profiler (launch.bench."
-                  "breakdown): each kind of work's device ms.", "",
+                  "breakdown): each kind of work's device ms, and moe-plan's ms for it where the row has a plan "
+                  "(measured / moe-plan; `moe-plan --measure-gpu` prints the ratios).", "",
                   "| kind | " + " | ".join(r["row"] for r in profiled) + " |", "|---|" + "---|" * len(profiled)]
-        lines += [f"| {c} | " + " | ".join(_num(r["breakdown"]["ms"].get(c), ".1f") for r in profiled) + " |"
-                  for c in categories]
-        lines += ["| total | " + " | ".join(_num(r["breakdown"]["total_ms"], ".1f") for r in profiled) + " |", ""]
+        lines += [f"| {c} | " + " | ".join(cell(r, c) for r in profiled) + " |" for c in categories]
+        lines += ["| total | " + " | ".join(cell(r, None) for r in profiled) + " |", ""]
     for r in rows:
         if r.get("kernels"):
             lines += ["## Kernels", "", "| op | shape | kernel | TFLOPS | peer | peer TFLOPS | ratio | calc_diff | "

@@ -68,7 +68,8 @@ def test_the_docs_page_and_moe_plans_ratios_come_from_a_result(tmp_path, capsys)
             {"row": "trainer-eager", "status": "ok", "wall_s": 35.0, "budget_s": 40, "runs": "gpu-1x", "peer": "-",
              "tokens_per_s": 20000.0, "step_ms": 204.8, "mfu": 0.31, "peak_memory_gib": 61.0, "plan_step_ms": 180.0,
              "plan_peak_gib": 58.0, "plan_tokens_per_s": 22755.0,
-             "breakdown": {"ms": {"expert GEMM": 80.5, "attention": 30.0}, "total_ms": 110.5}},
+             "breakdown": {"ms": {"expert GEMM": 80.5, "attention": 30.0}, "total_ms": 110.5},
+             "plan_breakdown": {"expert GEMM": 70.0, "routing & permute": 20.0}},
             {"row": "trainer-graphed", "status": "error: RuntimeError: capture failed", "wall_s": 0.0, "budget_s": 40,
              "runs": "gpu-1x", "peer": "-"}]
     result = tmp_path / "gpu.json"
@@ -83,7 +84,8 @@ def test_the_docs_page_and_moe_plans_ratios_come_from_a_result(tmp_path, capsys)
     assert "| trainer-eager | ok | 35 | 40 | - | - | - | 20000 | - | 31.0% | 22755 | 61.0 | 58.0 |" in text
     assert "| trainer-graphed | error: RuntimeError: capture failed |" in text
     assert "## Where the time goes" in text and "| kind | trainer-eager |" in text
-    assert "| expert GEMM | 80.5 |" in text and "| attention | 30.0 |" in text and "| total | 110.5 |" in text
+    assert "| expert GEMM | 80.5 / 70.0 |" in text and "| attention | 30.0 / - |" in text
+    assert "| routing & permute | - / 20.0 |" in text and "| total | 110.5 / 90.0 |" in text
     capsys.readouterr()
     assert moe_plan(["--measure-gpu", str(result)]) == 0
     out = capsys.readouterr().out
