@@ -225,12 +225,12 @@ def layer_row(args: argparse.Namespace, row: Row) -> dict[str, Any]:
     return result
 
 
-def trainer_config(overrides: list[str], run_dir: str) -> RunConfig:
-    """configs/gpu-1x.toml with overrides, for TRAINER_STEPS steps and one profiled step after them (its time by kind
-    of work: launch.bench.breakdown), every step's per-rank figures."""
+def trainer_config(overrides: list[str], run_dir: str, device: torch.device) -> RunConfig:
+    """configs/gpu-1x.toml with overrides on device, for TRAINER_STEPS steps and one profiled step after them (its
+    time by kind of work: launch.bench.breakdown), every step's per-rank figures."""
     steps = sum(TRAINER_STEPS) + 1
     return load_config(GPU_1X, [*overrides, f"train.steps={steps}", "train.rank_metrics_every=1",
-                                "train.eval_batches=0", f"train.run_dir={run_dir!r}", "train.device='cuda'"])
+                                "train.eval_batches=0", f"train.run_dir={run_dir!r}", f"train.device={device.type!r}"])
 
 
 def plan_figures(cfg: RunConfig) -> dict[str, Any]:
@@ -243,27 +243,34 @@ def plan_figures(cfg: RunConfig) -> dict[str, Any]:
             "plan_mfu": plan.mfu, "plan_breakdown": {kind: s * 1e3 for kind, s in step_kinds(plan).items()}}
 
 
-def trainer_row(overrides: list[str]) -> Callable[[argparse.Namespace, Row], dict[str, Any]]:
-    """A trainer row training configs/gpu-1x.toml with overrides."""
-    def measure(args: argparse.Namespace, row: Row) -> dict[str, Any]:
-        from launch.train.loop import train
+def train_measure(overrides: list[str], device: torch.device) -> dict[str, Any]:
+    """A trainer row's figures: configs/gpu-1x.toml with overrides trained on device (random tokens, no checkpoint)
+    for TRAINER_STEPS steps and one profiled step, beside moe-plan's (the tests run it on the CPU at a tiny shape)."""
+    from launch.train.loop import train
 
-        device = torch.device("cuda", torch.cuda.current_device())
-        with tempfile.TemporaryDirectory(prefix="moe-bench-gpu-") as run_dir:
-            cfg = trainer_config(overrides, run_dir)
+    cuda = device.type == "cuda"
+    with tempfile.TemporaryDirectory(prefix="moe-bench-gpu-") as run_dir:
+        cfg = trainer_config(overrides, run_dir, device)
+        if cuda:
             torch.cuda.reset_peak_memory_stats(device)
-            feed = ProfiledFeed(RandomFeed(cfg, device), sum(TRAINER_STEPS), device)  # one more step, profiled
-            records = train(cfg, progress=False, device=device, feed=feed, checkpoints=False)
-            breakdown = feed.stop()
-        timed = records[TRAINER_STEPS[0]:sum(TRAINER_STEPS)]
-        tokens = cfg.train.grad_accum_steps * cfg.train.micro_batch_size * cfg.train.seq_len
-        steps = [tokens / r["tokens_per_s"] for r in timed]
-        return {"tokens_per_s": tokens / statistics.median(steps), "step_ms": 1e3 * statistics.median(steps),
-                "step_ms_spread": (max(steps) - min(steps)) / statistics.median(steps), "repeats": len(steps),
-                "mfu": statistics.median(r["mfu"] for r in timed) if timed[0]["mfu"] is not None else None,
-                "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2 ** 30,
-                "last_loss": records[-1]["lm_loss"], "overrides": overrides, "breakdown": breakdown,
-                **plan_figures(cfg)}
+        feed = ProfiledFeed(RandomFeed(cfg, device), sum(TRAINER_STEPS), device)  # one more step, profiled
+        records = train(cfg, progress=False, device=device, feed=feed, checkpoints=False)
+        breakdown = feed.stop()
+    timed = records[TRAINER_STEPS[0]:sum(TRAINER_STEPS)]
+    tokens = cfg.train.grad_accum_steps * cfg.train.micro_batch_size * cfg.train.seq_len
+    steps = [tokens / r["tokens_per_s"] for r in timed]
+    return {"tokens_per_s": tokens / statistics.median(steps), "step_ms": 1e3 * statistics.median(steps),
+            "step_ms_spread": (max(steps) - min(steps)) / statistics.median(steps), "repeats": len(steps),
+            "mfu": statistics.median(r["mfu"] for r in timed) if timed[0]["mfu"] is not None else None,
+            "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2 ** 30 if cuda else None,
+            "last_loss": records[-1]["lm_loss"], "overrides": overrides, "breakdown": breakdown,
+            **plan_figures(cfg)}
+
+
+def trainer_row(overrides: list[str]) -> Callable[[argparse.Namespace, Row], dict[str, Any]]:
+    """A trainer row training configs/gpu-1x.toml with overrides on this GPU (train_measure)."""
+    def measure(args: argparse.Namespace, row: Row) -> dict[str, Any]:
+        return train_measure(overrides, torch.device("cuda", torch.cuda.current_device()))
     return measure
 
 
@@ -321,14 +328,18 @@ def graphs_check(device: torch.device, backend: Callable[[], GraphBackend], step
     return result
 
 
-def torchtitan_trainer_row(args: argparse.Namespace, row: Row) -> dict[str, Any]:
-    """torchtitan's own Qwen3 MoE model at configs/gpu-1x.toml's shape on the trainer rows' tokens
+def torchtitan_measure(overrides: list[str], device: torch.device) -> dict[str, Any]:
+    """torchtitan's own Qwen3 MoE model at configs/gpu-1x.toml's shape (with overrides) on the trainer rows' tokens
     (launch.bench.peers.torchtitan_model: its model, a loop doing its train_step at world 1), the same steps."""
     from launch.bench.peers.torchtitan_model import measure
 
-    device = torch.device("cuda", torch.cuda.current_device())
     with tempfile.TemporaryDirectory(prefix="moe-bench-gpu-") as run_dir:
-        return measure(trainer_config([], run_dir), device, *TRAINER_STEPS)
+        return measure(trainer_config(overrides, run_dir, device), device, *TRAINER_STEPS)
+
+
+def torchtitan_trainer_row(args: argparse.Namespace, row: Row) -> dict[str, Any]:
+    """torchtitan_measure on this GPU at configs/gpu-1x.toml's shape."""
+    return torchtitan_measure([], torch.device("cuda", torch.cuda.current_device()))
 
 
 def compare_trainers(rows: list[dict[str, Any]]) -> None:

@@ -212,3 +212,24 @@ def test_our_trainer_rows_are_set_beside_torchtitans_where_both_ran():
     del rows[0]["vs_peer"]
     gpu.compare_trainers(rows)
     assert "vs_peer" not in rows[0]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="torchtitan is not installed")
+def test_the_trainer_rows_and_torchtitans_run_on_the_cpu_at_a_tiny_gpu_1x(monkeypatch):
+    """The trainer rows' whole body (train_measure: gpu-1x with overrides, TRAINER_STEPS steps and a profiled one,
+    moe-plan beside) eagerly and with the FP8 recipe, and torchtitan's row (torchtitan_measure) on the CPU at a tiny
+    gpu-1x shape; compare_trainers sets ours beside it. (On the GPU the rows run the same functions on CUDA.)"""
+    from tests.launch.bench.test_bench_torchtitan_model import TINY
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(gpu, "TRAINER_STEPS", (1, 2))  # (warm-up, timed): the suite's time
+    rows = [{"row": "trainer-eager", **gpu.train_measure(TINY, cpu)},
+            {"row": "trainer-fp8", **gpu.train_measure([*TINY, *gpu.FP8_RECIPE], cpu)},
+            {"row": "trainer-torchtitan", **gpu.torchtitan_measure(TINY, cpu)}]
+    for r in rows:  # (the CPU's FP8 reference runs as plain aten ops: its GEMMs are mm, its quantisers unnamed)
+        assert r["repeats"] == gpu.TRAINER_STEPS[1] and r["tokens_per_s"] > 0 and 0 < r["mfu"]
+        assert r["breakdown"]["ms"]["GEMM"] > 0 and r["breakdown"]["ms"]["optimizer"] > 0
+    assert rows[0]["breakdown"]["ms"]["expert GEMM"] > 0 and rows[2]["breakdown"]["ms"]["expert GEMM"] > 0
+    assert rows[0]["plan_step_ms"] > 0 and rows[0]["peak_memory_gib"] is None and rows[1]["plan_breakdown"]
+    gpu.compare_trainers(rows)
+    assert rows[0]["vs_peer"] == rows[0]["tokens_per_s"] / rows[2]["tokens_per_s"]
