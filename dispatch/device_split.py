@@ -55,8 +55,8 @@ def block_counts(filled: Tensor, peers: int, bound: int) -> Tensor:
 
 
 def pad_blocks(rows: Tensor, counts: Tensor, bound: int, padding: Tensor | None = None) -> Tensor:
-    """rows [peers * bound, ...] in blocks of bound with the rows past counts[p] in block p replaced by padding (one row,
-    broadcast; None: zeros)."""
+    """rows [peers * bound, ...] in blocks of bound with the rows past counts[p] in block p replaced by padding (one
+    row, broadcast; None: zeros)."""
     keep = (torch.arange(bound, device=rows.device) < counts.unsqueeze(1)).reshape(-1)
     keep = keep.view(-1, *[1] * (rows.dim() - 1))
     return torch.where(keep, rows, rows.new_zeros(()) if padding is None else padding)
@@ -166,10 +166,11 @@ class DeviceSplit:
     def start_split(self, rows: Tensor, sent: Tensor, received: Tensor | None, kind: str, part: str = "payload",
                     padding: Tensor | None = None) -> tuple[Pending, Tensor]:
         """Start sending the leading sent[i] rows of block i of rows ([peers * bound, ...], blocks in peer order) to
-        peer i. Returns (the Pending, whose wait() gives the rows received in the same blocks, block i holding the rows
-        peer i sent, then padding (a row; None: zeros) up to bound; received: int64 [peers], the rows that come from each
-        peer, valid once the Pending is waited for). received given (a return along a hop whose forward learnt it):
-        not traded again. The meter counts the filled rows (and the counts, when traded) per peer, from the device."""
+        peer i. Returns (the Pending, whose wait() gives the rows received in the same blocks, block i holding the
+        rows peer i sent, then padding (a row; None: zeros) up to bound; received: int64 [peers], the rows that come
+        from each peer, valid once the Pending is waited for). received given (a return along a hop whose forward
+        learnt it): not traded again. The meter counts the filled rows (and the counts, when traded) per peer, from
+        the device."""
         peers = len(self.peers)
         if rows.shape[0] % peers or sent.shape != (peers,):
             raise ValueError(f"a device-split exchange on the {self.name} hop sends one block per peer ({peers}): got "

@@ -168,8 +168,8 @@ def gather_step_stats(stages: list[Stage], cfg: RunConfig, mesh: Mesh, lm_part: 
     flat = torch.cat([p.flatten() for p in parts])
     dist.all_reduce(flat)
     host = to_host(torch.cat([flat, grad_norm.detach().view(1).double()]))  # the step's one device-to-host copy
-    _, loads_h, biases_h, extra_h, mtp_h, overflow_h, received_h, peers_h, stop_h, norm = (chunk.view_as(p) for chunk, p in zip(
-        host.split([p.numel() for p in parts] + [1]), parts + [grad_norm.view(1)]))
+    _, loads_h, biases_h, extra_h, mtp_h, overflow_h, received_h, peers_h, stop_h, norm = (
+        chunk.view_as(p) for chunk, p in zip(host.split([p.numel() for p in parts] + [1]), parts + [grad_norm.view(1)]))
     tp = cfg.parallel.tp
     shards = tp * cfg.parallel.cp  # the router losses are the same on every TP and CP rank of a sequence
     extra_h[:, 1], extra_h[:, 3:] = extra_h[:, 1] / shards, extra_h[:, 3:] / shards

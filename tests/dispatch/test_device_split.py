@@ -47,7 +47,7 @@ def metadata(round_: int, rank: int) -> torch.Tensor:
 
 def emulated_vdev(input: torch.Tensor, out: torch.Tensor, in_splits: torch.Tensor, out_splits_offsets: torch.Tensor,
                   group_name: str) -> None:
-    """torch.ops.symm_mem.all_to_all_vdev's contract (dispatch.device_split's doc) over gloo, splits read to the host."""
+    """torch.ops.symm_mem.all_to_all_vdev's contract (dispatch.device_split's doc) over gloo, its splits read."""
     recv = torch.empty_like(in_splits)
     dist.all_to_all_single(recv, in_splits)
     sends, recvs = in_splits.tolist(), recv.tolist()
