@@ -271,8 +271,8 @@ class ParallelSettings:
     """With parallel.dispatch_exchange = "padded" or "device_split": the bounds' factor over a balanced routing's rows
     (> 0). Larger: fewer reruns, more padding moved and held. Flat: rows per EP peer min(T, ceil(h x T x min(k, ep) /
     ep)), expert rows per rank ceil(h x T x k) (T tokens per micro-batch and rank, k = model.top_k); hierarchical:
-    each hop's bound likewise from the rows a balanced routing brings it, per chunk of ceil(T / parallel.dispatch_chunks) tokens
-    (dispatch.EPDispatcher.padded_bounds)."""
+    each hop's bound likewise from the rows a balanced routing brings it, per chunk of ceil(T /
+    parallel.dispatch_chunks) tokens (dispatch.EPDispatcher.padded_bounds)."""
     comm_backend: CommBackend = "auto"
     """Backend of the process groups: "auto" is NCCL on CUDA ranks and gloo on CPU ones; "gloo" or "nccl" force
     one."""
