@@ -12,6 +12,7 @@ from torch import Tensor
 from dispatch import rehearsal_rule
 from dispatch.channel import HopTransport, Steps, run_steps, transport_for
 from dispatch.choices import check_choice
+from dispatch.device_split import DeviceSplit
 from dispatch.fp8 import decode_fp8, encode_fp8, split_fp8
 from dispatch.hopgroups import HopGroups, check_hop_group
 from dispatch.layout import check_num_experts, check_routing, expert_owner, lookup
@@ -25,7 +26,9 @@ from kernels import FP8Rows
 
 Payload = Literal["bf16", "fp8"]  # how dispatched rows travel: in their own dtype, or e4m3 with 1x128 scales
 PAYLOADS = get_args(Payload)
-Exchange = Literal["exact", "padded"]  # exchange sizes read to the host, or fixed bounds with a device-side overflow
+# exchange sizes read to the host; fixed bounds with a device-side overflow; those bounds' layout with only the filled
+# rows on the wire (dispatch.device_split)
+Exchange = Literal["exact", "padded", "device_split"]
 EXCHANGES = get_args(Exchange)
 
 FP8_CODEC = Codec(encode_fp8, lambda wire, like: decode_fp8(wire, like.shape[1], like.dtype))
@@ -91,7 +94,9 @@ class EPDispatcher:
     each call's own count, which every EP rank must then share, as a training step's micro-batches do). Rows past a
     bound are not sent: the dispatch raises `overflow` (a device flag, kept until take_overflow) and its results are
     not the layer's; the caller reruns the step on the exact path and may widen the bounds (grow). Capacity-factor
-    routing is unchanged: its dropped slots are -1 before the dispatch.
+    routing is unchanged: its dropped slots are -1 before the dispatch. "device_split" is "padded" (bounds, layout,
+    overflow and rerun alike) with only each block's filled rows on the wire, their counts on the device
+    (dispatch.device_split: NVSHMEM's all_to_all_vdev on CUDA, elsewhere a reference with the same result).
     """
 
     def __init__(self, num_experts: int, group: dist.ProcessGroup | None = None, gpus_per_node: int | None = None,
@@ -101,8 +106,8 @@ class EPDispatcher:
         check_choice("backend", backend, DispatchBackend)
         check_choice("payload", payload, Payload)
         check_choice("exchange", exchange, Exchange)
-        if exchange == "padded" and backend == "hierarchical" and hops is None:
-            raise ValueError("exchange = 'padded' sends equal blocks on groups of exactly each hop's peers: the "
+        if exchange != "exact" and backend == "hierarchical" and hops is None:
+            raise ValueError(f"exchange = {exchange!r} sends equal blocks on groups of exactly each hop's peers: the "
                              "hierarchical dispatch needs hops (HopGroups), got hops = None")
         if not headroom > 0:
             raise ValueError(f"headroom = {headroom!r} must be a number > 0 (the padded bounds' factor over a balanced "
@@ -123,7 +128,7 @@ class EPDispatcher:
         self.experts_per_rank = check_num_experts(num_experts, self.world_size)
         self.topology = make_topology(self.world_size, gpus_per_node)
         self.meter = TrafficMeter()
-        self.channels, self.grad_channels = self._transports(hops)
+        self.channels, self.grad_channels = self._transports(hops, exchange == "device_split")
         self.fp8_rows = fp8_rows
         self.codec = (FP8_WIRE_CODEC if fp8_rows else FP8_CODEC) if payload == "fp8" else None
         self._device: torch.device | None = None
@@ -153,8 +158,9 @@ class EPDispatcher:
         for overflow in overflows:
             self._overflow.bitwise_or_(overflow.long())
 
-    def _transports(self, hops: HopGroups | None) -> tuple[list[HopTransport], list[HopTransport]]:
-        """Per hop, the transports of forward and of gradient exchanges (the same ones without a grad_group)."""
+    def _transports(self, hops: HopGroups | None, split: bool) -> tuple[list[HopTransport], list[HopTransport]]:
+        """Per hop, the transports of forward and of gradient exchanges (the same ones without a grad_group); split:
+        device-split ones (dispatch.device_split), which also run the exact exchange of a rerun."""
         stages = routes_for(self.backend, self.topology, self.num_experts, self.rank, torch.device("meta"))
         members = list(range(self.world_size))  # the EP group's ranks, for hops run on it
         if self.backend == "flat" or hops is None:
@@ -167,6 +173,8 @@ class EPDispatcher:
                     check_hop_group(grad, f"{stage.name}_grad", self.group, stage.peers)
         made = [[transport_for(g, self.topology, self.meter, stage.peers, self.rank, stage.name, wide)
                  for g in pair if g is not None] for stage, pair in zip(stages, groups)]
+        if split:
+            made = [[DeviceSplit(t) for t in pair] for pair in made]
         return [pair[0] for pair in made], [pair[-1] for pair in made]
 
     @property
@@ -206,7 +214,7 @@ class EPDispatcher:
         if x.is_meta:  # a rehearsal: the counts the routing would give come from the rule (dispatch.rehearsal_rule)
             plan = rehearsal_rule.plan_dispatch(x.shape[0], indices.shape[1], self.num_experts, self.topology,
                                                 self.rank, self.backend, rehearsal_rule.capacity_of(indices))
-        if self.exchange == "padded":
+        if self.exchange != "exact":
             if self.tokens is not None and x.shape[0] > self.tokens:
                 raise ValueError(f"{x.shape[0]} tokens to dispatch, more than the padded bounds' tokens = {self.tokens}")
             bounds, expert_rows = self.padded_bounds(self.tokens or x.shape[0], indices.shape[1])
@@ -219,7 +227,7 @@ class EPDispatcher:
         if self.fp8_rows:  # autograd sees a zero-stride stand-in of the dequantised rows (never read)
             arrived = (x.new_zeros(()).expand(wire.shape[0], x.shape[1]), arrived[1])
         rows, recv_weights = DispatchRows.apply(x, weights, arrived, route, self.grad_channels)
-        if self.exchange == "padded":
+        if self.exchange != "exact":
             perm, too_many = make_padded_permutation(lookup(route.ids, local_expert), self.experts_per_rank,
                                                      expert_rows)
             self._flag(overflow, too_many)

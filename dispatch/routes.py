@@ -28,12 +28,15 @@ class Hop:
     """What one rank sent in a stage: row send_row[i] went out in rank order; reverse info for combine.
 
     A padded hop (splits None) sent equal blocks of rows to every peer: block p's filled rows first, then
-    padding (send_row 0, which back assigns to no row)."""
+    padding (send_row 0, which back assigns to no row). On a device-split transport (dispatch.device_split) only the
+    filled rows moved: sent and received count them per peer of the hop, on the device."""
 
     send_row: Tensor               # [S] row index (before the hop) of each sent row, grouped by destination
     send_splits: list[int] | None  # [R] rows sent to each rank (None: equal blocks, padded)
     recv_splits: list[int] | None  # [R] rows received from each rank (None: equal blocks, padded)
     back: SegmentPlan              # sums rows returned over send_row into the rows before the hop
+    sent: Tensor | None = None      # int64 [peers]: filled rows of each block sent (device-split hops only)
+    received: Tensor | None = None  # int64 [peers]: filled rows of each block received (device-split hops only)
 
     @property
     def arrived_rows(self) -> int:

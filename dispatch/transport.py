@@ -20,6 +20,8 @@ from torch import Tensor
 
 from dispatch import rehearsal_rule
 from dispatch.channel import HopTransport, Steps, run_steps
+from dispatch.device_split import DeviceSplit, block_counts
+from dispatch.pending import Pending
 from dispatch.routes import Hop, HopRoute, make_hop, plan_padded_sends, plan_sends
 from dispatch.segment import ordered_sum
 
@@ -251,11 +253,13 @@ def padded_dispatch_steps(x: Tensor, weights: Tensor, indices: Tensor, stages: l
                                               min(k, len(stages[h].peers)))
         padding = torch.cat([meta_c.new_zeros(1, k), meta_c.new_full((1, meta_c.shape[1] - k), -1)], dim=1)
         sent_meta = torch.where(filled.unsqueeze(1), take_rows(meta_c, hop.send_row), padding)
-        rows = channels[h].start_exchange(take_rows(wire_c, hop.send_row), None, None, "dispatch")
-        metas = channels[h].start_exchange(sent_meta, None, None, "dispatch", "meta")
+        if isinstance(channels[h], DeviceSplit):
+            hop.sent = block_counts(filled, len(stages[h].peers), bounds[h])
+        rows = start_hop(channels[h], take_rows(wire_c, hop.send_row), hop, "dispatch")  # device split: learns
+        metas = start_hop(channels[h], sent_meta, hop, "dispatch", "meta", padding[0])  # hop.received, used here
         yield rows
         overflows.append(over)
-        return hop, rows.wait(), metas.wait()
+        return hop, rows.wait(), metas.wait()  # rows first: their wait completes hop.received
 
     def later_hops(c: int, moved: tuple[Hop, Tensor, Tensor]) -> Steps:
         hop, wire_c, meta_c = moved
@@ -293,6 +297,24 @@ def _padded_regroup(meta: Tensor, k: int, before: int, peers: int, bound: int, c
     return Regroup(order, torch.empty_like(order).scatter_(0, order, position))
 
 
+def start_hop(channel: HopTransport, rows: Tensor, hop: Hop, kind: str, part: str = "payload",
+              padding: Tensor | None = None, back: bool = False) -> Pending:
+    """Start one exchange of rows along hop (back: its return, each peer sent back the rows it sent here): exact hops by
+    their splits; padded hops in equal blocks, on a device-split transport (dispatch.device_split) only each block's
+    filled rows, the rows past them arriving as padding (a row; None: zeros). A padded hop's first device-split
+    exchange learns hop.received (valid once its Pending is waited for)."""
+    if hop.send_splits is not None:
+        splits = (hop.recv_splits, hop.send_splits) if back else (hop.send_splits, hop.recv_splits)
+        return channel.start_exchange(rows, *splits, kind, part)
+    if not isinstance(channel, DeviceSplit):
+        return channel.start_exchange(rows, None, None, kind, part)
+    sent, received = (hop.received, hop.sent) if back else (hop.sent, hop.received)
+    pending, learnt = channel.start_split(rows, sent, received, kind, part, padding)
+    if hop.received is None:
+        hop.received = learnt
+    return pending
+
+
 def scatter_steps(rows: Tensor, route: Route, channels: list[HopTransport], kind: str) -> Steps:
     """Move rows along the hops a dispatch took, chunk by chunk as it did (no counts to trade); yields each
     exchange while it is in flight; returns the rows that arrived, in route's order."""
@@ -300,7 +322,7 @@ def scatter_steps(rows: Tensor, route: Route, channels: list[HopTransport], kind
 
     def move(c: int, h: int, part: Tensor) -> Steps:
         hop = route.chunks[c][h]
-        pending = channels[h].start_exchange(take_rows(part, hop.send_row), hop.send_splits, hop.recv_splits, kind)
+        pending = start_hop(channels[h], take_rows(part, hop.send_row), hop, kind)
         yield pending
         return pending.wait()
 
@@ -332,7 +354,7 @@ def gather_steps(rows: Tensor, route: Route, channels: list[HopTransport], kind:
 
     def back(c: int, h: int, part: Tensor) -> Steps:
         hop = route.chunks[c][h]
-        pending = channels[h].start_exchange(part, hop.recv_splits, hop.send_splits, kind)
+        pending = start_hop(channels[h], part, hop, kind, back=True)
         yield pending
         return ordered_sum(pending.wait(), hop.back, dtype=acc, out_dtype=wire_dtype)
 

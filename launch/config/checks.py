@@ -185,10 +185,11 @@ def _check_redundant_experts(model: ModelConfig, par: ParallelSettings) -> None:
 
 
 def _check_cuda_graphs(train: TrainSettings, par: ParallelSettings) -> None:
-    """train.cuda_graphs captures steps that read nothing to the host: over EP ranks only the padded exchange does
-    (the exact one reads each exchange's sizes). The device is the machine's (launch.parallel.device.check_device)."""
-    if train.cuda_graphs and par.ep > 1 and par.dispatch_exchange != "padded":
+    """train.cuda_graphs captures steps that read nothing to the host: over EP ranks only the padded and device-split
+    exchanges do (the exact one reads each exchange's sizes). The device is the machine's
+    (launch.parallel.device.check_device)."""
+    if train.cuda_graphs and par.ep > 1 and par.dispatch_exchange == "exact":
         raise ValueError(f"train.cuda_graphs = true captures steps that read nothing to the host, but "
                          f"parallel.dispatch_exchange = {par.dispatch_exchange!r} with parallel.ep = {par.ep} reads "
-                         f"each expert exchange's sizes; allowed: parallel.dispatch_exchange = 'padded', or "
-                         f"train.cuda_graphs = false")
+                         f"each expert exchange's sizes; allowed: parallel.dispatch_exchange = 'padded' or "
+                         f"'device_split', or train.cuda_graphs = false")

@@ -90,8 +90,8 @@ class TrainSettings:
     a W action, a DualPipe F&B pair) of each stage and chunk has its graph: one eager pipeline step warms up, the
     next is captured, the later ones replayed; the p2p messages stay eager, between the graphs (pipeline.graphs).
     The step must read nothing to the host: ranks on CUDA GPUs, and with parallel.ep > 1
-    parallel.dispatch_exchange = "padded" (its all-to-alls are captured). Captured today: tp = cp = 1, no
-    redundant experts, optim.zero_stage = 1, any pp, dp and ep (ZeRO's reduction runs after the backward, not
+    parallel.dispatch_exchange = "padded" or "device_split" (its all-to-alls are captured). Captured today: tp = cp
+    = 1, no redundant experts, optim.zero_stage = 1, any pp, dp and ep (ZeRO's reduction runs after the backward, not
     during it: parallel.overlap_grad_reduce is not used); other layouts are refused before any process starts,
     naming the key. Steps of a fault drill's loss scale, the held-out evaluation and the exact rerun of an
     overflowed padded exchange run eagerly (the graphs are captured again after such a rerun). moe-plan prices the
@@ -261,13 +261,18 @@ class ParallelSettings:
     parallel.ep and parallel.dispatch_headroom, so no MoE layer reads the device in forward or backward and every
     step issues the same shapes. A step whose routing exceeds a bound is rerun on the exact path (no token lost, the
     same math) and the bounds doubled for later steps; the metric `dispatch_reruns` counts them. With
-    parallel.dispatch_chunks > 1 every chunk has the same bounds, from its share of the tokens."""
+    parallel.dispatch_chunks > 1 every chunk has the same bounds, from its share of the tokens. "device_split" is
+    "padded" (the same bounds, layout, overflow rule and rerun; accepted and refused where "padded" is) with only each
+    block's filled rows on the wire, their counts kept on the device (dispatch.device_split): on CUDA ranks of an NCCL
+    group with NVSHMEM (torch symmetric memory's all_to_all_vdev; not yet run on a GPU over more than one rank),
+    elsewhere (gloo, CPU, or CUDA without NVSHMEM) a reference that moves whole blocks and pads the rows past the
+    counts, to the same result. Default "exact"."""
     dispatch_headroom: float = 2.0
-    """With parallel.dispatch_exchange = "padded": the bounds' factor over a balanced routing's rows (> 0). Larger:
-    fewer reruns, more padding moved and held. Flat: rows per EP peer min(T, ceil(h x T x min(k, ep) / ep)), expert
-    rows per rank ceil(h x T x k) (T tokens per micro-batch and rank, k = model.top_k); hierarchical: each hop's
-    bound likewise from the rows a balanced routing brings it, per chunk of ceil(T / parallel.dispatch_chunks) tokens
-    (dispatch.EPDispatcher.padded_bounds)."""
+    """With parallel.dispatch_exchange = "padded" or "device_split": the bounds' factor over a balanced routing's rows
+    (> 0). Larger: fewer reruns, more padding moved and held. Flat: rows per EP peer min(T, ceil(h x T x min(k, ep) /
+    ep)), expert rows per rank ceil(h x T x k) (T tokens per micro-batch and rank, k = model.top_k); hierarchical:
+    each hop's bound likewise from the rows a balanced routing brings it, per chunk of ceil(T /
+    parallel.dispatch_chunks) tokens (dispatch.EPDispatcher.padded_bounds)."""
     comm_backend: CommBackend = "auto"
     """Backend of the process groups: "auto" is NCCL on CUDA ranks and gloo on CPU ones; "gloo" or "nccl" force
     one."""

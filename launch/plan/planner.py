@@ -343,12 +343,13 @@ def make_plan(config: RunConfig, machine: Machine, options: Options = Options(),
 
 def padded_slot_rows(config: RunConfig, gpus_per_node: int, tokens: int) -> float:
     """Rows the routed experts take per routed slot (ActivationModel.slot_rows): 1, but with a padded exchange over
-    EP ranks (parallel.dispatch_exchange = "padded") the fixed rows dispatch.routes.padded_bounds hands a rank's
-    experts for a chunk of tokens (tokens / tp of them routed on each TP rank, in parallel.dispatch_chunks chunks, at
-    parallel.dispatch_headroom, redundant experts' slots included), over those tokens' top_k slots."""
+    EP ranks (parallel.dispatch_exchange = "padded" or "device_split") the fixed rows dispatch.routes.padded_bounds
+    hands a rank's experts for a chunk of tokens (tokens / tp of them routed on each TP rank, in
+    parallel.dispatch_chunks chunks, at parallel.dispatch_headroom, redundant experts' slots included), over those
+    tokens' top_k slots."""
     par, cfg = config.parallel, config.model
     routed = tokens // par.tp
-    if par.dispatch_exchange != "padded" or par.ep == 1 or not cfg.num_moe_layers or not routed:
+    if par.dispatch_exchange == "exact" or par.ep == 1 or not cfg.num_moe_layers or not routed:
         return 1.0
     slots = check_slots(cfg.num_experts, par.ep, par.redundant_experts)
     topology = make_topology(par.ep, min(gpus_per_node, par.ep))

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dispatch import Traffic
+from dispatch.traffic import FIELDS
 from dispatch.progress import ACTION, mark
 from launch.config.run import RunConfig
 from launch.data.feed import DataFeed, MicroBatch
@@ -33,7 +33,7 @@ TRAFFIC_KINDS = ("dispatch", "combine", "dispatch_backward", "combine_backward")
 
 
 
-TRAFFIC_FIELDS = ("intra_payload", "inter_payload", "intra_meta", "inter_meta")
+TRAFFIC_FIELDS = FIELDS  # ("intra_payload", "inter_payload", "intra_meta", "inter_meta"): TrafficMeter.tables' columns
 
 
 
@@ -136,7 +136,7 @@ def gather_step_stats(stages: list[Stage], cfg: RunConfig, mesh: Mesh, lm_part: 
     gathered to rank 0 (launch.train.step.gather_rank_rows). "overflow": whether a padded exchange (parallel.dispatch_exchange)
     left rows out on any rank, its flags riding the same all-reduce and copy (the caller reruns the step exactly)."""
     device = lm_part.device
-    by_kind, peers = traffic_table(stages, mesh)
+    by_kind, peers = traffic_table(stages, mesh, device)
     first_moe, layers, experts = cfg.model.first_k_dense, cfg.model.num_routed_layers, cfg.model.num_experts
     mtp = torch.zeros(cfg.model.mtp_depth, dtype=torch.float64, device=device)  # each MTP depth's loss
     loads = torch.zeros(layers, experts, dtype=torch.float64, device=device)
@@ -163,28 +163,26 @@ def gather_step_stats(stages: list[Stage], cfg: RunConfig, mesh: Mesh, lm_part: 
         if stage.mtp_tally is not None:
             mtp += stage.mtp_tally
         stage.reset_tallies()  # and the EP traffic counters, read above
-    # host numbers to the device for the all-reduce (a blocking copy: the step's compute is done by now)
-    host_tables = [*peers.ravel().tolist(), float(stop)]
-    parts = [lm_part.view(1), loads, biases, extra, mtp, overflow, received,
-             torch.tensor(host_tables, dtype=torch.float64, device=device)]
+    parts = [lm_part.view(1), loads, biases, extra, mtp, overflow, received, peers,
+             torch.tensor([float(stop)], dtype=torch.float64, device=device)]
     flat = torch.cat([p.flatten() for p in parts])
     dist.all_reduce(flat)
     host = to_host(torch.cat([flat, grad_norm.detach().view(1).double()]))  # the step's one device-to-host copy
-    _, loads_h, biases_h, extra_h, mtp_h, overflow_h, received_h, tables, norm = (chunk.view_as(p) for chunk, p in zip(
-        host.split([p.numel() for p in parts] + [1]), parts + [grad_norm.view(1)]))
+    _, loads_h, biases_h, extra_h, mtp_h, overflow_h, received_h, peers_h, stop_h, norm = (
+        chunk.view_as(p) for chunk, p in zip(host.split([p.numel() for p in parts] + [1]), parts + [grad_norm.view(1)]))
     tp = cfg.parallel.tp
     shards = tp * cfg.parallel.cp  # the router losses are the same on every TP and CP rank of a sequence
     extra_h[:, 1], extra_h[:, 3:] = extra_h[:, 1] / shards, extra_h[:, 3:] / shards
-    ranks = gather_rank_rows(np.concatenate([by_kind.ravel(), rank_row(device, idle)]), device, mine) if per_rank else {}
+    ranks = gather_rank_rows(by_kind.flatten(), rank_row(device, idle), mine) if per_rank else {}
     lm, aux, mtp_losses = float(host[0]) / tp, float(extra_h[:, 1].sum()), (mtp_h / tp).tolist()
     mtp_term = cfg.model.mtp_loss_coeff / cfg.model.mtp_depth * sum(mtp_losses) if mtp_losses else 0.0
     return {"loss": lm + aux + mtp_term, "lm_loss": lm, "mtp_losses": mtp_losses, "loads": [row.long() for row in loads_h], "dropped": extra_h[:, 0],
             "aux_loss": aux, "biases": biases_h / extra_h[:, 2:3].clamp(min=1),
             "losses": [dict(zip(LOSS_KINDS, row.tolist())) for row in extra_h[:, 3:]], "grad_norm": float(norm[0]),
-            "stop": bool(tables[-1] > 0), "overflow": bool(overflow_h[0] > 0),
+            "stop": bool(stop_h[0] > 0), "overflow": bool(overflow_h[0] > 0),
             "loads_on_device": flat[1:1 + loads.numel()].view_as(loads),
             "received": position_rows(received_h, extra_h[:, 2], mesh.layout.stage_ranks // ep),
-            **traffic_metrics(tables[:-1].view(ep, ep).long().tolist(), mesh.layout.ep_gpus_per_node() if ep > 1 else 0),
+            **traffic_metrics(peers_h.long().tolist(), mesh.layout.ep_gpus_per_node() if ep > 1 else 0),
             **ranks}
 
 
@@ -194,15 +192,15 @@ def exact_exchanges(stages: list[Stage], grow: bool = True) -> Iterator[None]:
     """Inside: every padded EP dispatcher of stages runs the exact path (the rerun of a step whose padded exchange
     overflowed, or the held-out evaluation, which has no rerun); after: padded again, with grow the bounds doubled
     for the steps after it (EPDispatcher.grow)."""
-    padded = [layer.dispatcher for stage in stages for layer in stage.moe_layers().values()
-              if getattr(layer.dispatcher, "exchange", "exact") == "padded"]
-    for dispatcher in padded:
+    padded = [(layer.dispatcher, layer.dispatcher.exchange) for stage in stages
+              for layer in stage.moe_layers().values() if getattr(layer.dispatcher, "exchange", "exact") != "exact"]
+    for dispatcher, _ in padded:
         dispatcher.exchange = "exact"
     try:
         yield
     finally:
-        for dispatcher in padded:
-            dispatcher.exchange = "padded"
+        for dispatcher, exchange in padded:
+            dispatcher.exchange = exchange
             if grow:
                 dispatcher.grow()
 
@@ -280,40 +278,39 @@ def rank_row(device: torch.device, idle: float) -> np.ndarray:
 
 
 
-def traffic_table(stages: list[Stage], mesh: Mesh) -> tuple[np.ndarray, np.ndarray]:
-    """This rank's EP traffic counters of the step (host numbers; Stage.reset_tallies restarts them): float64
+def traffic_table(stages: list[Stage], mesh: Mesh, device: torch.device) -> tuple[Tensor, Tensor]:
+    """This rank's EP traffic counters of the step (Stage.reset_tallies restarts them), on device, nothing read (a
+    device-split exchange counts its rows on the device: dispatch.traffic.TrafficMeter.tables): float64
     [call kind, (intra payload, inter payload, intra meta, inter meta)], and its row of the EP-peer byte matrix
     by position in the EP group ([ep, ep], summed over ranks in the stats all-reduce)."""
     ep = mesh.layout.ep
-    by_kind = np.zeros((len(TRAFFIC_KINDS), len(TRAFFIC_FIELDS)))
-    peers = np.zeros((ep, ep))
+    by_kind = torch.zeros(len(TRAFFIC_KINDS), len(TRAFFIC_FIELDS), dtype=torch.float64, device=device)
+    peers = torch.zeros(ep, ep, dtype=torch.float64, device=device)
     me = dist.get_rank(mesh.ep)
     for stage in stages:
         for layer in stage.moe_layers().values():
             meter = getattr(layer.dispatcher, "meter", None)
             if meter is None:
                 continue
-            for k, kind in enumerate(TRAFFIC_KINDS):
-                counts = meter.total.get(kind, Traffic())
-                by_kind[k] += [getattr(counts, f) for f in TRAFFIC_FIELDS]
-            for peer, nbytes in meter.sent_to.items():
-                peers[me, peer] += nbytes
+            kinds, sent = meter.tables(TRAFFIC_KINDS, ep, device)
+            by_kind += kinds
+            peers[me] += sent
     return by_kind, peers
 
 
 
-def gather_rank_rows(row: np.ndarray, device: torch.device, expert_rows: Tensor) -> dict:
-    """Every rank's row (traffic by kind, peak memory, idle share, and the rows its experts received per MoE layer,
-    expert_rows [layers] on the device) gathered to rank 0 (O(layers) bytes per other rank): there, the
-    "traffic_bytes" and "ranks" metrics sections; elsewhere nothing."""
-    mine = torch.cat([torch.tensor(row.tolist(), dtype=torch.float64, device=device), expert_rows])
+def gather_rank_rows(traffic: Tensor, row: np.ndarray, expert_rows: Tensor) -> dict:
+    """Every rank's row (traffic by kind, float64 on the device; peak memory and idle share, row; and the rows its
+    experts received per MoE layer, expert_rows [layers] on the device) gathered to rank 0 (O(layers) bytes per other
+    rank): there, the "traffic_bytes" and "ranks" metrics sections; elsewhere nothing."""
+    mine = torch.cat([traffic, torch.tensor(row.tolist(), dtype=torch.float64, device=traffic.device), expert_rows])
     lead = dist.get_rank() == 0
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())] if lead else None
     dist.gather(mine, rows, dst=0)
     if not lead:
         return {}
     table = to_host(torch.stack(rows))  # rank 0's copy of the gathered rows, on the rank-metrics steps only
-    table, received = table[:, :len(row)], table[:, len(row):]
+    table, received = table[:, :len(traffic) + len(row)], table[:, len(traffic) + len(row):]
     by_kind = table[:, :-2].view(len(table), len(TRAFFIC_KINDS), len(TRAFFIC_FIELDS))
     return {"traffic_bytes": {kind: by_kind[:, k].long().tolist() for k, kind in enumerate(TRAFFIC_KINDS)},
             **rank_metrics(table[:, -2].long().tolist(), table[:, -1].tolist(), received.numpy())}

@@ -23,11 +23,15 @@ TOKENS = (6, 0, 19, 11)  # rank 1 has no tokens of its own
 VARIANTS = [("flat", None), ("hierarchical", None), ("hierarchical", 1.0)]  # (backend, capacity_factor)
 # The padded exchange's variants (issue 48), beside the exact path: (backend, capacity factor, variant);
 # hierarchical on hop groups (2 nodes of 2 ranks), in one chunk or two; FP8 experts fed the FP8 payload's rows as they
-# came (float32), dropless and dropping
+# came (float32), dropless and dropping; the device-split exchange (dispatch.device_split: its gloo reference) flat, and
+# hierarchical in 2 chunks dropping
 PADDED = [("flat", None, ""), ("flat", 1.0, ""), ("hierarchical", None, ""), ("hierarchical", 1.0, ""),
-          ("hierarchical", None, "2 chunks"), ("flat", None, "fp8"), ("hierarchical", 1.0, "fp8")]
+          ("hierarchical", None, "2 chunks"), ("flat", None, "fp8"), ("hierarchical", 1.0, "fp8"),
+          ("flat", None, "device_split"), ("hierarchical", 1.0, "device_split 2 chunks")]
 VARIANT = {"": ({}, {}, torch.float64), "2 chunks": ({}, {"chunks": 2}, torch.float64),
-           "fp8": ({"expert_precision": "fp8"}, {"payload": "fp8", "fp8_rows": True}, torch.float32)}
+           "fp8": ({"expert_precision": "fp8"}, {"payload": "fp8", "fp8_rows": True}, torch.float32),
+           "device_split": ({}, {"exchange": "device_split"}, torch.float64),
+           "device_split 2 chunks": ({}, {"exchange": "device_split", "chunks": 2}, torch.float64)}
 # per variant: (ModelConfig keys, EPDispatcher options, dtype)
 FP8_PADDED_GAP = 1e-3  # relative to the largest value. Derived: the padded and the exact FP8 layer quantise the same
 # rows into the same e4m3 tiles; only the experts' fp32 GEMMs run over other row counts (the padding), whose sums the
@@ -76,8 +80,9 @@ def _padded(rank: int, world_size: int) -> dict:
         keys, options, dtype = VARIANT[variant]
         cfg = _config(backend, capacity, **keys)
         options = options | ({"hops": hops} if backend == "hierarchical" else {})
+        exchange = options.pop("exchange", "padded")
         _, exact = _layers(cfg, backend, dtype, **options)
-        _, padded = _layers(cfg, backend, dtype, exchange="padded", tokens=tokens, **options)
+        _, padded = _layers(cfg, backend, dtype, exchange=exchange, tokens=tokens, **options)
         x, grad_out = _tokens(rank, dtype)
         runs = {}
         for name, layer in (("exact", exact), ("padded", padded)):
@@ -98,7 +103,7 @@ def _padded(rank: int, world_size: int) -> dict:
                 out.sum().backward()
             sequences.append(recorder.calls)
         results[backend, capacity, variant, "sequences"] = sequences
-        _, tiny = _layers(cfg, backend, dtype, exchange="padded", tokens=tokens, headroom=0.05, **options)
+        _, tiny = _layers(cfg, backend, dtype, exchange=exchange, tokens=tokens, headroom=0.05, **options)
         with torch.no_grad():
             tiny.router.expert_bias[0] = 1e3  # every token's first choice: expert 0, on EP rank 0
         tiny(x)

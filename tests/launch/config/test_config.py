@@ -109,14 +109,38 @@ def test_redundant_experts_refuse_bad_input_naming_the_key(parallel, model, key)
         build_config({"model": {"num_experts": 8, **model}, "train": {"grad_accum_steps": 2}, "parallel": parallel})
 
 
-def test_cuda_graphs_over_ep_ranks_need_the_padded_exchange():
+@pytest.mark.parametrize("exchange", ["padded", "device_split"])
+def test_cuda_graphs_over_ep_ranks_need_the_padded_exchange(exchange):
     """Issue 48: train.cuda_graphs captures steps that read nothing to the host; over EP ranks the exact exchange
-    reads its sizes, so it is refused naming both keys; the padded exchange, or no EP, passes the config's checks."""
+    reads its sizes, so it is refused naming both keys and the allowed exchanges; the padded and the device-split
+    exchange, or no EP, pass the config's checks."""
     def raw(parallel: dict) -> dict:
         return {"model": {"num_experts": 8}, "train": {"grad_accum_steps": 2, "cuda_graphs": True},
                 "parallel": parallel}
     with pytest.raises(ValueError, match=r"train.cuda_graphs = true .* parallel.dispatch_exchange = 'exact' with "
-                                         r"parallel.ep = 2"):
+                                         r"parallel.ep = 2 .* allowed: parallel.dispatch_exchange = 'padded' or "
+                                         r"'device_split'"):
         build_config(raw({"dp": 2, "ep": 2}))
-    assert build_config(raw({"dp": 2, "ep": 2, "dispatch_exchange": "padded"})).train.cuda_graphs
+    assert build_config(raw({"dp": 2, "ep": 2, "dispatch_exchange": exchange})).train.cuda_graphs
     assert build_config(raw({"dp": 2})).train.cuda_graphs
+
+
+def test_dispatch_exchange_takes_device_split_and_names_the_allowed_values():
+    """parallel.dispatch_exchange = "device_split" is a layout like "padded" (hierarchical in chunks, any payload); an
+    unknown value is refused naming the key and every allowed value."""
+    parallel = {"dp": 2, "ep": 2, "dispatch_backend": "hierarchical", "gpus_per_node": 1, "dispatch_chunks": 2,
+                "dispatch_payload": "fp8", "dispatch_exchange": "device_split"}
+    raw = {"model": {"num_experts": 8}, "train": {"grad_accum_steps": 2}}
+    assert build_config({**raw, "parallel": parallel}).parallel.dispatch_exchange == "device_split"
+    with pytest.raises(ValueError, match=re.escape("parallel.dispatch_exchange = 'nvshmem' is not allowed; choose one "
+                                                   "of 'exact', 'padded', 'device_split'")):
+        build_config({**raw, "parallel": {**parallel, "dispatch_exchange": "nvshmem"}})
+
+
+@pytest.mark.parametrize("exchange", ["padded", "device_split"])
+def test_fixed_size_exchanges_refuse_a_hierarchical_dispatch_without_hop_groups(exchange):
+    """Equal blocks need groups of exactly each hop's peers: refused (before any collective) naming the exchange."""
+    from dispatch import EPDispatcher
+
+    with pytest.raises(ValueError, match=f"exchange = '{exchange}' sends equal blocks .* needs hops"):
+        EPDispatcher(8, gpus_per_node=1, backend="hierarchical", exchange=exchange)

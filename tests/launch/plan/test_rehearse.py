@@ -158,10 +158,12 @@ def test_redundant_experts_rehearse_with_their_weights_as_planned():
     assert spare.peak["activations"] == pytest.approx(spare.planned["activations"], rel=0.1)
 
 
-def test_padded_exchange_rehearses_its_padding_as_planned():
+@pytest.mark.parametrize("exchange", ["padded", "device_split"])
+def test_padded_exchange_rehearses_its_padding_as_planned(exchange):
     """parallel.dispatch_exchange = "padded" (issue 48) hands each rank's experts a fixed number of rows, headroom
     times the routed ones (dispatch.routes.padded_bounds), and moe-plan prices every per-row byte of the routed experts
     at those rows (ActivationModel.slot_rows): the tiny rehearsal's activations, its hops in 2 chunks, within 10% of
-    the plan, as the exact exchange's (measured 1.070; one chunk 1.068; exact 1.078; 1.538 unpriced)."""
-    padded = rehearse(load_config(TINY, ["parallel.dispatch_exchange=padded", "parallel.dispatch_chunks=2"]))
+    the plan, as the exact exchange's (measured 1.070; one chunk 1.068; exact 1.078; 1.538 unpriced). The device-split
+    exchange (its reference on meta, the counts on the device) rehearses alike (measured 1.071)."""
+    padded = rehearse(load_config(TINY, [f"parallel.dispatch_exchange={exchange}", "parallel.dispatch_chunks=2"]))
     assert padded.peak["activations"] == pytest.approx(padded.planned["activations"], rel=0.1)

@@ -196,16 +196,22 @@ def test_data_and_expert_parallel_graphed_steps_equal_eager_ones_bitwise(tmp_pat
     - dp2 x ep2 with the padded exchange (its all-to-alls captured, its byte counts redone at each replay:
       dispatch.traffic.deferred), 2 micro-batches a rank: headroom 1.0 overflows at step 0 only (steps 2 and 3
       replayed), 0.7 at steps 0 and 2: step 2 is captured and replayed, its overflow flag (set in place by the
-      replays) reruns it exactly and eagerly, and the graphs are dropped (step 3 warms up again)."""
+      replays) reruns it exactly and eagerly, and the graphs are dropped (step 3 warms up again);
+    - the same with the device-split exchange at headroom 1.0 (dispatch.device_split's reference: its counts
+      exchanged and its padding masked inside the graph, its rows counted from the device counts each replay left):
+      the padded run's overflows, graphed as eager."""
     from launch.parallel.spawn import run_processes
 
     padded = {"dp": 2, "ep": 2, "dispatch_exchange": "padded"}
     runs = {"dp": ({"dp": 2}, 2),
-            **{headroom: ({**padded, "dispatch_headroom": headroom}, 4) for headroom in (1.0, 0.7)}}
+            **{headroom: ({**padded, "dispatch_headroom": headroom}, 4) for headroom in (1.0, 0.7)},
+            "split": ({**padded, "dispatch_exchange": "device_split", "dispatch_headroom": 1.0}, 4)}
     raws = [tiny(tmp_path / f"{name}-{graphs}", parallel=parallel, graphs=graphs, rank_metrics_every=1,
                  grad_accum_steps=micro) for name, (parallel, micro) in runs.items() for graphs in (False, True)]
     done = run_processes(_spawned_runs, 2, raws, timeout_s=300)[0]
-    (dp, _, _), dp_graphed, (roomy, _, _), roomy_graphed, (tight, _, _), tight_graphed = done
+    (dp, _, _), dp_graphed, (roomy, _, _), roomy_graphed, (tight, _, _), tight_graphed, (split, _, _), split_graphed \
+        = done
     assert dp_graphed == (dp, 1, 2) and len(dp) == STEPS
     assert roomy_graphed == (roomy, 1, 4) and [r[2] for r in roomy] == [1, 1, 1, 1]
     assert tight_graphed == (tight, 1, 2) and [r[2] for r in tight] == [1, 1, 2, 2]
+    assert split_graphed == (split, 1, 4) and [r[2] for r in split] == [r[2] for r in roomy]

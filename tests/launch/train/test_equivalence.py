@@ -52,6 +52,7 @@ pytestmark = pytest.mark.slow  # spawns processes (tests/conftest.py)
 
 STEPS = 5
 CHUNKED_PADDED = "pp2 dp2 ep2 dualpipev hierarchical padded in 2 chunks"  # issue 48's named layout
+DEVICE_SPLIT = "dp2 ep2 hierarchical device_split in 2 chunks"
 # redundant experts (moe.replicas): a spare slot per EP rank, placed after steps 1 and 3 and used by steps 2 to 4
 REDUNDANT = {"redundant_experts": 1, "rebalance_every": 2}
 CUT = 3  # the resharding runs' cut
@@ -73,6 +74,10 @@ LAYOUTS = {
     # its hops pipelined in 2 chunks: the exact layout "pp2 dp2 ep2 dualpipev, EP across nodes", padded
     CHUNKED_PADDED: {"pp": 2, "dp": 2, "ep": 2, "schedule": "dualpipev", "dispatch_backend": "hierarchical",
                      "gpus_per_node": 1, "dispatch_exchange": "padded", "dispatch_chunks": 2},
+    # the device-split exchange (dispatch.device_split: its gloo reference), hierarchical in 2 chunks; headroom 0.5
+    # overflows the first steps' bounds (rerun exactly, bounds doubled)
+    DEVICE_SPLIT: {"dp": 2, "ep": 2, "dispatch_backend": "hierarchical", "gpus_per_node": 1,
+                   "dispatch_exchange": "device_split", "dispatch_chunks": 2, "dispatch_headroom": 0.5},
     "tp2 sp": {"tp": 2, "sequence_parallel": True},
     "dp2 tp2 ep2": {"dp": 2, "tp": 2, "ep": 2},
     "pp2 tp2 dualpipev sp": {"pp": 2, "tp": 2, "schedule": "dualpipev", "sequence_parallel": True},
@@ -334,8 +339,8 @@ def watch_mode(key: tuple) -> str | None:
 
 def sync_free(parallel: dict) -> bool:
     """Whether a layout's steps read nothing to the host in forward and backward (issue 48): no expert parallelism,
-    or its padded exchange (the exact one reads its exchange sizes)."""
-    return parallel.get("ep", 1) == 1 or parallel.get("dispatch_exchange") == "padded"
+    or its padded or device-split exchange (the exact one reads its exchange sizes)."""
+    return parallel.get("ep", 1) == 1 or parallel.get("dispatch_exchange") in ("padded", "device_split")
 
 
 @pytest.mark.timeout(SPAWN_S + 120)
@@ -362,13 +367,38 @@ def test_steps_read_nothing_in_forward_and_backward_and_copy_their_statistics_on
 def test_padded_exchange_equals_the_exact_one_and_reruns_overflowed_steps(routing, spawned):
     """The padded flat exchange trains as the exact one (float64, losses to 1e-12 relative): its first steps overflow
     the bounds of headroom 0.5 and rerun on the exact path (counted), its later ones run padded with grown bounds."""
-    _, padded, _ = spawned(("layout", "dp2 ep2 flat padded", routing))
-    _, exact, _ = spawned(("layout", "dp2 ep2 flat", routing))
+    check_padded_run("dp2 ep2 flat padded", "dp2 ep2 flat", routing, spawned)
+
+
+@pytest.mark.timeout(SPAWN_S + 120)
+@pytest.mark.parametrize("routing", list(ROUTING))
+def test_device_split_exchange_equals_the_exact_one_and_reruns_overflowed_steps(routing, spawned):
+    """The device-split exchange (its gloo reference: whole blocks moved, rows past the device counts padded),
+    hierarchical in 2 chunks, trains as the exact exchange in one chunk (float64, losses to 1e-12 relative): its first
+    steps overflow the bounds of headroom 0.5 and rerun on the exact path (counted), its later ones run split with grown
+    bounds, and its EP traffic (counted from the device counts) is the exact run's plus the counts it trades."""
+    split = check_padded_run(DEVICE_SPLIT, "dp2 ep2 hierarchical", routing, spawned)
+    _, exact, _ = spawned(("layout", "dp2 ep2 hierarchical", routing))
+    reruns = [0] + [r["dispatch_reruns"] for r in split]
+    compared = [i for i, got in enumerate(split)
+                if "traffic_bytes" in got and reruns[i + 1] == reruns[i]]  # per-rank steps run split, not rerun
+    for i in compared:
+        for kind, ranks in split[i]["traffic_bytes"].items():  # payload: the rows moved, as the exact exchange's
+            assert [r[:2] for r in ranks] == [r[:2] for r in exact[i]["traffic_bytes"][kind]], (i, kind)
+    assert compared, reruns
+
+
+def check_padded_run(layout: str, exact_layout: str, routing: str, spawned) -> list[dict]:
+    """layout's run (padded or device-split, overflowing at first) trains as exact_layout's: reruns counted on some
+    steps but not all, losses to 1e-12 relative. Returns layout's records."""
+    _, padded, _ = spawned(("layout", layout, routing))
+    _, exact, _ = spawned(("layout", exact_layout, routing))
     reruns = [r["dispatch_reruns"] for r in padded]
     assert 0 < reruns[-1] < STEPS and all(r["dispatch_reruns"] == 0 for r in exact), reruns
-    for got, want in zip(padded, exact):
+    for got, want in zip(padded, exact, strict=True):
         for key in ("loss", "lm_loss", "aux_loss"):
             assert got[key] == pytest.approx(want[key], rel=1e-12), (got["step"], key)
+    return padded
 
 
 @pytest.mark.timeout(SPAWN_S + 120)
