@@ -328,6 +328,27 @@ def graphs_check(device: torch.device, backend: Callable[[], GraphBackend], step
     return result
 
 
+def device_split_row(args: argparse.Namespace, row: Row) -> dict[str, Any]:
+    """Issue 48's GPU check of the device-split exchange at world size 1 (dispatch.device_split_check.gpu_check):
+    symmetric memory's all_to_all_vdev against the reference, and a flat dispatch + combine through it against the
+    exact exchange."""
+    from dispatch.device_split_check import gpu_check
+
+    return with_split_status(gpu_check(torch.device("cuda", torch.cuda.current_device())))
+
+
+def with_split_status(result: dict[str, Any]) -> dict[str, Any]:
+    """gpu_check's result with the row's status: not run (no NVSHMEM), error (an op failed), OUTPUT DIFFERS, or ok."""
+    if result.get("reason"):  # NVSHMEM (or CUDA) not available here
+        result["status"] = f"not run: {result['reason']}"
+    elif result.get("error"):
+        result["status"] = f"error: {result['error'][:300]}"
+    elif not result["ok"]:
+        result["status"] = (f"OUTPUT DIFFERS: exchange bitwise {result['exchange']['bitwise']}, layer max abs diff "
+                            f"{result['layer']['max_abs_diff']:.2e} (bound {result['layer']['bound']:.2e})")
+    return result
+
+
 def torchtitan_measure(overrides: list[str], device: torch.device) -> dict[str, Any]:
     """torchtitan's own Qwen3 MoE model at configs/gpu-1x.toml's shape (with overrides) on the trainer rows' tokens
     (launch.bench.peers.torchtitan_model: its model, a loop doing its train_step at world 1), the same steps."""
@@ -373,7 +394,7 @@ ROWS = [
     Row("kernels-check", 30, "the fast (Gluon) FP8 GEMMs' edge cases against the tl reference and float64 "
         "(kernels.gpu_check --quick); when it fails, the later rows run the reference kernels ($MOE_FP8_GEMM)",
         "the tl reference kernel", kernels_check_row, on_failure={GEMM_ENV: "reference"}),
-    Row("kernels", 110, f"FP8 grouped GEMM forward/dgrad/wgrad, KxN {KERNEL_SHAPES}, (groups, rows per group) "
+    Row("kernels", 105, f"FP8 grouped GEMM forward/dgrad/wgrad, KxN {KERNEL_SHAPES}, (groups, rows per group) "
         + ", ".join(f"{g} x {'/'.join(map(str, r))}" for g, r in KERNEL_CASES),
         "torch._grouped_mm bf16, torch._scaled_grouped_mm fp8 rowwise", kernels_row),
     Row("moe-layer", 30, "MoELayer forward+backward, hidden {hidden}, {experts} experts of {ffn}, top-{top_k}, "
@@ -390,6 +411,9 @@ ROWS = [
         "(replays under set_sync_debug_mode 'error'), deterministic algorithms", "the eager run", graphs_check_row([])),
     Row("graphs-check-wide", 20, f"configs/tiny-1proc.toml widened ({', '.join(WIDENED)}), as graphs-check",
         "the eager run", graphs_check_row(WIDENED)),
+    Row("device-split", 15, "parallel.dispatch_exchange = 'device_split' at world size 1: symmetric memory's "
+        "all_to_all_vdev (NVSHMEM) bitwise against the reference, a flat dispatch + combine through it against the "
+        "exact exchange", "the reference (padded exchange, rows past each count padded)", device_split_row),
     Row("trainer-torchtitan", TRAINER_BUDGET_S, "torchtitan's Qwen3 MoE model at configs/gpu-1x.toml's shape, its "
         "train_step at world 1 (fp32 params, bf16 autocast, fused AdamW), the trainer rows' tokens and steps",
         "the trainer-* rows", torchtitan_trainer_row, _peer_installed),

@@ -233,3 +233,14 @@ def test_the_trainer_rows_and_torchtitans_run_on_the_cpu_at_a_tiny_gpu_1x(monkey
     assert rows[0]["plan_step_ms"] > 0 and rows[0]["peak_memory_gib"] is None and rows[1]["plan_breakdown"]
     gpu.compare_trainers(rows)
     assert rows[0]["vs_peer"] == rows[0]["tokens_per_s"] / rows[2]["tokens_per_s"]
+
+
+def test_the_device_split_rows_status_says_what_the_check_found():
+    assert gpu.with_split_status({"ok": False, "reason": "NVSHMEM is not available"})["status"] == \
+        "not run: NVSHMEM is not available"
+    assert gpu.with_split_status({"ok": False, "error": "RuntimeError: boom"})["status"] == "error: RuntimeError: boom"
+    differs = {"ok": False, "exchange": {"bitwise": False}, "layer": {"max_abs_diff": 0.5, "bound": 1e-5}}
+    assert gpu.with_split_status(differs)["status"].startswith("OUTPUT DIFFERS: exchange bitwise False")
+    assert "status" not in gpu.with_split_status({"ok": True, "exchange": {"bitwise": True}})
+    from dispatch.device_split_check import gpu_check  # on this CPU machine: the reason, not an exception
+    assert gpu.with_split_status(gpu_check("cpu"))["status"].startswith("not run: needs a CUDA device")
