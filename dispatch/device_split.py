@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dispatch.channel import Channel
+from dispatch.layout import device_index
 from dispatch.pending import Pending
 
 COUNT_BYTES = 8  # one int64 per peer: the counts a forward exchange trades
@@ -178,7 +179,7 @@ class DeviceSplit:
         bound = rows.shape[0] // peers
         row_bytes = rows.element_size() * math.prod(rows.shape[1:])
         if self._others:
-            others = torch.tensor(self._others, device=sent.device)
+            others = device_index(tuple(self._others), sent.device)
             self.meter.add_rows(kind, part, sent.index_select(0, others), row_bytes,
                                 [self.peers[i] for i in self._others], self._inter, self.name)
             if received is None:

@@ -133,7 +133,8 @@ class EPDispatcher:
         self.codec = (FP8_WIRE_CODEC if fp8_rows else FP8_CODEC) if payload == "fp8" else None
         self._device: torch.device | None = None
         self.exchange, self.headroom, self.tokens = exchange, float(headroom), tokens
-        self._overflow: Tensor | None = None  # [] int64 on the device: 1 when a dispatch since take_overflow left rows out
+        # [] int64 on the device: 1 when a dispatch since take_overflow left rows out
+        self._overflow: Tensor | None = None
 
     def padded_bounds(self, tokens: int, top_k: int) -> tuple[list[int], int]:
         """dispatch.routes.padded_bounds of this rank's hops, headroom and chunks."""
@@ -216,7 +217,8 @@ class EPDispatcher:
                                                 self.rank, self.backend, rehearsal_rule.capacity_of(indices))
         if self.exchange != "exact":
             if self.tokens is not None and x.shape[0] > self.tokens:
-                raise ValueError(f"{x.shape[0]} tokens to dispatch, more than the padded bounds' tokens = {self.tokens}")
+                raise ValueError(f"{x.shape[0]} tokens to dispatch, more than the padded bounds' tokens = "
+                                 f"{self.tokens}")
             bounds, expert_rows = self.padded_bounds(self.tokens or x.shape[0], indices.shape[1])
             arrived, overflow = yield from padded_dispatch_steps(x, weights, indices, stages, self.channels,
                                                                  self.codec, route, bounds, self.chunks)

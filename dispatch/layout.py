@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,15 @@ def expert_owner(num_experts: int, world_size: int, device: torch.device | None 
     """[E] rank holding each expert: rank r holds the contiguous block of E/R experts starting at r*E/R."""
     per_rank = check_num_experts(num_experts, world_size)
     return torch.arange(num_experts, device=device) // per_rank
+
+
+@functools.cache
+def device_index(values: tuple[int, ...], device: torch.device) -> Tensor:
+    """int64 [len(values)] on device, made once per (values, device) and kept: a step's constant index (a hop's peer
+    ranks, say) uploaded at its first use, which precedes any CUDA graph capture (the warm-up runs eagerly), instead
+    of torch.tensor(values, device=...) on every call, which on a GPU copies from pageable memory and waits, and
+    inside a graph would capture a host buffer the replays no longer have. Callers must not write into it."""
+    return torch.tensor(values, dtype=torch.int64, device=device)
 
 
 def lookup(indices: Tensor, table: Tensor) -> Tensor:

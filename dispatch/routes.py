@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from dispatch.choices import check_choice
-from dispatch.layout import expert_owner, lookup, membership
+from dispatch.layout import device_index, expert_owner, lookup, membership
 from dispatch.segment import SegmentPlan, pass_sizes, segment_plan, static_plan
 from dispatch.topology import DispatchBackend, Topology
 
@@ -112,14 +112,15 @@ def plan_padded_sends(ids: Tensor, stage: HopRoute, world_size: int, bound: int,
     order (each peer's rows in row order, then padding), sized by the shape only, nothing read to the host. Returns
     (filled [peers * bound] bool: which sent rows carry a row, overflow: a 0-dim bool, true when some peer has more
     than bound rows, which are then not sent, the Hop)."""
-    peers = torch.tensor(stage.peers, device=ids.device)
+    peers = device_index(tuple(stage.peers), ids.device)
     member = destinations(ids, stage, world_size).index_select(1, peers)  # [n, peers]
     rows, width = member.shape
     position = member.long().cumsum(0) - 1  # [n, peers] each row's place among the rows going to that peer
     fits = member & (position < bound)
     cell = torch.where(fits, torch.arange(width, device=ids.device) * bound + position, width * bound)
     table = torch.full((width * bound + 1,), rows, dtype=torch.int64, device=ids.device)
-    table.index_put_((cell.reshape(-1),), torch.arange(rows, device=ids.device).unsqueeze(1).expand(rows, width).reshape(-1))
+    row_ids = torch.arange(rows, device=ids.device).unsqueeze(1).expand(rows, width).reshape(-1)
+    table.index_put_((cell.reshape(-1),), row_ids)
     send_row = table[:-1]  # the last cell takes every (row, rank) not sent (discarded)
     filled = send_row < rows
     back = static_plan(send_row, rows, max_copies)  # a row's copies come back in ascending rank, as segment_plan's

@@ -6,7 +6,10 @@ Two kinds of read stop a GPU's host behind its stream, and both are seen here:
   sees them: the detector wraps those methods while it is active.
 - dispatch-level ones: operators whose result the host must wait for: a scalar read (aten._local_scalar_dense),
   an output sized by the data (nonzero, masked_select, unique, bincount, repeat_interleave without output_size,
-  boolean-mask indexing), and copies from a non-CPU device to the CPU.
+  boolean-mask indexing), and copies from a non-CPU device to the CPU; and host data made into a tensor
+  (torch.tensor / torch.as_tensor of Python numbers or lists: aten.lift_fresh), which on a GPU is an upload that
+  synchronises (torch.tensor(data, device="cuda") copies from pageable memory and waits) and inside a CUDA graph
+  would capture a host buffer the replays no longer have: a step's constants live on the device, made once.
 Collectives taking their split sizes as Python lists (torch.distributed.all_to_all_single) count as a read too:
 on a GPU those sizes came from the device. Meta tensors hold no values and are never counted.
 
@@ -35,8 +38,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 PYTHON_READS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__")
 SYNC_OPS = {"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique", "aten._unique2",
-            "aten.unique_consecutive", "aten.unique_dim", "aten.bincount"}
+            "aten.unique_consecutive", "aten.unique_dim", "aten.bincount",
+            "aten.lift_fresh"}  # torch.tensor / as_tensor of host data: an upload (see the module doc)
 MASK_OPS = {"aten.index", "aten.index_put", "aten.index_put_"}  # with a boolean mask: a nonzero inside
+# uploads made once per value and device and cached (a step's constant indices): the first use uploads, no step after
+ONE_TIME_UPLOADS = {("dispatch/layout.py", "device_index")}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _HERE = os.path.abspath(__file__)
 
@@ -53,14 +59,21 @@ class Read:
     where: str  # "path:line in function" of the innermost project frame outside this file
 
 
-def _where() -> str:
-    """The innermost frame of the project (outside this file and outside torch) on the current stack (walked
-    without reading source lines: a watched step reads hundreds of times on the exact exchange)."""
+def _frame() -> tuple[str, int, str] | None:
+    """(path relative to the project, line, function) of the innermost frame of the project (outside this file and
+    outside torch) on the current stack (walked without reading source lines: a watched step reads hundreds of times
+    on the exact exchange)."""
     for frame, lineno in traceback.walk_stack(sys._getframe(1)):
         path = os.path.abspath(frame.f_code.co_filename)
         if path.startswith(ROOT) and path != _HERE:
-            return f"{os.path.relpath(path, ROOT)}:{lineno} in {frame.f_code.co_name}"
-    return "?"
+            return os.path.relpath(path, ROOT), lineno, frame.f_code.co_name
+    return None
+
+
+def _where() -> str:
+    """_frame() as "path:line in function"."""
+    found = _frame()
+    return "?" if found is None else f"{found[0]}:{found[1]} in {found[2]}"
 
 
 def _has_values(value: Any) -> bool:
@@ -121,6 +134,9 @@ class SyncDetector(TorchDispatchMode):
     def _is_read(name: str, args: tuple, kwargs: dict) -> bool:
         if not any(_has_values(a) for a in args):
             return False
+        if name == "aten.lift_fresh":  # host data made a tensor: an upload, unless a cached constant's one
+            found = _frame()
+            return found is None or (found[0], found[2]) not in ONE_TIME_UPLOADS
         if name in SYNC_OPS:
             return True
         if name.startswith("aten.repeat_interleave"):  # tensor repeats without output_size: sized by the data

@@ -12,17 +12,34 @@ from tests.syncs import PYTHON_READS, HostRead, SyncDetector
 
 
 def test_planted_python_level_reads_are_caught_once_each():
-    x = torch.arange(6.0)
+    x, three = torch.arange(6.0), torch.tensor(3)
     with SyncDetector() as detector:
         x.tolist()  # planted: a CPU .tolist() issues no operator
         x[2].item()  # planted: once, though it dispatches aten._local_scalar_dense too
         bool(x[1] > 0), int(x[3]), float(x[4])
         x.numpy()
-        range(torch.tensor(3))
+        range(three)
     kinds = [kind for kind, _ in detector.kinds()]
     assert kinds == ["Tensor.tolist", "Tensor.item", "Tensor.__bool__", "Tensor.__int__", "Tensor.__float__",
                      "Tensor.numpy", "Tensor.__index__"]
     assert all(where.startswith("tests/test_syncs.py:") for _, where in detector.kinds())
+
+
+def test_host_data_made_a_tensor_is_an_upload_but_a_cached_constant_only_once():
+    """torch.tensor / as_tensor of Python data in a step (on a GPU: a waiting copy from pageable memory, and a host
+    buffer a CUDA graph would capture) is caught; dispatch.layout.device_index's constant is made once and kept, its
+    making exempt (ONE_TIME_UPLOADS), and a later call makes nothing."""
+    from dispatch.layout import device_index
+
+    values = (7, 11, 13)  # a tuple no other test caches
+    with SyncDetector() as detector:
+        torch.tensor([1, 2])  # planted
+        torch.as_tensor([3.0])  # planted
+        first = device_index(values, torch.device("cpu"))
+    assert [kind for kind, _ in detector.kinds()] == ["aten.lift_fresh", "aten.lift_fresh"]
+    with SyncDetector(strict=True):  # nothing made: a HostRead would raise
+        again = device_index(values, torch.device("cpu"))
+    assert again is first and first.tolist() == list(values)
 
 
 def test_dispatch_level_reads_are_caught_and_static_shapes_are_not():
