@@ -20,6 +20,7 @@ from dispatch import rehearsal_rule
 from dispatch.pending import Pending
 from dispatch.topology import Topology
 from dispatch.traffic import TrafficMeter
+from dispatch.upload import upload
 
 Steps = Generator["Pending", None, Any]  # a computation that yields each exchange it leaves in flight
 
@@ -128,10 +129,7 @@ class Channel:
         if stray:
             raise RuntimeError(f"rows planned for ranks {stray} outside the {self.name} hop's peers {self.peers}")
         rows = [counts[p] for p in self.peers]
-        if device.type == "cuda":  # staged in pinned host memory: the copy queues on the stream, the host goes on
-            sent = torch.tensor(rows, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
-        else:
-            sent = torch.tensor(rows, dtype=torch.int64, device=device)
+        sent = upload(rows, torch.int64, device)  # on CUDA queued from pinned memory: the host goes on
         one_each = [int(p in self.peers) for p in range(self.topology.world_size)]
         pending = self.start_exchange(sent, one_each, one_each, kind, "meta")
 

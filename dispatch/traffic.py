@@ -10,6 +10,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dispatch.layout import device_index
+from dispatch.upload import upload
+
 _logs: list[list[tuple[TrafficMeter, str, tuple[Any, ...]]]] = []  # open deferred() logs, innermost last
 
 
@@ -138,15 +141,15 @@ class TrafficMeter:
         rank) on device, the host-counted bytes and the ones counted on the device added up there: nothing is read."""
         by_kind = [[getattr(self._total.get(kind, Traffic()), f) for f in FIELDS] for kind in kinds]
         sent = [self._sent_to.get(peer, 0) for peer in range(ep)]
-        by_kind = torch.tensor(by_kind, dtype=torch.float64, device=device).view(len(kinds), len(FIELDS))
-        sent = torch.tensor(sent, dtype=torch.float64, device=device)
+        host = upload([value for row in by_kind for value in row] + sent, torch.float64, device)  # one queued copy
+        by_kind, sent = host[:len(kinds) * len(FIELDS)].view(len(kinds), len(FIELDS)), host[len(kinds) * len(FIELDS):]
         for owed in self._owed:
             if not owed.in_total or owed.kind not in kinds:
                 continue
             nbytes = owed.rows.to(device=device, dtype=torch.float64) * owed.row_bytes
-            column = [FIELDS.index(f"{'inter' if inter else 'intra'}_{owed.part}") for inter in owed.inter]
-            by_kind[kinds.index(owed.kind)].index_add_(0, torch.tensor(column, device=device), nbytes)
-            sent.index_add_(0, torch.tensor(owed.peers, device=device), nbytes)
+            column = tuple(FIELDS.index(f"{'inter' if inter else 'intra'}_{owed.part}") for inter in owed.inter)
+            by_kind[kinds.index(owed.kind)].index_add_(0, device_index(column, device), nbytes)
+            sent.index_add_(0, device_index(tuple(owed.peers), device), nbytes)
         return by_kind, sent
 
     def clear(self) -> None:

@@ -158,7 +158,7 @@ class ReplayGraphs:
 
     def capture(self, work: Callable[[], Any]) -> tuple[ReplayGraph, Any]:
         recorder = _Recorder()
-        with SyncDetector(strict=True), recorder:
+        with SyncDetector(strict=True, capture=True), recorder:
             out = work()
         recorder.restore()
         self.captures += 1

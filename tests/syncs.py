@@ -17,7 +17,9 @@ On CUDA, SyncDetector also sets torch.cuda.set_sync_debug_mode("error") while ac
 synchronising CUDA call the wrappers cannot see raises as well.
 
 `with SyncDetector() as reads: ...` records every read (kind and the first project frame that made it) in
-reads.reads; SyncDetector(strict=True) raises HostRead at the first one, with the stack of the read.
+reads.reads; SyncDetector(strict=True) raises HostRead at the first one, with the stack of the read;
+SyncDetector(capture=True) (a CUDA graph's capture, tests/graph_replay.py) also counts every upload EXEMPT_UPLOADS
+otherwise lets pass.
 step_reads() watches a training run (launch.train.loop.train) step by step.
 """
 
@@ -41,8 +43,10 @@ SYNC_OPS = {"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "a
             "aten.unique_consecutive", "aten.unique_dim", "aten.bincount",
             "aten.lift_fresh"}  # torch.tensor / as_tensor of host data: an upload (see the module doc)
 MASK_OPS = {"aten.index", "aten.index_put", "aten.index_put_"}  # with a boolean mask: a nonzero inside
-# uploads made once per value and device and cached (a step's constant indices): the first use uploads, no step after
-ONE_TIME_UPLOADS = {("dispatch/layout.py", "device_index")}
+# host data made a tensor that is no wait on a GPU (outside a CUDA graph's capture, where every upload is refused):
+# a constant made once per value and device and cached (dispatch.layout.device_index: the first use uploads, no step
+# after), and values queued from pinned memory (dispatch.upload.upload)
+EXEMPT_UPLOADS = {("dispatch/layout.py", "device_index"), ("dispatch/upload.py", "upload")}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _HERE = os.path.abspath(__file__)
 
@@ -102,9 +106,9 @@ class SyncDetector(TorchDispatchMode):
         Dynamo out of it (a third of a watched step's time otherwise)."""
         return False
 
-    def __init__(self, strict: bool = False) -> None:
+    def __init__(self, strict: bool = False, capture: bool = False) -> None:
         super().__init__()
-        self.strict = strict
+        self.strict, self.capture = strict, capture
         self.reads: list[Read] = []
         self._inside = 0  # > 0 inside a wrapped Python-level read: its operators are that read, not another one
         self._saved: dict[str, Callable] = {}
@@ -126,17 +130,17 @@ class SyncDetector(TorchDispatchMode):
         name = _SUSPECTS.get(func, _UNSEEN)
         if name is _UNSEEN:  # first sight of this overload: is it ever a read?
             name = _SUSPECTS[func] = _suspect(func)
-        if name is not None and not self._inside and self._is_read(name, args, kwargs):
+        if name is not None and not self._inside and self._is_read(name, args, kwargs, self.capture):
             self.record(str(func.overloadpacket))
         return func(*args, **kwargs)
 
     @staticmethod
-    def _is_read(name: str, args: tuple, kwargs: dict) -> bool:
+    def _is_read(name: str, args: tuple, kwargs: dict, capture: bool) -> bool:
         if not any(_has_values(a) for a in args):
             return False
-        if name == "aten.lift_fresh":  # host data made a tensor: an upload, unless a cached constant's one
+        if name == "aten.lift_fresh":  # host data made a tensor: an upload, unless one of EXEMPT_UPLOADS
             found = _frame()
-            return found is None or (found[0], found[2]) not in ONE_TIME_UPLOADS
+            return capture or found is None or (found[0], found[2]) not in EXEMPT_UPLOADS
         if name in SYNC_OPS:
             return True
         if name.startswith("aten.repeat_interleave"):  # tensor repeats without output_size: sized by the data

@@ -28,8 +28,10 @@ def test_planted_python_level_reads_are_caught_once_each():
 def test_host_data_made_a_tensor_is_an_upload_but_a_cached_constant_only_once():
     """torch.tensor / as_tensor of Python data in a step (on a GPU: a waiting copy from pageable memory, and a host
     buffer a CUDA graph would capture) is caught; dispatch.layout.device_index's constant is made once and kept, its
-    making exempt (ONE_TIME_UPLOADS), and a later call makes nothing."""
+    making exempt (EXEMPT_UPLOADS), and a later call makes nothing; inside a capture (capture=True) every upload is
+    refused, dispatch.upload.upload's queued ones too."""
     from dispatch.layout import device_index
+    from dispatch.upload import upload
 
     values = (7, 11, 13)  # a tuple no other test caches
     with SyncDetector() as detector:
@@ -40,6 +42,13 @@ def test_host_data_made_a_tensor_is_an_upload_but_a_cached_constant_only_once():
     with SyncDetector(strict=True):  # nothing made: a HostRead would raise
         again = device_index(values, torch.device("cpu"))
     assert again is first and first.tolist() == list(values)
+    with SyncDetector(capture=True) as detector:
+        upload([1.0, 2.0], torch.float64, torch.device("cpu"))
+        device_index((17, 19), torch.device("cpu"))
+    assert [kind for kind, _ in detector.kinds()] == ["aten.lift_fresh", "aten.lift_fresh"]
+    with SyncDetector() as detector:
+        upload([1.0, 2.0], torch.float64, torch.device("cpu"))
+    assert detector.kinds() == []
 
 
 def test_dispatch_level_reads_are_caught_and_static_shapes_are_not():

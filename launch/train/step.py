@@ -164,7 +164,7 @@ def gather_step_stats(stages: list[Stage], cfg: RunConfig, mesh: Mesh, lm_part: 
             mtp += stage.mtp_tally
         stage.reset_tallies()  # and the EP traffic counters, read above
     parts = [lm_part.view(1), loads, biases, extra, mtp, overflow, received, peers,
-             torch.tensor([float(stop)], dtype=torch.float64, device=device)]
+             torch.full((1,), float(stop), dtype=torch.float64, device=device)]  # a fill: no upload
     flat = torch.cat([p.flatten() for p in parts])
     dist.all_reduce(flat)
     host = to_host(torch.cat([flat, grad_norm.detach().view(1).double()]))  # the step's one device-to-host copy
