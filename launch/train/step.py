@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dispatch.traffic import FIELDS
+from dispatch.upload import upload
 from dispatch.progress import ACTION, mark
 from launch.config.run import RunConfig
 from launch.data.feed import DataFeed, MicroBatch
@@ -303,7 +304,7 @@ def gather_rank_rows(traffic: Tensor, row: np.ndarray, expert_rows: Tensor) -> d
     """Every rank's row (traffic by kind, float64 on the device; peak memory and idle share, row; and the rows its
     experts received per MoE layer, expert_rows [layers] on the device) gathered to rank 0 (O(layers) bytes per other
     rank): there, the "traffic_bytes" and "ranks" metrics sections; elsewhere nothing."""
-    mine = torch.cat([traffic, torch.tensor(row.tolist(), dtype=torch.float64, device=traffic.device), expert_rows])
+    mine = torch.cat([traffic, upload(row.tolist(), torch.float64, traffic.device), expert_rows])
     lead = dist.get_rank() == 0
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())] if lead else None
     dist.gather(mine, rows, dst=0)
