@@ -148,20 +148,14 @@ def build(cfg: RunConfig, device: torch.device, seed: int) -> torch.nn.Module:
 
 
 def step_timer(device: torch.device) -> tuple[Callable[[], Any], Callable[[list[tuple[Any, Any]]], list[float]]]:
-    """(mark, seconds): mark() stamps a point of the step stream (a CUDA event recorded on the current stream; on
-    other devices time.perf_counter, the work being synchronous), seconds(pairs) the seconds between each (start,
-    end) pair, synchronising once at the end on CUDA."""
-    if device.type == "cuda":
-        def mark() -> torch.cuda.Event:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-
-        def seconds(pairs: list[tuple[Any, Any]]) -> list[float]:
+    """(mark, seconds): mark() waits for the device and reads time.perf_counter, so each step is timed as our
+    trainer times its steps (wall time to a step's end, where its one statistics copy waits for the device: the
+    same clock for both contenders); seconds(pairs) the seconds between each (start, end) pair."""
+    def mark() -> float:
+        if device.type == "cuda":
             torch.cuda.synchronize(device)
-            return [start.elapsed_time(end) / 1e3 for start, end in pairs]
-        return mark, seconds
-    return time.perf_counter, lambda pairs: [end - start for start, end in pairs]
+        return time.perf_counter()
+    return mark, lambda pairs: [end - start for start, end in pairs]
 
 
 def param_counts(model: torch.nn.Module, cfg: RunConfig) -> dict[str, Any]:
@@ -177,7 +171,8 @@ def train(model: torch.nn.Module, cfg: RunConfig, device: torch.device, warmup: 
     rows' tokens) and return the timed steps' figures: tokens/s and step time (medians), the steps' spread, MFU by our
     trainer's formula, peak memory (CUDA), the losses and both models' parameter counts. A step: for each micro-batch,
     forward under bf16 autocast and backward of its cross-entropy over the micro-batch count; grad-norm clip; AdamW
-    at cfg.train.lr (constant); zero_grad(set_to_none). Nothing reads back to the host until the last step.
+    at cfg.train.lr (constant); zero_grad(set_to_none). Each step ends waiting for the device (step_timer), as ours
+    does at its statistics copy.
     profiled: one more step after them under torch.profiler, its time by kind of work (launch.bench.breakdown)."""
     if warmup < 0 or timed < 1:
         raise ValueError(f"warmup = {warmup} must be >= 0 and timed = {timed} >= 1")
