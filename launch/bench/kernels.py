@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from kernels.backend import GEMM_ENV, fast_gemm_runs_on
+from kernels.backend import GEMM_ENV, fast_gemm_runs_on, use_fast_gemm
 from kernels.metrics import calc_diff
 from kernels.ops import run
 from kernels.quant_ref import FP8_DTYPE, FP8_MAX
@@ -272,7 +272,8 @@ def gpu_rows(args: argparse.Namespace, device: str = "cuda") -> list[dict]:
                                                       what=f"{op} at {_shape_text(shape)}", rotate=True).items()}
         for variant in variants:
             mine = timed.get(f"ours {variant}")
-            backend = {"fast": "gluon", "reference": "triton", None: "triton"}[variant]
+            chosen = variant or ("fast" if use_fast_gemm(x) else "reference")  # None: kernels.ops' choice
+            backend = {"fast": "gluon", "reference": "triton"}[chosen]
             for peer in PEERS:
                 theirs = timed.get(peer)
                 row = {"op": op, "shape": shape, "backend": backend, "calc_diff": diffs[variant],
